@@ -1,0 +1,112 @@
+"""Convert a Hugging Face folder or a GGUF file into a jaxserve model directory.
+
+Output layout: `config.json` (ModelConfig.to_hf_dict), `params/` (orbax checkpoint of the pytree
+in `checkpoints.layout`), tokenizer files, `jaxserve.json` (format version, source). The directory
+is assembled next to the destination and renamed into place at the end, so a failed conversion
+leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import ml_dtypes
+import numpy as np
+
+from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
+from checkpoints.gguf_source import GGUFSource
+from checkpoints.hf_source import HFSource
+from checkpoints.layout import ParamBuffers
+from jaxserve.config import ModelConfig
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float16": np.dtype(np.float16)}
+
+
+def open_source(path: str) -> HFSource | GGUFSource:
+    """The conversion source at `path`: a Hugging Face model folder or a `.gguf` file."""
+    if os.path.isdir(path):
+        return HFSource(path)
+    if not os.path.exists(path):
+        raise ConversionError(f"{path}: no such file or directory")
+    if path.endswith(".gguf"):
+        return GGUFSource(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from None
+    if magic == b"GGUF":
+        return GGUFSource(path)
+    raise ConversionError(f"{path}: neither a Hugging Face model folder nor a GGUF file")
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise ConversionError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = None,
+                       overwrite: bool = False) -> ModelConfig:
+    """Converts `source_path` into `output_dir`; returns the model's config.
+
+    `dtype` (float32, bfloat16, float16) defaults to float32 for GGUF sources and to the
+    embedding table's dtype for Hugging Face sources. Raises ConversionError on bad input.
+    """
+    output_dir = os.path.abspath(output_dir)
+    if os.path.exists(output_dir) and not overwrite:
+        raise ConversionError(f"{output_dir}: already exists")
+    target_dtype = None if dtype is None else dtype_from_name(dtype)
+    source = open_source(source_path)
+    target_dtype = target_dtype or source.default_dtype()
+    if target_dtype.name not in DTYPES:
+        raise ConversionError(f"{source_path}: source dtype {target_dtype.name} is not a supported float dtype")
+    parent = os.path.dirname(output_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+    except OSError as e:
+        raise ConversionError(f"{output_dir}: cannot create ({e.strerror or e})") from None
+    try:
+        has_tokenizer = source.save_tokenizer(staging)
+        _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR))
+        _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())
+        _write_json(os.path.join(staging, MARKER_FILE), {
+            "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
+            "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,
+        })
+        _move_into_place(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return source.config
+
+
+def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str) -> None:
+    import orbax.checkpoint as ocp
+
+    buffers = ParamBuffers(source.config, dtype, source_path)
+    for name, slot, layer, tensor, transpose in source.tensors():
+        buffers.put(slot, layer, tensor, name, transpose)
+    params = buffers.finish(source.describe_missing)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(params_dir, params)
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def _move_into_place(staging: str, output_dir: str) -> None:
+    if not os.path.exists(output_dir):
+        os.rename(staging, output_dir)
+        return
+    retired = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.old-", dir=os.path.dirname(output_dir))
+    os.rename(output_dir, os.path.join(retired, "model"))
+    os.rename(staging, output_dir)
+    shutil.rmtree(retired, ignore_errors=True)

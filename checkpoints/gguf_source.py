@@ -1,0 +1,194 @@
+"""A `.gguf` file (llama.cpp) as a conversion source: metadata -> ModelConfig, tensors dequantized.
+
+llama.cpp stores the rows of Q and K of `llama` models permuted (rotary pairs interleaved instead
+of split in halves); `_unpermute_rows` restores the Hugging Face order.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator
+
+import gguf
+import numpy as np
+
+from checkpoints import ConversionError
+from checkpoints.rope_freqs import llama3_scaling_from_factors
+from jaxserve.config import ConfigError, ModelConfig
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+# gguf name -> (pytree slot, stored as [out, in] so transposed)
+_GLOBAL_TABLE = {
+    "token_embd.weight": ("embed", False),
+    "output_norm.weight": ("final_norm", False),
+    "output.weight": ("lm_head", True),
+}
+_LAYER_TABLE = {
+    "attn_norm.weight": ("layers/attn_norm", False), "attn_q.weight": ("layers/wq", True),
+    "attn_k.weight": ("layers/wk", True), "attn_v.weight": ("layers/wv", True),
+    "attn_output.weight": ("layers/wo", True), "attn_q.bias": ("layers/bq", False),
+    "attn_k.bias": ("layers/bk", False), "attn_v.bias": ("layers/bv", False),
+    "ffn_norm.weight": ("layers/mlp_norm", False), "ffn_gate.weight": ("layers/w_gate", True),
+    "ffn_up.weight": ("layers/w_up", True), "ffn_down.weight": ("layers/w_down", True),
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K permutation on the leading (output) axis."""
+    half = rows.shape[0] // num_heads // 2
+    grouped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+class GGUFSource:
+    """Reads model metadata and tensors of one GGUF file (memory-mapped)."""
+
+    kind = "gguf"
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isfile(path):
+            raise ConversionError(f"{path}: no such file")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises assorted errors on truncated or foreign files
+            raise ConversionError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
+        self.tensors_by_name = {t.name: t for t in self.reader.tensors}
+        self.gguf_arch = self._field("general.architecture", required=True)
+        if self.gguf_arch not in ARCHITECTURES:
+            raise ConversionError(
+                f"{path}: unsupported architecture {self.gguf_arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
+        self.config = self._read_config()
+
+    def _field(self, key: str, required: bool = False, default=None):
+        field = self.reader.get_field(key)
+        if field is None:
+            if required:
+                raise ConversionError(f"{self.path}: missing metadata {key!r}")
+            return default
+        return field.contents()
+
+    def _read_config(self) -> ModelConfig:
+        arch = self.gguf_arch
+        hidden = int(self._field(f"{arch}.embedding_length", required=True))
+        num_heads = int(self._field(f"{arch}.attention.head_count", required=True))
+        num_kv_heads = self._field(f"{arch}.attention.head_count_kv", default=num_heads)
+        if isinstance(num_kv_heads, list):
+            if len(set(num_kv_heads)) != 1:
+                raise ConversionError(f"{self.path}: per-layer head_count_kv {num_kv_heads} is not supported")
+            num_kv_heads = num_kv_heads[0]
+        head_dim = int(self._field(f"{arch}.attention.key_length", default=hidden // num_heads))
+        rotary_dim = self._field(f"{arch}.rope.dimension_count", default=head_dim)
+        if rotary_dim != head_dim:
+            raise ConversionError(f"{self.path}: partial rotary (rope.dimension_count {rotary_dim} != "
+                                  f"head dim {head_dim}) is not supported")
+        scaling_type = self._field(f"{arch}.rope.scaling.type", default="none")
+        if scaling_type not in ("none", ""):
+            raise ConversionError(f"{self.path}: rope scaling type {scaling_type!r} is not supported")
+        rope_theta = float(self._field(f"{arch}.rope.freq_base", default=10000.0))
+        tokens = self.reader.get_field("tokenizer.ggml.tokens")
+        vocab_size = len(tokens.data) if tokens is not None else self._field(f"{arch}.vocab_size")
+        if vocab_size is None:
+            raise ConversionError(f"{self.path}: no tokenizer.ggml.tokens and no {arch}.vocab_size metadata")
+        eos_ids = []
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            value = self._field(f"tokenizer.ggml.{key}")
+            if value is not None and int(value) not in eos_ids:
+                eos_ids.append(int(value))
+        bos = self._field("tokenizer.ggml.bos_token_id")
+        hf_dict = {
+            "architectures": [self.architecture],
+            "vocab_size": int(vocab_size),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._field(f"{arch}.feed_forward_length", required=True)),
+            "num_hidden_layers": int(self._field(f"{arch}.block_count", required=True)),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(num_kv_heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self._field(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-5)),
+            "rope_theta": rope_theta,
+            "rope_scaling": self._rope_scaling(rope_theta, head_dim),
+            "max_position_embeddings": int(self._field(f"{arch}.context_length", default=2048)),
+            "tie_word_embeddings": "output.weight" not in self.tensors_by_name,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors_by_name,
+            "bos_token_id": None if bos is None else int(bos),
+            "eos_token_id": eos_ids,
+        }
+        try:
+            return ModelConfig.from_hf_dict(hf_dict)
+        except ConfigError as e:
+            raise ConversionError(f"{self.path}: {e}") from None
+
+    def _rope_scaling(self, rope_theta: float, head_dim: int) -> dict | None:
+        tensor = self.tensors_by_name.get(_ROPE_FREQS)
+        if tensor is None:
+            return None
+        factors = self._dequantize(tensor)
+        try:
+            return llama3_scaling_from_factors(factors, rope_theta, head_dim)
+        except ValueError as e:
+            raise ConversionError(f"{self.path}: tensor {_ROPE_FREQS!r}: {e}") from None
+
+    def default_dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def _dequantize(self, tensor) -> np.ndarray:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise ConversionError(
+                f"{self.path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; "
+                f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = [out, in]
+        expected = tuple(int(n) for n in reversed(tensor.shape))
+        if values.size != int(np.prod(expected)):
+            raise ConversionError(f"{self.path}: tensor {tensor.name!r} data does not match its shape {expected}")
+        return values.reshape(expected)
+
+    def tensors(self) -> Iterator[tuple[str, str, int | None, np.ndarray, bool]]:
+        """(gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order."""
+        for tensor in self.reader.tensors:
+            name = tensor.name
+            if name == _ROPE_FREQS:
+                continue
+            if name == "output.weight" and self.config.tie_word_embeddings:
+                continue
+            match = _LAYER_NAME.fullmatch(name)
+            if match and match.group(2) in _LAYER_TABLE:
+                layer, (slot, transpose) = int(match.group(1)), _LAYER_TABLE[match.group(2)]
+            elif name in _GLOBAL_TABLE:
+                layer, (slot, transpose) = None, _GLOBAL_TABLE[name]
+            else:
+                raise ConversionError(f"{self.path}: unexpected tensor {name!r}")
+            values = self._dequantize(tensor)
+            if self.permuted_qk and slot in ("layers/wq", "layers/bq", "layers/wk", "layers/bk"):
+                heads = self.config.num_q_heads if slot in ("layers/wq", "layers/bq") else self.config.num_kv_heads
+                if values.shape[0] % (2 * heads) == 0:  # otherwise the shape check reports it
+                    values = _unpermute_rows(values, heads)
+            yield name, slot, layer, values, transpose
+
+    def describe_missing(self, slot: str, layer: int | None) -> str:
+        for table, prefix in ((_GLOBAL_TABLE, ""), (_LAYER_TABLE, f"blk.{layer}.")):
+            for name, (candidate, _) in table.items():
+                if candidate == slot:
+                    return prefix + name
+        return slot
+
+    def save_tokenizer(self, output_dir: str) -> bool:
+        """Builds a Hugging Face tokenizer (chat template included) from the GGUF metadata."""
+        if self.reader.get_field("tokenizer.ggml.tokens") is None:
+            return False
+        from transformers import AutoTokenizer
+        folder, name = os.path.split(os.path.abspath(self.path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            tokenizer.save_pretrained(output_dir)
+        except Exception as e:  # transformers raises many types for unsupported tokenizers
+            raise ConversionError(f"{self.path}: cannot build the tokenizer from GGUF metadata ({e})") from None
+        return True

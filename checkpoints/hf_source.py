@@ -1,0 +1,146 @@
+"""A Hugging Face model folder (config.json + safetensors shards) as a conversion source."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Iterator
+
+import numpy as np
+
+from checkpoints import ConversionError
+from checkpoints.safetensors_file import SafetensorsFile
+from jaxserve.config import ConfigError, ModelConfig
+
+# checkpoint key -> (pytree slot, stored as [out, in] so transposed)
+_KEY_TABLE = [
+    (re.compile(r"model\.embed_tokens\.weight"), "embed", False),
+    (re.compile(r"model\.norm\.weight"), "final_norm", False),
+    (re.compile(r"lm_head\.weight"), "lm_head", True),
+    (re.compile(r"model\.layers\.(\d+)\.input_layernorm\.weight"), "layers/attn_norm", False),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight"), "layers/wq", True),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight"), "layers/wk", True),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight"), "layers/wv", True),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight"), "layers/wo", True),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias"), "layers/bq", False),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias"), "layers/bk", False),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias"), "layers/bv", False),
+    (re.compile(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight"), "layers/mlp_norm", False),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight"), "layers/w_gate", True),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.up_proj\.weight"), "layers/w_up", True),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.down_proj\.weight"), "layers/w_down", True),
+]
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+_SLOT_TO_KEY = {
+    "embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight",
+    "layers/attn_norm": "input_layernorm.weight", "layers/wq": "self_attn.q_proj.weight",
+    "layers/wk": "self_attn.k_proj.weight", "layers/wv": "self_attn.v_proj.weight",
+    "layers/wo": "self_attn.o_proj.weight", "layers/bq": "self_attn.q_proj.bias",
+    "layers/bk": "self_attn.k_proj.bias", "layers/bv": "self_attn.v_proj.bias",
+    "layers/mlp_norm": "post_attention_layernorm.weight", "layers/w_gate": "mlp.gate_proj.weight",
+    "layers/w_up": "mlp.up_proj.weight", "layers/w_down": "mlp.down_proj.weight",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
+class HFSource:
+    """Reads `config.json` and the safetensors shards (listed by the index when there is one)."""
+
+    kind = "hf"
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        config_path = os.path.join(folder, "config.json")
+        if not os.path.isfile(config_path):
+            raise ConversionError(f"{config_path}: no such file (not a Hugging Face model folder?)")
+        hf_config = _read_json(config_path)
+        generation_path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(generation_path):
+            hf_config = _merge_generation_eos(hf_config, _read_json(generation_path))
+        try:
+            self.config = ModelConfig.from_hf_dict(hf_config)
+        except ConfigError as e:
+            raise ConversionError(f"{config_path}: {e}") from None
+        self.files = [SafetensorsFile(p) for p in self._shard_paths()]
+        self._owner = {}
+        for file in self.files:
+            for name in file.names():
+                if name in self._owner:
+                    raise ConversionError(f"{file.path}: tensor {name!r} also appears in {self._owner[name].path}")
+                self._owner[name] = file
+
+    def _shard_paths(self) -> list[str]:
+        index_path = os.path.join(self.folder, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            weight_map = _read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{index_path}: no weight_map")
+            paths = [os.path.join(self.folder, n) for n in sorted(set(weight_map.values()))]
+            for path in paths:
+                if not os.path.isfile(path):
+                    raise ConversionError(f"{path}: no such file (listed in {index_path})")
+            return paths
+        paths = sorted(os.path.join(self.folder, n) for n in os.listdir(self.folder) if n.endswith(".safetensors"))
+        if not paths:
+            raise ConversionError(f"{self.folder}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        return paths
+
+    def default_dtype(self) -> np.dtype:
+        """The float dtype of the source's embedding table."""
+        name = _SLOT_TO_KEY["embed"]
+        if name not in self._owner:
+            raise ConversionError(f"{self.folder}: missing tensor {name!r}")
+        return self._owner[name].dtype(name)
+
+    def tensors(self) -> Iterator[tuple[str, str, int | None, np.ndarray, bool]]:
+        """(source name, slot, layer, tensor, transpose) for every weight, file by file."""
+        for file in self.files:
+            for name in file.names():
+                if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    continue
+                for pattern, slot, transpose in _KEY_TABLE:
+                    match = pattern.fullmatch(name)
+                    if match:
+                        layer = int(match.group(1)) if match.groups() else None
+                        yield name, slot, layer, file.read(name), transpose
+                        break
+                else:
+                    raise ConversionError(f"{file.path}: unexpected tensor {name!r}")
+
+    def describe_missing(self, slot: str, layer: int | None) -> str:
+        key = _SLOT_TO_KEY[slot]
+        return key if layer is None else f"model.layers.{layer}.{key}"
+
+    def save_tokenizer(self, output_dir: str) -> bool:
+        """Copies the tokenizer files; False when the folder has none."""
+        copied = False
+        for name in TOKENIZER_FILES:
+            path = os.path.join(self.folder, name)
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(output_dir, name))
+                copied = copied or name != "generation_config.json"
+        return copied
+
+
+def _merge_generation_eos(hf_config: dict, generation: dict) -> dict:
+    """Adds generation_config's eos ids (instruct models often list extra stop ids there)."""
+    def as_list(value):
+        return [] if value is None else (list(value) if isinstance(value, list) else [value])
+    eos = as_list(hf_config.get("eos_token_id"))
+    extra = [i for i in as_list(generation.get("eos_token_id")) if i not in eos]
+    return {**hf_config, "eos_token_id": eos + extra} if extra else hf_config

@@ -1,0 +1,97 @@
+"""The parameter pytree of a Llama-family model, and buffers that sources fill tensor by tensor.
+
+Weights are stored for `x @ W` (transposed from Hugging Face's `[out, in]`); per-layer weights are
+stacked on a leading layer axis:
+
+    embed [V, D]; final_norm [D]; lm_head [D, V] (only when embeddings are not tied)
+    layers: attn_norm [L, D], wq [L, D, Hq*hd], wk [L, D, Hkv*hd], wv [L, D, Hkv*hd],
+            wo [L, Hq*hd, D], bq/bk/bv [L, Hq*hd / Hkv*hd] (only with attention_bias),
+            mlp_norm [L, D], w_gate [L, D, F], w_up [L, D, F], w_down [L, F, D]
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from checkpoints import ConversionError
+from jaxserve.config import ModelConfig
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The pytree of parameter shapes (tuples) for `config`."""
+    d, f, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
+    q, kv = config.q_size, config.kv_size
+    layers = {
+        "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv), "wo": (n, q, d),
+        "mlp_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
+    }
+    if config.attention_bias:
+        layers.update(bq=(n, q), bk=(n, kv), bv=(n, kv))
+    shapes = {"embed": (v, d), "layers": layers, "final_norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+def _leaf_names(shapes: dict) -> list[str]:
+    names = [k for k in shapes if k != "layers"]
+    return names + [f"layers/{k}" for k in shapes["layers"]]
+
+
+class ParamBuffers:
+    """Preallocated parameter arrays in the output dtype, filled one source tensor at a time.
+
+    Every `put` checks the source tensor's shape; `finish` checks that every slot was filled once.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str):
+        self.config = config
+        self.source_file = source_file
+        shapes = param_shapes(config)
+        self.arrays = {k: np.empty(s, dtype) for k, s in shapes.items() if k != "layers"}
+        self.arrays["layers"] = {k: np.empty(s, dtype) for k, s in shapes["layers"].items()}
+        self._filled: dict[tuple[str, int | None], str] = {}
+
+    def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
+        """Shape of one slot: a whole leaf, or one layer of a stacked leaf (`name` like 'layers/wq')."""
+        if layer is None:
+            return self.arrays[name].shape
+        return self.arrays["layers"][name.split("/", 1)[1]].shape[1:]
+
+    def has_slot(self, name: str) -> bool:
+        if name.startswith("layers/"):
+            return name.split("/", 1)[1] in self.arrays["layers"]
+        return name in self.arrays
+
+    def put(self, name: str, layer: int | None, tensor: np.ndarray, source_name: str, transpose: bool) -> None:
+        """Store `tensor` (in the source's orientation) into slot `name` (of `layer`)."""
+        if not self.has_slot(name):
+            raise ConversionError(f"{self.source_file}: unexpected tensor {source_name!r} for this config")
+        if layer is not None and not 0 <= layer < self.config.num_layers:
+            raise ConversionError(
+                f"{self.source_file}: tensor {source_name!r} is for layer {layer}, but the model has "
+                f"{self.config.num_layers} layers")
+        key = (name, layer)
+        if key in self._filled:
+            raise ConversionError(
+                f"{self.source_file}: tensor {source_name!r} duplicates {self._filled[key]!r}")
+        slot = self.slot_shape(name, layer)
+        expected = tuple(reversed(slot)) if transpose else slot
+        if tuple(tensor.shape) != expected:
+            raise ConversionError(
+                f"{self.source_file}: tensor {source_name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        value = tensor.T if transpose else tensor
+        if layer is None:
+            self.arrays[name][...] = value
+        else:
+            self.arrays["layers"][name.split("/", 1)[1]][layer] = value
+        self._filled[key] = source_name
+
+    def finish(self, describe_missing) -> dict:
+        """The filled pytree; `describe_missing(name, layer)` names the absent source tensor."""
+        for name in _leaf_names(self.arrays):
+            layers = range(self.config.num_layers) if name.startswith("layers/") else [None]
+            for layer in layers:
+                if (name, layer) not in self._filled:
+                    raise ConversionError(
+                        f"{self.source_file}: missing tensor {describe_missing(name, layer)!r}")
+        return self.arrays

@@ -1,0 +1,54 @@
+"""`jaxserve` console entry point: absl-flag subcommands.
+
+Each subcommand lives in `jaxserve/commands/<name>.py` with `define_flags(fv)` and `run(fv) -> int`;
+it gets a FlagValues of its own, so subcommands never clash over flag names.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import flags
+
+SUBCOMMANDS = {
+    "convert": "convert a Hugging Face folder or a GGUF file into a jaxserve checkpoint",
+    "generate": "batch generation: JSONL prompts in, JSONL completions out",
+    "serve": "OpenAI-compatible HTTP server",
+    "plan": "memory planner: weights, KV cache pages and maximum concurrency",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxserve <command> [--flags]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "Run `jaxserve <command> --help` for the flags of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if len(argv) >= 2 else 2
+    name = argv[1]
+    if name not in SUBCOMMANDS:
+        print(f"jaxserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"jaxserve.commands.{name}")
+    fv = flags.FlagValues()
+    module.define_flags(fv)
+    flags.DEFINE_boolean("help", False, "show the flags of this command", flag_values=fv, short_name="h")
+    try:
+        fv([f"jaxserve {name}"] + argv[2:])
+    except flags.Error as e:
+        print(f"jaxserve {name}: {e}", file=sys.stderr)
+        return 2
+    if fv.help:
+        print(f"jaxserve {name}: {SUBCOMMANDS[name]}\n")
+        print(fv.get_help())
+        return 0
+    return int(module.run(fv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""`jaxserve serve`: the OpenAI-compatible HTTP server (see serve/app.py for the routes)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from absl import flags
+
+API_KEY_ENV = "JAXSERVE_API_KEY"
+ENGINE_INT_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "max_model_len",
+                    "max_waiting_requests")
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("model", "smollm2", "model to serve: a registry name or a checkpoint path", flag_values=fv)
+    flags.DEFINE_string("host", "127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)",
+                        flag_values=fv)
+    flags.DEFINE_integer("port", 8000, "TCP port", lower_bound=0, upper_bound=65535, flag_values=fv)
+    flags.DEFINE_string("api_key", None, f"require 'Authorization: Bearer <key>' on /v1 routes (default: "
+                        f"${API_KEY_ENV} when set)", flag_values=fv)
+    flags.DEFINE_integer("max_body_bytes", 8 * 1024 * 1024, "largest request body accepted (413 above)",
+                         lower_bound=1024, flag_values=fv)
+    flags.DEFINE_float("drain_timeout_s", 30.0, "on SIGTERM, how long in-flight requests may run on",
+                       lower_bound=0.0, flag_values=fv)
+    flags.DEFINE_integer("retry_after_s", 1, "Retry-After of a 429 when the waiting queue is full", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
+    helps = {
+        "max_waiting_requests": "bound of the waiting queue (429 beyond it)",
+        "max_num_seqs": "most sequences in one step",
+        "max_num_batched_tokens": "token budget of one step",
+        "page_size": "tokens per KV cache page",
+        "num_pages": "KV cache pages (default: from the memory planner)",
+        "max_model_len": "longest prompt + completion, in tokens",
+    }
+    for name in ENGINE_INT_FLAGS:
+        flags.DEFINE_integer(name, None, f"{helps[name]} (default: the engine's)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_boolean("enable_prefix_caching", None, "share KV pages of common prompt prefixes "
+                         "(default: the engine's)", flag_values=fv)
+    flags.DEFINE_string("dtype", None, "weights and KV cache dtype, e.g. bfloat16 (default: the engine's)",
+                        flag_values=fv)
+
+
+def engine_kwargs(fv: flags.FlagValues) -> dict:
+    """The engine flags the user set (the others keep the engine's defaults)."""
+    names = ENGINE_INT_FLAGS + ("enable_prefix_caching", "dtype")
+    return {name: fv[name].value for name in names if fv[name].value is not None}
+
+
+def run(fv: flags.FlagValues) -> int:
+    logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from serve.app import ServerConfig, create_app
+    from serve.server import serve_until_stopped
+
+    config = ServerConfig(
+        api_key=fv.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=fv.max_body_bytes,
+        drain_timeout_s=fv.drain_timeout_s,
+        retry_after_s=fv.retry_after_s,
+    )
+
+    async def serve() -> int:
+        from jaxserve.engine import build_async_engine
+
+        try:
+            engine = build_async_engine(fv.model, **engine_kwargs(fv))
+        except (ValueError, OSError) as e:
+            print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
+            return 2
+        try:
+            await serve_until_stopped(create_app(engine, config), fv.host, fv.port)
+        except OSError as e:
+            print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
+            return 1
+        return 0
+
+    try:
+        return asyncio.run(serve())
+    except KeyboardInterrupt:
+        return 0

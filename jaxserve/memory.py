@@ -1,0 +1,365 @@
+"""Memory planner: how many KV pages fit next to the weights, the activations and the runtime.
+
+Pure host code (no jax at import time). Every byte count is per device: with tensor parallelism
+the attention heads, the MLP columns and the vocabulary are split over `tensor_parallel_size`
+devices, norms are replicated, and KV heads are split (or replicated when there are fewer KV
+heads than devices).
+
+    usable      = device_memory_bytes * memory_utilization
+    kv_budget   = usable - weights_bytes - activation_bytes - runtime_reserve_bytes
+    num_pages   = kv_budget // kv_bytes_per_page          (page 0, the null page, included)
+    max_concurrent_seqs = (num_pages - 1) // ceil(max_model_len / page_size)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from jaxserve.config import ModelConfig
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+FLOAT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                 "fp8": "float8_e4m3fn"}
+
+# Softmax of the reference attention keeps two float32 arrays of the score shape alive at once:
+# the scores (output of the QK^T einsum) and the exponentiated weights fed to the PV einsum.
+ATTENTION_SCORE_COPIES = 2
+# Logits [max_num_seqs, vocab] in float32, plus one same-sized working copy in the sampler
+# (log-softmax / sort for top-k and top-p).
+LOGITS_COPIES = 2
+
+
+class MemoryPlanError(ValueError):
+    """The requested configuration does not fit in the memory budget (or makes no sense)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedFormat:
+    """Linear-layer weights stored in `bits` with one scale per `group_size` inputs."""
+    bits: int
+    group_size: int | None  # None: one scale per output channel (the group is the whole input)
+    scale_bytes: int = 2  # bfloat16 scales
+    compute_dtype: str = "bfloat16"  # activations, embeddings, lm_head, norms and biases
+
+
+QUANTIZED_FORMATS = {
+    "int8": QuantizedFormat(bits=8, group_size=None),
+    "int4": QuantizedFormat(bits=4, group_size=128),
+}
+WEIGHT_DTYPES = tuple(FLOAT_DTYPE_BYTES) + tuple(QUANTIZED_FORMATS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device memory plan; every *_bytes field is in bytes on one device."""
+    device_memory_bytes: int
+    memory_utilization: float
+    usable_bytes: int
+    weight_dtype: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    page_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_params: int  # whole model, all devices
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_page: int
+    activation_bytes: int
+    runtime_reserve_bytes: int
+    kv_cache_bytes: int  # num_pages * kv_bytes_per_page
+    num_pages: int  # null page included
+    pages_per_seq: int
+    max_concurrent_seqs: int  # sequences of max_model_len tokens that fit at once
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def normalize_dtype(name: str, allowed) -> str:
+    canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if canonical not in allowed:
+        raise MemoryPlanError(f"unknown dtype {name!r}; expected one of {', '.join(allowed)}")
+    return canonical
+
+
+def _compute_dtype(weight_dtype: str) -> str:
+    quantized = QUANTIZED_FORMATS.get(weight_dtype)
+    return quantized.compute_dtype if quantized else weight_dtype
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """'auto' follows the compute dtype of the weights (bfloat16 for quantized weights)."""
+    if kv_cache_dtype.lower() == "auto":
+        return _compute_dtype(normalize_dtype(weight_dtype, WEIGHT_DTYPES))
+    return normalize_dtype(kv_cache_dtype, tuple(KV_DTYPE_BYTES))
+
+
+def kv_heads_per_device(model: ModelConfig, tensor_parallel_size: int) -> int:
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise MemoryPlanError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if model.num_q_heads % tp:
+        raise MemoryPlanError(f"num_attention_heads ({model.num_q_heads}) is not divisible by "
+                              f"tensor_parallel_size ({tp})")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise MemoryPlanError(f"num_key_value_heads ({model.num_kv_heads}) and tensor_parallel_size "
+                              f"({tp}) must divide one another")
+    return max(1, model.num_kv_heads // tp)
+
+
+def _linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in_features, out_features) on one device of every linear layer in one decoder layer."""
+    d, hd = model.hidden_size, model.head_dim
+    q_local = model.num_q_heads // tp * hd
+    kv_local = kv_heads_per_device(model, tp) * hd
+    f_local = math.ceil(model.intermediate_size / tp)
+    column_parallel = [(d, q_local), (d, kv_local), (d, kv_local), (d, f_local), (d, f_local)]
+    row_parallel = [(q_local, d), (f_local, d)]  # o_proj, down_proj
+    return column_parallel + row_parallel
+
+
+def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int:
+    quantized = QUANTIZED_FORMATS.get(weight_dtype)
+    if quantized is None:
+        return in_features * out_features * FLOAT_DTYPE_BYTES[weight_dtype]
+    group = quantized.group_size or in_features
+    packed = math.ceil(in_features * out_features * quantized.bits / 8)
+    return packed + math.ceil(in_features / group) * out_features * quantized.scale_bytes
+
+
+def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
+    """Parameters held by one device, by kind: linear (decoder matrices) and the rest."""
+    tp = tensor_parallel_size
+    d = model.hidden_size
+    linear = model.num_layers * sum(i * o for i, o in _linear_shapes(model, tp))
+    vocab_local = math.ceil(model.vocab_size / tp)
+    embeddings = vocab_local * d * (1 if model.tie_word_embeddings else 2)
+    norms = (2 * model.num_layers + 1) * d
+    biases = 0
+    if model.attention_bias:
+        q_local = model.num_q_heads // tp * model.head_dim
+        biases = model.num_layers * (q_local + 2 * kv_heads_per_device(model, tp) * model.head_dim)
+    return {"linear": linear, "embeddings": embeddings, "norms": norms, "biases": biases}
+
+
+def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> int:
+    """Bytes of the parameters on one device, quantization scales included.
+
+    Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales);
+    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16).
+    """
+    weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
+    tp = tensor_parallel_size
+    counts = count_params(model, tp)
+    linear = model.num_layers * sum(_linear_bytes(i, o, weight_dtype) for i, o in _linear_shapes(model, tp))
+    rest = counts["embeddings"] + counts["norms"] + counts["biases"]
+    return linear + rest * FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str = "bfloat16",
+                       tensor_parallel_size: int = 1) -> int:
+    """K and V of one token over all layers on one device: 2 x layers x kv_heads x head_dim x bytes."""
+    kv_dtype = normalize_dtype(kv_cache_dtype, tuple(KV_DTYPE_BYTES))
+    kv_heads = kv_heads_per_device(model, tensor_parallel_size)
+    return 2 * model.num_layers * kv_heads * model.head_dim * KV_DTYPE_BYTES[kv_dtype]
+
+
+def activation_bytes(
+    model: ModelConfig,
+    *,
+    compute_dtype: str = "bfloat16",
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_context_len: int,
+    tensor_parallel_size: int = 1,
+    max_prefill_seqs: int = 1,
+) -> int:
+    """Peak live activations of the largest step bucket on one device.
+
+    The layers run under a scan, so only one layer's intermediates are alive at a time; the
+    attention, MLP and logits phases do not overlap. With T tokens per step, S sequences,
+    C = max_context_len (block-table width x page size), P prefill sequences, a = compute-dtype
+    bytes and per-device hq, hkv, f (heads, KV heads, intermediate size):
+
+        residual  = 2 T d a                              residual stream + normed copy
+        attention = T (hq + 2 hkv) hd a                  q, k, v
+                  + 2 * P hq T C * 4                     reference scores and softmax weights (f32)
+                  + 2 P C hkv hd * 4                     K and V gathered from the pages (f32)
+                  + 2 P T hq hd * 4                      padded queries and their output (f32)
+        mlp       = 3 T f a                              gate, up and silu(gate) * up
+        logits    = 2 S vocab * 4                        logits + the sampler's working copy
+        peak      = residual + max(attention, mlp, logits)
+
+    The prefill part of a step goes through the reference ragged attention, which pads the
+    queries per prefill sequence: its scores are [P, hq, T, C]. The decode part goes through
+    the paged-decode kernel, whose working set is small next to these terms.
+    """
+    tp = tensor_parallel_size
+    a = FLOAT_DTYPE_BYTES[normalize_dtype(compute_dtype, tuple(FLOAT_DTYPE_BYTES))]
+    tokens, seqs, context = max_num_batched_tokens, max_num_seqs, max_context_len
+    hd = model.head_dim
+    hq = model.num_q_heads // tp
+    hkv = kv_heads_per_device(model, tp)
+    f_local = math.ceil(model.intermediate_size / tp)
+    p = max_prefill_seqs
+    residual = 2 * tokens * model.hidden_size * a
+    attention = (tokens * (hq + 2 * hkv) * hd * a
+                 + ATTENTION_SCORE_COPIES * p * hq * tokens * context * 4
+                 + 2 * p * context * hkv * hd * 4
+                 + 2 * p * tokens * hq * hd * 4)
+    mlp = 3 * tokens * f_local * a
+    logits = LOGITS_COPIES * seqs * model.vocab_size * 4
+    return residual + max(attention, mlp, logits)
+
+
+def _require_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise MemoryPlanError(f"{name} must be positive, got {value}")
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def plan_memory(
+    model: ModelConfig,
+    *,
+    device_memory_bytes: int,
+    memory_utilization: float = 0.9,
+    weight_dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
+    page_size: int = 16,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    tensor_parallel_size: int = 1,
+    max_prefill_seqs: int = 1,
+    runtime_reserve_fraction: float = 0.05,
+    min_runtime_reserve_bytes: int = 256 * MiB,
+) -> MemoryPlan:
+    """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
+
+    Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
+    or when not even one sequence of max_model_len fits next to them.
+    """
+    max_model_len = model.max_position_embeddings if max_model_len is None else max_model_len
+    _require_positive(device_memory_bytes=device_memory_bytes, page_size=page_size,
+                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                      max_num_seqs=max_num_seqs, max_prefill_seqs=max_prefill_seqs)
+    if not 0 < memory_utilization <= 1:
+        raise MemoryPlanError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    if not 0 <= runtime_reserve_fraction < 1:
+        raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
+    weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
+    tp = tensor_parallel_size
+    kv_heads_per_device(model, tp)  # validates the head split
+
+    usable = int(device_memory_bytes * memory_utilization)
+    reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
+    weights = weights_bytes(model, weight_dtype, tp)
+    if weights > usable - reserve:
+        raise MemoryPlanError(
+            f"the weights do not fit: they need {format_bytes(weights)} per device, but only "
+            f"{format_bytes(max(usable - reserve, 0))} is available ({format_bytes(device_memory_bytes)}"
+            f" x {memory_utilization} minus a {format_bytes(reserve)} runtime reserve); use a smaller "
+            f"weight dtype, more tensor-parallel devices or a larger memory budget")
+
+    pages_per_seq = math.ceil(max_model_len / page_size)
+    activations = activation_bytes(
+        model, compute_dtype=_compute_dtype(weight_dtype), max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, max_context_len=pages_per_seq * page_size,
+        tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs)
+    per_token = kv_bytes_per_token(model, kv_dtype, tp)
+    per_page = per_token * page_size
+    kv_budget = usable - weights - activations - reserve
+    num_pages = max(kv_budget, 0) // per_page
+    if num_pages < 1 + pages_per_seq:
+        raise MemoryPlanError(
+            f"no room for the KV cache of one sequence of {max_model_len} tokens: it needs "
+            f"{format_bytes((1 + pages_per_seq) * per_page)}, but after the weights "
+            f"({format_bytes(weights)}), the activations ({format_bytes(activations)}) and the runtime "
+            f"reserve ({format_bytes(reserve)}) only {format_bytes(max(kv_budget, 0))} is left; lower "
+            f"max_model_len, max_num_batched_tokens or max_num_seqs, or give more memory")
+    return MemoryPlan(
+        device_memory_bytes=int(device_memory_bytes), memory_utilization=float(memory_utilization),
+        usable_bytes=usable, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+        tensor_parallel_size=tp, page_size=page_size, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        num_params=sum(count_params(model, 1).values()), weights_bytes=weights,
+        kv_bytes_per_token=per_token, kv_bytes_per_page=per_page, activation_bytes=activations,
+        runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
+        pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # missing file, or "max" (no cgroup limit)
+
+
+def _available_host_bytes() -> int:
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            available = min(available, max(limit - usage, 0))
+    return available
+
+
+def host_memory_budget_bytes(fraction: float = 0.5) -> int:
+    """A fraction of the host RAM available now (MemAvailable, capped by a cgroup limit).
+
+    The budget for the page pool on CPU. Call it before the weights are loaded: the planner
+    subtracts the weights itself.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return int(_available_host_bytes() * fraction)
+
+
+def device_memory_budget_bytes(device=None) -> int:
+    """The bytes the XLA allocator may hand out on `device` (default: the first jax device).
+
+    This is `memory_stats()['bytes_limit']` (which already reflects XLA's preallocation
+    fraction), not the memory free now. Devices without memory stats (CPU) fall back to
+    host_memory_budget_bytes().
+    """
+    import jax  # deferred: the rest of this module stays importable without jax
+
+    device = jax.devices()[0] if device is None else device
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        return host_memory_budget_bytes()
+    raise ValueError(f"cannot read the memory size of {device}; pass the budget explicitly")

@@ -1,0 +1,241 @@
+"""Continuous-batching scheduler: one token budget per step, no separate prefill/decode phases.
+
+Each request only tracks `num_computed_tokens` against `num_tokens`. A step first gives every
+running request in decode state its one token, then spends the remaining budget on prefill chunks
+(running requests mid-prefill first, then waiting requests FCFS). When the KV pages run out, the
+most recently admitted request not yet scheduled in this step is preempted: its pages are freed
+and it is recomputed later from its prompt and the output it already has.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class StepPlan:
+    decode: list[Request] = dataclasses.field(default_factory=list)  # one token each: the last one
+    prefill: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, num_new_tokens)
+    preempted: list[Request] = dataclasses.field(default_factory=list)  # pages freed during this schedule()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode) + len(self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_num_prefill_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_prefill_seqs", max_num_prefill_seqs), ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
+                "so that every running sequence can decode in each step")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_prefill_seqs = max_num_prefill_seqs
+        self.max_model_len = max_model_len
+        # A sequence longer than the whole pool could never be computed.
+        self.max_seq_len = min(max_model_len, allocator.num_total_pages * allocator.page_size)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order, oldest first
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management ---------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request; ValueError if it is invalid or its prompt can never be served."""
+        request.params.validate()
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if request.num_prompt_tokens >= self.max_seq_len:
+            limit = (f"max_model_len {self.max_model_len}" if self.max_seq_len == self.max_model_len else
+                     f"the KV cache capacity of {self.max_seq_len} tokens")
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, which leaves no room to generate: "
+                f"it must be shorter than {limit}")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finishes an unfinished request as aborted (pages freed now); None if unknown or done."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request and frees its pages. On an already finished request only the status
+        changes (e.g. a stop string found on the token that also hit the length limit)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if request.status.is_finished:
+            request.status = status
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.allocator.free_request(request)
+        request.status = status
+        request.finish_time = time.monotonic()
+        self._requests.pop(request.request_id, None)
+
+    def check_length(self, request: Request) -> bool:
+        """Finishes the request with FINISHED_LENGTH if it may not or cannot grow any more."""
+        if request.status.is_finished:
+            return request.status == RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_seq_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        for request in [r for r in self.running if self._is_decoding(r)]:
+            if budget < 1 or request.status != RequestStatus.RUNNING:
+                continue
+            if self._reserve_pages(request, 1, scheduled, plan):
+                plan.decode.append(request)
+                scheduled.add(request.request_id)
+                budget -= 1
+
+        for request in [r for r in self.running if not self._is_decoding(r)]:
+            if budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._reserve_pages(request, num_new, scheduled, plan):
+                plan.prefill.append((request, num_new))
+                scheduled.add(request.request_id)
+                budget -= num_new
+
+        if not plan.preempted:
+            budget = self._admit_waiting(plan, budget)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        allocator = self.allocator
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(plan.prefill) < self.max_num_prefill_seqs):
+            request = self.waiting[0]
+            # The last token is always recomputed (its logits are needed), so match before it.
+            prefix_tokens = request.all_token_ids[:-1]
+            cached_pages = allocator.find_cached_prefix(prefix_tokens)
+            num_computed = len(cached_pages) * allocator.page_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
+            if num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
+                break
+            self.waiting.popleft()
+            request.page_ids = allocator.match_prefix(prefix_tokens) + allocator.allocate(num_needed)
+            request.page_hashes = []
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.prefill.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _is_decoding(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens == 1
+
+    def _reserve_pages(self, request: Request, num_new: int, scheduled: set[str], plan: StepPlan) -> bool:
+        """Grows `request.page_ids` to hold `num_new` more tokens, preempting the most recently
+        admitted unscheduled requests while pages are short. False if `request` itself was
+        preempted."""
+        allocator = self.allocator
+        num_needed = allocator.num_pages_for_tokens(request.num_computed_tokens + num_new) - len(request.page_ids)
+        while not allocator.can_allocate(num_needed):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        if num_needed > 0:
+            request.page_ids.extend(allocator.allocate(num_needed))
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self.allocator.free_request(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+        self.num_preemptions += 1
+
+    def update(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
+        """Applies the results of the step that ran `plan`.
+
+        `sampled_token_ids` holds one id per decode request, then one per prefill entry. Returns
+        the requests that got a new output token (a prefill chunk only when it reached the end of
+        the sequence). Requests that hit max_tokens or the length limit come back already finished
+        with FINISHED_LENGTH; the engine runs its stop checks on all of them and calls `finish`.
+        Requests finished (aborted) while the step ran are skipped.
+        """
+        if len(sampled_token_ids) != plan.num_seqs:
+            raise ValueError(f"expected {plan.num_seqs} sampled ids, got {len(sampled_token_ids)}")
+        computed = [(request, 1) for request in plan.decode] + plan.prefill
+        appended: list[Request] = []
+        now = time.monotonic()
+        for (request, num_new), token_id in zip(computed, sampled_token_ids):
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_new
+            self.allocator.register_full_pages(request)
+            if request.num_computed_tokens == request.num_tokens:
+                request.output_token_ids.append(int(token_id))
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                appended.append(request)
+        for request in appended:
+            self.check_length(request)
+        return appended

@@ -1,0 +1,180 @@
+"""Pallas paged decode attention: one query token per sequence against that sequence's pages.
+
+Grid (num_seqs, num_kv_heads, num_splits). A program owns one KV head of one sequence and one
+contiguous slice of its context: it loads every page of that slice once, for all the query
+heads that share the KV head (the group, padded to the 16 rows a tensor-core dot needs), and
+keeps an online softmax in float32. Programs past a sequence's length do no work. The partial
+results of the splits are merged with their log-sum-exp weights in the wrapper.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxserve import compat
+
+MASK_VALUE = -1e30
+MIN_DOT_ROWS = 16  # smallest M of a tensor-core dot in the Triton lowering
+KEYS_PER_BLOCK = 64  # keys (pages_per_block * page_size) per inner step
+TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 several times over
+MIN_BLOCKS_PER_SPLIT = 2
+
+
+def next_power_of_2(value: int) -> int:
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def online_softmax_step(q, k, v, valid, key_valid, carry, scale):
+    """One block of keys of an online softmax.
+
+    q: [rows, d]; k, v: [keys, d]; valid: [rows, keys]; key_valid: [keys]
+    carry: (acc [rows, d] f32, row_max [rows] f32, row_sum [rows] f32).
+    """
+    acc, row_max, row_sum = carry
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # [rows, keys]
+    scores = jnp.where(valid, scores * scale, MASK_VALUE)
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+    correction = jnp.exp(row_max - new_max)
+    weights = jnp.where(valid, jnp.exp(scores - new_max[:, None]), 0.0)
+    v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))  # garbage (even NaN) past the end
+    update = jax.lax.dot_general(
+        weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )  # [rows, d]
+    acc = acc * correction[:, None] + update
+    row_sum = row_sum * correction + jnp.sum(weights, axis=1)
+    return acc, new_max, row_sum
+
+
+def load_pages(pages_ref, page_ids, keys_per_block):
+    """Gathers pages of one KV head: [pages_per_block] ids -> [keys_per_block, head_dim]."""
+    block = pages_ref[page_ids]  # [pages_per_block, page_size, head_dim]
+    return block.reshape(keys_per_block, block.shape[-1])
+
+
+def _decode_kernel(
+    q_ref, k_pages_ref, v_pages_ref, block_table_ref, seq_lens_ref,  # inputs
+    acc_ref, max_ref, sum_ref,  # outputs
+    *, scale, pages_per_block, page_size, blocks_per_split,
+):
+    # q_ref: [group_pad, d]; k/v_pages_ref: [num_pages, page_size, d] (one KV head);
+    # block_table_ref: [pages_per_split]; seq_lens_ref: [1].
+    split = pl.program_id(2)
+    keys_per_block = pages_per_block * page_size
+    seq_len = seq_lens_ref[0]
+    split_start = split * (blocks_per_split * keys_per_block)
+    keys_here = jnp.clip(seq_len - split_start, 0, blocks_per_split * keys_per_block)
+    num_blocks = (keys_here + keys_per_block - 1) // keys_per_block
+    q = q_ref[...]
+    rows, head_dim = q.shape
+
+    def body(block, carry):
+        page_ids = block_table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        k = load_pages(k_pages_ref, page_ids, keys_per_block)
+        v = load_pages(v_pages_ref, page_ids, keys_per_block)
+        key_pos = split_start + block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
+        key_valid = key_pos < seq_len  # [keys]
+        valid = jnp.broadcast_to(key_valid[None, :], (rows, keys_per_block))
+        return online_softmax_step(q, k, v, valid, key_valid, carry, scale)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc_ref[...] = acc
+    max_ref[...] = row_max
+    sum_ref[...] = row_sum
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
+    """Context splits per sequence so that the grid fills the GPU even at small batch."""
+    wanted = cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT)))
+
+
+def merge_splits(acc, row_max, row_sum):
+    """Log-sum-exp merge over axis 2 (splits): [s, kv, splits, g, d] -> [s, kv, g, d] f32."""
+    global_max = jnp.max(row_max, axis=2, keepdims=True)
+    weight = jnp.exp(row_max - global_max)  # [s, kv, splits, g]
+    numerator = jnp.sum(weight[..., None] * acc, axis=2)
+    denominator = jnp.sum(weight * row_sum, axis=2)[..., None]
+    safe = jnp.where(denominator > 0, denominator, 1.0)
+    return jnp.where(denominator > 0, numerator / safe, 0.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "num_splits", "pages_per_block", "num_warps")
+)
+def paged_decode_attention(
+    q, k_pages, v_pages, block_table, seq_lens, *,
+    scale=None, interpret=False, num_splits=None, pages_per_block=None, num_warps=4,
+):
+    """Paged attention of one query token per sequence (its last token, K/V already written).
+
+    q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size,
+    num_kv_heads, head_dim]; block_table: int32[num_seqs, max_pages_per_seq];
+    seq_lens: int32[num_seqs], 0 marks a padding row (zeros out).
+    Returns [num_seqs, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    if group * num_kv_heads != num_q_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    group_pad = max(MIN_DOT_ROWS, next_power_of_2(group))
+    pages_per_block = pages_per_block or max(1, KEYS_PER_BLOCK // page_size)
+    num_blocks = cdiv(block_table.shape[1], pages_per_block)
+    num_splits = min(num_splits or choose_num_splits(num_seqs, num_kv_heads, num_blocks), num_blocks)
+    blocks_per_split = cdiv(num_blocks, num_splits)
+    pages_per_split = blocks_per_split * pages_per_block
+    padded_pages = num_splits * pages_per_split
+    block_table = jnp.pad(block_table, ((0, 0), (0, padded_pages - block_table.shape[1])))
+
+    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    squeezed = compat.squeezed_block_dim()
+    page_spec = pl.BlockSpec((num_pages, page_size, squeezed, head_dim), lambda s, h, p: (0, 0, h, 0))
+    partial_shape = (num_seqs, num_kv_heads, num_splits, group_pad)
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, pages_per_block=pages_per_block,
+        page_size=page_size, blocks_per_split=blocks_per_split,
+    )
+    with compat.quiet_pallas_deprecations():
+        acc, row_max, row_sum = pl.pallas_call(
+            kernel,
+            grid=(num_seqs, num_kv_heads, num_splits),
+            in_specs=[
+                pl.BlockSpec((squeezed, squeezed, group_pad, head_dim), lambda s, h, p: (s, h, 0, 0)),
+                page_spec,
+                page_spec,
+                pl.BlockSpec((squeezed, pages_per_split), lambda s, h, p: (s, p)),
+                pl.BlockSpec((1,), lambda s, h, p: (s,)),
+            ],
+            out_specs=[
+                pl.BlockSpec((squeezed,) * 3 + (group_pad, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
+                pl.BlockSpec((squeezed,) * 3 + (group_pad,), lambda s, h, p: (s, h, p, 0)),
+                pl.BlockSpec((squeezed,) * 3 + (group_pad,), lambda s, h, p: (s, h, p, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+                jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+                jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            ],
+            compiler_params=None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2),
+            interpret=interpret,
+            name="paged_decode_attention",
+        )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    out = merge_splits(acc[:, :, :, :group], row_max[:, :, :, :group], row_sum[:, :, :, :group])
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

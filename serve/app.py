@@ -1,0 +1,285 @@
+"""The aiohttp application: OpenAI-compatible routes, SSE streaming, /health, /metrics.
+
+Every refusal is an OpenAI-style JSON error body; anything unexpected becomes a logged 500 with a
+generic message. A client that disconnects cancels its handler, which aborts its engine requests.
+On shutdown the server stops accepting, lets in-flight requests finish for `drain_timeout_s`,
+then ends the rest with an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.outputs import QueueFullError
+from serve.fanout import ChoiceFanout, ServerStopping
+from serve.metrics import ServerMetrics
+from serve.protocol import (ProtocolError, build_sampling_params, error_body, parse_chat_request,
+                            parse_completion_request, prompt_token_ids)
+from serve.responses import SSE_DONE, ChoiceState, ResponseShaper, sse_event
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+_SEED_LIMIT = 2**63
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    drain_timeout_s: float = 30.0  # how long in-flight requests may run on after a shutdown signal
+    retry_after_s: int = 1  # the Retry-After of a 429 (engine queue full)
+    manage_engine: bool = True  # start the engine with the app and shut it down with it
+
+
+class ServerState:
+    def __init__(self, engine: Any, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine.stats)
+        self.active: set[ChoiceFanout] = set()
+        self.draining = False
+        self.created = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=65536)(lambda token_id: engine.tokenizer.decode([token_id]))
+
+
+STATE = web.AppKey("jaxserve_state", ServerState)
+
+
+def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
+    """The app serving `engine` (see jaxserve.engine.AsyncEngine for the interface it needs)."""
+    config = config or ServerConfig()
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
+    app[STATE] = ServerState(engine, config)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat_completions)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_drain)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def _json_error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _from_http_exception(request: web.Request, e: web.HTTPException) -> web.Response:
+    messages = {
+        404: f"no route for {request.method} {request.path}",
+        405: f"method {request.method} is not allowed on {request.path}",
+        413: f"the request body is larger than {request.app[STATE].config.max_body_bytes} bytes",
+    }
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+    body = error_body(messages.get(e.status, e.reason), "invalid_request_error", code=codes.get(e.status))
+    return _json_error(e.status, body, headers)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except ProtocolError as e:
+        response = _json_error(e.status, e.body(), e.headers)
+    except web.HTTPException as e:
+        response = _from_http_exception(request, e)
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        response = _json_error(500, error_body("internal server error", "server_error", code="internal_error"))
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[STATE].metrics.http_requests.labels(route=route, status=str(response.status)).inc()
+    return response
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    api_key = request.app[STATE].config.api_key
+    if api_key and request.path not in OPEN_PATHS:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                                code="invalid_api_key")
+    return await handler(request)
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = {"id": state.engine.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+             "max_model_len": state.engine.max_model_len}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+def engine_is_alive(engine: Any) -> bool:
+    """`engine.is_alive()` when the engine has it; otherwise whether `engine.stats()` answers."""
+    try:
+        is_alive = getattr(engine, "is_alive", None)
+        if callable(is_alive):
+            return bool(is_alive())
+        engine.stats()
+        return True
+    except Exception:
+        logger.exception("health check failed")
+        return False
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "shutting down"}, status=503)
+    if not engine_is_alive(state.engine):
+        return web.json_response({"status": "engine not running"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, is_chat=False)
+
+
+async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, is_chat=True)
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ProtocolError(f"the request body is not valid JSON: {e}") from None
+
+
+async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamResponse:
+    arrival_time = time.monotonic()
+    state = request.app[STATE]
+    engine = state.engine
+    if state.draining:
+        raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
+    body = await _read_json(request)
+    parse = parse_chat_request if is_chat else parse_completion_request
+    req = parse(body, engine.model_name)
+    prompt_ids = prompt_token_ids(engine.tokenizer, req)
+    params = build_sampling_params(req, len(prompt_ids), engine.max_model_len)
+    choice_params = [params] + [
+        dataclasses.replace(params, seed=(params.seed + i) % _SEED_LIMIT) if params.seed is not None else params
+        for i in range(1, req.n)
+    ]
+    shaper = ResponseShaper(is_chat=is_chat, model=engine.model_name, token_text=state.token_text,
+                            want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
+    trackers = [state.metrics.tracker(arrival_time) for _ in range(req.n)]
+    fanout = ChoiceFanout(engine, shaper.response_id, prompt_ids, choice_params,
+                          on_output=lambda i, output: trackers[i].observe(output))
+    state.active.add(fanout)
+    try:
+        try:
+            await fanout.start()
+        except QueueFullError as e:
+            raise ProtocolError(f"the server is at capacity, retry later ({e})", status=429, error_type="rate_limit_error",
+                                code="queue_full", headers={"Retry-After": str(state.config.retry_after_s)}) from None
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        except ServerStopping as e:
+            raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
+        if req.stream:
+            return await _stream(request, fanout, shaper, req.n)
+        return await _collect(fanout, shaper, req.n)
+    finally:
+        state.active.discard(fanout)
+        await fanout.close()
+        for tracker in trackers:
+            if not tracker.done:
+                tracker.finish("abort", len(prompt_ids), 0)
+
+
+async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.Response:
+    choices = [ChoiceState() for _ in range(n)]
+    try:
+        async for index, output in fanout.outputs():
+            choices[index].add(output)
+    except ServerStopping as e:
+        raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
+    for choice in choices:
+        if choice.finish_reason == "error":
+            logger.error("generation failed: %s", choice.error)
+            raise ProtocolError(f"generation failed: {choice.error}", status=500, error_type="server_error",
+                                code="generation_error")
+        if choice.finish_reason in (None, "abort"):
+            raise ProtocolError("the request was aborted", status=503, error_type="server_error", code="aborted")
+    return web.json_response(shaper.full_response(choices))
+
+
+async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    choices = [ChoiceState() for _ in range(n)]
+    try:
+        if shaper.is_chat:
+            for index in range(n):
+                await response.write(sse_event(shaper.role_chunk(index)))
+        failure = None
+        async for index, output in fanout.outputs():
+            choices[index].add(output)
+            if output.finished and output.finish_reason in ("error", "abort"):
+                failure = error_body(f"generation ended: {output.error or output.finish_reason}", "server_error",
+                                     code=output.finish_reason)
+                break
+            if output.new_text or output.new_logprobs or output.finished:
+                await response.write(sse_event(shaper.delta_chunk(index, output)))
+        if failure is None and any(c.finish_reason is None for c in choices):
+            failure = error_body("the request was aborted", "server_error", code="aborted")
+        if failure is None and shaper.include_usage:
+            await response.write(sse_event(shaper.usage_chunk(choices)))
+    except ConnectionError:
+        return response  # the client went away; the caller's close() aborts the engine requests
+    except ServerStopping as e:
+        failure = error_body(str(e), "server_error", code="shutting_down")
+    except Exception:
+        logger.exception("streaming failed")
+        failure = error_body("internal server error", "server_error", code="internal_error")
+    try:
+        if failure is not None:
+            await response.write(sse_event(failure))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    return response
+
+
+async def _start_engine(app: web.Application) -> None:
+    state = app[STATE]
+    if state.config.manage_engine:
+        await state.engine.start()
+
+
+async def _drain(app: web.Application) -> None:
+    """Refuses new requests, waits for in-flight ones up to the drain timeout, then stops the rest."""
+    state = app[STATE]
+    state.draining = True
+    deadline = time.monotonic() + state.config.drain_timeout_s
+    while state.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for fanout in list(state.active):
+        fanout.stop("the server is shutting down")
+
+
+async def _stop_engine(app: web.Application) -> None:
+    state = app[STATE]
+    if state.config.manage_engine:
+        await state.engine.shutdown()

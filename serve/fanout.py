@@ -1,0 +1,96 @@
+"""Runs the n engine requests behind one HTTP request and merges their deltas in arrival order.
+
+`start()` waits for every choice's first event, so an engine refusal (ValueError, QueueFullError)
+surfaces before the HTTP response is committed. `close()` (always called) cancels what is still
+running: the engine aborts those requests and frees their pages.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+from jaxserve.outputs import RequestOutput
+
+_END = object()  # a choice's generator ended
+
+
+class ServerStopping(Exception):
+    """The server gave up on this request while shutting down."""
+
+
+class ChoiceFanout:
+    def __init__(self, engine: Any, request_id: str, prompt_token_ids: list[int], params: list[Any],
+                 on_output: Callable[[int, RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.request_ids = [f"{request_id}-{i}" if len(params) > 1 else request_id for i in range(len(params))]
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.on_output = on_output
+        self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._buffered: list[tuple[int, Any]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._stop_reason: str | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    async def _pump(self, index: int) -> None:
+        stream = self.engine.generate(self.request_ids[index], self.prompt_token_ids, self.params[index])
+        try:
+            async for output in stream:
+                self._events.put_nowait((index, output))
+            self._events.put_nowait((index, _END))
+        except Exception as e:  # handed to the consumer, which decides the HTTP outcome
+            self._events.put_nowait((index, e))
+        finally:
+            await stream.aclose()
+
+    async def start(self) -> None:
+        """Starts every choice and waits for each one's first event; re-raises an engine refusal."""
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(self.num_choices)]
+        started: set[int] = set()
+        while len(started) < self.num_choices:
+            index, event = await self._next_event()
+            if isinstance(event, Exception):
+                raise event
+            started.add(index)
+            self._buffered.append((index, event))
+
+    async def _next_event(self) -> tuple[int, Any]:
+        index, event = await self._events.get()
+        if index < 0:
+            raise ServerStopping(self._stop_reason)
+        return index, event
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields (choice index, delta) until every choice has finished.
+
+        Raises the engine's exception if one fails mid-way, ServerStopping after `stop()`.
+        A generator that ends without a finished delta counts as aborted.
+        """
+        num_open = self.num_choices
+        while num_open:
+            if self._stop_reason is not None:
+                raise ServerStopping(self._stop_reason)
+            index, event = self._buffered.pop(0) if self._buffered else await self._next_event()
+            if isinstance(event, Exception):
+                raise event
+            if event is _END:
+                num_open -= 1
+                continue
+            if self.on_output is not None:
+                self.on_output(index, event)
+            yield index, event
+
+    def stop(self, reason: str) -> None:
+        """Ends the iteration with ServerStopping (used at shutdown once the drain time is over)."""
+        self._stop_reason = reason
+        self._events.put_nowait((-1, None))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []

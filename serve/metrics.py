@@ -1,0 +1,112 @@
+"""Prometheus metrics of the server, in a registry of its own (one per app).
+
+Request counters and latency histograms are fed by the handlers; the engine gauges (running,
+waiting, KV pages, preemptions, prefix cache) are read from `engine.stats()` at scrape time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from jaxserve.outputs import EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineStatsCollector:
+    """Turns one `engine.stats()` call per scrape into gauges and counters."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self.stats()
+        except Exception:
+            logger.exception("engine.stats() failed during a metrics scrape")
+            return
+        yield _gauge("jaxserve_num_requests_running", "Requests in the running batch.", s.num_running)
+        yield _gauge("jaxserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield _gauge("jaxserve_kv_pages_used", "KV cache pages held by requests.", s.kv_pages_used)
+        yield _gauge("jaxserve_kv_pages_total", "KV cache pages in the pool.", s.kv_pages_total)
+        yield _counter("jaxserve_preemptions", "Requests preempted (recomputed) for lack of pages.",
+                       s.num_preemptions)
+        yield _counter("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       s.prefix_cache_queried_tokens)
+        yield _counter("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       s.prefix_cache_hit_tokens)
+        hit_rate = s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens if s.prefix_cache_queried_tokens else 0.0
+        yield _gauge("jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens.", hit_rate)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("jaxserve_http_requests", "HTTP requests by route and status code.",
+                                     ["route", "status"], registry=r)
+        self.requests_finished = Counter("jaxserve_requests_finished", "Generation requests (choices) by finish "
+                                         "reason.", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
+        self.time_to_first_token = Histogram("jaxserve_time_to_first_token_seconds", "From arrival to the first "
+                                             "token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("jaxserve_time_per_output_token_seconds", "Mean time between output "
+                                               "tokens of a request.", buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("jaxserve_e2e_request_latency_seconds", "From arrival to the last token.",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineStatsCollector(engine_stats))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def tracker(self, arrival_time: float) -> "RequestTracker":
+        return RequestTracker(self, arrival_time)
+
+
+class RequestTracker:
+    """Timing of one choice; `observe` is called with every delta the engine yields."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+        self.metrics = metrics
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if output.new_token_ids:
+            m.generation_tokens.inc(len(output.new_token_ids))
+            if self.first_token_time is None:
+                self.first_token_time = now
+                m.time_to_first_token.observe(now - self.arrival_time)
+        if output.finished and not self.done:
+            self.finish(output.finish_reason or "abort", output.num_prompt_tokens, output.num_output_tokens, now)
+
+    def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
+               now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.done = True
+        m = self.metrics
+        m.requests_finished.labels(finish_reason=finish_reason).inc()
+        m.prompt_tokens.inc(num_prompt_tokens)
+        m.e2e_latency.observe(now - self.arrival_time)
+        if self.first_token_time is not None and num_output_tokens > 1:
+            m.time_per_output_token.observe((now - self.first_token_time) / (num_output_tokens - 1))

@@ -1,0 +1,104 @@
+"""The Flax Llama over the paged cache against Hugging Face transformers (float32)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from tests.tiny_models import hf_logits, make_tiny_hf_model
+
+
+def prefill_batch(lengths, page_size, max_pages, vocab, rng):
+    """Whole prompts of several sequences in one prefill batch; pages handed out in random order."""
+    num_tokens = sum(lengths)
+    pages = rng.permutation(np.arange(1, 1 + len(lengths) * max_pages))
+    token_ids, positions, slots = [], [], []
+    block_table = np.zeros((len(lengths), max_pages), np.int32)
+    qsl = [0]
+    for i, n in enumerate(lengths):
+        own = pages[i * max_pages:(i + 1) * max_pages]
+        block_table[i] = own
+        pos = np.arange(n)
+        positions.append(pos)
+        slots.append(own[pos // page_size] * page_size + pos % page_size)
+        token_ids.append(rng.integers(0, vocab, n))
+        qsl.append(qsl[-1] + n)
+    batch = dict(
+        token_ids=np.concatenate(token_ids).astype(np.int32),
+        positions=np.concatenate(positions).astype(np.int32),
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        decode_block_table=np.zeros((0, max_pages), np.int32),
+        decode_seq_lens=np.zeros(0, np.int32),
+        prefill_block_table=block_table,
+        prefill_seq_lens=np.asarray(lengths, np.int32),
+        prefill_query_start_loc=np.asarray(qsl, np.int32),
+        logits_indices=np.arange(num_tokens, dtype=np.int32))
+    return batch, token_ids, 1 + len(lengths) * max_pages
+
+
+def hf_to_params(model, config: ModelConfig):
+    """Direct mapping of the HF state dict, independent of the converter."""
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    L = config.num_layers
+    stack = lambda fmt, t=True: np.stack([sd[fmt.format(i)].T if t else sd[fmt.format(i)] for i in range(L)])
+    p = "model.layers.{}."
+    params = {
+        "embed": sd["model.embed_tokens.weight"],
+        "final_norm": sd["model.norm.weight"],
+        "layers": {
+            "attn_norm": stack(p + "input_layernorm.weight", False),
+            "mlp_norm": stack(p + "post_attention_layernorm.weight", False),
+            "wq": stack(p + "self_attn.q_proj.weight"), "wk": stack(p + "self_attn.k_proj.weight"),
+            "wv": stack(p + "self_attn.v_proj.weight"), "wo": stack(p + "self_attn.o_proj.weight"),
+            "w_gate": stack(p + "mlp.gate_proj.weight"), "w_up": stack(p + "mlp.up_proj.weight"),
+            "w_down": stack(p + "mlp.down_proj.weight"),
+        },
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = sd["lm_head.weight"].T
+    return jax.tree.map(jnp.asarray, params)
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,tie,rope_scaling", [
+    (4, 4, False, None), (6, 2, True, None), (8, 2, False, LLAMA3_SCALING)])
+def test_forward_matches_transformers(tmp_path, num_q_heads, num_kv_heads, tie, rope_scaling):
+    model = make_tiny_hf_model(str(tmp_path), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               tie=tie, rope_scaling=rope_scaling)
+    config = ModelConfig.from_hf_dict(model.config.to_dict())
+    assert config.tie_word_embeddings == tie
+    params = hf_to_params(model, config)
+    rng = np.random.default_rng()
+    page_size, max_pages = 8, 8
+    lengths = [1, 7, 8, 9, 40]
+    batch, token_ids, num_pages = prefill_batch(lengths, page_size, max_pages, config.vocab_size, rng)
+    cache = llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, page_size), jnp.float32)
+    logits, _ = jax.jit(lambda p, c, b: llama.forward(p, c, b, config=config))(params, cache, batch)
+    logits = np.asarray(logits)
+    start = 0
+    for ids, n in zip(token_ids, lengths):
+        expected = hf_logits(model, ids[None])[0]
+        got = logits[start:start + n]
+        start += n
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_rope_scaling_changes_frequencies():
+    base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_q_heads=4,
+                num_kv_heads=4, head_dim=16)
+    plain = llama.rope_inv_freq(ModelConfig(**base))
+    scaled = llama.rope_inv_freq(ModelConfig(**base, rope_scaling=LLAMA3_SCALING))
+    assert scaled[0] == pytest.approx(plain[0])  # high frequencies untouched
+    assert scaled[-1] == pytest.approx(plain[-1] / 8.0)  # low frequencies divided by the factor
+
+
+def test_flax_module_declares_the_param_tree():
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3,
+                         num_q_heads=4, num_kv_heads=2, head_dim=4, tie_word_embeddings=False)
+    params = llama.random_params(config)
+    shapes = jax.tree.map(lambda x: tuple(x.shape), params)
+    assert shapes == llama.param_shapes(config)

@@ -1,0 +1,282 @@
+import random
+
+import pytest
+
+from jaxserve.page_allocator import NULL_PAGE, PageAllocator
+from jaxserve.request import Request, RequestStatus, SamplingParams
+from jaxserve.scheduler import Scheduler, StepPlan
+
+
+def next_token(context):
+    """A fake deterministic model: the next token depends on every token of the context."""
+    return sum((i + 1) * t for i, t in enumerate(context)) * 2654435761 % 997 + 3
+
+
+def reference_output(prompt, max_tokens):
+    context = list(prompt)
+    for _ in range(max_tokens):
+        context.append(next_token(context))
+    return context[len(prompt):]
+
+
+class FakeDevice:
+    """Writes each computed token into its KV slot and samples from what it reads back through
+    the page table, so wrong page bookkeeping or a stale shared page changes the output."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.slots = [None] * (allocator.num_pages * allocator.page_size)
+        self.num_computed_tokens = 0
+
+    def slot(self, request, position):
+        return request.page_ids[position // self.page_size] * self.page_size + position % self.page_size
+
+    def run(self, plan):
+        sampled = []
+        for request, num_new in [(r, 1) for r in plan.decode] + plan.prefill:
+            start = request.num_computed_tokens
+            assert NULL_PAGE not in request.page_ids
+            assert len(request.page_ids) >= self.allocator.num_pages_for_tokens(start + num_new)
+            for position in range(start, start + num_new):
+                page = request.page_ids[position // self.page_size]
+                assert self.allocator.refcount(page) == 1, "a step writes into a shared page"
+                self.slots[self.slot(request, position)] = request.token_id_at(position)
+            sampled.append(next_token([self.slots[self.slot(request, p)] for p in range(start + num_new)]))
+            self.num_computed_tokens += num_new
+        return sampled
+
+
+def check_plan(scheduler, plan, decoding_before):
+    assert plan.num_tokens <= scheduler.max_num_batched_tokens
+    assert plan.num_seqs <= scheduler.max_num_seqs and len(plan.prefill) <= scheduler.max_num_prefill_seqs
+    scheduled = plan.decode + [r for r, _ in plan.prefill]
+    assert len({r.request_id for r in scheduled}) == len(scheduled)
+    assert all(r.status == RequestStatus.RUNNING for r in scheduled)
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in plan.decode)
+    assert all(0 < n <= r.num_tokens - r.num_computed_tokens for r, n in plan.prefill)
+    for request in decoding_before:  # decode comes first: only preemption can skip it
+        assert request in plan.decode or request in plan.preempted
+    for request in plan.preempted:
+        assert request.status == RequestStatus.PREEMPTED and request.page_ids == []
+    allocator = scheduler.allocator
+    held = [p for r in scheduler.running for p in r.page_ids]
+    assert sum(allocator.refcount(p) for p in range(allocator.num_pages)) == len(held)
+    assert allocator.num_used_pages == len(set(held))
+
+
+def run_engine_loop(scheduler, device, requests, add_at=None, max_steps=5000):
+    """Drives schedule/run/update like the engine; `add_at` maps step -> requests to add then."""
+    add_at = dict(add_at or {})
+    for request in requests:
+        scheduler.add_request(request)
+    step = 0
+    while scheduler.has_unfinished() or add_at:
+        for request in add_at.pop(step, []):
+            scheduler.add_request(request)
+        decoding_before = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        plan = scheduler.schedule()
+        check_plan(scheduler, plan, decoding_before)
+        assert not plan.is_empty or not scheduler.has_unfinished()
+        scheduler.update(plan, device.run(plan))
+        step += 1
+        assert step < max_steps, "no progress"
+    return step
+
+
+def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512):
+    allocator = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix)
+    return Scheduler(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_num_prefill_seqs=max_prefill, max_model_len=max_len)
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_random_load_finishes_with_batch_independent_output(prefix):
+    rng = random.Random(0)
+    scheduler = make_scheduler(num_pages=13, page_size=4, prefix=prefix, max_num_seqs=5, budget=12, max_prefill=2)
+    shared = [rng.randrange(3, 1000) for _ in range(8)]
+    requests = []
+    for i in range(24):
+        prompt = (shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 14))]
+        requests.append(Request(f"r{i}", prompt, greedy(rng.randint(1, 20))))
+    late = {3: requests[16:20], 11: requests[20:]}
+    run_engine_loop(scheduler, FakeDevice(scheduler.allocator), requests[:16], add_at=late)
+    for request in requests:
+        assert request.status == RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
+    assert scheduler.num_preemptions > 0  # the pool is too small for 5 long sequences
+    assert scheduler.allocator.num_used_pages == 0 and scheduler.allocator.num_free_pages == 12
+    assert scheduler.num_running == scheduler.num_waiting == 0
+    assert (scheduler.allocator.num_prefix_hit_tokens > 0) == prefix
+
+
+def test_decode_first_then_prefill_with_remaining_budget():
+    scheduler = make_scheduler(num_pages=40, budget=10, max_num_seqs=8)
+    device = FakeDevice(scheduler.allocator)
+    short = [Request(f"s{i}", [5 + i, 6, 7], greedy(10)) for i in range(3)]
+    for request in short:
+        scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert [n for _, n in plan.prefill] == [3, 3, 3] and plan.decode == []
+    scheduler.update(plan, device.run(plan))
+    long = Request("long", list(range(10, 40)), greedy(1))
+    scheduler.add_request(long)
+    plan = scheduler.schedule()
+    assert plan.decode == short and plan.prefill == [(long, 7)] and plan.num_tokens == 10
+    scheduler.update(plan, device.run(plan))
+    plan = scheduler.schedule()  # the long prompt continues: running mid-prefill before new requests
+    assert plan.decode == short and plan.prefill == [(long, 7)]
+
+
+def test_chunked_prefill_only_last_chunk_samples():
+    scheduler = make_scheduler(num_pages=20, budget=8)
+    request = Request("r", list(range(3, 23)), greedy(3))
+    scheduler.add_request(request)
+    chunks = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        chunks.append(plan.prefill[0][1])
+        appended = scheduler.update(plan, [777])
+        assert request.num_output_tokens == (1 if len(chunks) == 3 else 0)
+        assert appended == ([request] if len(chunks) == 3 else [])
+    assert chunks == [8, 8, 4] and request.output_token_ids == [777]
+    assert request.num_computed_tokens == 20 and len(request.page_ids) == 5
+    plan = scheduler.schedule()
+    assert plan.decode == [request] and plan.prefill == []
+    assert scheduler.update(plan, [778]) == [request] and len(request.page_ids) == 6
+
+
+def test_max_num_seqs_and_max_num_prefill_seqs():
+    scheduler = make_scheduler(num_pages=40, budget=32, max_num_seqs=3, max_prefill=2)
+    requests = [Request(f"r{i}", [3, 4, 5], greedy(2)) for i in range(5)]
+    for request in requests:
+        scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert [r for r, _ in plan.prefill] == requests[:2]
+    scheduler.update(plan, [9, 9])
+    plan = scheduler.schedule()
+    assert plan.decode == requests[:2] and [r for r, _ in plan.prefill] == requests[2:3]
+    assert scheduler.num_running == 3 and scheduler.num_waiting == 2
+
+
+def test_preempts_most_recent_and_recomputes_it():
+    scheduler = make_scheduler(num_pages=5, page_size=2, budget=8)  # 4 usable pages
+    device = FakeDevice(scheduler.allocator)
+    old, new = Request("old", [3, 4, 5], greedy(4)), Request("new", [6, 7, 8], greedy(4))
+    for request in (old, new):
+        scheduler.add_request(request)
+    for _ in range(2):  # prefill both (2 pages each), then decode to 4 tokens each
+        plan = scheduler.schedule()
+        scheduler.update(plan, device.run(plan))
+    assert scheduler.allocator.num_free_pages == 0 and old.num_tokens == new.num_tokens == 5
+    plan = scheduler.schedule()  # both need a third page
+    assert plan.preempted == [new] and plan.decode == [old] and plan.prefill == []
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.page_ids == []
+    assert new.output_token_ids == reference_output(new.prompt_token_ids, 2)  # output is kept
+    assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
+    scheduler.update(plan, device.run(plan))
+    run_engine_loop(scheduler, device, [])
+    for request in (old, new):
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, 4)
+    assert scheduler.allocator.num_used_pages == 0
+
+
+def test_shared_system_prompt_is_computed_once():
+    scheduler = make_scheduler(num_pages=64, page_size=4, budget=64, max_num_seqs=8)
+    device = FakeDevice(scheduler.allocator)
+    system = list(range(100, 132))  # 8 full pages
+    first = Request("first", system + [1, 2], greedy(3))
+    others = [Request(f"o{i}", system + [10 + i] * (i + 1), greedy(3)) for i in range(4)]
+    run_engine_loop(scheduler, device, [first], add_at={1: others})
+    assert first.num_cached_tokens == 0 and all(r.num_cached_tokens == len(system) for r in others)
+    assert scheduler.allocator.num_prefix_hit_tokens == 4 * len(system)
+    num_prompt_tokens = sum(r.num_prompt_tokens for r in [first] + others)
+    num_decode_tokens = sum(r.num_output_tokens - 1 for r in [first] + others)
+    assert device.num_computed_tokens == num_prompt_tokens - 4 * len(system) + num_decode_tokens
+    for request in [first] + others:
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, 3)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    scheduler = make_scheduler(num_pages=16, page_size=4)
+    device = FakeDevice(scheduler.allocator)
+    prompt = list(range(50, 58))  # exactly two pages
+    run_engine_loop(scheduler, device, [Request("a", prompt, greedy(2))])
+    again = Request("b", prompt, greedy(2))
+    scheduler.add_request(again)
+    plan = scheduler.schedule()
+    assert again.num_cached_tokens == 4 and plan.prefill == [(again, 4)]  # the last page is recomputed
+    scheduler.update(plan, device.run(plan))
+    run_engine_loop(scheduler, device, [])
+    assert again.output_token_ids == reference_output(prompt, 2)
+
+
+def test_abort_frees_pages_at_once():
+    scheduler = make_scheduler(num_pages=20, budget=8, max_num_seqs=1)
+    running, waiting = Request("run", list(range(3, 13)), greedy(5)), Request("wait", [3, 4], greedy(5))
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    plan = scheduler.schedule()
+    assert plan.prefill == [(running, 8)] and scheduler.allocator.num_used_pages == 2
+    assert scheduler.abort("run") is running  # while its step is in flight
+    assert running.status == RequestStatus.FINISHED_ABORTED and scheduler.allocator.num_used_pages == 0
+    assert scheduler.update(plan, [42]) == [] and running.num_computed_tokens == 0
+    assert scheduler.abort("wait") is waiting and scheduler.abort("wait") is None
+    assert scheduler.abort("unknown") is None and not scheduler.has_unfinished()
+    assert waiting.finish_reason == "abort"
+
+
+def test_length_limits_and_stop_override():
+    scheduler = make_scheduler(num_pages=40, budget=16, max_len=6)
+    device = FakeDevice(scheduler.allocator)
+    by_model_len = Request("len", [3, 4, 5, 6], greedy(100))
+    by_max_tokens = Request("max", [3], greedy(2))
+    run_engine_loop(scheduler, device, [by_model_len, by_max_tokens])
+    assert by_model_len.num_tokens == 6 and by_model_len.finish_reason == "length"
+    assert by_max_tokens.num_output_tokens == 2 and by_max_tokens.finish_reason == "length"
+    stopped = Request("stop", [3], greedy(1))
+    scheduler.add_request(stopped)
+    plan = scheduler.schedule()
+    assert scheduler.update(plan, [9]) == [stopped] and stopped.finish_reason == "length"
+    scheduler.finish(stopped, RequestStatus.FINISHED_STOPPED)  # the engine found a stop token
+    assert stopped.finish_reason == "stop" and scheduler.allocator.num_used_pages == 0
+
+
+def test_sequence_that_outgrows_the_pool_ends_with_length():
+    scheduler = make_scheduler(num_pages=4, page_size=2, budget=8, max_len=1000)  # 6 token slots
+    request = Request("big", [3, 4, 5], greedy(50))
+    run_engine_loop(scheduler, FakeDevice(scheduler.allocator), [request])
+    assert request.finish_reason == "length" and request.num_tokens == 6
+    assert request.output_token_ids == reference_output([3, 4, 5], 3)
+
+
+def test_add_request_rejects_what_can_never_run():
+    scheduler = make_scheduler(num_pages=5, page_size=4, max_len=10)  # 16 token slots
+    with pytest.raises(ValueError, match="prompt has 10 tokens.*shorter than max_model_len 10"):
+        scheduler.add_request(Request("a", list(range(10))))
+    with pytest.raises(ValueError, match="at least one token"):
+        scheduler.add_request(Request("b", []))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        scheduler.add_request(Request("c", [1], SamplingParams(temperature=-1)))
+    small_pool = make_scheduler(num_pages=3, page_size=4, max_len=100)
+    with pytest.raises(ValueError, match="KV cache capacity of 8 tokens"):
+        small_pool.add_request(Request("d", list(range(8))))
+    scheduler.add_request(Request("e", [1]))
+    with pytest.raises(ValueError, match="duplicate request id 'e'"):
+        scheduler.add_request(Request("e", [1]))
+    assert scheduler.num_waiting == 1
+
+
+def test_constructor_limits_and_update_checks():
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_num_seqs"):
+        make_scheduler(num_pages=4, max_num_seqs=8, budget=4)
+    scheduler = make_scheduler(num_pages=8)
+    scheduler.add_request(Request("a", [1, 2]))
+    plan = scheduler.schedule()
+    with pytest.raises(ValueError, match="expected 1 sampled ids, got 2"):
+        scheduler.update(plan, [1, 2])
+    assert StepPlan().is_empty and StepPlan().num_tokens == 0
