@@ -68,19 +68,24 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is a normal directory
     except OSError as e:
         raise ConversionError(f"{output_dir}: cannot create ({e.strerror or e})") from None
     try:
-        has_tokenizer = source.save_tokenizer(staging)
         _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR))
+        has_tokenizer = source.save_tokenizer(staging)
         _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())
         _write_json(os.path.join(staging, MARKER_FILE), {
             "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
             "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,
         })
         _move_into_place(staging, output_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ConversionError(f"{output_dir}: cannot write ({e})") from None
         raise
     return source.config
 
@@ -89,11 +94,23 @@ def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str) -> 
     import orbax.checkpoint as ocp
 
     buffers = ParamBuffers(source.config, dtype, source_path)
-    for name, slot, layer, tensor, transpose in source.tensors():
-        buffers.put(slot, layer, tensor, name, transpose)
+    for file, name, slot, layer, tensor, transpose in source.tensors():
+        buffers.put(slot, layer, tensor, name, transpose, source_file=file)
     params = buffers.finish(source.describe_missing)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(params_dir, params)
+    with _numpy_checkpointer(ocp) as checkpointer:
+        checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params))
+
+
+def _numpy_checkpointer(ocp):
+    """A checkpointer that writes numpy leaves without the defensive copy orbax makes for async saves
+    (we wait for the save, so the copy would only double the peak memory)."""
+    try:
+        from orbax.checkpoint import type_handlers
+        registry = type_handlers.create_type_handler_registry(
+            (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+        return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+    except (AttributeError, TypeError):  # other orbax versions: keep the default handler
+        return ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
 
 
 def _write_json(path: str, data: dict) -> None:

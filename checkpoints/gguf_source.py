@@ -47,6 +47,11 @@ def _unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(rows.shape)
 
 
+def _shortest_float(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
 class GGUFSource:
     """Reads model metadata and tensors of one GGUF file (memory-mapped)."""
 
@@ -61,12 +66,20 @@ class GGUFSource:
         except Exception as e:  # the reader raises assorted errors on truncated or foreign files
             raise ConversionError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
         self.tensors_by_name = {t.name: t for t in self.reader.tensors}
+        if (self._field("split.count") or 1) > 1:
+            raise ConversionError(f"{path}: split GGUF files are not supported; merge the parts first "
+                                  "(llama-gguf-split --merge)")
         self.gguf_arch = self._field("general.architecture", required=True)
         if self.gguf_arch not in ARCHITECTURES:
             raise ConversionError(
                 f"{path}: unsupported architecture {self.gguf_arch!r}; supported: {', '.join(ARCHITECTURES)}")
         self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
-        self.config = self._read_config()
+        try:
+            self.config = self._read_config()
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConversionError):
+                raise
+            raise ConversionError(f"{path}: malformed model metadata ({e})") from None
 
     def _field(self, key: str, required: bool = False, default=None):
         field = self.reader.get_field(key)
@@ -93,7 +106,7 @@ class GGUFSource:
         scaling_type = self._field(f"{arch}.rope.scaling.type", default="none")
         if scaling_type not in ("none", ""):
             raise ConversionError(f"{self.path}: rope scaling type {scaling_type!r} is not supported")
-        rope_theta = float(self._field(f"{arch}.rope.freq_base", default=10000.0))
+        rope_theta = _shortest_float(self._field(f"{arch}.rope.freq_base", default=10000.0))
         tokens = self.reader.get_field("tokenizer.ggml.tokens")
         vocab_size = len(tokens.data) if tokens is not None else self._field(f"{arch}.vocab_size")
         if vocab_size is None:
@@ -113,7 +126,7 @@ class GGUFSource:
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(num_kv_heads),
             "head_dim": head_dim,
-            "rms_norm_eps": float(self._field(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-5)),
+            "rms_norm_eps": _shortest_float(self._field(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-5)),
             "rope_theta": rope_theta,
             "rope_scaling": self._rope_scaling(rope_theta, head_dim),
             "max_position_embeddings": int(self._field(f"{arch}.context_length", default=2048)),
@@ -151,8 +164,8 @@ class GGUFSource:
             raise ConversionError(f"{self.path}: tensor {tensor.name!r} data does not match its shape {expected}")
         return values.reshape(expected)
 
-    def tensors(self) -> Iterator[tuple[str, str, int | None, np.ndarray, bool]]:
-        """(gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order."""
+    def tensors(self) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
+        """(file, gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order."""
         for tensor in self.reader.tensors:
             name = tensor.name
             if name == _ROPE_FREQS:
@@ -171,7 +184,7 @@ class GGUFSource:
                 heads = self.config.num_q_heads if slot in ("layers/wq", "layers/bq") else self.config.num_kv_heads
                 if values.shape[0] % (2 * heads) == 0:  # otherwise the shape check reports it
                     values = _unpermute_rows(values, heads)
-            yield name, slot, layer, values, transpose
+            yield self.path, name, slot, layer, values, transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
         for table, prefix in ((_GLOBAL_TABLE, ""), (_LAYER_TABLE, f"blk.{layer}.")):

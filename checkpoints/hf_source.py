@@ -69,6 +69,7 @@ class HFSource:
         if not os.path.isfile(config_path):
             raise ConversionError(f"{config_path}: no such file (not a Hugging Face model folder?)")
         hf_config = _read_json(config_path)
+        hf_config = _lift_rope_parameters(hf_config)
         generation_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(generation_path):
             hf_config = _merge_generation_eos(hf_config, _read_json(generation_path))
@@ -95,7 +96,9 @@ class HFSource:
                 if not os.path.isfile(path):
                     raise ConversionError(f"{path}: no such file (listed in {index_path})")
             return paths
-        paths = sorted(os.path.join(self.folder, n) for n in os.listdir(self.folder) if n.endswith(".safetensors"))
+        names = sorted(n for n in os.listdir(self.folder) if n.endswith(".safetensors"))
+        preferred = [n for n in names if n.startswith("model")]  # e.g. skip Mistral's consolidated.safetensors
+        paths = [os.path.join(self.folder, n) for n in (preferred or names)]
         if not paths:
             raise ConversionError(f"{self.folder}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
         return paths
@@ -107,8 +110,8 @@ class HFSource:
             raise ConversionError(f"{self.folder}: missing tensor {name!r}")
         return self._owner[name].dtype(name)
 
-    def tensors(self) -> Iterator[tuple[str, str, int | None, np.ndarray, bool]]:
-        """(source name, slot, layer, tensor, transpose) for every weight, file by file."""
+    def tensors(self) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
+        """(file, source name, slot, layer, tensor, transpose) for every weight, file by file."""
         for file in self.files:
             for name in file.names():
                 if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
@@ -117,7 +120,7 @@ class HFSource:
                     match = pattern.fullmatch(name)
                     if match:
                         layer = int(match.group(1)) if match.groups() else None
-                        yield name, slot, layer, file.read(name), transpose
+                        yield file.path, name, slot, layer, file.read(name), transpose
                         break
                 else:
                     raise ConversionError(f"{file.path}: unexpected tensor {name!r}")
@@ -144,3 +147,14 @@ def _merge_generation_eos(hf_config: dict, generation: dict) -> dict:
     eos = as_list(hf_config.get("eos_token_id"))
     extra = [i for i in as_list(generation.get("eos_token_id")) if i not in eos]
     return {**hf_config, "eos_token_id": eos + extra} if extra else hf_config
+
+
+def _lift_rope_parameters(hf_config: dict) -> dict:
+    """transformers 5 writes `rope_parameters` instead of `rope_theta` / `rope_scaling`."""
+    rope = hf_config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in hf_config:
+        return hf_config
+    lifted = {**hf_config, "rope_theta": rope.get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default" and not hf_config.get("rope_scaling"):
+        lifted["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return lifted

@@ -62,23 +62,25 @@ class ParamBuffers:
             return name.split("/", 1)[1] in self.arrays["layers"]
         return name in self.arrays
 
-    def put(self, name: str, layer: int | None, tensor: np.ndarray, source_name: str, transpose: bool) -> None:
+    def put(self, name: str, layer: int | None, tensor: np.ndarray, source_name: str, transpose: bool,
+            source_file: str | None = None) -> None:
         """Store `tensor` (in the source's orientation) into slot `name` (of `layer`)."""
+        where = source_file or self.source_file
         if not self.has_slot(name):
-            raise ConversionError(f"{self.source_file}: unexpected tensor {source_name!r} for this config")
+            raise ConversionError(f"{where}: unexpected tensor {source_name!r} for this config")
         if layer is not None and not 0 <= layer < self.config.num_layers:
             raise ConversionError(
-                f"{self.source_file}: tensor {source_name!r} is for layer {layer}, but the model has "
+                f"{where}: tensor {source_name!r} is for layer {layer}, but the model has "
                 f"{self.config.num_layers} layers")
         key = (name, layer)
         if key in self._filled:
             raise ConversionError(
-                f"{self.source_file}: tensor {source_name!r} duplicates {self._filled[key]!r}")
+                f"{where}: tensor {source_name!r} duplicates {self._filled[key]!r}")
         slot = self.slot_shape(name, layer)
         expected = tuple(reversed(slot)) if transpose else slot
         if tuple(tensor.shape) != expected:
             raise ConversionError(
-                f"{self.source_file}: tensor {source_name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+                f"{where}: tensor {source_name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         value = tensor.T if transpose else tensor
         if layer is None:
             self.arrays[name][...] = value

@@ -12,7 +12,6 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import sampler
@@ -23,14 +22,22 @@ from jaxserve.scheduler import StepPlan
 log = logging.getLogger(__name__)
 
 
-def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, 4*low, ... capped by high (which is always included)."""
-    sizes, size = [], low
+def geometric_buckets(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
+    """low, factor*low, factor**2*low, ... capped by high (which is always included)."""
+    sizes, size = [], min(low, high)
     while size < high:
         sizes.append(size)
-        size *= 2
+        size *= factor
     sizes.append(high)
     return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One compiled step shape."""
+    num_decode: int  # decode rows
+    num_prefill_tokens: int  # prefill tokens (0: no prefill part)
+    num_pages: int  # block table width: pages per sequence the step may read
 
 
 @dataclasses.dataclass
@@ -59,25 +66,30 @@ class ModelRunner:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.max_logprobs = max_logprobs
         self.backend = backend
-        self.decode_buckets = (0,) + power_of_two_buckets(min(8, max_num_seqs), max_num_seqs)
-        self.prefill_buckets = (0,) + power_of_two_buckets(min(32, max_num_batched_tokens),
-                                                           max_num_batched_tokens)
+        # Decode cost barely grows with rows (weights are read once), prefill cost grows with
+        # tokens, and attention cost with context: hence coarse decode and context buckets.
+        self.decode_buckets = (0,) + geometric_buckets(8, max_num_seqs, 4)
+        self.prefill_buckets = (0,) + geometric_buckets(32, max_num_batched_tokens, 2)
+        self.page_buckets = geometric_buckets(-(-256 // page_size), self.max_pages_per_seq, 4)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
         self.kv_cache = llama.init_kv_cache(
             config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
-        self._step = jax.jit(functools.partial(_step, config=config, backend=backend,
-                                               max_logprobs=max_logprobs),
-                             donate_argnums=(1,))
+        # Two jitted functions per step, both on device (logits never reach the host): the
+        # sampler's shapes depend only on the number of rows, so it compiles far fewer times.
+        self._forward = jax.jit(functools.partial(llama.forward, config=config, backend=backend),
+                                donate_argnums=(1,))
+        self._sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs))
 
     # ---- shapes ---------------------------------------------------------------------------
-    def bucket_for(self, num_decode: int, num_prefill_tokens: int) -> tuple[int, int]:
-        dec = next(b for b in self.decode_buckets if b >= num_decode)
-        pre = next(b for b in self.prefill_buckets if b >= num_prefill_tokens)
-        return dec, pre
+    def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
+        return Bucket(next(b for b in self.decode_buckets if b >= num_decode),
+                      next(b for b in self.prefill_buckets if b >= num_prefill_tokens),
+                      next(b for b in self.page_buckets if b >= num_pages))
 
-    def all_buckets(self) -> list[tuple[int, int]]:
-        return [(d, p) for d in self.decode_buckets for p in self.prefill_buckets if d or p]
+    def all_buckets(self) -> list[Bucket]:
+        return [Bucket(d, p, n) for d in self.decode_buckets for p in self.prefill_buckets
+                for n in self.page_buckets if d or p]
 
     # ---- host arrays ----------------------------------------------------------------------
     def _slots(self, page_ids: list[int], start: int, stop: int) -> np.ndarray:
@@ -87,22 +99,17 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], list]:
         """Pads the plan into its bucket. Returns (batch arrays, per-row sampling params)."""
-        num_decode = len(plan.decode)
         num_prefill_tokens = sum(n for _, n in plan.prefill)
-        dec_bucket, pre_bucket = self.bucket_for(num_decode, num_prefill_tokens)
-        num_prefill_seqs = self.max_num_prefill_seqs if pre_bucket else 0
-        T = dec_bucket + pre_bucket
-        P = self.max_pages_per_seq
-        token_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.zeros(T, np.int32)  # padding writes land in the null page
-        decode_block_table = np.zeros((dec_bucket, P), np.int32)
-        decode_seq_lens = np.zeros(dec_bucket, np.int32)
-        prefill_block_table = np.zeros((num_prefill_seqs, P), np.int32)
-        prefill_seq_lens = np.zeros(num_prefill_seqs, np.int32)
-        query_start_loc = np.full(num_prefill_seqs + 1, num_prefill_tokens, np.int32)
-        logits_indices = np.zeros(dec_bucket + num_prefill_seqs, np.int32)
-        rows: list = [None] * (dec_bucket + num_prefill_seqs)
+        num_pages = max(len(r.page_ids) for r in plan.decode + [r for r, _ in plan.prefill])
+        bucket = self.bucket_for(len(plan.decode), num_prefill_tokens, num_pages)
+        batch = self.empty_batch(bucket)
+        dec_bucket = bucket.num_decode
+        token_ids, positions, slot_mapping = batch["token_ids"], batch["positions"], batch["slot_mapping"]
+        decode_block_table, decode_seq_lens = batch["decode_block_table"], batch["decode_seq_lens"]
+        prefill_block_table, prefill_seq_lens = batch["prefill_block_table"], batch["prefill_seq_lens"]
+        query_start_loc, logits_indices = batch["prefill_query_start_loc"], batch["logits_indices"]
+        query_start_loc[:] = num_prefill_tokens
+        rows: list = [None] * len(logits_indices)
 
         for i, req in enumerate(plan.decode):
             pos = req.num_computed_tokens
@@ -126,14 +133,26 @@ class ModelRunner:
             offset += n
             logits_indices[dec_bucket + j] = t0 + n - 1
             rows[dec_bucket + j] = req
-        batch = dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                     decode_block_table=decode_block_table, decode_seq_lens=decode_seq_lens,
-                     prefill_block_table=prefill_block_table, prefill_seq_lens=prefill_seq_lens,
-                     prefill_query_start_loc=query_start_loc, logits_indices=logits_indices)
         return batch, rows
 
+    def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
+        """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
+        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.num_pages
+        num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
+        T = dec + pre
+        return dict(
+            token_ids=np.zeros(T, np.int32),  # [T]
+            positions=np.zeros(T, np.int32),  # [T]
+            slot_mapping=np.zeros(T, np.int32),  # [T]
+            decode_block_table=np.zeros((dec, P), np.int32),  # [num_decode, pages]
+            decode_seq_lens=np.zeros(dec, np.int32),  # [num_decode]
+            prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),  # [num_prefill_seqs, pages]
+            prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),  # [num_prefill_seqs]
+            prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),  # [num_prefill_seqs + 1]
+            logits_indices=np.zeros(dec + num_prefill_seqs, np.int32))  # [rows]
+
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
-        row_params = [None if req is None else sampler.RowParams.from_request(req) for req in rows]
+        row_params = [None if req is None else _row_params(req) for req in rows]
         return sampler.build_sampling_inputs(row_params, len(rows), self.max_model_len)
 
     # ---- device ---------------------------------------------------------------------------
@@ -142,8 +161,7 @@ class ModelRunner:
         batch, rows = self.build_batch(plan)
         sampling = self._sampling_inputs(rows)
         start = time.perf_counter()
-        out, self.kv_cache = self._step(self.params, self.kv_cache, batch, sampling)
-        out = jax.device_get(out)
+        out = jax.device_get(self._run_step(batch, sampling))
         elapsed = time.perf_counter() - start
         num_dec = len(plan.decode)
         dec_bucket = batch["decode_seq_lens"].shape[0]
@@ -160,29 +178,24 @@ class ModelRunner:
         """Compiles the step for every bucket (empty plans padded to each shape). Returns the count."""
         start = time.perf_counter()
         buckets = self.all_buckets()
-        for dec, pre in buckets:
-            batch, sampling = self.dummy_inputs(dec, pre)
-            out, self.kv_cache = self._step(self.params, self.kv_cache, batch, sampling)
-            jax.block_until_ready(out)
+        for bucket in buckets:
+            batch = self.empty_batch(bucket)
+            rows = [None] * len(batch["logits_indices"])
+            sampling = sampler.build_sampling_inputs(rows, len(rows), self.max_model_len)
+            jax.block_until_ready(self._run_step(batch, sampling))
         log.info("warm-up compiled %d step shapes in %.1fs", len(buckets), time.perf_counter() - start)
         return len(buckets)
 
-    def dummy_inputs(self, dec: int, pre: int):
-        num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
-        P, T = self.max_pages_per_seq, dec + pre
-        batch = dict(token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-                     slot_mapping=np.zeros(T, np.int32),
-                     decode_block_table=np.zeros((dec, P), np.int32),
-                     decode_seq_lens=np.zeros(dec, np.int32),
-                     prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),
-                     prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),
-                     prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),
-                     logits_indices=np.zeros(dec + num_prefill_seqs, np.int32))
-        rows = [None] * (dec + num_prefill_seqs)
-        return batch, sampler.build_sampling_inputs(rows, len(rows), self.max_model_len)
+    def _run_step(self, batch, sampling) -> dict[str, jax.Array]:
+        logits, self.kv_cache = self._forward(self.params, self.kv_cache, batch)
+        return self._sample(logits, sampling)
 
 
-def _step(params, kv_cache, batch, sampling, *, config, backend, max_logprobs):
-    logits, kv_cache = llama.forward(params, kv_cache, batch, config=config, backend=backend)
-    out = sampler.sample(logits, sampling, max_logprobs=max_logprobs)
-    return out, kv_cache
+def _row_params(req) -> sampler.RowParams:
+    p = req.params
+    return sampler.RowParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, seed=req.seed, step=req.num_output_tokens,
+        prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+        num_logprobs=p.logprobs)

@@ -23,6 +23,11 @@ class StepPlan:
     preempted: list[Request] = dataclasses.field(default_factory=list)  # pages freed during this schedule()
 
     @property
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, num_new_tokens) in the order of the sampled ids: decode first, then prefill."""
+        return [(request, 1) for request in self.decode] + self.prefill
+
+    @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
@@ -156,11 +161,11 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= num_new
 
-        if not plan.preempted:
-            budget = self._admit_waiting(plan, budget)
+        if not plan.preempted:  # a request preempted now is not re-admitted in the same step
+            self._admit_waiting(plan, budget)
         return plan
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         allocator = self.allocator
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.prefill) < self.max_num_prefill_seqs):
@@ -175,14 +180,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.page_ids = allocator.match_prefix(prefix_tokens) + allocator.allocate(num_needed)
-            request.page_hashes = []
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.prefill.append((request, num_new))
             budget -= num_new
-        return budget
 
     @staticmethod
     def _is_decoding(request: Request) -> bool:
@@ -223,10 +226,9 @@ class Scheduler:
         """
         if len(sampled_token_ids) != plan.num_seqs:
             raise ValueError(f"expected {plan.num_seqs} sampled ids, got {len(sampled_token_ids)}")
-        computed = [(request, 1) for request in plan.decode] + plan.prefill
         appended: list[Request] = []
         now = time.monotonic()
-        for (request, num_new), token_id in zip(computed, sampled_token_ids):
+        for (request, num_new), token_id in zip(plan.scheduled, sampled_token_ids):
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_new

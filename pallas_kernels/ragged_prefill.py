@@ -16,10 +16,8 @@ from jax.experimental import pallas as pl
 
 from jaxserve import compat
 from pallas_kernels.paged_decode import (
-    KEYS_PER_BLOCK, MASK_VALUE, MIN_DOT_ROWS, cdiv, load_pages, next_power_of_2, online_softmax_step,
+    MASK_VALUE, MIN_DOT_ROWS, cdiv, default_keys_per_block, load_pages, next_power_of_2, online_softmax_step,
 )
-
-ROWS_PER_BLOCK = 64  # block_q * group_pad
 
 
 def _ragged_kernel(
@@ -90,7 +88,7 @@ def query_block_schedule(query_start_loc, seq_lens, num_seqs, block_q, num_query
 )
 def ragged_paged_attention(
     q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
-    scale=None, interpret=False, block_q=None, pages_per_block=None, num_warps=4,
+    scale=None, interpret=False, block_q=None, pages_per_block=None, num_warps=8,
 ):
     """Causal paged attention of a ragged batch of query tokens.
 
@@ -109,8 +107,9 @@ def ragged_paged_attention(
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     scale = head_dim**-0.5 if scale is None else float(scale)
     group_pad = next_power_of_2(group)
-    block_q = block_q or max(1, ROWS_PER_BLOCK // group_pad, MIN_DOT_ROWS // group_pad)
-    pages_per_block = pages_per_block or max(1, KEYS_PER_BLOCK // page_size)
+    rows_per_block = default_keys_per_block(q.dtype)  # block_q * group_pad; same register budget as keys
+    block_q = block_q or max(1, rows_per_block // group_pad, MIN_DOT_ROWS // group_pad)
+    pages_per_block = pages_per_block or max(1, default_keys_per_block(k_pages.dtype) // page_size)
     num_query_blocks = cdiv(num_tokens, block_q) + num_seqs
     padded_pages = cdiv(block_table.shape[1], pages_per_block) * pages_per_block
     block_table = jnp.pad(block_table, ((0, 0), (0, padded_pages - block_table.shape[1])))

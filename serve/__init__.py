@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server for jaxserve (aiohttp): routes, SSE streaming, /health, /metrics."""

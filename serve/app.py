@@ -90,6 +90,9 @@ def _from_http_exception(request: web.Request, e: web.HTTPException) -> web.Resp
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         response = await handler(request)
+    except asyncio.CancelledError:  # the client went away
+        _count_request(request, 499)
+        raise
     except ProtocolError as e:
         response = _json_error(e.status, e.body(), e.headers)
     except web.HTTPException as e:
@@ -97,10 +100,14 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         response = _json_error(500, error_body("internal server error", "server_error", code="internal_error"))
+    _count_request(request, response.status)
+    return response
+
+
+def _count_request(request: web.Request, status: int) -> None:
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    request.app[STATE].metrics.http_requests.labels(route=route, status=str(response.status)).inc()
-    return response
+    request.app[STATE].metrics.http_requests.labels(route=route, status=str(status)).inc()
 
 
 @web.middleware
@@ -162,6 +169,8 @@ async def _read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise ProtocolError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("the request body is nested too deeply") from None
 
 
 async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamResponse:
@@ -181,16 +190,19 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
     ]
     shaper = ResponseShaper(is_chat=is_chat, model=engine.model_name, token_text=state.token_text,
                             want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
-    trackers = [state.metrics.tracker(arrival_time) for _ in range(req.n)]
+    trackers = [state.metrics.tracker(arrival_time, len(prompt_ids)) for _ in range(req.n)]
     fanout = ChoiceFanout(engine, shaper.response_id, prompt_ids, choice_params,
                           on_output=lambda i, output: trackers[i].observe(output))
     state.active.add(fanout)
+    started = False
     try:
         try:
             await fanout.start()
+            started = True
         except QueueFullError as e:
-            raise ProtocolError(f"the server is at capacity, retry later ({e})", status=429, error_type="rate_limit_error",
-                                code="queue_full", headers={"Retry-After": str(state.config.retry_after_s)}) from None
+            raise ProtocolError(f"the server is at capacity, retry later ({e})", status=429,
+                                error_type="rate_limit_error", code="queue_full",
+                                headers={"Retry-After": str(state.config.retry_after_s)}) from None
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         except ServerStopping as e:
@@ -201,9 +213,9 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
     finally:
         state.active.discard(fanout)
         await fanout.close()
-        for tracker in trackers:
-            if not tracker.done:
-                tracker.finish("abort", len(prompt_ids), 0)
+        if started:
+            for tracker in trackers:
+                tracker.finish("abort")  # counts only the choices that did not finish
 
 
 async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.Response:

@@ -7,11 +7,20 @@ running: the engine aborts those requests and frees their pages.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from jaxserve.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
 _END = object()  # a choice's generator ended
+
+
+async def _close_quietly(stream: Any) -> None:
+    try:
+        await stream.aclose()
+    except Exception:
+        logger.exception("closing an engine stream failed")
 
 
 class ServerStopping(Exception):
@@ -36,15 +45,19 @@ class ChoiceFanout:
         return len(self.params)
 
     async def _pump(self, index: int) -> None:
-        stream = self.engine.generate(self.request_ids[index], self.prompt_token_ids, self.params[index])
+        stream = None
         try:
+            stream = self.engine.generate(self.request_ids[index], self.prompt_token_ids, self.params[index])
             async for output in stream:
+                if self.on_output is not None:
+                    self.on_output(index, output)
                 self._events.put_nowait((index, output))
             self._events.put_nowait((index, _END))
         except Exception as e:  # handed to the consumer, which decides the HTTP outcome
             self._events.put_nowait((index, e))
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await _close_quietly(stream)
 
     async def start(self) -> None:
         """Starts every choice and waits for each one's first event; re-raises an engine refusal."""
@@ -79,8 +92,6 @@ class ChoiceFanout:
             if event is _END:
                 num_open -= 1
                 continue
-            if self.on_output is not None:
-                self.on_output(index, event)
             yield index, event
 
     def stop(self, reason: str) -> None:

@@ -76,37 +76,43 @@ class ServerMetrics:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def tracker(self, arrival_time: float) -> "RequestTracker":
-        return RequestTracker(self, arrival_time)
+    def tracker(self, arrival_time: float, num_prompt_tokens: int) -> "RequestTracker":
+        return RequestTracker(self, arrival_time, num_prompt_tokens)
 
 
 class RequestTracker:
     """Timing of one choice; `observe` is called with every delta the engine yields."""
 
-    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival_time: float, num_prompt_tokens: int) -> None:
         self.metrics = metrics
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
         self.done = False
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
         m = self.metrics
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_output_tokens = output.num_output_tokens
         if output.new_token_ids:
             m.generation_tokens.inc(len(output.new_token_ids))
             if self.first_token_time is None:
                 self.first_token_time = now
                 m.time_to_first_token.observe(now - self.arrival_time)
-        if output.finished and not self.done:
-            self.finish(output.finish_reason or "abort", output.num_prompt_tokens, output.num_output_tokens, now)
+        if output.finished:
+            self.finish(output.finish_reason or "abort", now)
 
-    def finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
-               now: float | None = None) -> None:
+    def finish(self, finish_reason: str, now: float | None = None) -> None:
+        """Records the end of the request once (later calls do nothing)."""
+        if self.done:
+            return
         now = time.monotonic() if now is None else now
         self.done = True
         m = self.metrics
         m.requests_finished.labels(finish_reason=finish_reason).inc()
-        m.prompt_tokens.inc(num_prompt_tokens)
+        m.prompt_tokens.inc(self.num_prompt_tokens)
         m.e2e_latency.observe(now - self.arrival_time)
-        if self.first_token_time is not None and num_output_tokens > 1:
-            m.time_per_output_token.observe((now - self.first_token_time) / (num_output_tokens - 1))
+        if self.first_token_time is not None and self.num_output_tokens > 1:
+            m.time_per_output_token.observe((now - self.first_token_time) / (self.num_output_tokens - 1))

@@ -11,6 +11,8 @@ from typing import Any
 
 import jinja2
 
+from jaxserve.tokenization import encode_chat, encode_text
+
 from jaxserve.request import MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16  # upper bound on `n`
@@ -272,12 +274,11 @@ def prompt_token_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     tokenizer (with its special tokens, e.g. BOS) or the client's own ids. Checked against the vocabulary."""
     if request.is_chat:
         try:
-            text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            token_ids = encode_chat(tokenizer, request.messages)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ProtocolError(f"the chat template rejected the messages: {e}", param="messages") from None
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(request.prompt, str):
-        token_ids = tokenizer.encode(request.prompt)
+        token_ids = encode_text(tokenizer, request.prompt)
     else:
         token_ids = list(request.prompt)
     check_prompt_token_ids(token_ids, len(tokenizer))

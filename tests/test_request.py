@@ -66,3 +66,11 @@ def test_random_seed_drawn_per_request():
     seeds = {Request(str(i), [1]).seed for i in range(8)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
     assert Request("zero", [1], SamplingParams(seed=0)).seed == 0
+
+
+def test_host_modules_do_not_import_jax():
+    import subprocess
+    import sys
+    code = ("import sys, jaxserve.request, jaxserve.page_allocator, jaxserve.scheduler, jaxserve.detokenizer; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -34,7 +34,7 @@ class FakeDevice:
 
     def run(self, plan):
         sampled = []
-        for request, num_new in [(r, 1) for r in plan.decode] + plan.prefill:
+        for request, num_new in plan.scheduled:
             start = request.num_computed_tokens
             assert NULL_PAGE not in request.page_ids
             assert len(request.page_ids) >= self.allocator.num_pages_for_tokens(start + num_new)
@@ -164,10 +164,11 @@ def test_max_num_seqs_and_max_num_prefill_seqs():
 
 
 def test_preempts_most_recent_and_recomputes_it():
-    scheduler = make_scheduler(num_pages=5, page_size=2, budget=8)  # 4 usable pages
+    scheduler = make_scheduler(num_pages=5, page_size=2, budget=8, max_num_seqs=2)  # 4 usable pages
     device = FakeDevice(scheduler.allocator)
     old, new = Request("old", [3, 4, 5], greedy(4)), Request("new", [6, 7, 8], greedy(4))
-    for request in (old, new):
+    queued = Request("queued", [9], greedy(2))
+    for request in (old, new, queued):
         scheduler.add_request(request)
     for _ in range(2):  # prefill both (2 pages each), then decode to 4 tokens each
         plan = scheduler.schedule()
@@ -177,11 +178,11 @@ def test_preempts_most_recent_and_recomputes_it():
     assert plan.preempted == [new] and plan.decode == [old] and plan.prefill == []
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.page_ids == []
     assert new.output_token_ids == reference_output(new.prompt_token_ids, 2)  # output is kept
-    assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
+    assert list(scheduler.waiting) == [new, queued] and scheduler.num_preemptions == 1
     scheduler.update(plan, device.run(plan))
     run_engine_loop(scheduler, device, [])
-    for request in (old, new):
-        assert request.output_token_ids == reference_output(request.prompt_token_ids, 4)
+    for request in (old, new, queued):
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
     assert scheduler.allocator.num_used_pages == 0
 
 

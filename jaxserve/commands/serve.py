@@ -32,7 +32,7 @@ def define_flags(fv: flags.FlagValues) -> None:
         "max_num_seqs": "most sequences in one step",
         "max_num_batched_tokens": "token budget of one step",
         "page_size": "tokens per KV cache page",
-        "num_pages": "KV cache pages (default: from the memory planner)",
+        "num_pages": "KV cache pages (the engine sizes them with its memory planner)",
         "max_model_len": "longest prompt + completion, in tokens",
     }
     for name in ENGINE_INT_FLAGS:

@@ -1,0 +1,160 @@
+"""Roofline benchmark of the paged attention kernels.
+
+Decode: achieved HBM bandwidth against the bytes the kernel must move (the K/V pages in use,
+q and the output), batch 64 at contexts 1k/4k/8k with Llama-3-8B heads (32 query heads, 8 KV
+heads, head_dim 128, bfloat16, page size 16). Ragged: TFLOP/s of causal attention for 8 prefills
+of 512 tokens. A device-to-device copy measured in the same run gives the bandwidth ceiling.
+
+  python bench/kernels.py --out bench/out/kernels.json            # on a GPU
+  python bench/kernels.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels import paged_decode, ragged_prefill, reference  # noqa: E402
+
+FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_dim=128,
+            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, repeats=20)
+QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
+             page_size=16, prefills=2, prefill_len=24, copy_mib=4, repeats=2)
+
+
+def time_call(function, *args, repeats):
+    """Median seconds of one call, after a warm-up call that compiles."""
+    jax.block_until_ready(function(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(mib, repeats):
+    """Device-to-device copy: bytes read + written per second."""
+    source = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0 + 0.0)  # forces a fresh output buffer
+    seconds = time_call(copy, source, repeats=repeats)
+    moved = 2 * source.nbytes
+    return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9}
+
+
+def paged_cache(rng, seq_lens, shape, dtype):
+    """K/V pages holding every sequence's context behind a randomly permuted block table."""
+    batch = len(seq_lens)
+    page_size, kv_heads, head_dim = shape
+    pages_per_seq = [-(-int(n) // page_size) for n in seq_lens]
+    max_pages = max(pages_per_seq)
+    num_pages = sum(pages_per_seq) + 1
+    order = 1 + rng.permutation(num_pages - 1)
+    block_table = np.zeros((batch, max_pages), np.int32)
+    used = 0
+    for row, count in enumerate(pages_per_seq):
+        block_table[row, :count] = order[used : used + count]
+        used += count
+    key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+    page_shape = (num_pages, page_size, kv_heads, head_dim)
+    k_pages = jax.random.normal(key_k, page_shape, dtype)
+    v_pages = jax.random.normal(key_v, page_shape, dtype)
+    return k_pages, v_pages, jnp.asarray(block_table), sum(pages_per_seq)
+
+
+def bench_decode(config, rng, interpret, with_reference):
+    dtype = jnp.bfloat16
+    results = []
+    for context in config["contexts"]:
+        seq_lens = np.full((config["batch"],), context, np.int32)
+        shape = (config["page_size"], config["kv_heads"], config["head_dim"])
+        k_pages, v_pages, block_table, pages_in_use = paged_cache(rng, seq_lens, shape, dtype)
+        q = jax.random.normal(jax.random.key(1), (config["batch"], config["q_heads"], config["head_dim"]), dtype)
+        args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens))
+        page_bytes = config["page_size"] * config["kv_heads"] * config["head_dim"] * jnp.dtype(dtype).itemsize
+        needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
+        kernel = jax.jit(lambda *a: paged_decode.paged_decode_attention(*a, interpret=interpret))
+        seconds = time_call(kernel, *args, repeats=config["repeats"])
+        row = {"batch": config["batch"], "context": context, "bytes": needed, "seconds": seconds,
+               "gb_per_s": needed / seconds / 1e9}
+        if with_reference:
+            ref_seconds = time_call(jax.jit(reference.paged_decode_attention), *args, repeats=config["repeats"])
+            row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
+        results.append(row)
+        del k_pages, v_pages
+    return results
+
+
+def causal_attention_flops(query_lens, q_heads, head_dim):
+    """2 matmuls x 2 flops per multiply-add over the keys each query may see."""
+    visible = sum(n * (n + 1) // 2 for n in query_lens)
+    return 4 * visible * q_heads * head_dim
+
+
+def bench_ragged(config, rng, interpret, with_reference):
+    dtype = jnp.bfloat16
+    lengths = [config["prefill_len"]] * config["prefills"]
+    seq_lens = np.asarray(lengths, np.int32)
+    shape = (config["page_size"], config["kv_heads"], config["head_dim"])
+    k_pages, v_pages, block_table, _ = paged_cache(rng, seq_lens, shape, dtype)
+    num_tokens = sum(lengths)
+    q = jax.random.normal(jax.random.key(2), (num_tokens, config["q_heads"], config["head_dim"]), dtype)
+    query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens), query_start_loc)
+    kernel = jax.jit(lambda *a: ragged_prefill.ragged_paged_attention(*a, interpret=interpret))
+    seconds = time_call(kernel, *args, repeats=config["repeats"])
+    flops = causal_attention_flops(lengths, config["q_heads"], config["head_dim"])
+    result = {"prefills": config["prefills"], "prefill_len": config["prefill_len"], "flops": flops,
+              "seconds": seconds, "tflop_per_s": flops / seconds / 1e12}
+    if with_reference:
+        ref_seconds = time_call(jax.jit(reference.ragged_paged_attention), *args, repeats=config["repeats"])
+        result.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
+    return result
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="path of the JSON report")
+    parser.add_argument("--interpret", action="store_true", help="run the kernels in Pallas interpret mode")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--with-reference", action="store_true", help="also time the plain-jnp reference")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.interpret and jax.default_backend() != "gpu":
+        print("error: the compiled kernels need a GPU; pass --interpret to run elsewhere", file=sys.stderr)
+        return 2
+    config = QUICK if args.quick else FULL
+    rng = np.random.default_rng(0)
+    device = jax.devices()[0]
+    report = {
+        "device": getattr(device, "device_kind", str(device)),
+        "jax_version": jax.__version__,
+        "mode": "interpret" if args.interpret else "pallas",
+        "shapes": {k: v for k, v in config.items() if k != "repeats"},
+        "copy": copy_bandwidth(config["copy_mib"], config["repeats"]),
+    }
+    report["decode"] = bench_decode(config, rng, args.interpret, args.with_reference)
+    for row in report["decode"]:
+        row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
+    report["ragged"] = bench_ragged(config, rng, args.interpret, args.with_reference)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(report, handle, indent=2)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`jaxserve convert`: a Hugging Face folder or a GGUF file -> a jaxserve checkpoint directory."""
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import flags
+
+from checkpoints import ConversionError
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("source", None, "Hugging Face model folder (config.json + *.safetensors) or a "
+                        ".gguf file.", flag_values=fv)
+    flags.DEFINE_string("output", None, "Directory to create with the converted model.", flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Stored weight dtype; default: "
+                      "float32 for GGUF, the source's dtype for Hugging Face folders.", flag_values=fv)
+    flags.DEFINE_boolean("overwrite", False, "Replace --output if it already exists.", flag_values=fv)
+
+
+def run(fv: flags.FlagValues) -> int:
+    if not fv.source or not fv.output:
+        print("jaxserve convert: --source and --output are required", file=sys.stderr)
+        return 2
+    from checkpoints.convert import convert_checkpoint
+
+    start = time.perf_counter()
+    try:
+        config = convert_checkpoint(fv.source, fv.output, dtype=fv.dtype, overwrite=fv.overwrite)
+    except ConversionError as e:
+        print(f"jaxserve convert: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {fv.source} -> {fv.output}: {config.architecture}, {config.num_layers} layers, "
+          f"{config.num_params() / 1e6:.1f}M parameters in {time.perf_counter() - start:.1f}s")
+    return 0

@@ -1,0 +1,169 @@
+"""`jaxserve generate`: batch generation, JSONL prompts in, JSONL completions out.
+
+Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]}, with
+optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop". Output lines:
+{"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as
+requests finish. Ids already in the output file are skipped, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import flags
+
+from jaxserve.commands import engine_flags
+from jaxserve.tokenization import encode_chat, encode_text
+
+_LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
+                   "top_k": int, "seed": int, "stop": (str, list)}
+
+
+class InputError(ValueError):
+    """A problem with the input file, reported with its line number."""
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("input", None, "JSONL file of prompts", flag_values=fv)
+    flags.DEFINE_string("output", None, "JSONL file of completions (appended; existing ids skipped)",
+                        flag_values=fv)
+    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+    engine_flags.define_engine_flags(fv)
+    engine_flags.define_sampling_flags(fv)
+
+
+def read_prompts(path: str) -> list[dict]:
+    """Parses and validates every line before anything runs."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file")
+    items, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(item, dict):
+                raise InputError(f"{where}: each line must be a JSON object")
+            if "id" not in item or not isinstance(item["id"], (str, int)) or isinstance(item["id"], bool):
+                raise InputError(f"{where}: 'id' (a string or an integer) is required")
+            if item["id"] in seen:
+                raise InputError(f"{where}: duplicate id {item['id']!r}")
+            seen.add(item["id"])
+            has_prompt, has_messages = "prompt" in item, "messages" in item
+            if has_prompt == has_messages:
+                raise InputError(f"{where}: give exactly one of 'prompt' or 'messages'")
+            if has_prompt and not isinstance(item["prompt"], str):
+                raise InputError(f"{where}: 'prompt' must be a string")
+            if has_messages:
+                msgs = item["messages"]
+                if not isinstance(msgs, list) or not msgs or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str)
+                        and isinstance(m.get("content"), str) for m in msgs):
+                    raise InputError(f"{where}: 'messages' must be a non-empty list of "
+                                     "{'role': str, 'content': str} objects")
+            for key, types in _LINE_OVERRIDES.items():
+                if key in item and (not isinstance(item[key], types) or isinstance(item[key], bool)):
+                    raise InputError(f"{where}: '{key}' has the wrong type ({type(item[key]).__name__})")
+            items.append(item)
+    return items
+
+
+def done_ids(path: str) -> set:
+    if not os.path.isfile(path):
+        return set()
+    ids = set()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by an interrupted run is redone
+    return ids
+
+
+def _percentiles(values: list[float]) -> str:
+    import numpy as np
+    if not values:
+        return "n/a"
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1000
+    return f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms"
+
+
+def run(fv: flags.FlagValues) -> int:
+    from jaxserve.request import SamplingParams
+
+    if not fv.input or not fv.output:
+        print("jaxserve generate: --input and --output are required", file=sys.stderr)
+        return 2
+    try:
+        items = read_prompts(fv.input)
+        base = engine_flags.sampling_kwargs(fv)
+        params = []
+        for item in items:
+            sp = SamplingParams(**{**base, **{k: item[k] for k in _LINE_OVERRIDES if k in item}})
+            try:
+                sp.validate()
+            except ValueError as e:
+                raise InputError(f"{fv.input}: id {item['id']!r}: {e}") from None
+            params.append(sp)
+    except InputError as e:
+        print(f"jaxserve generate: {e}", file=sys.stderr)
+        return 2
+    skip = done_ids(fv.output)
+    todo = [(item, sp) for item, sp in zip(items, params) if item["id"] not in skip]
+    if not todo:
+        print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
+        return 0
+
+    from jaxserve.engine import Engine, EngineConfig
+    try:
+        # Offline: compile each step shape when first used instead of all of them up front.
+        engine = Engine.from_model(fv.model, EngineConfig(**engine_flags.engine_kwargs(fv), warmup=False))
+    except (ValueError, OSError) as e:
+        print(f"jaxserve generate: cannot load {fv.model!r}: {e}", file=sys.stderr)
+        return 2
+    tok = engine.tokenizer
+    prompts = [encode_chat(tok, item["messages"]) if "messages" in item else encode_text(tok, item["prompt"])
+               for item, _ in todo]
+    for (item, sp), ids in zip(todo, prompts):
+        try:
+            engine.check_request(ids, sp)
+        except ValueError as e:
+            print(f"jaxserve generate: id {item['id']!r}: {e}", file=sys.stderr)
+            return 2
+    return _run_batch(engine, todo, prompts, fv)
+
+
+def _run_batch(engine, todo, prompts, fv) -> int:
+    from tqdm import tqdm
+
+    request_ids = [f"line-{i}" for i in range(len(todo))]
+    item_of = {rid: item for rid, (item, _) in zip(request_ids, todo)}
+    bar = tqdm(total=len(todo), unit="req", disable=not fv.progress, file=sys.stderr)
+    start = time.monotonic()
+    with open(fv.output, "a", encoding="utf-8") as out:
+        def write(result):
+            out.write(json.dumps({
+                "id": item_of[result.request_id]["id"], "text": result.text,
+                "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                "num_prompt_tokens": len(result.prompt_token_ids),
+                "num_output_tokens": len(result.token_ids)}, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update(1)
+
+        results = engine.generate(prompts, [sp for _, sp in todo], request_ids=request_ids,
+                                  on_finish=write)
+    bar.close()
+    elapsed = time.monotonic() - start
+    num_out = sum(len(r.token_ids) for r in results)
+    print(f"{len(results)} requests, {num_out} output tokens in {elapsed:.1f}s: "
+          f"{num_out / elapsed:.1f} output tokens/s", file=sys.stderr)
+    print(f"TTFT {_percentiles([r.ttft for r in results if r.ttft is not None])}", file=sys.stderr)
+    print(f"TPOT {_percentiles([r.tpot for r in results if r.tpot is not None])}", file=sys.stderr)
+    return 0

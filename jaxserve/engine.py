@@ -1,0 +1,388 @@
+"""Engine: continuous batching over the paged KV cache.
+
+`Engine` is synchronous: `add_request`, `abort` and `step` (one scheduled model step, returning a
+delta per request that advanced). `AsyncEngine` runs `step` in a background thread and feeds
+asyncio consumers, one async iterator of deltas per request, without blocking the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, TokenLogprob
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import Request, RequestStatus, SamplingParams
+from jaxserve.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_num_prefill_seqs: int = 2
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized by the memory planner
+    max_model_len: int | None = None  # None: min(the model's context, 2048)
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    attention_backend: str | None = None  # None: Pallas on GPU, the jnp reference on CPU
+    max_waiting_requests: int = 1024
+    max_logprobs: int = 20
+    memory_utilization: float = 0.9
+    warmup: bool = True
+
+
+@dataclasses.dataclass
+class FinishedRequest:
+    """The whole result of one request (offline generation)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    ttft: float | None  # seconds from arrival to the first token
+    e2e: float  # seconds from arrival to the end
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or len(self.token_ids) < 2:
+            return None
+        return (self.e2e - self.ttft) / (len(self.token_ids) - 1)
+
+
+class _Stream:
+    """Host-side text state of one request: detokenizer and stop strings."""
+
+    def __init__(self, request: Request, tokenizer):
+        self.request = request
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
+        self.stop_checker = StopChecker(request.params.stop)
+
+
+class Engine:
+    """Synchronous engine: the scheduler (host) plus the model runner (device)."""
+
+    def __init__(self, model_config, params, tokenizer, engine_config: EngineConfig | None = None,
+                 *, model_name: str = "model", shardings=None):
+        from jaxserve import runner as runner_lib  # jax lives behind the runner
+        from jaxserve import device_setup
+
+        cfg = engine_config or EngineConfig()
+        device_setup.enable_compilation_cache()
+        self.config = cfg
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 2048),
+                                 model_config.max_position_embeddings)
+        num_pages = cfg.num_pages or device_setup.plan_num_pages(model_config, cfg, self.max_model_len, params)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_prefill_seqs=cfg.max_num_prefill_seqs,
+                                   max_model_len=self.max_model_len)
+        self.runner = runner_lib.ModelRunner(
+            model_config, params, num_pages=num_pages, page_size=cfg.page_size,
+            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_prefill_seqs=cfg.max_num_prefill_seqs,
+            backend=device_setup.attention_backend(cfg.attention_backend),
+            max_logprobs=cfg.max_logprobs, shardings=shardings)
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._streams: dict[str, _Stream] = {}
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # model tokens computed (prefix-cache hits are not computed)
+        self.time_in_steps = 0.0
+        if cfg.warmup:
+            self.runner.warmup()
+
+    @classmethod
+    def from_model(cls, model: str, engine_config: EngineConfig | None = None) -> "Engine":
+        """Loads a converted model directory, a GGUF/HF source, or the alias "smollm2"."""
+        from checkpoints import default_model, load
+        from jaxserve import device_setup
+
+        cfg = engine_config or EngineConfig()
+        model_dir = default_model.resolve_model(model)
+        model_config = load.load_config(model_dir)
+        params = load.load_params(model_dir, device_setup.param_dtype(cfg.dtype))
+        tokenizer = load.load_tokenizer(model_dir)
+        return cls(model_config, params, tokenizer, cfg, model_name=model)
+
+    # ---- requests -------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises ValueError with a clear message when the request can never be served."""
+        params.validate()
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.scheduler.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+                             f"max_model_len ({self.scheduler.max_seq_len}) to leave room for output")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> Request:
+        self.check_request(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params)
+        self.scheduler.add_request(request)
+        self._streams[request_id] = _Stream(request, self.tokenizer)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request now (its pages return at once); its closing delta, or None if unknown."""
+        request = self.scheduler.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if request is None or stream is None:
+            return None
+        return self._output(stream, [], "", None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_total_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=self.allocator.num_prefix_queries_tokens,
+            prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one model step; returns a delta for every request that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        self.num_computed_tokens += plan.num_tokens
+        self.time_in_steps += result.device_seconds
+        rows = {req.request_id: i for i, req in enumerate(plan.decode + [r for r, _ in plan.prefill])}
+        appended = self.scheduler.update(plan, result.token_ids.tolist())
+        outputs = []
+        for request in appended:
+            stream = self._streams.get(request.request_id)
+            if stream is None:
+                continue
+            logprob = None
+            if request.params.logprobs is not None and result.logprobs is not None:
+                i = rows[request.request_id]
+                k = request.params.logprobs
+                logprob = TokenLogprob(
+                    request.output_token_ids[-1], float(result.logprobs[i]),
+                    [(int(t), float(lp)) for t, lp in zip(result.top_ids[i][:k], result.top_logprobs[i][:k])])
+            outputs.append(self._advance(stream, logprob))
+        return outputs
+
+    def _advance(self, stream: _Stream, logprob: TokenLogprob | None) -> RequestOutput:
+        """Stop checks and detokenization for the token just appended to the request."""
+        request = stream.request
+        token_id = request.output_token_ids[-1]
+        params = request.params
+        text = ""
+        stop_string_matched = False
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)  # the token is not text
+        elif stream.detokenizer is not None:
+            text, stop_string_matched = stream.stop_checker.add(stream.detokenizer.add(token_id))
+        if stop_string_matched:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif not request.is_finished:
+            self.scheduler.check_length(request)
+        if request.is_finished and not stop_string_matched and stream.detokenizer is not None:
+            text += stream.stop_checker.add(stream.detokenizer.flush())[0] + stream.stop_checker.flush()
+        return self._output(stream, [token_id], text, [logprob] if logprob else None)
+
+    def _output(self, stream: _Stream, token_ids, text, logprobs) -> RequestOutput:
+        request = stream.request
+        if request.is_finished:
+            self._streams.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=token_ids, new_text=text,
+            finished=request.is_finished, finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, new_logprobs=logprobs,
+            error=request.error_message)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every unfinished request with an error (after a failed step); pages return."""
+        outputs = []
+        for request_id, stream in list(self._streams.items()):
+            stream.request.error_message = message
+            if not stream.request.is_finished:
+                self.scheduler.finish(stream.request, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(stream, [], "", None))
+        return outputs
+
+    # ---- offline --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams], *,
+                 request_ids: Sequence[str] | None = None, on_finish=None) -> list[FinishedRequest]:
+        """Runs every prompt (token ids) to completion with continuous batching; results in order.
+
+        `on_finish(result)` is called as each request finishes."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = list(request_ids or [f"gen-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(prompts))])
+        requests = {rid: self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params_list)}
+        texts = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        results: dict[str, FinishedRequest] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                if out.new_logprobs:
+                    logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished:
+                    req = requests[out.request_id]
+                    results[out.request_id] = result = FinishedRequest(
+                        out.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                        "".join(texts[out.request_id]), out.finish_reason, req.num_cached_tokens,
+                        None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+                        (req.finish_time or time.monotonic()) - req.arrival_time,
+                        logprobs[out.request_id] if req.params.logprobs is not None else None)
+                    if on_finish:
+                        on_finish(result)
+        return [results[rid] for rid in ids]
+
+
+class AsyncEngine:
+    """Runs an `Engine` in a background thread; asyncio callers stream deltas per request."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._num_pending_adds = 0
+        self._stats = engine.stats()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request. Raises ValueError / QueueFullError before the first delta.
+
+        Stopping the iteration early (client gone, task cancelled) aborts the request."""
+        self.engine.check_request(prompt_token_ids, params)
+        if self._stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not self.is_alive:
+            raise RuntimeError("the engine is not running")
+        deltas: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = deltas
+        self._num_pending_adds += 1
+        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await deltas.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        def deliver():
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+        if outputs and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(deliver)
+
+    def _drain_commands(self) -> None:
+        outputs = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _, request_id, prompt, params = command
+                self._num_pending_adds -= 1
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except ValueError as e:
+                    outputs.append(RequestOutput(request_id, [], "", True, "error", len(prompt), 0,
+                                                 error=str(e)))
+            else:
+                out = self.engine.abort(command[1])
+                if out is not None:
+                    outputs.append(out)
+        self._publish(outputs)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            self._stats = self.engine.stats()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step must not take the server down
+                log.exception("engine step failed")
+                outputs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self._publish(outputs)
+        self._publish(self.engine.fail_all("the server is shutting down"))
+        self._stats = self.engine.stats()
+
+
+def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
+    """The server's factory: an AsyncEngine (not yet started) for a model name or path."""
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+    max_waiting = engine_kwargs.get("max_waiting_requests")
+    engine = Engine.from_model(model, EngineConfig(**engine_kwargs))
+    return AsyncEngine(engine, max_waiting)

@@ -1,0 +1,170 @@
+import random
+import string
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from jaxserve.detokenizer import (REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, find_stop_string,
+                                  partial_stop_suffix_len)
+
+TEXT = "héllo wörld, 日本語 😀 the café end"
+
+
+def byte_level_tokenizer():
+    """A tiny byte-level BPE (GPT-2 / Llama 3 style): characters not merged stay split in bytes."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["hello world, the quick brown fox jumps over the lazy dog", "héllo wörld café naïve", "the end"]
+    tokenizer.train_from_iterator(corpus * 3, trainer)
+    return tokenizer
+
+
+def metaspace_tokenizer():
+    """A tiny SentencePiece-style BPE (Llama 2 style): "▁" for spaces, byte fallback for the rest."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for char in ["▁", ",", "é"] + list(string.ascii_lowercase):
+        vocab[char] = len(vocab)
+    merges = [("▁", "h"), ("e", "l"), ("l", "o"), ("▁h", "el"), ("▁hel", "lo"), ("▁", "w"), ("o", "r")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return tokenizer
+
+
+def as_hf(tokenizer):
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+TOKENIZERS = {
+    "byte_level": byte_level_tokenizer,
+    "byte_level_hf": lambda: as_hf(byte_level_tokenizer()),
+    "metaspace": metaspace_tokenizer,
+    "metaspace_hf": lambda: as_hf(metaspace_tokenizer()),
+}
+
+
+def encode(tokenizer, text):
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.encode(text).ids
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("num_prompt_tokens", [0, 1, 3, 8])
+def test_streamed_text_never_breaks_characters(name, num_prompt_tokens):
+    tokenizer = TOKENIZERS[name]()
+    ids = encode(tokenizer, TEXT)
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids), "the text must split characters"
+    prompt, output = ids[:num_prompt_tokens], ids[num_prompt_tokens:]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detokenizer.add(token_id) for token_id in output]
+    assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
+    assert "" in deltas  # some text was held back until its character was complete
+    expected = TEXT[len(tokenizer.decode(prompt)):]
+    assert "".join(deltas) == detokenizer.output_text == expected
+    assert detokenizer.flush() == ""
+
+
+@pytest.mark.parametrize("skip, expected", [(True, ""), (False, "</s>")])
+def test_special_tokens(skip, expected):
+    tokenizer = as_hf(byte_level_tokenizer())
+    detokenizer = IncrementalDetokenizer(tokenizer, encode(tokenizer, "the"), skip_special_tokens=skip)
+    assert detokenizer.add(encode(tokenizer, " the")[0]) == " the"
+    assert detokenizer.add(tokenizer.eos_token_id) == expected
+
+
+def test_flush_releases_an_incomplete_character():
+    tokenizer = byte_level_tokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer, encode(tokenizer, "the"))
+    first_byte_of_emoji = encode(tokenizer, "😀")[0]
+    assert detokenizer.add(encode(tokenizer, " the")[0]) == " the"
+    assert detokenizer.add(first_byte_of_emoji) == ""
+    assert detokenizer.flush() == REPLACEMENT_CHAR and detokenizer.output_text == " the" + REPLACEMENT_CHAR
+
+
+def stream(checker, deltas):
+    emitted, stopped = [], False
+    for delta in deltas:
+        out, stopped = checker.add(delta)
+        emitted.append(out)
+    return emitted, stopped
+
+
+def test_stop_string_is_excluded():
+    checker = StopChecker(["STOP"])
+    emitted, stopped = stream(checker, ["ab", "cS", "TOPd", "more"])
+    assert emitted == ["ab", "c", "", ""] and stopped and checker.matched_stop == "STOP"
+    assert checker.output_text == "abc" and checker.flush() == ""
+
+
+def test_partial_stop_string_is_held_then_released():
+    checker = StopChecker(["</a>"])
+    emitted, stopped = stream(checker, ["x <", "/a", "b> y"])
+    assert emitted == ["x ", "", "</ab> y"] and not stopped
+
+
+def test_held_tail_released_by_flush():
+    checker = StopChecker(["end!"])
+    emitted, stopped = stream(checker, ["the en"])
+    assert emitted == ["the "] and not stopped
+    assert checker.flush() == "en" and checker.output_text == "the en"
+
+
+def test_stop_completed_first_wins_over_a_longer_pending_one():
+    checker = StopChecker(["abbb", "b"])
+    assert checker.add("a") == ("", False)  # could become "abbb"
+    assert checker.add("b") == ("a", True)  # "b" is complete now; generation ends here
+
+
+def test_earliest_stop_string_wins():
+    assert find_stop_string("xfoobar", ["bar", "foo"]) == (1, "foo")
+    assert find_stop_string("xfoobar", ["bar", "foo"], search_from=2) == (4, "bar")
+    assert find_stop_string("xyz", ["bar"]) is None
+    checker = StopChecker(["bar", "foo"])
+    assert checker.add("xfoobar") == ("x", True)
+
+
+def test_partial_suffix_length():
+    assert partial_stop_suffix_len("abc<", ["<stop>", "c<s"]) == 2
+    assert partial_stop_suffix_len("abc", ["abc"]) == 0  # a whole match is not partial
+    assert partial_stop_suffix_len("", ["a"]) == 0
+
+
+def test_no_stop_strings_streams_everything():
+    checker = StopChecker([])
+    assert stream(checker, ["a", "b"]) == (["a", "b"], False)
+
+
+def test_random_streams_match_one_shot_truncation():
+    rng = random.Random(0)
+    for _ in range(500):
+        stop = ["".join(rng.choices("ab", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choices("abc", k=rng.randint(0, 20)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        deltas = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        # Generation ends at the first delta that completes a stop string.
+        seen, match = "", None
+        for delta in deltas:
+            seen += delta
+            match = find_stop_string(seen, stop)
+            if match is not None:
+                break
+        expected = seen if match is None else seen[:match[0]]
+        checker = StopChecker(stop)
+        emitted = ""
+        for delta in deltas:
+            out, stopped = checker.add(delta)
+            emitted += out
+            assert expected.startswith(emitted)
+            if not stopped:
+                assert len(checker.text) - len(emitted) < max(map(len, stop))
+        assert emitted + checker.flush() == expected and checker.stopped == (match is not None)

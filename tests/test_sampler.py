@@ -1,0 +1,245 @@
+"""Tests of the batched sampler against numpy references of the vLLM semantics."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.sampler import (NUM_CANDIDATES, RowParams, allowed_tokens, apply_penalties,
+                              build_sampling_inputs, row_key_data, sample)
+
+VOCAB = 1000  # not a multiple of any block size: exercises the -inf padding
+NUM_ROWS = 64
+HISTORY = 16
+MAX_LOGPROBS = 5
+
+_sample = jax.jit(functools.partial(sample, max_logprobs=MAX_LOGPROBS))
+_allowed = jax.jit(allowed_tokens)
+_penalties = jax.jit(apply_penalties)
+
+
+def run(logits, rows, num_rows=NUM_ROWS):
+    inputs = build_sampling_inputs(rows, num_rows, HISTORY)
+    padded = np.zeros((num_rows, logits.shape[1]), np.float32)
+    padded[:len(logits)] = logits
+    return {name: np.asarray(value) for name, value in _sample(padded, inputs).items()}
+
+
+def random_logits(rng, num_rows, scale):
+    return (rng.standard_normal((num_rows, VOCAB)) * scale).astype(np.float32)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def reference_penalties(logits, row):
+    logits = np.asarray(logits, np.float64).copy()
+    counts = np.bincount(row.output_token_ids, minlength=len(logits))
+    seen = counts > 0
+    seen[row.prompt_token_ids] = True
+    penalty = row.repetition_penalty
+    logits[seen] = np.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+    return logits - row.frequency_penalty * counts - row.presence_penalty * (counts > 0)
+
+
+def reference_allowed(logits, row, top_p_shift=0.0, min_p_shift=0.0):
+    """Kept set of one sampling row, by sorting (float64); shifts probe the boundaries."""
+    scaled = reference_penalties(logits, row) / row.temperature
+    keep = np.ones(len(scaled), bool)
+    if 0 < row.top_k < len(scaled):
+        keep &= scaled >= np.sort(scaled)[::-1][row.top_k - 1]
+    top_p = row.top_p + top_p_shift
+    if row.top_p < 1.0:
+        probs = np.exp(log_softmax(np.where(keep, scaled, -np.inf)))
+        descending = np.sort(probs)[::-1]
+        mass_before = np.cumsum(descending) - descending
+        last = max(int(np.sum(mass_before < top_p)) - 1, 0)
+        keep &= probs >= descending[last]
+    if row.min_p > 0:
+        probs = np.exp(log_softmax(scaled))
+        keep &= probs >= (row.min_p + min_p_shift) * probs.max()
+    return keep
+
+
+def assert_allowed_matches(logits, rows):
+    got = np.asarray(_allowed(logits, build_sampling_inputs(rows, len(rows), HISTORY)))
+    for index, row in enumerate(rows):
+        inner = reference_allowed(logits[index], row, top_p_shift=-1e-5, min_p_shift=1e-5)
+        outer = reference_allowed(logits[index], row, top_p_shift=1e-5, min_p_shift=-1e-5)
+        assert np.all(got[index] >= inner) and np.all(got[index] <= outer), (index, row)
+    return got
+
+
+def test_greedy_is_first_argmax_of_penalized_logits():
+    rng = np.random.default_rng(0)
+    logits = random_logits(rng, NUM_ROWS, 3.0)
+    logits[1, [3, 700]] = logits[1].max() + 1.0  # tie: the first index wins
+    rows = [RowParams(temperature=0.0, top_k=5, top_p=0.5) for _ in range(NUM_ROWS)]
+    out = run(logits, rows)
+    np.testing.assert_array_equal(out["token_ids"], np.argmax(logits, -1))
+    assert out["token_ids"][1] == 3
+
+    best = int(np.argmax(logits[2]))
+    rows[2] = RowParams(temperature=0.0, repetition_penalty=50.0, presence_penalty=20.0,
+                        output_token_ids=[best])
+    assert run(logits, rows)["token_ids"][2] == np.argmax(reference_penalties(logits[2], rows[2]))
+    assert run(logits, rows)["token_ids"][2] != best
+
+
+def test_penalties_match_numpy_reference():
+    rng = np.random.default_rng(1)
+    logits = random_logits(rng, 6, 2.0)
+    rows = [RowParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.7,
+                      prompt_token_ids=[1, 2, 3, 999], output_token_ids=[3, 3, 5, 5, 5, 0]),
+            RowParams(repetition_penalty=0.8, prompt_token_ids=list(range(10, 26))),
+            RowParams(frequency_penalty=-0.5, output_token_ids=[7] * HISTORY),
+            RowParams(presence_penalty=2.0, output_token_ids=[998, 4]),
+            RowParams(),
+            None]
+    inputs = build_sampling_inputs(rows, len(rows), HISTORY)
+    got = np.asarray(_penalties(logits, inputs))
+    for index, row in enumerate(rows[:-1]):
+        np.testing.assert_allclose(got[index], reference_penalties(logits[index], row), rtol=1e-6)
+    np.testing.assert_array_equal(got[4:], logits[4:])
+
+
+def test_allowed_set_matches_sorting_reference():
+    rng = np.random.default_rng(2)
+    cases = [dict(top_k=5), dict(top_k=NUM_CANDIDATES), dict(top_k=NUM_CANDIDATES + 1),
+             dict(top_k=400), dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.99),
+             dict(min_p=0.2), dict(top_k=300, top_p=0.8), dict(top_k=20, top_p=0.7, min_p=0.1),
+             dict(top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5,
+                  prompt_token_ids=list(range(8)), output_token_ids=[0, 0, 9])]
+    rows, logit_rows = [], []
+    for case in cases:
+        for scale in (0.05, 1.0, 6.0):  # flat rows need the exact bisection, peaked ones not
+            rows.append(RowParams(temperature=float(rng.uniform(0.5, 1.5)), **case))
+            logit_rows.append(random_logits(rng, 1, scale)[0])
+    got = assert_allowed_matches(np.stack(logit_rows), rows)
+    sizes = got.sum(-1)
+    assert sizes.min() >= 1 and sizes.max() > NUM_CANDIDATES  # both code paths were exercised
+
+
+def test_ties_at_the_cut_are_kept():
+    logits = np.zeros((1, VOCAB), np.float32)
+    logits[0, :10] = [5, 4, 3, 3, 3, 3, 2, 1, 1, 0]
+    inputs = build_sampling_inputs([RowParams(top_k=3)], 1, HISTORY)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(_allowed(logits, inputs))[0]),
+                                  [0, 1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.6), dict(top_p=0.9),
+                                    dict(min_p=0.3), dict(top_k=200, top_p=0.97, min_p=0.01)])
+def test_draws_stay_inside_the_allowed_set(params):
+    rng = np.random.default_rng(3)
+    logits = np.repeat(random_logits(rng, 1, 1.5), NUM_ROWS, 0)
+    row = RowParams(temperature=1.0, **params)
+    outer = reference_allowed(logits[0], row, top_p_shift=1e-5, min_p_shift=-1e-5)
+    drawn = np.concatenate([
+        run(logits, [RowParams(temperature=1.0, seed=seed, step=step, **params)
+                     for seed in range(NUM_ROWS)])["token_ids"] for step in range(8)])
+    assert outer[drawn].all()
+    assert len(set(drawn.tolist())) > 1
+
+
+def test_draw_frequencies_follow_the_distribution():
+    logits = np.full((NUM_ROWS, VOCAB), -40.0, np.float32)
+    tokens = np.array([3, 255, 256, 511, 700, 999])  # spread across sampling blocks
+    logits[:, tokens] = [1.0, 0.2, 0.0, -0.5, 0.7, -1.0]
+    num_steps = 40
+    for temperature in (1.0, 2.0):
+        drawn = np.concatenate([
+            run(logits, [RowParams(temperature=temperature, seed=seed, step=step)
+                         for seed in range(NUM_ROWS)])["token_ids"] for step in range(num_steps)])
+        assert np.isin(drawn, tokens).all()
+        expected = np.exp(log_softmax(logits[0, tokens] / temperature))
+        frequency = np.array([(drawn == token).mean() for token in tokens])
+        tolerance = 4 * np.sqrt(expected * (1 - expected) / len(drawn)) + 1e-3
+        assert np.all(np.abs(frequency - expected) < tolerance), (frequency, expected)
+
+
+def test_seeded_draws_ignore_batch_position_and_companions():
+    rng = np.random.default_rng(4)
+    own_logits = random_logits(rng, 1, 1.0)[0]
+    others = random_logits(rng, 16, 0.05)
+
+    def own(step):
+        return RowParams(temperature=0.9, top_p=0.95, min_p=0.01, seed=1234, step=step)
+
+    def companions(step):  # greedy, penalties, exact-search rows and padding
+        return [RowParams(temperature=1.0, top_k=500, seed=7, step=step),
+                RowParams(temperature=0.0),
+                RowParams(temperature=1.3, top_p=0.99, seed=step,
+                          repetition_penalty=1.2, output_token_ids=[1, 2]),
+                None]
+
+    for step in range(6):
+        alone = run(own_logits[None], [own(step)], num_rows=8)["token_ids"][0]
+        logits = others.copy()
+        logits[5] = own_logits
+        rows = companions(step) + [None, own(step)]
+        mixed = run(logits, rows)["token_ids"][5]
+        assert alone == mixed
+
+
+def test_different_seeds_and_steps_draw_differently():
+    logits = np.zeros((NUM_ROWS, VOCAB), np.float32)
+    by_seed = run(logits, [RowParams(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
+    by_step = [run(logits, [RowParams(seed=5, step=step)])["token_ids"][0] for step in range(10)]
+    repeated = run(logits, [RowParams(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
+    assert len(set(by_seed.tolist())) > NUM_ROWS // 2
+    assert len(set(by_step)) > 5
+    np.testing.assert_array_equal(by_seed, repeated)
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(5)
+    logits = random_logits(rng, NUM_ROWS, 2.0)
+    rows = [RowParams(temperature=0.7, top_k=10, repetition_penalty=1.5,
+                      output_token_ids=[1, 2, 3], seed=i, num_logprobs=2) for i in range(NUM_ROWS)]
+    out = run(logits, rows)
+    expected = log_softmax(logits)
+    np.testing.assert_allclose(
+        out["logprobs"], np.take_along_axis(expected, out["token_ids"][:, None], 1)[:, 0], atol=1e-5)
+    top = np.argsort(-logits, -1, kind="stable")[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(out["top_ids"], top)
+    np.testing.assert_allclose(out["top_logprobs"], np.take_along_axis(expected, top, 1), atol=1e-5)
+
+
+def test_padding_rows_stay_finite():
+    rng = np.random.default_rng(6)
+    logits = random_logits(rng, 2, 1.0)
+    rows = [RowParams(temperature=1.0, top_p=0.9, num_logprobs=3), None, None]
+    out = run(logits, rows)
+    for name in ("logprobs", "top_logprobs"):
+        assert np.isfinite(out[name]).all()
+    assert ((out["token_ids"] >= 0) & (out["token_ids"] < VOCAB)).all()
+
+
+def test_builder_shapes_history_and_keys():
+    rows = [RowParams(seed=3, step=2, prompt_token_ids=[1, 2], output_token_ids=[9]),
+            RowParams(seed=3, step=2, presence_penalty=0.5, prompt_token_ids=[1, 2],
+                      output_token_ids=[9], top_k=-1, num_logprobs=0),
+            None]
+    inputs = build_sampling_inputs(rows, 4, 5)
+    assert all(value.shape[0] == 4 for value in inputs.values())
+    assert inputs["prompt_ids"].shape == (4, 5) and inputs["prompt_ids"].dtype == np.int32
+    assert inputs["keys"].dtype == np.uint32
+    np.testing.assert_array_equal(inputs["prompt_ids"][0], [-1] * 5)  # no penalty: not needed
+    np.testing.assert_array_equal(inputs["prompt_ids"][1], [1, 2, -1, -1, -1])
+    np.testing.assert_array_equal(inputs["output_ids"][1], [9, -1, -1, -1, -1])
+    np.testing.assert_array_equal(inputs["num_logprobs"], [-1, 0, -1, -1])
+    assert inputs["top_k"][1] == 0
+    np.testing.assert_array_equal(inputs["keys"][0], inputs["keys"][1])
+    assert row_key_data(3, 2) != row_key_data(3, 3) and row_key_data(3, 2) != row_key_data(4, 2)
+
+    with pytest.raises(ValueError, match="history_len"):
+        build_sampling_inputs([RowParams(frequency_penalty=1.0, output_token_ids=[1] * 6)], 1, 5)
+    with pytest.raises(ValueError, match="num_rows"):
+        build_sampling_inputs([None, None], 1, 5)
+    with pytest.raises(ValueError, match="top_p"):
+        build_sampling_inputs([RowParams(top_p=0.0)], 1, 5)

@@ -1,0 +1,680 @@
+"""The OpenAI-compatible server against a deterministic FakeEngine, on a loopback port.
+
+The FakeEngine implements the AsyncEngine interface (generate / abort / stats / start / shutdown)
+with a byte-level tokenizer, a bounded waiting queue and page accounting, so the tests can check
+what the server does to the engine (aborts, pages back to 0) as well as what clients see.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import http.client
+import json
+import math
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from jaxserve import cli
+from jaxserve.commands import serve as serve_command
+from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, TokenLogprob
+from serve.app import ServerConfig, create_app
+from serve.server import serve_until_stopped
+
+MODEL = "fake-model"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@functools.lru_cache(maxsize=None)
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (GPT-2 byte alphabet) plus <s> (BOS, id 0) and </s> (EOS, id 1)."""
+    vocab = {"<s>": 0, "</s>": 1}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def letter_ids() -> list[int]:
+    return [byte_tokenizer().convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def fake_token_ids(prompt_ids: list[int], count: int, seed: int | None) -> list[int]:
+    letters = letter_ids()
+    return [letters[(sum(prompt_ids) + 7 * i + (seed or 0)) % 26] for i in range(count)]
+
+
+def fake_text(prompt_ids: list[int], count: int, seed: int | None = None) -> str:
+    return byte_tokenizer().decode(fake_token_ids(prompt_ids, count, seed))
+
+
+class FakeEngine:
+    """Deterministic token streams; at most `max_running` run, `max_waiting` wait, more raise QueueFullError."""
+
+    EOS = 1
+
+    def __init__(self, *, max_model_len: int = 256, max_running: int = 8, max_waiting: int = 8,
+                 token_delay_s: float = 0.001, page_size: int = 4, num_pages: int = 1024,
+                 eos_after: int | None = None, fail_after: int | None = None, refuse: str | None = None) -> None:
+        self.tokenizer = byte_tokenizer()
+        self.model_name = MODEL
+        self.max_model_len = max_model_len
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.token_delay_s = token_delay_s
+        self.page_size, self.num_pages = page_size, num_pages
+        self.eos_after, self.fail_after, self.refuse = eos_after, fail_after, refuse
+        self.num_running = self.num_waiting = self.kv_pages_used = 0
+        self.prefix_queried = self.prefix_hits = 0
+        self.prompts: list[list[int]] = []
+        self.params: list[Any] = []
+        self.aborted: list[str] = []
+        self.abort_calls: list[str] = []
+        self.alive = False
+        self.shutdown_calls = 0
+        self._abort_requested: set[str] = set()
+        self._slots: asyncio.Semaphore | None = None
+
+    async def start(self) -> None:
+        self._slots = asyncio.Semaphore(self.max_running)
+        self.alive = True
+
+    async def shutdown(self) -> None:
+        self.alive = False
+        self.shutdown_calls += 1
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+        self._abort_requested.add(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.num_running, self.num_waiting, self.kv_pages_used, self.num_pages, 0,
+                           self.prefix_queried, self.prefix_hits)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any):
+        params.validate()
+        if self.refuse:
+            raise ValueError(self.refuse)
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("prompt too long")
+        if self.num_running >= self.max_running and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests waiting")
+        self.prompts.append(list(prompt_token_ids))
+        self.params.append(params)
+        self.prefix_queried += len(prompt_token_ids)
+        self.prefix_hits += len(prompt_token_ids) // 2
+        num_prompt = len(prompt_token_ids)
+        waiting, running, finished, pages = True, False, False, 0
+        self.num_waiting += 1
+        try:
+            await self._slots.acquire()
+            waiting, running = False, True
+            self.num_waiting -= 1
+            self.num_running += 1
+            tokens = fake_token_ids(prompt_token_ids, params.max_tokens, params.seed)
+            text = ""
+            for i, token in enumerate(tokens):
+                await asyncio.sleep(self.token_delay_s)
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RuntimeError("the fake device fell over")
+                if request_id in self._abort_requested:
+                    finished = True
+                    yield RequestOutput(request_id, [], "", True, "abort", num_prompt, i)
+                    return
+                reason = None
+                if self.eos_after is not None and i == self.eos_after and not params.ignore_eos:
+                    token, reason = self.EOS, "stop"
+                new_pages = math.ceil((num_prompt + i + 1) / self.page_size)
+                self.kv_pages_used += new_pages - pages
+                pages = new_pages
+                new_text = "" if reason else self.tokenizer.decode([token])
+                for stop in params.stop:
+                    if stop in text + new_text:
+                        new_text = (text + new_text)[: (text + new_text).index(stop)][len(text):]
+                        reason = "stop"
+                text += new_text
+                if i == len(tokens) - 1 and reason is None:
+                    reason = "length"
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.EOS, -2.0)][: params.logprobs])]
+                finished = reason is not None
+                yield RequestOutput(request_id, [token], new_text, finished, reason, num_prompt, i + 1,
+                                    new_logprobs=logprobs)
+                if finished:
+                    return
+        finally:
+            self.num_waiting -= waiting
+            if running:
+                self.num_running -= 1
+                self._slots.release()
+            self.kv_pages_used -= pages
+            self._abort_requested.discard(request_id)
+            if not finished:
+                self.aborted.append(request_id)
+
+
+class LiveServer:
+    """The app on a loopback port, served by `serve_until_stopped` in a thread with its own loop."""
+
+    def __init__(self, engine: FakeEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(config), self.loop).result(timeout=10)
+
+    async def _start(self, config: ServerConfig) -> int:
+        self.stop_event = asyncio.Event()
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(serve_until_stopped(create_app(self.engine, config), "127.0.0.1", 0,
+                                                            stop=self.stop_event, on_ready=ready.set_result))
+        return await ready
+
+    def stop(self, wait: bool = True) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        if wait:
+            self.wait_stopped()
+
+    def wait_stopped(self) -> None:
+        asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(self.task), 30), self.loop).result()
+
+    def close(self) -> None:
+        if not self.task.done():
+            self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0,
+                             timeout=20)
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None):
+        """(status, headers, parsed JSON or raw text) over a fresh connection."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+        raw = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=raw, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        data = response.read().decode()
+        conn.close()
+        is_json = response.getheader("Content-Type", "").startswith("application/json")
+        return response.status, dict(response.getheaders()), json.loads(data) if is_json else data
+
+    def open_stream(self, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        return conn, conn.getresponse()
+
+
+def read_events(response: http.client.HTTPResponse, limit: int | None = None) -> list[str]:
+    """SSE `data:` payloads, checking the `data: ...` + blank line framing."""
+    events = []
+    while limit is None or len(events) < limit:
+        line = response.readline().decode()
+        if not line:
+            break
+        assert line.startswith("data: ") and line.endswith("\n"), line
+        assert response.readline() == b"\n"
+        events.append(line[len("data: "):-1])
+        if events[-1] == "[DONE]":
+            break
+    return events
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(config: ServerConfig | None = None, **engine_kwargs) -> LiveServer:
+        server = LiveServer(FakeEngine(**engine_kwargs), config or ServerConfig(drain_timeout_s=5.0))
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def server(make_server) -> LiveServer:
+    return make_server()
+
+
+def encode(text: str) -> list[int]:
+    return byte_tokenizer().encode(text)
+
+
+def chat_prompt_ids(messages: list[dict]) -> list[int]:
+    tokenizer = byte_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_completion_with_the_openai_client(server):
+    result = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    assert result.object == "text_completion" and result.model == MODEL
+    assert result.choices[0].text == fake_text(encode("Hello"), 5)
+    assert result.choices[0].finish_reason == "length" and result.choices[0].index == 0
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (6, 5, 11)
+    assert server.engine.prompts == [encode("Hello")]
+    assert server.engine.params[0].temperature == 0.0 and server.engine.params[0].max_tokens == 5
+
+
+def test_completion_defaults_to_16_tokens_and_accepts_token_ids(server):
+    result = server.client().completions.create(model=MODEL, prompt=[40, 41, 42])
+    assert result.choices[0].text == fake_text([40, 41, 42], 16)
+    assert server.engine.prompts == [[40, 41, 42]]
+
+
+def test_completion_stream_with_usage(server):
+    chunks = list(server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=6, stream=True,
+                                                     stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == fake_text(encode("Hello"), 6)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == 6
+
+
+def test_chat_with_the_openai_client(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    result = server.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
+    assert result.object == "chat.completion"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == fake_text(chat_prompt_ids(messages), 4)
+    assert server.engine.prompts == [chat_prompt_ids(messages)]
+    # no max tokens: the rest of the context
+    server.client().chat.completions.create(model=MODEL, messages=messages)
+    assert server.engine.params[-1].max_tokens == 256 - len(chat_prompt_ids(messages))
+
+
+def test_chat_stream(server):
+    messages = [{"role": "user", "content": "hi"}]
+    chunks = list(server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                          stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        fake_text(chat_prompt_ids(messages), 5)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 5 and len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_framing_ends_with_done(server):
+    conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True})
+    assert response.status == 200
+    assert response.getheader("Content-Type").startswith("text/event-stream")
+    events = read_events(response)
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 3 and all(c["object"] == "text_completion" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert "usage" not in chunks[0]
+
+
+def test_n_choices_get_distinct_seeds_and_indices(server):
+    result = server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=3, seed=10)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [fake_text(encode("Hi"), 4, seed) for seed in (10, 11, 12)]
+    assert result.usage.completion_tokens == 12 and result.usage.prompt_tokens == 3
+
+    chunks = list(server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                          max_tokens=3, n=2, stream=True))
+    by_index: dict[int, str] = {}
+    finishes = []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        by_index[choice.index] = by_index.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finishes.append(choice.index)
+    assert sorted(finishes) == [0, 1] and set(by_index) == {0, 1}
+    assert all(len(text) == 3 for text in by_index.values())
+
+
+def test_stop_and_eos(make_server):
+    server = make_server(eos_after=2)
+    prompt_ids = encode("Hey")
+    expected = fake_text(prompt_ids, 2)
+    result = server.client().completions.create(model=MODEL, prompt="Hey", max_tokens=8)
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (expected, "stop")
+    result = server.client().completions.create(model=MODEL, prompt="Hey", max_tokens=8,
+                                                extra_body={"ignore_eos": True})
+    assert len(result.choices[0].text) == 8
+    stop = fake_text(prompt_ids, 2)[1]
+    result = server.client().completions.create(model=MODEL, prompt="Hey", max_tokens=8, stop=[stop])
+    assert result.choices[0].text == expected[:1] and result.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(server):
+    result = server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert "".join(logprobs.tokens) == result.choices[0].text
+    assert logprobs.token_logprobs == [-0.5] * 3 and logprobs.text_offset == [0, 1, 2]
+    assert all(set(top) == {token, "</s>"} for top, token in zip(logprobs.top_logprobs, logprobs.tokens))
+    result = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=2, logprobs=True, top_logprobs=1)
+    content = result.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == result.choices[0].message.content
+    assert all(len(c.top_logprobs) == 1 and c.bytes == list(c.token.encode()) for c in content)
+    assert server.engine.params[-1].logprobs == 1
+
+
+def test_models_and_health(server):
+    status, _, body = server.request("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+    assert server.request("GET", "/health")[:1] == (200,)
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    server.engine.alive = False
+    assert server.request("GET", "/health")[0] == 503
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/completions", b"{not json", 400, None),
+    ("POST", "/v1/completions", b"\xff\xfe", 400, None),
+    ("POST", "/v1/completions", [1, 2], 400, None),
+    ("POST", "/v1/completions", b"[" * 100_000, 400, None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": [5, 999999]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 255}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("POST", "/v1/nowhere", {}, 404, None),
+    ("GET", "/v1/completions", None, 405, None),
+]
+
+
+def test_every_bad_request_gets_an_openai_error_and_the_server_stays_up(server):
+    for method, path, body, expected_status, param in BAD_REQUESTS:
+        status, headers, payload = server.request(method, path, body)
+        assert status == expected_status, (path, body, payload)
+        assert headers["Content-Type"].startswith("application/json")
+        assert set(payload["error"]) == {"message", "type", "param", "code"}, payload
+        assert payload["error"]["param"] == param and payload["error"]["message"]
+    assert server.engine.prompts == []
+    assert server.request("GET", "/health")[0] == 200
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="x", top_p=2)
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="nope", prompt="x")
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text
+
+
+def test_body_size_limit_is_413_json(make_server):
+    server = make_server(ServerConfig(max_body_bytes=2048))
+    status, _, payload = server.request("POST", "/v1/completions", {"prompt": "x" * 5000})
+    assert status == 413 and payload["error"]["code"] == "request_too_large"
+    assert server.request("POST", "/v1/completions", {"prompt": "ok", "max_tokens": 1})[0] == 200
+
+
+def test_engine_refusal_is_400_and_engine_failure_is_500(make_server):
+    server = make_server(refuse="this engine refuses")
+    status, _, payload = server.request("POST", "/v1/completions", {"prompt": "x"})
+    assert status == 400 and payload["error"]["message"] == "this engine refuses"
+    server = make_server(fail_after=0)
+    status, _, payload = server.request("POST", "/v1/completions", {"prompt": "x"})
+    assert status == 500 and payload["error"] == {"message": "internal server error", "type": "server_error",
+                                                  "param": None, "code": "internal_error"}
+    assert "fell over" not in json.dumps(payload)
+    server.engine.fail_after = 2
+    conn, response = server.open_stream("/v1/completions", {"prompt": "x", "stream": True})
+    events = read_events(response)
+    conn.close()
+    assert response.status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert server.request("GET", "/health")[0] == 200
+    assert server.engine.kv_pages_used == 0
+
+
+def test_full_queue_is_429_with_retry_after(make_server):
+    server = make_server(ServerConfig(retry_after_s=3), max_running=1, max_waiting=0, token_delay_s=0.02)
+    conn, response = server.open_stream("/v1/completions", {"prompt": "x", "max_tokens": 100, "stream": True})
+    assert read_events(response, limit=1)
+    status, headers, payload = server.request("POST", "/v1/completions", {"prompt": "y"})
+    assert status == 429 and headers["Retry-After"] == "3"
+    assert payload["error"]["type"] == "rate_limit_error" and payload["error"]["code"] == "queue_full"
+    with pytest.raises(openai.RateLimitError):
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "z"}])
+    conn.close()
+    assert wait_until(lambda: server.engine.num_running == 0)
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+
+
+def test_a_refused_choice_aborts_the_accepted_ones(make_server):
+    server = make_server(max_running=1, max_waiting=0, token_delay_s=0.02)
+    status, headers, payload = server.request("POST", "/v1/completions", {"prompt": "x", "n": 2, "max_tokens": 50})
+    assert status == 429 and "Retry-After" in headers
+    assert len(server.engine.prompts) == 1
+    assert len(server.engine.aborted) == 1 and server.engine.aborted[0].endswith("-0")
+    assert server.engine.kv_pages_used == 0 and server.engine.num_running == 0
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_pages(make_server):
+    server = make_server(token_delay_s=0.02)
+    conn, response = server.open_stream("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "long story"}], "max_tokens": 200, "stream": True})
+    events = read_events(response, limit=4)
+    assert len(events) == 4 and server.engine.kv_pages_used > 0
+    assert server.engine.num_running == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert wait_until(lambda: len(server.engine.aborted) == 1)
+    assert wait_until(lambda: server.engine.kv_pages_used == 0 and server.engine.num_running == 0)
+
+
+def test_client_disconnect_before_a_non_streaming_answer_aborts(make_server):
+    server = make_server(token_delay_s=0.02)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"prompt": "x", "max_tokens": 200}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert wait_until(lambda: server.engine.kv_pages_used > 0)
+    sock.close()
+    assert wait_until(lambda: server.engine.aborted != [] and server.engine.kv_pages_used == 0)
+
+
+def metric_samples(server: LiveServer) -> dict[tuple, float]:
+    status, headers, text = server.request("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_metrics_move_with_traffic(make_server):
+    server = make_server(token_delay_s=0.02)
+    before = metric_samples(server)
+    assert before[("jaxserve_kv_pages_used", ())] == 0
+    assert before[("jaxserve_kv_pages_total", ())] == server.engine.num_pages
+    assert before[("jaxserve_generation_tokens_total", ())] == 0
+
+    conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
+    read_events(response, limit=2)
+    during = metric_samples(server)
+    assert during[("jaxserve_num_requests_running", ())] == 1 and during[("jaxserve_kv_pages_used", ())] > 0
+    conn.close()
+    assert wait_until(lambda: server.engine.kv_pages_used == 0)
+
+    server.client().completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    server.request("POST", "/v1/completions", {"prompt": "x", "top_p": 9})
+    after = metric_samples(server)
+    route = ("route", "/v1/completions")
+    assert after[("jaxserve_http_requests_total", (route, ("status", "200")))] >= 1
+    assert after[("jaxserve_http_requests_total", (route, ("status", "400")))] == 1
+    assert after[("jaxserve_requests_finished_total", (("finish_reason", "length"),))] == 1
+    assert after[("jaxserve_requests_finished_total", (("finish_reason", "abort"),))] == 1
+    assert after[("jaxserve_generation_tokens_total", ())] >= 6
+    assert after[("jaxserve_prompt_tokens_total", ())] == 2 * len(encode("abc"))
+    assert after[("jaxserve_time_to_first_token_seconds_count", ())] == 2
+    assert after[("jaxserve_e2e_request_latency_seconds_count", ())] == 2
+    assert after[("jaxserve_time_per_output_token_seconds_count", ())] == 2
+    assert after[("jaxserve_prefix_cache_hit_rate", ())] == 0.5  # the fake engine hits half of every prompt
+    assert after[("jaxserve_prefix_cache_queries_total", ())] == 2 * len(encode("abc"))
+    assert after[("jaxserve_num_requests_running", ())] == 0
+
+
+def test_api_key(make_server):
+    server = make_server(ServerConfig(api_key="sesame"))
+    status, _, payload = server.request("POST", "/v1/completions", {"prompt": "x"})
+    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    status, _, _ = server.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert status == 401
+    assert server.request("GET", "/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+    assert server.request("GET", "/health")[0] == 200 and server.request("GET", "/metrics")[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").completions.create(model=MODEL, prompt="x")
+    assert server.client("sesame").completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+    assert server.engine.prompts == [encode("x")]
+
+
+def test_shutdown_lets_in_flight_streams_finish(make_server):
+    server = make_server(ServerConfig(drain_timeout_s=10), token_delay_s=0.01)
+    conn, response = server.open_stream("/v1/completions", {"prompt": "x", "max_tokens": 30, "stream": True})
+    first = read_events(response, limit=1)
+    server.stop(wait=False)
+    assert wait_until(lambda: _refuses_connections(server.port))
+    events = first + read_events(response)
+    conn.close()
+    server.wait_stopped()
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == fake_text(encode("x"), 30)
+    assert server.engine.aborted == [] and server.engine.shutdown_calls == 1
+
+
+def test_shutdown_ends_streams_cleanly_after_the_drain_timeout(make_server):
+    server = make_server(ServerConfig(drain_timeout_s=0.2), token_delay_s=0.05)
+    conn, response = server.open_stream("/v1/completions", {"prompt": "x", "max_tokens": 200, "stream": True})
+    read_events(response, limit=1)
+    server.stop()
+    events = read_events(response)
+    conn.close()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert len(server.engine.aborted) == 1 and server.engine.kv_pages_used == 0
+    assert server.engine.shutdown_calls == 1
+
+
+def _refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
+def _fake_engine_module(built: list) -> types.ModuleType:
+    module = types.ModuleType("jaxserve.engine")
+
+    def build_async_engine(model: str, **engine_kwargs) -> FakeEngine:
+        if model != MODEL:
+            raise ValueError(f"no such model: {model}")
+        built.append(engine_kwargs)
+        return FakeEngine(token_delay_s=0.02)
+
+    module.build_async_engine = build_async_engine
+    return module
+
+
+def test_serve_command_flags_and_bad_model(monkeypatch, capsys):
+    built: list = []
+    monkeypatch.setitem(sys.modules, "jaxserve.engine", _fake_engine_module(built))
+    assert cli.main(["jaxserve", "serve", "--port=70000"]) == 2
+    assert cli.main(["jaxserve", "serve", "--max_num_seqs=0"]) == 2
+    assert cli.main(["jaxserve", "serve", "--model=missing", "--max_num_seqs=4", "--noenable_prefix_caching"]) == 2
+    assert "no such model: missing" in capsys.readouterr().err
+    fv = serve_command.flags.FlagValues()
+    serve_command.define_flags(fv)
+    fv(["serve", "--num_pages=64", "--dtype=float32"])
+    assert (fv.host, fv.port, fv.model, fv.api_key) == ("127.0.0.1", 8000, "smollm2", None)
+    assert serve_command.engine_kwargs(fv) == {"num_pages": 64, "dtype": "float32"}
+
+
+_SERVE_SCRIPT = """
+import sys
+from tests.test_server import _fake_engine_module
+built = []
+sys.modules["jaxserve.engine"] = _fake_engine_module(built)
+from jaxserve import cli
+code = cli.main(["jaxserve", "serve", *sys.argv[1:]])
+print("engine kwargs:", built, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0():
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_SCRIPT, f"--model={MODEL}", "--port=0", "--max_num_seqs=3",
+         "--drain_timeout_s=20"],
+        cwd=root, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            match = re.search(r"serving on http://127\.0\.0\.1:(\d+)", lines.get(timeout=60))
+            port = int(match.group(1)) if match else None
+        assert port is not None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 25, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        events = read_events(response, limit=1)
+        process.send_signal(signal.SIGTERM)
+        events += read_events(response)
+        conn.close()
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    logged = []
+    while not lines.empty():
+        logged.append(lines.get())
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == fake_text(encode("x"), 25)
+    assert "engine kwargs: [{'max_num_seqs': 3}]" in "".join(logged)
