@@ -105,8 +105,10 @@ def _numpy_checkpointer(ocp):
     """A checkpointer that writes numpy leaves without the defensive copy orbax makes for async saves
     (we wait for the save, so the copy would only double the peak memory)."""
     try:
+        import jax
         from orbax.checkpoint import type_handlers
         registry = type_handlers.create_type_handler_registry(
+            (jax.Array, type_handlers.ArrayHandler()),
             (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
         return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
     except (AttributeError, TypeError):  # other orbax versions: keep the default handler

@@ -104,11 +104,12 @@ class HFSource:
         return paths
 
     def default_dtype(self) -> np.dtype:
-        """The float dtype of the source's embedding table."""
+        """The float dtype of the source's embedding table (float64 sources give float32)."""
         name = _SLOT_TO_KEY["embed"]
         if name not in self._owner:
             raise ConversionError(f"{self.folder}: missing tensor {name!r}")
-        return self._owner[name].dtype(name)
+        dtype = self._owner[name].dtype(name)
+        return np.dtype(np.float32) if dtype == np.float64 else dtype
 
     def tensors(self) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
         """(file, source name, slot, layer, tensor, transpose) for every weight, file by file."""

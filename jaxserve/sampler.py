@@ -1,27 +1,19 @@
 """Batched sampling on device: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The host builds fixed-shape numpy arrays with `build_sampling_inputs`; the engine's jitted step
-calls `sample` on the logits of the rows it samples, so only small arrays come back to the host.
+`build_sampling_inputs` (host, numpy) packs per-row parameters into fixed-shape arrays; `sample`
+runs inside the engine's jitted step. Semantics follow vLLM: repetition penalty over prompt +
+output tokens (positive logits divided, negative multiplied), then frequency and presence
+penalties over output tokens; temperature < GREEDY_TEMPERATURE is the first argmax of the
+penalized logits; otherwise a draw from softmax(penalized / temperature) cut by top_k, then
+top_p (smallest set of the top-k distribution with mass >= top_p), then min_p (probability >=
+min_p * max probability). Cuts are value thresholds: tokens tied with the last kept one stay.
+Logprobs are of the raw model distribution (before penalties and temperature), as vLLM's default.
 
-Semantics follow vLLM:
-- penalties act on the raw logits: repetition (over prompt + output tokens: positive logits
-  divided, negative multiplied), then frequency (minus count in output), then presence (minus
-  once if in output);
-- temperature < GREEDY_TEMPERATURE is greedy argmax of the penalized logits (first index on ties);
-- otherwise the draw is from softmax(penalized / temperature) restricted by top_k, then top_p
-  (smallest set of the top-k distribution whose mass reaches top_p; always the top token),
-  then min_p (probability >= min_p * max probability). Every cut is a value threshold, so tokens
-  tied with the last kept token are kept too;
-- `logprobs` / `top_logprobs` are of the raw model distribution (log_softmax of the logits
-  before penalties and temperature), as vLLM returns by default.
-
-Cost (vocab 49152, 64 rows, 2 CPU cores): nothing sorts the vocabulary. Greedy argmax and the
-draw (Gumbel-max over blocks: pick a block by its mass, then a token inside it) are exact and
-take about one pass over the logits. top_k and top_p are exact too: they read the
-NUM_CANDIDATES largest values per row, and only a row whose cut lies beyond them (top_k larger,
-or a nucleus wider than NUM_CANDIDATES tokens) runs an exact 32-step bisection over the whole
-row. Whole stages (penalties, truncation, the draw, logprobs) are skipped under `lax.cond` when
-no row of the batch needs them; each row's result never depends on the other rows.
+Nothing sorts the vocabulary, and every result is exact: argmax and the draw (Gumbel-max: a
+block by its mass, then a token in it) take about one pass; top_k / top_p read the
+NUM_CANDIDATES largest values, and only rows whose cut lies beyond them run an exact 32-step
+bisection over the row. Stages no row needs are skipped under `lax.cond`; a row's result never
+depends on the other rows, and its random key only on (seed, step).
 """
 
 import dataclasses
@@ -36,6 +28,10 @@ _CANDIDATE_BLOCK = 16
 _SAMPLE_BLOCK = 256
 _LOGPROB_BLOCK = 64
 _MASK64 = (1 << 64) - 1
+_ROW_FIELDS = (  # name, dtype, value of padding rows
+    ("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0), ("repetition_penalty", np.float32, 1.0),
+    ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0))
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,33 +80,23 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
     """
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows do not fit in num_rows={num_rows}")
-    inputs = {
-        "temperature": np.zeros(num_rows, np.float32),
-        "top_k": np.zeros(num_rows, np.int32),
-        "top_p": np.ones(num_rows, np.float32),
-        "min_p": np.zeros(num_rows, np.float32),
-        "repetition_penalty": np.ones(num_rows, np.float32),
-        "presence_penalty": np.zeros(num_rows, np.float32),
-        "frequency_penalty": np.zeros(num_rows, np.float32),
-        "keys": np.zeros((num_rows, 2), np.uint32),
-        "num_logprobs": np.full(num_rows, -1, np.int32),
-        "prompt_ids": np.full((num_rows, history_len), -1, np.int32),
-        "output_ids": np.full((num_rows, history_len), -1, np.int32),
-    }
+    inputs = {name: np.full(num_rows, padding, dtype) for name, dtype, padding in _ROW_FIELDS}
+    inputs["keys"] = np.zeros((num_rows, 2), np.uint32)
+    inputs["num_logprobs"] = np.full(num_rows, -1, np.int32)
+    inputs["prompt_ids"] = np.full((num_rows, history_len), -1, np.int32)
+    inputs["output_ids"] = np.full((num_rows, history_len), -1, np.int32)
     for row_index, row in enumerate(rows):
         if row is None:
             continue
         if not 0.0 < row.top_p <= 1.0:
             raise ValueError(f"row {row_index}: top_p must be in (0, 1], got {row.top_p}")
+        if not 0.0 <= row.min_p <= 1.0:
+            raise ValueError(f"row {row_index}: min_p must be in [0, 1], got {row.min_p}")
         if row.repetition_penalty <= 0.0:
             raise ValueError(f"row {row_index}: repetition_penalty must be > 0")
-        inputs["temperature"][row_index] = row.temperature
+        for name, _, _ in _ROW_FIELDS:
+            inputs[name][row_index] = getattr(row, name)
         inputs["top_k"][row_index] = max(row.top_k, 0)
-        inputs["top_p"][row_index] = row.top_p
-        inputs["min_p"][row_index] = row.min_p
-        inputs["repetition_penalty"][row_index] = row.repetition_penalty
-        inputs["presence_penalty"][row_index] = row.presence_penalty
-        inputs["frequency_penalty"][row_index] = row.frequency_penalty
         inputs["keys"][row_index] = row_key_data(row.seed, row.step)
         if row.num_logprobs is not None:
             inputs["num_logprobs"][row_index] = row.num_logprobs
@@ -228,7 +214,13 @@ def _scaled_logits(penalized, inputs):
     return penalized / temperature[:, None]
 
 
-def _top_k_top_p_threshold(scaled, inputs, is_sampling):
+def _exact_where_needed(needs_search, cut, search):
+    """Replace `cut` by the exact `search()` on the rows that need it; skipped if none does."""
+    return jax.lax.cond(jnp.any(needs_search),
+                        lambda: jnp.where(needs_search, search(), cut), lambda: cut)
+
+
+def _top_k_top_p_cut(scaled, inputs, is_sampling):
     """Per-row value cut of top_k then top_p (-inf where off). [rows, vocab] -> [rows]."""
     vocab = scaled.shape[1]
     top_k, top_p = inputs["top_k"], inputs["top_p"]
@@ -237,34 +229,23 @@ def _top_k_top_p_threshold(scaled, inputs, is_sampling):
     k_on = (top_k > 0) & (top_k < vocab)
     k_in_candidates = k_on & (top_k <= num_candidates)
     kth = jnp.take_along_axis(candidates, jnp.clip(top_k - 1, 0, num_candidates - 1)[:, None], 1)
-    k_cut = jnp.where(k_in_candidates, kth[:, 0], -jnp.inf)
-    k_needs_search = is_sampling & k_on & ~k_in_candidates
-    k_cut = jax.lax.cond(
-        jnp.any(k_needs_search),
-        lambda: jnp.where(k_needs_search,
-                          _bisect_threshold(scaled, None, top_k.astype(jnp.float32)),
-                          k_cut),
-        lambda: k_cut)
+    k_cut = _exact_where_needed(
+        is_sampling & k_on & ~k_in_candidates, jnp.where(k_in_candidates, kth[:, 0], -jnp.inf),
+        lambda: _bisect_threshold(scaled, None, top_k.astype(jnp.float32)))
 
     row_max = candidates[:, :1]
-    kept = scaled >= k_cut[:, None]
+    kept = scaled >= k_cut[:, None]  # [rows, vocab]
     log_mass = row_max + jnp.log(jnp.sum(jnp.where(kept, jnp.exp(scaled - row_max), 0.0), -1,
                                          keepdims=True))  # [rows, 1]
     candidate_probs = jnp.where(candidates >= k_cut[:, None], jnp.exp(candidates - log_mass), 0.0)
-    mass_before = jnp.cumsum(candidate_probs, -1) - candidate_probs
-    in_nucleus = (mass_before < top_p[:, None]) & (candidate_probs > 0)
-    p_cut = jnp.min(jnp.where(in_nucleus, candidates, jnp.inf), -1)
+    mass_before = jnp.cumsum(candidate_probs, -1) - candidate_probs  # [rows, C]
+    in_nucleus = (mass_before <= top_p[:, None] - 0.05) & (candidate_probs > 0)
     p_on = top_p < 1.0
-    p_cut = jnp.where(p_on, p_cut, -jnp.inf)
+    p_cut = jnp.where(p_on, jnp.min(jnp.where(in_nucleus, candidates, jnp.inf), -1), -jnp.inf)
     fits = k_in_candidates | (jnp.sum(candidate_probs, -1) >= top_p)
-    p_needs_search = is_sampling & p_on & ~fits
-    p_cut = jax.lax.cond(
-        jnp.any(p_needs_search),
-        lambda: jnp.where(
-            p_needs_search,
-            _bisect_threshold(scaled, jnp.where(kept, jnp.exp(scaled - log_mass), 0.0), top_p),
-            p_cut),
-        lambda: p_cut)
+    p_cut = _exact_where_needed(
+        is_sampling & p_on & ~fits, p_cut,
+        lambda: _bisect_threshold(scaled, jnp.where(kept, jnp.exp(scaled - log_mass), 0.0), top_p))
     return jnp.maximum(k_cut, p_cut)
 
 
@@ -272,12 +253,10 @@ def _keep_threshold(scaled, inputs, is_sampling):
     """Per-row smallest kept scaled logit; never above the row maximum. [rows]."""
     truncates = is_sampling & (((inputs["top_k"] > 0) & (inputs["top_k"] < scaled.shape[1]))
                                | (inputs["top_p"] < 1.0))
-    cut = jax.lax.cond(jnp.any(truncates),
-                       lambda: _top_k_top_p_threshold(scaled, inputs, is_sampling),
+    cut = jax.lax.cond(jnp.any(truncates), lambda: _top_k_top_p_cut(scaled, inputs, is_sampling),
                        lambda: jnp.full(scaled.shape[:1], -jnp.inf))
     row_max = jnp.max(scaled, -1)
-    min_p = inputs["min_p"]
-    min_p_cut = jnp.where(min_p > 0, row_max + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
+    min_p_cut = row_max + jnp.log(inputs["min_p"])  # -inf where min_p == 0
     return jnp.minimum(jnp.maximum(cut, min_p_cut), row_max)
 
 

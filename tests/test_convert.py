@@ -76,7 +76,8 @@ def numpy_state(model) -> dict:
 
 def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's Q/K row order for rotary (its converter's `permute`), what GGUF files hold."""
-    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    grouped = rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
 
 
 def write_gguf(path, model, qtype=Q.F32, arch="llama", drop=(), replace=None, raw_types=None):
@@ -99,7 +100,8 @@ def write_gguf(path, model, qtype=Q.F32, arch="llama", drop=(), replace=None, ra
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
-    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         tensors["output.weight"] = state["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -203,7 +205,8 @@ def test_gguf_attention_biases(tmp_path, arch):
     """qwen2 files keep HF's Q/K order; llama files permute Q/K biases like the weights."""
     model = tiny_model(qwen2=True)
     config = convert_checkpoint(write_gguf(tmp_path / "b.gguf", model, arch=arch), str(tmp_path / "out"))
-    assert config.attention_bias and config.architecture == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    assert config.attention_bias
+    assert config.architecture == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
     assert_tree_equal(load_params(str(tmp_path / "out"), "float32"), expected_pytree(numpy_state(model), 2, False))
 
 

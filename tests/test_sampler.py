@@ -77,17 +77,18 @@ def assert_allowed_matches(logits, rows):
 def test_greedy_is_first_argmax_of_penalized_logits():
     rng = np.random.default_rng(0)
     logits = random_logits(rng, NUM_ROWS, 3.0)
-    logits[1, [3, 700]] = logits[1].max() + 1.0  # tie: the first index wins
+    logits[1, [3, 700]] = logits[1].max() + 1.0  # ties: the first index wins
+    logits[4, [9, 12]] = logits[4].max() + 1.0
     rows = [RowParams(temperature=0.0, top_k=5, top_p=0.5) for _ in range(NUM_ROWS)]
     out = run(logits, rows)
     np.testing.assert_array_equal(out["token_ids"], np.argmax(logits, -1))
-    assert out["token_ids"][1] == 3
+    assert out["token_ids"][1] == 3 and out["token_ids"][4] == 9
 
     best = int(np.argmax(logits[2]))
     rows[2] = RowParams(temperature=0.0, repetition_penalty=50.0, presence_penalty=20.0,
                         output_token_ids=[best])
-    assert run(logits, rows)["token_ids"][2] == np.argmax(reference_penalties(logits[2], rows[2]))
-    assert run(logits, rows)["token_ids"][2] != best
+    penalized_choice = run(logits, rows)["token_ids"][2]
+    assert penalized_choice == np.argmax(reference_penalties(logits[2], rows[2])) != best
 
 
 def test_penalties_match_numpy_reference():

@@ -37,3 +37,31 @@ def hf_logits(model, token_ids: np.ndarray) -> np.ndarray:
     import torch
     with torch.no_grad():
         return model(torch.as_tensor(token_ids, dtype=torch.long)).logits.float().numpy()
+
+
+def prefill_batch(lengths, page_size, max_pages, vocab, rng):
+    """Whole prompts of several sequences in one prefill batch; pages handed out in random order."""
+    num_tokens = sum(lengths)
+    pages = rng.permutation(np.arange(1, 1 + len(lengths) * max_pages))
+    token_ids, positions, slots = [], [], []
+    block_table = np.zeros((len(lengths), max_pages), np.int32)
+    qsl = [0]
+    for i, n in enumerate(lengths):
+        own = pages[i * max_pages:(i + 1) * max_pages]
+        block_table[i] = own
+        pos = np.arange(n)
+        positions.append(pos)
+        slots.append(own[pos // page_size] * page_size + pos % page_size)
+        token_ids.append(rng.integers(0, vocab, n))
+        qsl.append(qsl[-1] + n)
+    batch = dict(
+        token_ids=np.concatenate(token_ids).astype(np.int32),
+        positions=np.concatenate(positions).astype(np.int32),
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        decode_block_table=np.zeros((0, max_pages), np.int32),
+        decode_seq_lens=np.zeros(0, np.int32),
+        prefill_block_table=block_table,
+        prefill_seq_lens=np.asarray(lengths, np.int32),
+        prefill_query_start_loc=np.asarray(qsl, np.int32),
+        logits_indices=np.arange(num_tokens, dtype=np.int32))
+    return batch, token_ids, 1 + len(lengths) * max_pages

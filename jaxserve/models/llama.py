@@ -89,7 +89,7 @@ class Llama(nnx.Module):
 
     def params(self) -> Params:
         """The weights as a plain nested dict of arrays (the checkpoint and step-function format)."""
-        return nnx.state(self, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, kv_cache, batch, *, backend: str = "reference"):
         return forward(self.params(), kv_cache, batch, config=self.config, backend=backend)
