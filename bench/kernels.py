@@ -11,6 +11,7 @@ of 512 tokens. A device-to-device copy measured in the same run gives the bandwi
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -77,16 +78,18 @@ def bench_decode(config, rng, interpret, with_reference):
         seq_lens = np.full((config["batch"],), context, np.int32)
         shape = (config["page_size"], config["kv_heads"], config["head_dim"])
         k_pages, v_pages, block_table, pages_in_use = paged_cache(rng, seq_lens, shape, dtype)
-        q = jax.random.normal(jax.random.key(1), (config["batch"], config["q_heads"], config["head_dim"]), dtype)
+        q_shape = (config["batch"], config["q_heads"], config["head_dim"])
+        q = jax.random.normal(jax.random.key(1), q_shape, dtype)
         args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens))
-        page_bytes = config["page_size"] * config["kv_heads"] * config["head_dim"] * jnp.dtype(dtype).itemsize
+        page_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
         kernel = jax.jit(lambda *a: paged_decode.paged_decode_attention(*a, interpret=interpret))
         seconds = time_call(kernel, *args, repeats=config["repeats"])
         row = {"batch": config["batch"], "context": context, "bytes": needed, "seconds": seconds,
                "gb_per_s": needed / seconds / 1e9}
         if with_reference:
-            ref_seconds = time_call(jax.jit(reference.paged_decode_attention), *args, repeats=config["repeats"])
+            reference_fn = jax.jit(reference.paged_decode_attention)
+            ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
             row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
         results.append(row)
         del k_pages, v_pages
@@ -115,15 +118,18 @@ def bench_ragged(config, rng, interpret, with_reference):
     result = {"prefills": config["prefills"], "prefill_len": config["prefill_len"], "flops": flops,
               "seconds": seconds, "tflop_per_s": flops / seconds / 1e12}
     if with_reference:
-        ref_seconds = time_call(jax.jit(reference.ragged_paged_attention), *args, repeats=config["repeats"])
+        reference_fn = jax.jit(reference.ragged_paged_attention)
+        ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
         result.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
     return result
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="path of the JSON report")
-    parser.add_argument("--interpret", action="store_true", help="run the kernels in Pallas interpret mode")
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (no GPU)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--with-reference", action="store_true", help="also time the plain-jnp reference")
     return parser.parse_args(argv)
@@ -132,7 +138,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     if not args.interpret and jax.default_backend() != "gpu":
-        print("error: the compiled kernels need a GPU; pass --interpret to run elsewhere", file=sys.stderr)
+        print("error: the compiled kernels need a GPU; pass --interpret elsewhere", file=sys.stderr)
         return 2
     config = QUICK if args.quick else FULL
     rng = np.random.default_rng(0)

@@ -281,7 +281,6 @@ class AsyncEngine:
         self._num_pending_adds = 0
         self._stats = engine.stats()
 
-    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -309,7 +308,7 @@ class AsyncEngine:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not self.is_alive:
+        if not self.is_alive():
             raise RuntimeError("the engine is not running")
         deltas: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = deltas

@@ -239,7 +239,7 @@ def _top_k_top_p_cut(scaled, inputs, is_sampling):
                                          keepdims=True))  # [rows, 1]
     candidate_probs = jnp.where(candidates >= k_cut[:, None], jnp.exp(candidates - log_mass), 0.0)
     mass_before = jnp.cumsum(candidate_probs, -1) - candidate_probs  # [rows, C]
-    in_nucleus = (mass_before <= top_p[:, None] - 0.05) & (candidate_probs > 0)
+    in_nucleus = (mass_before < top_p[:, None]) & (candidate_probs > 0)
     p_on = top_p < 1.0
     p_cut = jnp.where(p_on, jnp.min(jnp.where(in_nucleus, candidates, jnp.inf), -1), -jnp.inf)
     fits = k_in_candidates | (jnp.sum(candidate_probs, -1) >= top_p)

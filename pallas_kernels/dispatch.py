@@ -27,7 +27,9 @@ def attention_backend(override: str | None = None) -> str:
         choice = choice.strip().lower()
         if choice not in BACKENDS:
             source = "override" if override else BACKEND_ENV_VAR
-            raise ValueError(f"unknown attention backend {choice!r} from {source}; expected one of {BACKENDS}")
+            raise ValueError(
+                f"unknown attention backend {choice!r} from {source}; expected one of {BACKENDS}"
+            )
         return choice
     if jax.default_backend() in ("gpu", "cuda", "rocm") and compat.has_pallas_triton():
         return "pallas"

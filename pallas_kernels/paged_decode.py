@@ -158,6 +158,7 @@ def paged_decode_attention(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block,
         page_size=page_size, blocks_per_split=blocks_per_split,
     )
+    compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2)
     with compat.quiet_pallas_deprecations():
         acc, row_max, row_sum = pl.pallas_call(
             kernel,
@@ -179,7 +180,7 @@ def paged_decode_attention(
                 jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                 jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             ],
-            compiler_params=None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2),
+            compiler_params=compiler_params,
             interpret=interpret,
             name="paged_decode_attention",
         )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32))

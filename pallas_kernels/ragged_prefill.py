@@ -16,7 +16,8 @@ from jax.experimental import pallas as pl
 
 from jaxserve import compat
 from pallas_kernels.paged_decode import (
-    MASK_VALUE, MIN_DOT_ROWS, cdiv, default_keys_per_block, load_pages, next_power_of_2, online_softmax_step,
+    MASK_VALUE, MIN_DOT_ROWS, cdiv, default_keys_per_block, load_pages, next_power_of_2,
+    online_softmax_step,
 )
 
 
@@ -124,6 +125,9 @@ def ragged_paged_attention(
     squeezed = compat.squeezed_block_dim()
     page_spec = pl.BlockSpec((num_pages, page_size, squeezed, head_dim), lambda b, h: (0, 0, h, 0))
 
+    q_spec = pl.BlockSpec((num_tokens + block_q, squeezed, group_pad, head_dim), lambda b, h: (0, h, 0, 0))
+    compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2)
+
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
 
@@ -138,7 +142,7 @@ def ragged_paged_attention(
             in_specs=[
                 pl.BlockSpec((1,), lambda b, h: (b,)),
                 pl.BlockSpec((1,), lambda b, h: (b,)),
-                pl.BlockSpec((num_tokens + block_q, squeezed, group_pad, head_dim), lambda b, h: (0, h, 0, 0)),
+                q_spec,
                 page_spec,
                 page_spec,
                 whole(block_table.shape),
@@ -151,19 +155,21 @@ def ragged_paged_attention(
             out_shape=jax.ShapeDtypeStruct(
                 (num_query_blocks, block_q, num_kv_heads, group_pad, head_dim), q.dtype
             ),
-            compiler_params=None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2),
+            compiler_params=compiler_params,
             interpret=interpret,
             name="ragged_paged_attention",
         )(block_seq, block_start, q_grouped, k_pages, v_pages, block_table.astype(jnp.int32),
           seq_lens, query_start_loc)
 
-    # Back to the token layout: token t is row (t - start) % block_q of block offset + (t - start) // block_q.
+    # Back to the token layout: token t of a sequence starting at `start` is row
+    # (t - start) % block_q of block block_offset + (t - start) // block_q.
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_of_token = jnp.minimum(
         jnp.searchsorted(query_start_loc[1 : num_seqs + 1], tokens, side="right"), num_seqs - 1
     )
     index_in_seq = tokens - query_start_loc[seq_of_token]
-    block_of_token = jnp.clip(block_offset[seq_of_token] + index_in_seq // block_q, 0, num_query_blocks - 1)
+    block_of_token = block_offset[seq_of_token] + index_in_seq // block_q
+    block_of_token = jnp.clip(block_of_token, 0, num_query_blocks - 1)
     out = out_blocks[block_of_token, index_in_seq % block_q]  # [num_tokens, kv, group_pad, d]
     token_valid = (tokens < query_start_loc[num_seqs]) & (seq_lens[seq_of_token] > 0)
     out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], jnp.zeros((), q.dtype))

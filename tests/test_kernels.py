@@ -42,7 +42,8 @@ CASES = [
 
 
 def case_id(case):
-    return f"ps{case.page_size}-d{case.head_dim}-g{case.group}-kv{case.num_kv_heads}-{jnp.dtype(case.dtype).name}"
+    dtype = jnp.dtype(case.dtype).name
+    return f"ps{case.page_size}-d{case.head_dim}-g{case.group}-kv{case.num_kv_heads}-{dtype}"
 
 
 def context_lengths(page_size, rng):
@@ -112,7 +113,8 @@ def test_paged_decode_matches_oracle(case):
     q = rng.standard_normal((len(seq_lens), case.group * case.num_kv_heads, case.head_dim))
     q[seq_lens == 0] = np.nan  # padding rows may hold garbage
     q = in_dtype(q, case.dtype)
-    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int))[:, 0]
+    query_lens = (seq_lens > 0).astype(int)
+    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, query_lens)[:, 0]
     args = tuple(map(jnp.asarray, (q, k_pages, v_pages, block_table, seq_lens)))
     tiles = dict(case.tiles, num_splits=3) if case.tiles else {}
     kernel_out = paged_decode.paged_decode_attention(*args, interpret=True, **tiles)
@@ -124,7 +126,7 @@ def test_paged_decode_matches_oracle(case):
 
 
 def ragged_batch(seq_lens, page_size, rng):
-    """Query lengths mixing decode tokens, whole prefills and prefill chunks; padding tokens at the end."""
+    """Query lengths mixing decode tokens, whole prefills and prefill chunks; padding at the end."""
     query_lens = np.zeros_like(seq_lens)
     for row, length in enumerate(seq_lens):
         if length > 0:
@@ -192,7 +194,8 @@ def test_write_kv_updates_donated_pages_in_place():
     pages = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
     rows = jax.ShapeDtypeStruct((8, 2, 64), jnp.float32)
     slots = jax.ShapeDtypeStruct((8,), jnp.int32)
-    compiled = jax.jit(reference.write_kv, donate_argnums=(0, 1)).lower(pages, pages, rows, rows, slots).compile()
+    write = jax.jit(reference.write_kv, donate_argnums=(0, 1))
+    compiled = write.lower(pages, pages, rows, rows, slots).compile()
     stats = compiled.memory_analysis()
     page_bytes = 64 * 16 * 2 * 64 * 4
     assert stats.alias_size_in_bytes == 2 * page_bytes
@@ -221,9 +224,10 @@ def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
         return lambda *args, **kwargs: calls.append((name, len(args), kwargs)) or name
 
     for module in (paged_decode, ragged_prefill, reference):
-        monkeypatch.setattr(module, "paged_decode_attention", recorder(f"{module.__name__}.decode"), raising=False)
-        monkeypatch.setattr(module, "ragged_paged_attention", recorder(f"{module.__name__}.ragged"), raising=False)
-    decode_args, ragged_args = ("q", "k", "v", "table", "lens"), ("q", "k", "v", "table", "lens", "starts")
+        for kind, function in (("decode", "paged_decode_attention"), ("ragged", "ragged_paged_attention")):
+            monkeypatch.setattr(module, function, recorder(f"{module.__name__}.{kind}"), raising=False)
+    decode_args = ("q", "k", "v", "table", "lens")
+    ragged_args = decode_args + ("starts",)
     decoded = dispatch.decode_attention(backend, *decode_args, scale=0.5)
     ragged = dispatch.ragged_attention(backend, *ragged_args, scale=0.5)
     module = "pallas_kernels.reference" if backend == "reference" else "pallas_kernels.paged_decode"

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from jaxserve import cli
+from jaxserve.commands import engine_flags
 from jaxserve.commands import serve as serve_command
 from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, TokenLogprob
 from serve.app import ServerConfig, create_app
@@ -630,7 +631,7 @@ def test_serve_command_flags_and_bad_model(monkeypatch, capsys):
     serve_command.define_flags(fv)
     fv(["serve", "--num_pages=64", "--dtype=float32"])
     assert (fv.host, fv.port, fv.model, fv.api_key) == ("127.0.0.1", 8000, "smollm2", None)
-    assert serve_command.engine_kwargs(fv) == {"num_pages": 64, "dtype": "float32"}
+    assert engine_flags.engine_kwargs(fv) == {"num_pages": 64, "dtype": "float32"}
 
 
 _SERVE_SCRIPT = """

@@ -8,13 +8,12 @@ import sys
 
 from absl import flags
 
+from jaxserve.commands import engine_flags
+
 API_KEY_ENV = "JAXSERVE_API_KEY"
-ENGINE_INT_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "max_model_len",
-                    "max_waiting_requests")
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("model", "smollm2", "model to serve: a registry name or a checkpoint path", flag_values=fv)
     flags.DEFINE_string("host", "127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)",
                         flag_values=fv)
     flags.DEFINE_integer("port", 8000, "TCP port", lower_bound=0, upper_bound=65535, flag_values=fv)
@@ -27,26 +26,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("retry_after_s", 1, "Retry-After of a 429 when the waiting queue is full", lower_bound=0,
                          flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
-    helps = {
-        "max_waiting_requests": "bound of the waiting queue (429 beyond it)",
-        "max_num_seqs": "most sequences in one step",
-        "max_num_batched_tokens": "token budget of one step",
-        "page_size": "tokens per KV cache page",
-        "num_pages": "KV cache pages (the engine sizes them with its memory planner)",
-        "max_model_len": "longest prompt + completion, in tokens",
-    }
-    for name in ENGINE_INT_FLAGS:
-        flags.DEFINE_integer(name, None, f"{helps[name]} (default: the engine's)", lower_bound=1, flag_values=fv)
-    flags.DEFINE_boolean("enable_prefix_caching", None, "share KV pages of common prompt prefixes "
-                         "(default: the engine's)", flag_values=fv)
-    flags.DEFINE_string("dtype", None, "weights and KV cache dtype, e.g. bfloat16 (default: the engine's)",
-                        flag_values=fv)
-
-
-def engine_kwargs(fv: flags.FlagValues) -> dict:
-    """The engine flags the user set (the others keep the engine's defaults)."""
-    names = ENGINE_INT_FLAGS + ("enable_prefix_caching", "dtype")
-    return {name: fv[name].value for name in names if fv[name].value is not None}
+    engine_flags.define_engine_flags(fv)
 
 
 def run(fv: flags.FlagValues) -> int:
@@ -65,7 +45,7 @@ def run(fv: flags.FlagValues) -> int:
         from jaxserve.engine import build_async_engine
 
         try:
-            engine = build_async_engine(fv.model, **engine_kwargs(fv))
+            engine = build_async_engine(fv.model, **engine_flags.engine_kwargs(fv))
         except (ValueError, OSError) as e:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
             return 2

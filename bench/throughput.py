@@ -1,0 +1,359 @@
+"""Offline throughput: jaxserve `Engine.generate` against Hugging Face `generate`, same prompts.
+
+Two workloads, greedy, ignore_eos, random token prompts (fixed seed):
+  fixed: 64 prompts of 128 tokens, 128 output tokens each;
+  mixed: 128 requests, prompt and max_tokens drawn from 16..512 (the serving case). Hugging Face
+         runs static batches in arrival order (each batch waits for its longest member);
+         jaxserve batches continuously.
+Also: the f32 matmul FLOP/s jax reaches here for the step shapes, the FLOP/s jaxserve achieves,
+and where jaxserve's time goes (prefill, decode, mixed steps, host overhead).
+
+  python bench/throughput.py --out bench/out/throughput.json       # full (~25 min on 2 cores)
+  python bench/throughput.py --quick --skip_hf --model=DIR          # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+FULL = dict(fixed=(64, 128, 128), mixed=(128, 16, 512), max_model_len=1024, max_num_seqs=32,
+            max_num_batched_tokens=512, max_num_prefill_seqs=2, hf_batch_sizes="8,32")
+QUICK = dict(fixed=(8, 16, 16), mixed=(12, 4, 48), max_model_len=128, max_num_seqs=8,
+             max_num_batched_tokens=64, max_num_prefill_seqs=2, hf_batch_sizes="4")
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+def fixed_workload(num, prompt_len, output_len, vocab_size, seed):
+    """[(prompt token ids, max_tokens)] all of one shape."""
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab_size // 2)  # keep clear of the special tokens at the start of the vocab
+    return [(rng.integers(low, vocab_size, prompt_len).tolist(), output_len) for _ in range(num)]
+
+
+def mixed_workload(num, min_len, max_len, vocab_size, seed):
+    """[(prompt token ids, max_tokens)] with both lengths uniform in [min_len, max_len]."""
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab_size // 2)
+    prompt_lens = rng.integers(min_len, max_len + 1, num)
+    output_lens = rng.integers(min_len, max_len + 1, num)
+    return [(rng.integers(low, vocab_size, int(p)).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
+
+
+# ---- jaxserve ----------------------------------------------------------------------------------
+class StepRecorder:
+    """Wraps `engine.runner.execute` to record each step's shape, useful FLOPs and timings."""
+
+    def __init__(self, engine):
+        self.runner = engine.runner
+        cfg = engine.model_config
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.matmul_flops_per_token = 2 * cfg.num_layers * (d * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * d
+                                                            + 3 * d * f)
+        self.lm_head_flops_per_row = 2 * d * cfg.vocab_size
+        self.attention_flops_per_pair = cfg.num_layers * 4 * cfg.q_size  # QK^T and PV, per (query, key)
+        self.steps: list[dict] = []
+        self._execute = self.runner.execute
+        self.runner.execute = self._recorded_execute
+
+    def _recorded_execute(self, plan):
+        num_prefill = sum(n for _, n in plan.prefill)
+        num_pages = max(len(r.page_ids) for r in plan.decode + [r for r, _ in plan.prefill])
+        bucket = self.runner.bucket_for(len(plan.decode), num_prefill, num_pages)
+        pairs = sum(r.num_computed_tokens + 1 for r in plan.decode)
+        pairs += sum(n * r.num_computed_tokens + n * (n + 1) // 2 for r, n in plan.prefill)
+        start = time.perf_counter()
+        result = self._execute(plan)
+        total = time.perf_counter() - start
+        self.steps.append(dict(
+            kind="mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill",
+            num_decode=len(plan.decode), num_prefill_tokens=num_prefill,
+            padded_tokens=bucket.num_decode + bucket.num_prefill_tokens,
+            flops=(self.matmul_flops_per_token * plan.num_tokens + self.lm_head_flops_per_row * plan.num_seqs
+                   + self.attention_flops_per_pair * pairs),
+            device_s=result.device_seconds, host_prep_s=total - result.device_seconds))
+        return result
+
+
+def build_engine(model_dir, engine_kwargs):
+    """(engine, seconds to load, seconds of warm-up, number of compiled step shapes)."""
+    from checkpoints import load
+    from jaxserve import device_setup
+    from jaxserve.engine import Engine, EngineConfig
+
+    config = EngineConfig(warmup=False, **engine_kwargs)
+    start = time.perf_counter()
+    model_config = load.load_config(model_dir)
+    params = load.load_params(model_dir, device_setup.param_dtype(config.dtype))
+    engine = Engine(model_config, params, load.load_tokenizer(model_dir), config, model_name=model_dir)
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    num_shapes = engine.runner.warmup()
+    return engine, load_s, time.perf_counter() - start, num_shapes
+
+
+def run_jaxserve(engine, recorder, workload):
+    from jaxserve.request import SamplingParams
+
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in workload]
+    first_step = len(recorder.steps)
+    steps0, device0 = engine.num_steps, engine.time_in_steps
+    start = time.perf_counter()
+    results = engine.generate([p for p, _ in workload], params)
+    wall = time.perf_counter() - start
+    if engine.allocator.num_used_pages:
+        raise RuntimeError(f"{engine.allocator.num_used_pages} KV pages still used after generate")
+    steps = recorder.steps[first_step:]
+    out_tokens = sum(len(r.token_ids) for r in results)
+    return dict(
+        wall_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall,
+        prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
+        device_s=engine.time_in_steps - device0, steps=steps,
+        ttft_s=common.summarize([r.ttft for r in results]), tpot_s=common.summarize([r.tpot for r in results]),
+        outputs=[r.token_ids for r in results])
+
+
+def time_breakdown(run):
+    """Where the wall time went: device time per step kind, host prep, and the rest of the host loop."""
+    kinds = collections.defaultdict(lambda: dict(steps=0, device_s=0.0, tokens=0, flops=0.0))
+    for s in run["steps"]:
+        k = kinds[s["kind"]]
+        k["steps"] += 1
+        k["device_s"] += s["device_s"]
+        k["tokens"] += s["num_decode"] + s["num_prefill_tokens"]
+        k["flops"] += s["flops"]
+    device = sum(s["device_s"] for s in run["steps"])
+    prep = sum(s["host_prep_s"] for s in run["steps"])
+    num_steps = max(len(run["steps"]), 1)
+    useful = sum(s["num_decode"] + s["num_prefill_tokens"] for s in run["steps"])
+    padded = sum(s["padded_tokens"] for s in run["steps"])
+    return dict(by_kind=dict(kinds), device_s=device, host_prep_s=prep, host_loop_s=run["wall_s"] - device - prep,
+                host_overhead_per_step_ms=1e3 * (run["wall_s"] - device) / num_steps,
+                device_per_step_ms=1e3 * device / num_steps, padding_efficiency=useful / max(padded, 1))
+
+
+# ---- FLOP/s --------------------------------------------------------------------------------------
+def matmul_flops_per_s(row_counts, d, f, repeats=5):
+    """{T: FLOP/s of a jitted f32 [T, d] @ [d, f]} (median of `repeats` timed calls after compiling)."""
+    import jax
+    import jax.numpy as jnp
+
+    matmul = jax.jit(lambda a, b: a @ b)
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((d, f)), jnp.float32)
+    rates = {}
+    for t in sorted(set(row_counts)):
+        a = jnp.asarray(np.random.default_rng(t).standard_normal((t, d)), jnp.float32)
+        jax.block_until_ready(matmul(a, b))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(matmul(a, b))
+            times.append(time.perf_counter() - start)
+        rates[t] = 2 * t * d * f / float(np.median(times))
+    return rates
+
+
+def flops_report(run, rates):
+    """Achieved FLOP/s against the matmul rate jax reaches at each step's padded token count."""
+    steps = run["steps"]
+    flops = sum(s["flops"] for s in steps)
+    device = sum(s["device_s"] for s in steps)
+    ideal = sum(s["flops"] / rates[s["padded_tokens"]] for s in steps)
+    return dict(useful_flops=flops, flops_per_s_device=flops / device, flops_per_s_wall=flops / run["wall_s"],
+                matmul_flops_per_s_max=max(rates.values()),
+                ratio_to_matmul_max=flops / device / max(rates.values()),
+                ratio_to_matmul_at_step_shapes=ideal / device)
+
+
+# ---- transformers ------------------------------------------------------------------------------
+def load_hf_model(model_dir):
+    """The same weights in transformers (float32, eval): from the GGUF or HF folder the converted
+    directory was made from. Returns (model, seconds)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(model_dir, "jaxserve.json")) as f:
+        source = json.load(f)["source"]
+    start = time.perf_counter()
+    if source.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source),
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: every request runs to its max_tokens
+    return model, time.perf_counter() - start
+
+
+def run_hf(model, workload, batch_size, budget_s, pad_token_id=0):
+    """Static batches in arrival order, left padded; each batch runs to its longest max_tokens.
+
+    Output tokens counted are the requested ones (the extra tokens a short request gets while its
+    batch waits for the longest member are waste). With `budget_s`, stops after the batch that
+    crosses it (`partial`)."""
+    import torch
+
+    torch_generate(model, [workload[0][0][:4]], 2, pad_token_id)  # warm-up, not timed
+    outputs, useful, generated, elapsed, num_done = [], 0, 0, 0.0, 0
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first:first + batch_size]
+        max_new = max(m for _, m in batch)
+        start = time.perf_counter()
+        tokens = torch_generate(model, [p for p, _ in batch], max_new, pad_token_id)
+        elapsed += time.perf_counter() - start
+        outputs += [t[:m] for t, (_, m) in zip(tokens, batch)]
+        useful += sum(m for _, m in batch)
+        generated += max_new * len(batch)
+        num_done += len(batch)
+        if budget_s and elapsed > budget_s and num_done < len(workload):
+            break
+    return dict(batch_size=batch_size, wall_s=elapsed, output_tokens=useful, generated_tokens=generated,
+                output_tokens_per_s=useful / elapsed, requests_done=num_done, partial=num_done < len(workload),
+                outputs=outputs)
+
+
+def torch_generate(model, prompts, max_new_tokens, pad_token_id):
+    import torch
+
+    length = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, length - len(p):] = torch.as_tensor(p)
+        attention_mask[i, length - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    return out[:, length:].tolist()
+
+
+def greedy_agreement(ours, theirs, k=16):
+    """Fraction of requests whose first k greedy tokens are the same in both engines."""
+    same = sum(a[:k] == b[:k] for a, b in zip(ours, theirs))
+    return dict(first_16_tokens_equal=same / max(len(ours), 1), requests=len(ours))
+
+
+# ---- report --------------------------------------------------------------------------------------
+def print_workload(name, run, breakdown, flops, hf_runs):
+    print(f"\n== {name}: {run['prompt_tokens']} prompt tokens, {run['output_tokens']} output tokens")
+    rows = [dict(engine="jaxserve", tps=run["output_tokens_per_s"], wall=run["wall_s"], ratio=1.0)]
+    for hf in hf_runs:
+        rows.append(dict(engine=f"transformers b={hf['batch_size']}" + (" (partial)" if hf["partial"] else ""),
+                         tps=hf["output_tokens_per_s"], wall=hf["wall_s"],
+                         ratio=run["output_tokens_per_s"] / hf["output_tokens_per_s"]))
+    print(common.format_table(rows, [("engine", "engine", "s"), ("tps", "output tok/s", ".1f"),
+                                     ("wall", "wall s", ".1f"), ("ratio", "jaxserve / this", ".2f")]))
+    kinds = [dict(kind=k, steps=v["steps"], device=v["device_s"], ms=1e3 * v["device_s"] / v["steps"],
+                  tokens=v["tokens"], gflops=v["flops"] / v["device_s"] / 1e9)
+             for k, v in sorted(breakdown["by_kind"].items())]
+    print(common.format_table(kinds, [("kind", "step kind", "s"), ("steps", "steps", "d"),
+                                      ("device", "device s", ".1f"), ("ms", "ms/step", ".1f"),
+                                      ("tokens", "tokens", "d"), ("gflops", "GFLOP/s", ".1f")]))
+    print(f"host: {breakdown['host_prep_s']:.1f}s building step arrays, {breakdown['host_loop_s']:.1f}s "
+          f"scheduler/detokenizer/loop; {breakdown['host_overhead_per_step_ms']:.1f} ms host overhead per step "
+          f"vs {breakdown['device_per_step_ms']:.1f} ms device; padding efficiency "
+          f"{breakdown['padding_efficiency']:.2f}")
+    print(f"FLOP/s: jaxserve {flops['flops_per_s_device'] / 1e9:.1f} GFLOP/s over device time "
+          f"({flops['flops_per_s_wall'] / 1e9:.1f} over wall); matmul peak {flops['matmul_flops_per_s_max'] / 1e9:.1f}"
+          f" -> {flops['ratio_to_matmul_max']:.2f} of peak, {flops['ratio_to_matmul_at_step_shapes']:.2f} of the "
+          f"matmul rate at the same step shapes")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="'smollm2' or a converted model directory")
+    parser.add_argument("--quick", action="store_true", help="a few short prompts (smoke test)")
+    parser.add_argument("--skip_hf", action="store_true", help="measure jaxserve only")
+    parser.add_argument("--out", default=None, help="JSON report path")
+    parser.add_argument("--workloads", default="fixed,mixed", help="comma list of fixed, mixed")
+    parser.add_argument("--hf_batch_sizes", default=None, help="comma list (default 8,32; quick: 4)")
+    parser.add_argument("--hf_budget_s", type=float, default=0.0,
+                        help="stop a transformers run after the batch that crosses this many seconds and "
+                             "report the batches done (0: run everything)")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_prefill_seqs", "max_model_len"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="EngineConfig field (default: tuned)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    from checkpoints import ConversionError
+    from checkpoints.default_model import resolve_model
+
+    try:
+        model_dir = resolve_model(args.model)
+    except ConversionError as e:
+        print(f"throughput: {e}", file=sys.stderr)
+        return 2
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not workloads or set(workloads) - {"fixed", "mixed"}:
+        print(f"throughput: --workloads must name fixed and/or mixed, got {args.workloads!r}", file=sys.stderr)
+        return 2
+    engine_kwargs = {k: getattr(args, k) or preset[k] for k in
+                     ("max_num_seqs", "max_num_batched_tokens", "max_num_prefill_seqs", "max_model_len")}
+    engine_kwargs["enable_prefix_caching"] = False  # random prompts; repeated runs must not hit the cache
+    info = common.machine_info(with_jax=True)
+    engine, load_s, warmup_s, num_shapes = build_engine(model_dir, engine_kwargs)
+    recorder = StepRecorder(engine)
+    cfg = engine.model_config
+    print(common.machine_line(info))
+    print(f"model {args.model}: {cfg.num_params() / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
+          f"{engine_kwargs}; load {load_s:.1f}s, warm-up {warmup_s:.1f}s ({num_shapes} step shapes)")
+
+    hf_model = None
+    if not args.skip_hf:
+        hf_model, hf_load_s = load_hf_model(model_dir)
+        import torch
+        info["torch"] = torch.__version__
+        print(f"transformers model loaded in {hf_load_s:.1f}s (float32, {torch.get_num_threads()} threads)")
+    hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or preset["hf_batch_sizes"]).split(",")]
+
+    report = dict(machine=info, machine_line=common.machine_line(info), model=args.model, model_dir=model_dir,
+                  num_params=cfg.num_params(), engine_config=engine_kwargs, load_s=load_s, warmup_s=warmup_s,
+                  num_step_shapes=num_shapes, quick=args.quick, workloads={})
+    for name in workloads:
+        if name == "fixed":
+            workload = fixed_workload(*preset["fixed"], cfg.vocab_size, args.seed)
+        else:
+            workload = mixed_workload(*preset["mixed"], cfg.vocab_size, args.seed + 1)
+        load_before = common.load_average()
+        run = run_jaxserve(engine, recorder, workload)
+        rates = matmul_flops_per_s([s["padded_tokens"] for s in run["steps"]], cfg.hidden_size,
+                                   cfg.intermediate_size)
+        breakdown, flops = time_breakdown(run), flops_report(run, rates)
+        hf_runs = [run_hf(hf_model, workload, b, args.hf_budget_s, pad_token_id=0)
+                   for b in hf_batch_sizes] if hf_model is not None else []
+        for hf in hf_runs:
+            hf["jaxserve_ratio"] = run["output_tokens_per_s"] / hf["output_tokens_per_s"]
+            if name == "fixed":
+                hf["greedy_agreement"] = greedy_agreement(run["outputs"], hf.pop("outputs"))
+            hf.pop("outputs", None)
+        print_workload(name, run, breakdown, flops, hf_runs)
+        for hf in hf_runs:
+            if "greedy_agreement" in hf:
+                print(f"greedy tokens equal to transformers b={hf['batch_size']}: "
+                      f"{hf['greedy_agreement']['first_16_tokens_equal']:.2f} of requests (first 16 tokens)")
+        run.pop("outputs")
+        steps = run.pop("steps")
+        report["workloads"][name] = dict(
+            jaxserve=run, breakdown=breakdown, flops=flops, matmul_flops_per_s={str(k): v for k, v in rates.items()},
+            transformers=hf_runs, load_average_1m=[load_before, common.load_average()],
+            step_kind_counts=dict(collections.Counter(s["kind"] for s in steps)))
+    common.write_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
