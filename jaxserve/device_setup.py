@@ -38,20 +38,44 @@ def attention_backend(override: str | None) -> str:
     return dispatch.attention_backend(override)
 
 
-def plan_num_pages(model_config: ModelConfig, cfg, max_model_len: int, params) -> int:
-    """KV pages for the engine: the planner's answer for this device's memory budget.
+def plan_num_pages(model_config: ModelConfig, cfg, max_model_len: int, params, *,
+                   tensor_parallel_size: int = 1, device=None) -> int:
+    """KV pages for the engine: the planner's answer for one device's memory budget (`device`,
+    default the first), with weights and KV heads split over `tensor_parallel_size` devices.
 
     On CPU the pool is also capped at what max_num_seqs sequences of max_model_len tokens can
     use, so that a laptop-sized run does not zero gigabytes it will never touch."""
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    budget = memory.device_memory_budget_bytes(jax.devices()[0])
+    budget = memory.device_memory_budget_bytes(device or jax.devices()[0])
     plan = memory.plan_memory(
         model_config, device_memory_bytes=budget, memory_utilization=cfg.memory_utilization,
         weight_dtype=jnp.dtype(dtype).name, page_size=cfg.page_size, max_model_len=max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        max_prefill_seqs=cfg.max_num_prefill_seqs)
+        max_prefill_seqs=cfg.max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size)
     num_pages = plan.num_pages
     if not on_gpu():
         pages_per_seq = -(-max_model_len // cfg.page_size)
         num_pages = min(num_pages, cfg.max_num_seqs * pages_per_seq + 1)
     return num_pages
+
+
+DISTRIBUTED_ENV_VARS = ("JAXSERVE_COORDINATOR_ADDRESS", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID")
+
+
+def initialize_distributed() -> bool:
+    """Joins a multi-host job (jax.distributed.initialize) when $JAXSERVE_COORDINATOR_ADDRESS
+    (host:port of process 0), $JAXSERVE_NUM_PROCESSES and $JAXSERVE_PROCESS_ID are set; then
+    jax.devices() lists the devices of every host. Must run before jax touches a device.
+    Returns whether this process is part of a multi-host job."""
+    if jax.distributed.is_initialized():
+        return True
+    values = [os.environ.get(name) for name in DISTRIBUTED_ENV_VARS]
+    if not values[0]:
+        return False
+    try:
+        num_processes, process_id = int(values[1]), int(values[2])
+    except (TypeError, ValueError):
+        raise ValueError(f"{DISTRIBUTED_ENV_VARS[0]} is set, so {DISTRIBUTED_ENV_VARS[1]} and "
+                         f"{DISTRIBUTED_ENV_VARS[2]} must be integers") from None
+    jax.distributed.initialize(values[0], num_processes=num_processes, process_id=process_id)
+    return True

@@ -39,6 +39,8 @@ class EngineConfig:
     max_logprobs: int = 20
     memory_utilization: float = 0.9
     warmup: bool = True
+    tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
+    data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
 
 
 @dataclasses.dataclass
@@ -80,13 +82,20 @@ class Engine:
 
         cfg = engine_config or EngineConfig()
         device_setup.enable_compilation_cache()
+        if shardings is None and cfg.tensor_parallel_size > 1:
+            from jaxserve import sharding
+            mesh = sharding.make_mesh(model_config, cfg.tensor_parallel_size)
+            shardings = sharding.ModelShardings.create(model_config, mesh)
         self.config = cfg
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 2048),
                                  model_config.max_position_embeddings)
-        num_pages = cfg.num_pages or device_setup.plan_num_pages(model_config, cfg, self.max_model_len, params)
+        num_pages = cfg.num_pages or device_setup.plan_num_pages(
+            model_config, cfg, self.max_model_len, params,
+            tensor_parallel_size=1 if shardings is None else shardings.tensor_parallel_size,
+            device=None if shardings is None else shardings.mesh.devices.flat[0])
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -111,17 +120,25 @@ class Engine:
             self.runner.warmup()
 
     @classmethod
-    def from_model(cls, model: str, engine_config: EngineConfig | None = None) -> "Engine":
-        """Loads a converted model directory, a GGUF/HF source, or the alias "smollm2"."""
+    def from_model(cls, model: str, engine_config: EngineConfig | None = None):
+        """Loads a converted model directory, a GGUF/HF source, or the alias "smollm2".
+
+        Weights are restored straight into each device's shards. With data_parallel_size > 1
+        the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
+        Raises ValueError when the model cannot be split over the requested devices."""
         from checkpoints import default_model, load
-        from jaxserve import device_setup
+        from jaxserve import data_parallel, device_setup
 
         cfg = engine_config or EngineConfig()
+        device_setup.initialize_distributed()
         model_dir = default_model.resolve_model(model)
         model_config = load.load_config(model_dir)
-        params = load.load_params(model_dir, device_setup.param_dtype(cfg.dtype))
+        dtype = device_setup.param_dtype(cfg.dtype)
         tokenizer = load.load_tokenizer(model_dir)
-        return cls(model_config, params, tokenizer, cfg, model_name=model)
+        return data_parallel.build_engine(
+            cls, model_config, tokenizer, cfg, model_name=model,
+            load_params=lambda shardings: load.load_params(
+                model_dir, dtype, None if shardings is None else shardings.checkpoint_shardings()))
 
     # ---- requests -------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -384,4 +401,8 @@ def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     max_waiting = engine_kwargs.get("max_waiting_requests")
     engine = Engine.from_model(model, EngineConfig(**engine_kwargs))
+    replicas = getattr(engine, "replicas", None)  # data parallel: one AsyncEngine per replica
+    if replicas is not None:
+        from jaxserve.data_parallel import DataParallelAsyncEngine
+        return DataParallelAsyncEngine([AsyncEngine(e, max_waiting) for e in replicas])
     return AsyncEngine(engine, max_waiting)

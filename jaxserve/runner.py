@@ -58,7 +58,10 @@ class ModelRunner:
                  max_num_prefill_seqs: int, backend: str, max_logprobs: int = 20,
                  kv_dtype=None, shardings=None):
         self.config = config
-        self.params = params
+        # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
+        # model, with KV heads replicated when tensor parallelism exceeds them).
+        self.params = params if shardings is None else shardings.place(params)
+        step_config = config if shardings is None else shardings.model_config
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -74,11 +77,18 @@ class ModelRunner:
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
         self.kv_cache = llama.init_kv_cache(
-            config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
+            step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
         # Two jitted functions per step, both on device (logits never reach the host): the
         # sampler's shapes depend only on the number of rows, so it compiles far fewer times.
-        self._forward = jax.jit(functools.partial(llama.forward, config=config, backend=backend),
-                                donate_argnums=(1,))
+        forward = functools.partial(llama.forward, config=step_config, backend=backend,
+                                    mesh=None if shardings is None else shardings.mesh)
+        if shardings is None:
+            self._forward = jax.jit(forward, donate_argnums=(1,))
+        else:  # one step for the whole mesh; logits gathered (replicated) for the sampler
+            kv = {"k": shardings.kv_cache, "v": shardings.kv_cache}
+            self._forward = jax.jit(forward, donate_argnums=(1,),
+                                    in_shardings=(shardings.params, kv, shardings.replicated),
+                                    out_shardings=(shardings.replicated, kv))
         self._sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs))
 
     # ---- shapes ---------------------------------------------------------------------------

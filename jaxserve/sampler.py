@@ -233,6 +233,8 @@ def _top_k_top_p_cut(scaled, inputs, is_sampling):
         is_sampling & k_on & ~k_in_candidates, jnp.where(k_in_candidates, kth[:, 0], -jnp.inf),
         lambda: _bisect_threshold(scaled, None, top_k.astype(jnp.float32)))
 
+    # Materialize the per-row values: XLA:CPU would otherwise redo their gathers per element.
+    k_cut, candidates = jax.lax.optimization_barrier((k_cut, candidates))
     row_max = candidates[:, :1]
     kept = scaled >= k_cut[:, None]  # [rows, vocab]
     log_mass = row_max + jnp.log(jnp.sum(jnp.where(kept, jnp.exp(scaled - row_max), 0.0), -1,

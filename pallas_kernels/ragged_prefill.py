@@ -97,6 +97,7 @@ def ragged_paged_attention(
     q[query_start_loc[i]:query_start_loc[i+1]], the LAST tokens of a sequence of total length
     seq_lens[i] whose K/V are already in k_pages, v_pages ([num_pages, page_size, num_kv_heads,
     head_dim]) through block_table (int32[num_seqs, max_pages_per_seq]).
+    query_start_loc (int32[num_seqs + 1]) is non-decreasing: padding rows repeat the last value.
     Tokens past query_start_loc[num_seqs] and sequences with seq_lens 0 give zeros.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
@@ -124,7 +125,6 @@ def ragged_paged_attention(
     q_grouped = jnp.pad(q_grouped, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
     squeezed = compat.squeezed_block_dim()
     page_spec = pl.BlockSpec((num_pages, page_size, squeezed, head_dim), lambda b, h: (0, 0, h, 0))
-
     q_spec = pl.BlockSpec((num_tokens + block_q, squeezed, group_pad, head_dim), lambda b, h: (0, h, 0, 0))
     compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2)
 

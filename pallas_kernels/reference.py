@@ -99,7 +99,8 @@ def ragged_paged_attention(
 
     q: [num_tokens, num_q_heads, head_dim]. The tokens of sequence i are
     q[query_start_loc[i]:query_start_loc[i+1]], the last tokens of a sequence of total length
-    seq_lens[i] (their K/V already written). Tokens past query_start_loc[num_seqs] and rows with
+    seq_lens[i] (their K/V already written); query_start_loc is non-decreasing (padding rows
+    repeat the last value). Tokens past query_start_loc[num_seqs] and rows with
     seq_lens 0 give zeros. Queries are laid out padded per sequence, [num_seqs, num_tokens, ...]:
     cheap for the few prefill sequences a step carries.
     """

@@ -125,6 +125,18 @@ def test_allowed_set_matches_sorting_reference():
     assert sizes.min() >= 1 and sizes.max() > NUM_CANDIDATES  # both code paths were exercised
 
 
+def test_tiny_vocab_without_logprobs():
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((4, 40)) * 2).astype(np.float32)
+    rows = [RowParams(top_k=30, top_p=0.8, seed=1), RowParams(min_p=0.1, seed=2),
+            RowParams(temperature=0.0), RowParams(top_p=0.3, seed=3)]
+    assert_allowed_matches(logits, rows)
+    out = jax.jit(functools.partial(sample, max_logprobs=0))(
+        logits, build_sampling_inputs(rows, 4, HISTORY))
+    assert out["top_ids"].shape == (4, 0) and out["top_logprobs"].shape == (4, 0)
+    assert int(out["token_ids"][2]) == int(np.argmax(logits[2]))
+
+
 def test_ties_at_the_cut_are_kept():
     logits = np.zeros((1, VOCAB), np.float32)
     logits[0, :10] = [5, 4, 3, 3, 3, 3, 2, 1, 1, 0]

@@ -11,6 +11,8 @@ _ENGINE_INT_FLAGS = {
     "num_pages": "KV cache pages per layer, null page included (default: from the memory planner)",
     "max_model_len": "longest prompt + completion, in tokens (default: min(model context, 2048))",
     "max_waiting_requests": "bound of the waiting queue",
+    "tensor_parallel_size": "devices each model replica is split over (attention heads, MLP, vocabulary)",
+    "data_parallel_size": "model replicas, each on its own tensor_parallel_size devices",
 }
 
 

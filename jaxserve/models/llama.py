@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from pallas_kernels import dispatch, reference
 
@@ -135,8 +136,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array], *,
-            config: ModelConfig, backend: str = "reference") -> tuple[jax.Array, dict[str, jax.Array]]:
+            config: ModelConfig, backend: str = "reference",
+            mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One model step over a batch of decode tokens followed by prefill chunks.
+
+    With a `mesh` (tensor parallel, see jaxserve.sharding), the KV write and attention run per
+    device under shard_map over its "model" axis; XLA partitions the rest from the weights.
 
     batch (all int32):
       token_ids, positions, slot_mapping: [num_tokens]; the first `num_decode` tokens are decode
@@ -156,6 +161,23 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     inv_freq = rope_inv_freq(config)
     positions = batch["positions"]
 
+    def attend(q, k, v, k_cache, v_cache, slot_mapping, decode_block_table, decode_seq_lens,
+               prefill_block_table, prefill_seq_lens, prefill_query_start_loc):
+        k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        parts = []
+        if num_decode:
+            parts.append(dispatch.decode_attention(
+                backend, q[:num_decode], k_cache, v_cache, decode_block_table, decode_seq_lens))
+        if num_prefill_seqs:
+            parts.append(dispatch.ragged_attention(
+                backend, q[num_decode:], k_cache, v_cache, prefill_block_table, prefill_seq_lens,
+                prefill_query_start_loc))
+        attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, heads, hd]
+        return attn, k_cache, v_cache
+
+    if mesh is not None:
+        attend = sharding.shard_attention(attend, mesh)
+
     def layer(carry, lp):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
         page_offset = layer_idx * num_pages
@@ -166,19 +188,11 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         q = apply_rope(q.reshape(T, Hq, hd), positions, inv_freq)  # [T, Hq, hd]
         k = apply_rope(k.reshape(T, Hkv, hd), positions, inv_freq)  # [T, Hkv, hd]
         v = v.reshape(T, Hkv, hd)
-        k_cache, v_cache = reference.write_kv(
-            k_cache, v_cache, k, v, batch["slot_mapping"] + page_offset * page_size)
-        parts = []
-        if num_decode:
-            parts.append(dispatch.decode_attention(
-                backend, q[:num_decode], k_cache, v_cache,
-                batch["decode_block_table"] + page_offset, batch["decode_seq_lens"]))
-        if num_prefill_seqs:
-            parts.append(dispatch.ragged_attention(
-                backend, q[num_decode:], k_cache, v_cache,
-                batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
-                batch["prefill_query_start_loc"]))
-        attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, Hq, hd]
+        attn, k_cache, v_cache = attend(  # attn: [T, Hq, hd]
+            q, k, v, k_cache, v_cache, batch["slot_mapping"] + page_offset * page_size,
+            batch["decode_block_table"] + page_offset, batch["decode_seq_lens"],
+            batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
+            batch["prefill_query_start_loc"])
         x = x + attn.reshape(T, Hq * hd) @ lp["wo"]
         h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]

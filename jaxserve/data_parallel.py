@@ -1,0 +1,139 @@
+"""Data parallelism: independent engine replicas, each on its own row of the device mesh.
+
+Every replica has its own weights (sharded over its `tensor_parallel_size` devices), KV page
+pool, scheduler and step loop; nothing crosses between replicas during a step. The offline
+`DataParallelEngine` splits a batch of prompts across replicas and runs them in threads (a
+step blocks only on its own devices; XLA releases the GIL), the server's
+`DataParallelAsyncEngine` routes each request to the replica with the fewest in flight.
+README "Multi-device" explains, with measurements, why replicas rather than a batch sharded
+over the "data" mesh axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Sequence
+
+from jaxserve import sharding
+from jaxserve.outputs import EngineStats, RequestOutput
+
+
+def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
+                 load_params: Callable):
+    """An `engine_cls` (one replica) or a DataParallelEngine of `cfg.data_parallel_size` replicas.
+
+    load_params(shardings) returns the weights of one replica: `shardings` is that replica's
+    `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
+    single device. The head split is checked before any weight is loaded (ValueError)."""
+    tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
+    if tp == 1 and dp == 1:
+        return engine_cls(model_config, load_params(None), tokenizer, cfg, model_name=model_name)
+    mesh = sharding.make_mesh(model_config, tp, dp)
+    engines = []
+    for replica_mesh in sharding.replica_meshes(mesh):
+        shardings = sharding.ModelShardings.create(model_config, replica_mesh)
+        engines.append(engine_cls(model_config, load_params(shardings), tokenizer, cfg,
+                                  model_name=model_name, shardings=shardings))
+    return engines[0] if dp == 1 else DataParallelEngine(engines)
+
+
+def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    fields = [f.name for f in dataclasses.fields(EngineStats)]
+    return EngineStats(**{name: sum(getattr(s, name) for s in stats) for name in fields})
+
+
+class DataParallelEngine:
+    """Replicas behind the offline API of `Engine` (check_request, generate, stats)."""
+
+    def __init__(self, replicas: list):
+        self.replicas = replicas
+        first = replicas[0]
+        self.config, self.model_config = first.config, first.model_config
+        self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
+
+    def check_request(self, prompt_token_ids, params) -> None:
+        self.replicas[0].check_request(prompt_token_ids, params)
+
+    def stats(self) -> EngineStats:
+        return sum_stats([r.stats() for r in self.replicas])
+
+    def generate(self, prompts, params, *, request_ids=None, on_finish=None) -> list:
+        """Engine.generate over the replicas: prompts are split by estimated work (prompt plus
+        max_tokens, longest first), each replica runs its share in a thread; results in order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = list(request_ids or [f"gen-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(prompts))])
+        shares: list[list[int]] = [[] for _ in self.replicas]
+        load = [0] * len(self.replicas)
+        for i in sorted(range(len(prompts)), key=lambda i: -(len(prompts[i]) + params_list[i].max_tokens)):
+            r = min(range(len(load)), key=load.__getitem__)
+            shares[r].append(i)
+            load[r] += len(prompts[i]) + params_list[i].max_tokens
+        lock = threading.Lock()
+
+        def locked_on_finish(result):
+            if on_finish is not None:
+                with lock:
+                    on_finish(result)
+
+        def run(replica, share):
+            share = sorted(share)
+            return share, replica.generate([prompts[i] for i in share], [params_list[i] for i in share],
+                                           request_ids=[ids[i] for i in share], on_finish=locked_on_finish)
+
+        results: list = [None] * len(prompts)
+        with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-replica") as pool:
+            futures = [pool.submit(run, r, s) for r, s in zip(self.replicas, shares) if s]
+            for future in futures:
+                share, outputs = future.result()
+                for i, out in zip(share, outputs):
+                    results[i] = out
+        return results
+
+
+class DataParallelAsyncEngine:
+    """AsyncEngine replicas behind the one server; each request goes to the least busy."""
+
+    def __init__(self, replicas: list):
+        self.replicas = replicas
+        first = replicas[0]
+        self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
+        self._in_flight = [0] * len(replicas)
+        self._owner: dict[str, int] = {}
+
+    def is_alive(self) -> bool:
+        return all(r.is_alive() for r in self.replicas)
+
+    async def start(self) -> None:
+        for replica in self.replicas:
+            await replica.start()
+
+    async def shutdown(self) -> None:
+        for replica in self.replicas:
+            await replica.shutdown()
+
+    def stats(self) -> EngineStats:
+        return sum_stats([r.stats() for r in self.replicas])
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params) -> AsyncIterator[RequestOutput]:
+        """AsyncEngine.generate on the replica with the fewest requests in flight."""
+        if request_id in self._owner:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        index = min(range(len(self.replicas)), key=self._in_flight.__getitem__)
+        self._in_flight[index] += 1
+        self._owner[request_id] = index
+        stream = self.replicas[index].generate(request_id, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+            self._in_flight[index] -= 1
+            self._owner.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        index = self._owner.get(request_id)
+        if index is not None:
+            self.replicas[index].abort(request_id)

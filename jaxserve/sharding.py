@@ -1,0 +1,198 @@
+"""Device mesh and partition rules for tensor and data parallelism.
+
+Mesh axes ("data", "model"): `data` indexes model replicas, `model` the devices one replica is
+sharded over (tensor parallelism). Each replica runs on its own `(1, tensor_parallel_size)`
+sub-mesh (`replica_meshes`), with its own engine, scheduler and KV pool (see data_parallel.py).
+
+Tensor-parallel layout of one replica (L layers, D hidden, F intermediate, V vocabulary):
+  wq, wk, wv [L, D, heads*hd], w_gate, w_up [L, D, F]   column-sharded (last axis over "model")
+  wo [L, Hq*hd, D], w_down [L, F, D]                    row-sharded (middle axis over "model")
+  bq, bk, bv [L, heads*hd]                               sharded like their weights
+  embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
+                                                         does not divide); logits are gathered
+  norms                                                  replicated
+  KV cache [L*pages, page_size, kv_heads, hd]            sharded on kv_heads (dim 2)
+so every device holds 1/TP of the weights and of the KV pages. When TP exceeds the KV heads,
+KV heads are replicated the way vLLM does it: the model runs with TP KV heads, head j holding
+the checkpoint's head j // (TP / num_kv_heads), so each device holds the one KV head its query
+heads read. Attention itself is per-device code (Pallas kernels or the jnp reference) under
+`jax.shard_map`; everything else is partitioned by XLA from the weight shardings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from checkpoints.layout import param_shapes
+from jaxserve.config import ModelConfig
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+AXES = (DATA_AXIS, MODEL_AXIS)
+
+HEADS_SPEC = P(None, MODEL_AXIS, None)  # [tokens, heads, head_dim]
+KV_CACHE_SPEC = P(None, None, MODEL_AXIS, None)  # [L * pages, page_size, kv_heads, head_dim]
+_REPLICATED_KV_LEAVES = ("wk", "wv", "bk", "bv")
+
+
+def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> str | None:
+    """Why `config` cannot be split over `tensor_parallel_size` devices, or None if it can."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        return f"tensor_parallel_size must be >= 1, got {tp}"
+    if config.num_q_heads % tp:
+        return f"num_attention_heads ({config.num_q_heads}) is not divisible by it"
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        return (f"num_key_value_heads ({config.num_kv_heads}) and it must divide one another "
+                f"(KV heads are split, or replicated when there are fewer than devices)")
+    if config.intermediate_size % tp:
+        return f"intermediate_size ({config.intermediate_size}) is not divisible by it"
+    return None
+
+
+def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    return [tp for tp in range(1, config.num_q_heads + 1) if tensor_parallel_problem(config, tp) is None]
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raises ValueError with the sizes that would work when the model cannot be split."""
+    problem = tensor_parallel_problem(config, tensor_parallel_size)
+    if problem is not None:
+        sizes = ", ".join(map(str, valid_tensor_parallel_sizes(config)))
+        raise ValueError(f"cannot use tensor_parallel_size={tensor_parallel_size} for this model: "
+                         f"{problem}; valid sizes: {sizes}")
+
+
+def sharded_model_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The config the sharded step runs: KV heads replicated up to TP when TP exceeds them."""
+    check_tensor_parallel(config, tensor_parallel_size)
+    if tensor_parallel_size <= config.num_kv_heads:
+        return config
+    return dataclasses.replace(config, num_kv_heads=tensor_parallel_size)
+
+
+def make_mesh(config: ModelConfig, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+              devices=None) -> Mesh:
+    """A (data_parallel_size, tensor_parallel_size) mesh over the first devices (all processes).
+
+    Raises ValueError when the model cannot be split that way or there are too few devices."""
+    check_tensor_parallel(config, tensor_parallel_size)
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    devices = list(jax.devices() if devices is None else devices)
+    needed = tensor_parallel_size * data_parallel_size
+    if needed > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+                         f"{data_parallel_size} needs {needed} devices, but only {len(devices)} "
+                         f"{devices[0].platform} device(s) are visible")
+    grid = np.array(devices[:needed], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, AXES)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One (1, tensor_parallel_size) mesh per data-parallel replica (row of `mesh`)."""
+    return [Mesh(mesh.devices[i:i + 1], AXES) for i in range(mesh.shape[DATA_AXIS])]
+
+
+def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
+    """PartitionSpec of every weight (same tree as `param_shapes(config)`)."""
+    vocab = MODEL_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
+    column, row, bias = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None), P(None, MODEL_AXIS)
+    rules = {"wq": column, "wk": column, "wv": column, "w_gate": column, "w_up": column,
+             "wo": row, "w_down": row, "bq": bias, "bk": bias, "bv": bias}
+    shapes = param_shapes(config)
+    specs = {"embed": P(vocab, None), "final_norm": P(),
+             "layers": {name: rules.get(name, P()) for name in shapes["layers"]}}
+    if "lm_head" in shapes:
+        specs["lm_head"] = P(None, vocab)
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShardings:
+    """Where one replica's weights, KV cache and step inputs live on its mesh."""
+    mesh: Mesh
+    source_config: ModelConfig  # the checkpoint's config
+    model_config: ModelConfig  # the config the step runs (KV heads possibly replicated)
+    params: dict  # NamedSharding per weight, for the weights of `model_config`
+    kv_cache: NamedSharding  # each of the K and V caches
+    replicated: NamedSharding
+
+    @classmethod
+    def create(cls, config: ModelConfig, mesh: Mesh) -> "ModelShardings":
+        tp = mesh.shape[MODEL_AXIS]
+        run_config = sharded_model_config(config, tp)
+        named = lambda spec: NamedSharding(mesh, spec)
+        params = jax.tree.map(named, param_partition_specs(run_config, tp),
+                              is_leaf=lambda x: isinstance(x, P))
+        return cls(mesh, config, run_config, params, named(KV_CACHE_SPEC), named(P()))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    @property
+    def kv_head_replicas(self) -> int:
+        """Copies of each checkpoint KV head in the running model (1: no replication)."""
+        return self.model_config.num_kv_heads // self.source_config.num_kv_heads
+
+    def checkpoint_shardings(self) -> dict:
+        """Shardings to restore the checkpoint into (its shapes): the running layout, except
+        that KV projections to be replicated are restored whole, then expanded by `place`."""
+        shardings = jax.tree.map(lambda s: s, self.params)
+        if self.kv_head_replicas > 1:
+            for name in _REPLICATED_KV_LEAVES:
+                if name in shardings["layers"]:
+                    shardings["layers"][name] = self.replicated
+        return shardings
+
+    def place(self, params: dict) -> dict:
+        """The weights laid out for the step: moved into their shardings (a no-op for arrays
+        already there), KV projections expanded when KV heads are replicated."""
+        layers = {}
+        for name, weight in params["layers"].items():
+            target = self.params["layers"][name]
+            if (self.kv_head_replicas > 1 and name in _REPLICATED_KV_LEAVES
+                    and weight.shape[-1] == self.source_config.kv_size):
+                weight = _repeat_heads(jax.device_put(weight, self.replicated), self.kv_head_replicas,
+                                       self.model_config.head_dim, target)
+            layers[name] = jax.device_put(weight, target)
+        placed = {name: jax.device_put(weight, self.params[name])
+                  for name, weight in params.items() if name != "layers"}
+        return {**placed, "layers": layers}
+
+
+def _repeat_heads(weight, replicas: int, head_dim: int, sharding: NamedSharding) -> jax.Array:
+    """[..., heads * head_dim] -> [..., heads * replicas * head_dim], each head `replicas` times."""
+    def repeat(w):
+        *lead, width = w.shape
+        heads = w.reshape(*lead, width // head_dim, head_dim)
+        return jnp.repeat(heads, replicas, axis=-2).reshape(*lead, width * replicas)
+    return jax.jit(repeat, out_shardings=sharding)(weight)
+
+
+def shard_attention(attend, mesh: Mesh):
+    """Runs `attend` per device over the model axis.
+
+    attend(q, k, v, k_cache, v_cache, *page_tables) -> (out, k_cache, v_cache), with q, k, v and
+    out [tokens, heads, head_dim] split on heads, the caches split on KV heads, and the page
+    tables (block tables, lengths, slot mapping) replicated. The kernels are per-device code,
+    so each device sees only its heads."""
+    @functools.wraps(attend)
+    def wrapped(q, k, v, k_cache, v_cache, *page_tables):
+        in_specs = (HEADS_SPEC,) * 3 + (KV_CACHE_SPEC,) * 2 + (P(),) * len(page_tables)
+        mapped = jax.shard_map(attend, mesh=mesh, in_specs=in_specs,
+                               out_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False)
+        return mapped(q, k, v, k_cache, v_cache, *page_tables)
+    return wrapped
+
+
+def per_device_bytes(array: jax.Array) -> int:
+    """Bytes of `array` held by its largest addressable shard."""
+    return max(math.prod(s.data.shape) for s in array.addressable_shards) * array.dtype.itemsize
