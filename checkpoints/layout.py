@@ -16,22 +16,6 @@ from checkpoints import ConversionError
 from jaxserve.config import ModelConfig
 
 
-def param_shapes(config: ModelConfig) -> dict:
-    """The pytree of parameter shapes (tuples) for `config`."""
-    d, f, v, n = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
-    q, kv = config.q_size, config.kv_size
-    layers = {
-        "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv), "wo": (n, q, d),
-        "mlp_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
-    }
-    if config.attention_bias:
-        layers.update(bq=(n, q), bk=(n, kv), bv=(n, kv))
-    shapes = {"embed": (v, d), "layers": layers, "final_norm": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    return shapes
-
-
 def _leaf_names(shapes: dict) -> list[str]:
     names = [k for k in shapes if k != "layers"]
     return names + [f"layers/{k}" for k in shapes["layers"]]
@@ -46,7 +30,7 @@ class ParamBuffers:
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str):
         self.config = config
         self.source_file = source_file
-        shapes = param_shapes(config)
+        shapes = config.param_shapes()
         self.arrays = {k: np.empty(s, dtype) for k, s in shapes.items() if k != "layers"}
         self.arrays["layers"] = {k: np.empty(s, dtype) for k, s in shapes["layers"].items()}
         self._filled: dict[tuple[str, int | None], str] = {}

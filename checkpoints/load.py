@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
-from checkpoints.layout import param_shapes
 from jaxserve.config import ConfigError, ModelConfig
 
 
@@ -45,7 +44,7 @@ def load_params(model_dir: str, dtype, shardings=None) -> dict:
     import orbax.checkpoint as ocp
 
     config = load_config(model_dir)
-    shapes = param_shapes(config)
+    shapes = config.param_shapes()
     if shardings is None:
         device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device_sharding, shapes, is_leaf=lambda x: isinstance(x, tuple))

@@ -44,6 +44,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def param_shapes(self) -> dict[str, Any]:
+        """The one declaration of the weights: a pytree of shapes, for `x @ W` (transposed from
+        Hugging Face's [out, in]), per-layer weights stacked on a leading layer axis."""
+        L, D, F, V = self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.q_size, self.kv_size
+        layers = {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D),
+                  "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+        if self.attention_bias:
+            layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+        shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head"] = (D, V)
+        return shapes
+
     def num_params(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = 2 * d + d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f

@@ -73,4 +73,4 @@ def test_flax_module_declares_the_param_tree():
                          num_q_heads=4, num_kv_heads=2, head_dim=4, tie_word_embeddings=False)
     params = llama.random_params(config)
     shapes = jax.tree.map(lambda x: tuple(x.shape), params)
-    assert shapes == llama.param_shapes(config)
+    assert shapes == config.param_shapes()

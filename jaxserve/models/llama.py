@@ -44,34 +44,12 @@ def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) 
     return {"k": make(), "v": make()}
 
 
-def param_shapes(config: ModelConfig) -> dict[str, Any]:
-    """The one declaration of every weight's shape (the converter and the model both use it)."""
-    L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size
-    layers = {
-        "attn_norm": (L, D),
-        "wq": (L, D, config.q_size),
-        "wk": (L, D, config.kv_size),
-        "wv": (L, D, config.kv_size),
-        "wo": (L, config.q_size, D),
-        "mlp_norm": (L, D),
-        "w_gate": (L, D, F),
-        "w_up": (L, D, F),
-        "w_down": (L, F, D),
-    }
-    if config.attention_bias:
-        layers.update(bq=(L, config.q_size), bk=(L, config.kv_size), bv=(L, config.kv_size))
-    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
-
-
 class Llama(nnx.Module):
     """Llama / Mistral / Qwen2 decoder: weights as stacked `nnx.Param`s, compute in `forward`."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        shapes = param_shapes(config)
+        shapes = config.param_shapes()
 
         def make(name: str, shape: tuple[int, ...]) -> nnx.Param:
             if name.endswith("norm"):
