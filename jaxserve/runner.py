@@ -6,12 +6,15 @@ step compiles again. The KV cache is donated to the step and updated in place.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import sampler
@@ -90,6 +93,8 @@ class ModelRunner:
                                     in_shardings=(shardings.params, kv, shardings.replicated),
                                     out_shardings=(shardings.replicated, kv))
         self._sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs))
+        self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
+        self._compiled_sample: dict[int, jax.stages.Compiled] = {}
 
     # ---- shapes ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
@@ -107,8 +112,8 @@ class ModelRunner:
         pages = np.asarray(page_ids, np.int32)[positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
-    def build_batch(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], list]:
-        """Pads the plan into its bucket. Returns (batch arrays, per-row sampling params)."""
+    def build_batch(self, plan: StepPlan) -> tuple[Bucket, dict[str, np.ndarray], list]:
+        """Pads the plan into its bucket. Returns (bucket, batch arrays, per-row requests)."""
         num_prefill_tokens = sum(n for _, n in plan.prefill)
         num_pages = max(len(r.page_ids) for r in plan.decode + [r for r, _ in plan.prefill])
         bucket = self.bucket_for(len(plan.decode), num_prefill_tokens, num_pages)
@@ -143,7 +148,7 @@ class ModelRunner:
             offset += n
             logits_indices[dec_bucket + j] = t0 + n - 1
             rows[dec_bucket + j] = req
-        return batch, rows
+        return bucket, batch, rows
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
@@ -168,10 +173,10 @@ class ModelRunner:
     # ---- device ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
         """Runs one step: host arrays in, sampled ids (and logprobs) out; the only crossing."""
-        batch, rows = self.build_batch(plan)
+        bucket, batch, rows = self.build_batch(plan)
         sampling = self._sampling_inputs(rows)
         start = time.perf_counter()
-        out = jax.device_get(self._run_step(batch, sampling))
+        out = jax.device_get(self._run_step(bucket, batch, sampling))
         elapsed = time.perf_counter() - start
         num_dec = len(plan.decode)
         dec_bucket = batch["decode_seq_lens"].shape[0]
@@ -185,20 +190,36 @@ class ModelRunner:
             device_seconds=elapsed)
 
     def warmup(self) -> int:
-        """Compiles the step for every bucket (empty plans padded to each shape). Returns the count."""
+        """Compiles the step for every bucket, ahead of time and on all cores. Returns the count.
+
+        XLA compiles with the GIL released, so a thread per core compiles that many shapes at
+        once; the executables are kept and used by `execute`, so serving never compiles."""
         start = time.perf_counter()
         buckets = self.all_buckets()
-        for bucket in buckets:
+
+        def compile_bucket(bucket):
             batch = self.empty_batch(bucket)
-            rows = [None] * len(batch["logits_indices"])
-            sampling = sampler.build_sampling_inputs(rows, len(rows), self.max_model_len)
-            jax.block_until_ready(self._run_step(batch, sampling))
-        log.info("warm-up compiled %d step shapes in %.1fs", len(buckets), time.perf_counter() - start)
+            self._compiled_forward[bucket] = self._forward.lower(self.params, self.kv_cache, batch).compile()
+
+        def compile_sampler(num_rows):
+            logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
+            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len)
+            self._compiled_sample[num_rows] = self._sample.lower(logits, sampling).compile()
+
+        row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            jobs = [pool.submit(compile_bucket, b) for b in buckets]
+            jobs += [pool.submit(compile_sampler, n) for n in row_counts]
+            for job in jobs:
+                job.result()
+        log.info("warm-up compiled %d step shapes and %d sampler shapes in %.1fs", len(buckets),
+                 len(row_counts), time.perf_counter() - start)
         return len(buckets)
 
-    def _run_step(self, batch, sampling) -> dict[str, jax.Array]:
-        logits, self.kv_cache = self._forward(self.params, self.kv_cache, batch)
-        return self._sample(logits, sampling)
+    def _run_step(self, bucket: Bucket, batch, sampling) -> dict[str, jax.Array]:
+        forward = self._compiled_forward.get(bucket, self._forward)
+        logits, self.kv_cache = forward(self.params, self.kv_cache, batch)
+        return self._compiled_sample.get(logits.shape[0], self._sample)(logits, sampling)
 
 
 def _row_params(req) -> sampler.RowParams:
