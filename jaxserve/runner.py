@@ -92,7 +92,9 @@ class ModelRunner:
             self._forward = jax.jit(forward, donate_argnums=(1,),
                                     in_shardings=(shardings.params, kv, shardings.replicated),
                                     out_shardings=(shardings.replicated, kv))
-        self._sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs))
+        sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
+        self._sample = jax.jit(sample) if shardings is None else jax.jit(
+            sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
         self._compiled_sample: dict[int, jax.stages.Compiled] = {}
 

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from checkpoints.layout import param_shapes
 from jaxserve.config import ModelConfig
 
 DATA_AXIS = "data"
@@ -90,7 +89,9 @@ def make_mesh(config: ModelConfig, tensor_parallel_size: int = 1, data_parallel_
     if needed > len(devices):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
                          f"{data_parallel_size} needs {needed} devices, but only {len(devices)} "
-                         f"{devices[0].platform} device(s) are visible")
+                         f"{devices[0].platform} device(s) are visible" + (
+                             "; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N"
+                             if devices[0].platform == "cpu" else ""))
     grid = np.array(devices[:needed], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, AXES)
 
@@ -101,12 +102,12 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
-    """PartitionSpec of every weight (same tree as `param_shapes(config)`)."""
+    """PartitionSpec of every weight (same tree as `config.param_shapes()`)."""
     vocab = MODEL_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
     column, row, bias = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None), P(None, MODEL_AXIS)
     rules = {"wq": column, "wk": column, "wv": column, "w_gate": column, "w_up": column,
              "wo": row, "w_down": row, "bq": bias, "bk": bias, "bv": bias}
-    shapes = param_shapes(config)
+    shapes = config.param_shapes()
     specs = {"embed": P(vocab, None), "final_norm": P(),
              "layers": {name: rules.get(name, P()) for name in shapes["layers"]}}
     if "lm_head" in shapes:

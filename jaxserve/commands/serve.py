@@ -31,6 +31,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def run(fv: flags.FlagValues) -> int:
     logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     from serve.app import ServerConfig, create_app
     from serve.server import serve_until_stopped
 

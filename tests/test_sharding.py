@@ -1,0 +1,267 @@
+"""Tensor and data parallelism on 8 fake CPU devices.
+
+The pytest session already runs jax on one device, so the multi-device checks run in one
+subprocess (`_worker`) started with --xla_force_host_platform_device_count=8 before jax is
+imported; it prints its measurements as JSON and the tests below assert on them.
+"""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import sharding
+from jaxserve.config import ModelConfig
+from jaxserve.outputs import EngineStats
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_FAKE_DEVICES = 8
+FAKE_DEVICES_ENV = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}",
+                    "JAX_PLATFORMS": "cpu"}
+# 8 query heads over 2 KV heads: TP 4 and 8 replicate KV heads; tied embeddings (vocab-parallel).
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=8,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(2,),
+                   tie_word_embeddings=True)
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+# Every prompt of a test fits in the first step: each engine compiles two step shapes.
+SMALL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_num_prefill_seqs=4, page_size=16,
+                    max_model_len=64, warmup=False)
+
+
+# ---- the subprocess ---------------------------------------------------------------------------
+def _kv_layout(engine) -> dict:
+    k = engine.runner.kv_cache["k"]
+    return {"total_bytes": k.nbytes, "per_device_bytes": sharding.per_device_bytes(k),
+            "shard_shapes": sorted({tuple(s.data.shape) for s in k.addressable_shards}),
+            "num_devices": len(k.sharding.device_set)}
+
+
+def _greedy_tokens(engine, prompts, max_tokens=16) -> list:
+    from jaxserve.request import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def _serve_through_router(engine, prompts) -> list:
+    """The prompts as concurrent server requests over AsyncEngine replicas behind the router."""
+    from jaxserve.data_parallel import DataParallelAsyncEngine
+    from jaxserve.engine import AsyncEngine
+    from jaxserve.request import SamplingParams
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    router = DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])
+
+    async def one(i):
+        return [t for out in [o async for o in router.generate(f"r{i}", prompts[i], params)]
+                for t in out.new_token_ids]
+
+    async def main():
+        await router.start()
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            await router.shutdown()
+    return asyncio.run(main())
+
+
+def _tiny_runs() -> dict:
+    import numpy as np
+    from jax import monitoring
+
+    from jaxserve import data_parallel
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import llama
+    params = llama.random_params(TINY, seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, TINY.vocab_size, n).tolist() for n in (5, 17, 30, 9)]
+    runs = {}
+    for tp, dp in [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2)]:
+        warmup = (tp, dp) == (2, 1)  # this one also counts compilations after warm-up
+        cfg = EngineConfig(**{**SMALL_ENGINE, "warmup": warmup}, num_pages=24, tensor_parallel_size=tp,
+                           data_parallel_size=dp)
+        engine = data_parallel.build_engine(Engine, TINY, None, cfg, model_name="tiny",
+                                            load_params=lambda shardings: params)
+        compiles = []
+        listener = lambda event, _, **kw: compiles.append(event) if "compile" in event else None
+        monitoring.register_event_duration_secs_listener(listener)
+        try:
+            run = {"tokens": _greedy_tokens(engine, prompts)}
+        finally:
+            monitoring.unregister_event_duration_listener(listener)
+        run["num_compile_events"] = len(compiles)
+        if dp == 1:
+            wq = engine.runner.params["layers"]["wq"]
+            run.update(kv=_kv_layout(engine), wq_per_device_bytes=sharding.per_device_bytes(wq),
+                       wq_bytes=wq.nbytes)
+        else:
+            run["replica_devices"] = [sorted(d.id for d in e.runner.kv_cache["k"].sharding.device_set)
+                                      for e in engine.replicas]
+            run["served_tokens"] = _serve_through_router(engine, prompts)
+        runs[f"tp{tp}_dp{dp}"] = run
+    return runs
+
+
+def _smollm2_runs(model_dir: str) -> dict:
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.tokenization import encode_text
+    runs = {}
+    for tp in (1, 3):
+        engine = Engine.from_model(model_dir, EngineConfig(**SMALL_ENGINE, num_pages=16, tensor_parallel_size=tp))
+        prompts = [encode_text(engine.tokenizer, p) for p in SMOLLM2_PROMPTS]
+        embed = engine.runner.params["embed"]
+        runs[f"tp{tp}"] = {"tokens": _greedy_tokens(engine, prompts), "kv": _kv_layout(engine),
+                           "embed_shard_shapes": sorted({tuple(s.data.shape) for s in embed.addressable_shards})}
+    return runs
+
+
+def _worker(model_dir: str) -> None:
+    import jax
+    assert jax.device_count() == NUM_FAKE_DEVICES, jax.devices()
+    print(json.dumps({"tiny": _tiny_runs(), "smollm2": _smollm2_runs(model_dir)}))
+
+
+@pytest.fixture(scope="module")
+def results():
+    from checkpoints import default_model
+    model_dir = default_model.resolve_model("smollm2")
+    code = "import sys; from tests.test_sharding import _worker; _worker(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", code, model_dir], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **FAKE_DEVICES_ENV})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- tensor parallel ----------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_greedy_tokens_match_one_device(results, tp):
+    single = results["tiny"]["tp1_dp1"]["tokens"]
+    assert len({tuple(t) for t in single}) == len(single) and all(len(t) == 16 for t in single)
+    assert results["tiny"][f"tp{tp}_dp1"]["tokens"] == single
+
+
+def test_sharded_step_does_not_compile_after_warmup(results):
+    assert results["tiny"]["tp2_dp1"]["num_compile_events"] == 0
+    assert results["tiny"]["tp4_dp1"]["num_compile_events"] > 0  # the counter sees compiles without it
+
+
+def test_data_parallel_times_tensor_parallel_matches_one_device(results):
+    run = results["tiny"]["tp2_dp2"]
+    assert run["tokens"] == results["tiny"]["tp1_dp1"]["tokens"]
+    assert run["replica_devices"] == [[0, 1], [2, 3]]  # each replica on its own device group
+    assert run["served_tokens"] == run["tokens"]  # concurrent requests through the server's router
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_pages_and_weights_per_device_are_one_over_tp(results, tp):
+    run, single = results["tiny"][f"tp{tp}_dp1"], results["tiny"]["tp1_dp1"]
+    assert run["kv"]["num_devices"] == tp
+    assert run["kv"]["per_device_bytes"] * tp == single["kv"]["total_bytes"]
+    assert run["kv"]["shard_shapes"] == [[2 * 24, 16, TINY.num_kv_heads // tp, 16]]
+    assert run["wq_per_device_bytes"] * tp == single["wq_bytes"]
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_kv_heads_replicated_when_tp_exceeds_them(results, tp):
+    """As in vLLM: each device holds the one KV head its query heads read, not a slice of one."""
+    run, single = results["tiny"][f"tp{tp}_dp1"], results["tiny"]["tp1_dp1"]
+    assert run["kv"]["shard_shapes"] == [[2 * 24, 16, 1, 16]]
+    assert run["kv"]["per_device_bytes"] * TINY.num_kv_heads == single["kv"]["total_bytes"]
+    assert run["wq_per_device_bytes"] * tp == single["wq_bytes"]
+
+
+def test_smollm2_tp3_matches_tp1_with_weights_restored_into_shards(results):
+    tp1, tp3 = results["smollm2"]["tp1"], results["smollm2"]["tp3"]
+    assert all(len(t) == 16 for t in tp1["tokens"])
+    assert tp3["tokens"] == tp1["tokens"]
+    assert tp3["embed_shard_shapes"] == [[49152 // 3, 576]]  # vocabulary-parallel embedding
+    assert tp3["kv"]["per_device_bytes"] * 3 == tp1["kv"]["total_bytes"]
+    assert tp3["kv"]["shard_shapes"] == [[30 * 16, 16, 1, 64]]
+
+
+def test_cli_refuses_a_split_that_does_not_divide(tmp_path):
+    from checkpoints import default_model
+    default_model.resolve_model("smollm2")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "Hello"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--model=smollm2", "--tensor_parallel_size=2",
+         f"--input={prompts}", f"--output={tmp_path / 'out.jsonl'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **FAKE_DEVICES_ENV})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "num_attention_heads (9) is not divisible" in proc.stderr
+    assert "valid sizes: 1, 3" in proc.stderr  # 9 would split the MLP (1536) unevenly
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---- host-side rules (one device) ---------------------------------------------------------------
+def test_head_split_rules():
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                          num_q_heads=9, num_kv_heads=3, head_dim=64)
+    assert sharding.valid_tensor_parallel_sizes(smollm2) == [1, 3]  # 1536 / 9 is not whole
+    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible"):
+        sharding.check_tensor_parallel(smollm2, 2)
+    assert sharding.sharded_model_config(smollm2, 3).num_kv_heads == 3
+    assert sharding.sharded_model_config(TINY, 2).num_kv_heads == 2
+    assert sharding.sharded_model_config(TINY, 8).num_kv_heads == 8  # each KV head 4 times
+    odd_kv = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                         num_q_heads=12, num_kv_heads=4, head_dim=16)
+    with pytest.raises(ValueError, match="must divide one another"):
+        sharding.check_tensor_parallel(odd_kv, 6)
+    odd_mlp = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=100, num_layers=1,
+                          num_q_heads=8, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"intermediate_size \(100\)"):
+        sharding.check_tensor_parallel(odd_mlp, 8)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sharding.make_mesh(TINY, 8, 2)
+
+
+def test_partition_specs_cover_every_weight():
+    from jax.sharding import PartitionSpec as P
+    specs = sharding.param_partition_specs(TINY, 4)
+    assert specs["embed"] == P("model", None) and "lm_head" not in specs
+    assert specs["layers"]["wq"] == P(None, None, "model") and specs["layers"]["wo"] == P(None, "model", None)
+    assert specs["layers"]["attn_norm"] == P()
+    odd_vocab = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=1,
+                            num_q_heads=8, num_kv_heads=2, head_dim=16)
+    assert sharding.param_partition_specs(odd_vocab, 4)["lm_head"] == P(None, None)  # replicated
+
+
+class _StubReplica:
+    def __init__(self, name, num_running):
+        self.name, self.num_running, self.requests, self.aborted = name, num_running, [], []
+        self.tokenizer, self.model_name, self.max_model_len = None, "stub", 64
+
+    def stats(self):
+        return EngineStats(self.num_running, 1, 2, 10, 0, 0, 0)
+
+    def is_alive(self):
+        return True
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.requests.append(request_id)
+        yield self.name
+        await asyncio.sleep(0.01)
+        yield self.name
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_async_router_sends_each_request_to_the_least_busy_replica():
+    from jaxserve.data_parallel import DataParallelAsyncEngine
+    a, b = _StubReplica("a", 3), _StubReplica("b", 1)
+    router = DataParallelAsyncEngine([a, b])
+
+    async def consume(request_id):
+        return [out async for out in router.generate(request_id, [1, 2], None)]
+
+    async def main():
+        return await asyncio.gather(*(consume(f"r{i}") for i in range(4)))
+
+    outputs = asyncio.run(main())
+    assert sorted(a.requests + b.requests) == ["r0", "r1", "r2", "r3"]
+    assert len(a.requests) == len(b.requests) == 2  # balanced while all four are in flight
+    assert all(len(set(o)) == 1 and len(o) == 2 for o in outputs)
+    assert router.stats() == EngineStats(4, 2, 4, 20, 0, 0, 0)
