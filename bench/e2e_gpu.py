@@ -25,7 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxserve import memory  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.engine import AsyncEngine, Engine, EngineConfig  # noqa: E402
+from jaxserve.async_engine import AsyncEngine  # noqa: E402
+from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
 from jaxserve.request import SamplingParams  # noqa: E402
 

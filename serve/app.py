@@ -55,7 +55,7 @@ STATE = web.AppKey("jaxserve_state", ServerState)
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
-    """The app serving `engine` (see jaxserve.engine.AsyncEngine for the interface it needs)."""
+    """The app serving `engine` (see jaxserve.async_engine.AsyncEngine for the interface it needs)."""
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
     app[STATE] = ServerState(engine, config)

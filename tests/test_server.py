@@ -608,7 +608,7 @@ def _refuses_connections(port: int) -> bool:
 
 
 def _fake_engine_module(built: list) -> types.ModuleType:
-    module = types.ModuleType("jaxserve.engine")
+    module = types.ModuleType("jaxserve.async_engine")
 
     def build_async_engine(model: str, **engine_kwargs) -> FakeEngine:
         if model != MODEL:
@@ -622,7 +622,7 @@ def _fake_engine_module(built: list) -> types.ModuleType:
 
 def test_serve_command_flags_and_bad_model(monkeypatch, capsys):
     built: list = []
-    monkeypatch.setitem(sys.modules, "jaxserve.engine", _fake_engine_module(built))
+    monkeypatch.setitem(sys.modules, "jaxserve.async_engine", _fake_engine_module(built))
     assert cli.main(["jaxserve", "serve", "--port=70000"]) == 2
     assert cli.main(["jaxserve", "serve", "--max_num_seqs=0"]) == 2
     assert cli.main(["jaxserve", "serve", "--model=missing", "--max_num_seqs=4", "--noenable_prefix_caching"]) == 2
@@ -638,7 +638,7 @@ _SERVE_SCRIPT = """
 import sys
 from tests.test_server import _fake_engine_module
 built = []
-sys.modules["jaxserve.engine"] = _fake_engine_module(built)
+sys.modules["jaxserve.async_engine"] = _fake_engine_module(built)
 from jaxserve import cli
 code = cli.main(["jaxserve", "serve", *sys.argv[1:]])
 print("engine kwargs:", built, file=sys.stderr)

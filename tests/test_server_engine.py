@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from checkpoints import default_model, load
 from jaxserve.config import ModelConfig
-from jaxserve.engine import AsyncEngine, Engine, EngineConfig
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import llama
 from serve.app import ServerConfig, create_app
 from serve.server import start_server

@@ -47,7 +47,7 @@ def _greedy_tokens(engine, prompts, max_tokens=16) -> list:
 def _serve_through_router(engine, prompts) -> list:
     """The prompts as concurrent server requests over AsyncEngine replicas behind the router."""
     from jaxserve.data_parallel import DataParallelAsyncEngine
-    from jaxserve.engine import AsyncEngine
+    from jaxserve.async_engine import AsyncEngine
     from jaxserve.request import SamplingParams
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     router = DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])

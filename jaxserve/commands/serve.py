@@ -44,7 +44,7 @@ def run(fv: flags.FlagValues) -> int:
     )
 
     async def serve() -> int:
-        from jaxserve.engine import build_async_engine
+        from jaxserve.async_engine import build_async_engine
 
         try:
             engine = build_async_engine(fv.model, **engine_flags.engine_kwargs(fv))
