@@ -4,9 +4,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from checkpoints.convert import convert_checkpoint
+from checkpoints.load import load_config, load_params
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch
+
+
+def test_direct_mapping_equals_the_converter(tmp_path):
+    """The test's own HF -> pytree mapping (below) agrees with the converter's."""
+    model = make_tiny_hf_model(str(tmp_path / "hf"), num_q_heads=6, num_kv_heads=2)
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "converted"))
+    config = load_config(str(tmp_path / "converted"))
+    converted = load_params(str(tmp_path / "converted"), jnp.float32)
+    jax.tree.map(np.testing.assert_array_equal, converted, hf_to_params(model, config))
 
 
 def hf_to_params(model, config: ModelConfig):
@@ -39,11 +50,13 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,tie,rope_scaling", [
     (4, 4, False, None), (6, 2, True, None), (8, 2, False, LLAMA3_SCALING)])
 def test_forward_matches_transformers(tmp_path, num_q_heads, num_kv_heads, tie, rope_scaling):
-    model = make_tiny_hf_model(str(tmp_path), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    model = make_tiny_hf_model(str(tmp_path / "hf"), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                tie=tie, rope_scaling=rope_scaling)
-    config = ModelConfig.from_hf_dict(model.config.to_dict())
+    convert_checkpoint(str(tmp_path / "hf"), str(tmp_path / "converted"))
+    config = load_config(str(tmp_path / "converted"))
     assert config.tie_word_embeddings == tie
-    params = hf_to_params(model, config)
+    assert (config.rope_scaling is not None) == (rope_scaling is not None)
+    params = load_params(str(tmp_path / "converted"), jnp.float32)
     rng = np.random.default_rng()
     page_size, max_pages = 8, 8
     lengths = [1, 7, 8, 9, 40]

@@ -1,0 +1,81 @@
+"""`jaxserve generate`: JSONL in/out, resumable, and clear errors with exit code 2."""
+import json
+
+import pytest
+
+from jaxserve import cli
+
+ENGINE_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=64", "--num_pages=64", "--page_size=8",
+                "--max_model_len=128", "--noprogress"]
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def generate(model_dir, inp, out, *extra):
+    return cli.main(["jaxserve", "generate", f"--model={model_dir}", f"--input={inp}", f"--output={out}",
+                     *ENGINE_FLAGS, *extra])
+
+
+def test_generates_resumes_and_skips_done_ids(tiny_chat_model_dir, tmp_path, capsys):
+    inp = write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": 1, "prompt": "The quick brown fox"}),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert generate(tiny_chat_model_dir, inp, out, "--max_tokens=5", "--ignore_eos") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and {r["id"] for r in rows} == {1, "chat"}
+    by_id = {r["id"]: r for r in rows}
+    assert by_id[1]["num_output_tokens"] == 5 and by_id["chat"]["num_output_tokens"] == 3
+    assert set(by_id[1]) == {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}
+    assert by_id["chat"]["num_prompt_tokens"] > by_id[1]["num_prompt_tokens"]  # chat template applied
+    assert "output tokens/s" in capsys.readouterr().err
+
+    # Resume: a new id is generated, the done ones are skipped (same greedy output as before).
+    write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": 1, "prompt": "The quick brown fox"}),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        json.dumps({"id": 2, "prompt": "The quick brown fox"}),
+    ])
+    assert generate(tiny_chat_model_dir, inp, out, "--max_tokens=5", "--ignore_eos") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows].count(1) == 1 and len(rows) == 3
+    assert {r["id"]: r for r in rows}[2]["token_ids"] == by_id[1]["token_ids"]
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"id": 1, "prompt": "ok"}', '{"id": 2, "prompt": '], "in.jsonl:2: not valid JSON"),
+    (['["not", "an", "object"]'], "must be a JSON object"),
+    (['{"prompt": "no id"}'], "'id'"),
+    (['{"id": 1, "prompt": 5}'], "'prompt' must be a string"),
+    (['{"id": 1, "messages": "hi"}'], "'messages' must be a non-empty list"),
+    (['{"id": 1, "prompt": "a", "messages": []}'], "exactly one of"),
+    (['{"id": 1, "prompt": "a", "max_tokens": "ten"}'], "'max_tokens' has the wrong type"),
+    (['{"id": 1, "prompt": "a", "temperature": -1}'], "temperature"),
+    (['{"id": 1, "prompt": "a"}', '{"id": 1, "prompt": "b"}'], "duplicate id"),
+])
+def test_bad_input_lines_exit_2_with_the_line(tmp_path, capsys, lines, message):
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    assert generate("unused-model", inp, tmp_path / "out.jsonl") == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_missing_files_and_models_exit_2(tiny_chat_model_dir, tmp_path, capsys):
+    assert generate(tiny_chat_model_dir, tmp_path / "missing.jsonl", tmp_path / "out.jsonl") == 2
+    assert "no such file" in capsys.readouterr().err
+    inp = write_lines(tmp_path / "in.jsonl", ['{"id": 1, "prompt": "a"}'])
+    assert generate(str(tmp_path / "no-model"), inp, tmp_path / "out.jsonl") == 2
+    assert "cannot load" in capsys.readouterr().err
+    assert cli.main(["jaxserve", "generate", "--nonsense_flag=1"]) == 2
+    assert cli.main(["jaxserve", "nonsense"]) == 2
+
+
+def test_prompt_too_long_is_refused_before_running(tiny_chat_model_dir, tmp_path, capsys):
+    inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "prompt": "word " * 300})])
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "out.jsonl") == 2
+    assert "max_model_len" in capsys.readouterr().err
