@@ -143,3 +143,118 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`jaxserve serve` as a subprocess on a free loopback port, for the load generators.
+
+    Use as a context manager: it waits until /health answers 200 (warm-up compiles every step
+    shape first, so this can take minutes on a CPU) and stops the server (SIGTERM, then SIGKILL)
+    on exit. The server's output goes to `log_path`.
+    """
+
+    def __init__(self, model: str, extra_args: Sequence[str] = (), *, log_path: str | None = None,
+                 start_timeout_s: float = 900.0):
+        self.model = model
+        self.extra_args = list(extra_args)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), f"jaxserve-bench-server-{self.port}.log")
+        self.start_timeout_s = start_timeout_s
+        self.process = None
+        self.start_seconds: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def __enter__(self) -> "ServerProcess":
+        import subprocess
+        import time
+
+        command = [sys.executable, "-m", "jaxserve.cli", "serve", f"--model={self.model}", "--host=127.0.0.1",
+                   f"--port={self.port}", *self.extra_args]
+        self._log = open(self.log_path, "w")
+        start = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        try:
+            while not self._healthy():
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {self.process.returncode}:\n{self.log_tail()}")
+                if time.monotonic() - start > self.start_timeout_s:
+                    raise RuntimeError(f"the server did not become healthy in {self.start_timeout_s:.0f}s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - start
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def _healthy(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (graceful drain), SIGKILL after `timeout_s`; returns the exit code."""
+        import subprocess
+
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-num_lines:])
+        except OSError:
+            return ""
+
+
+def system_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+class CpuMeter:
+    """Wall time, this process's CPU time, and how many cores other processes kept busy meanwhile
+    (on a shared machine every timing depends on the latter)."""
+
+    def __enter__(self) -> "CpuMeter":
+        import time
+        self._wall, self._cpu, self._system = time.perf_counter(), time.process_time(), system_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        import time
+        self.wall_s = time.perf_counter() - self._wall
+        self.cpu_s = time.process_time() - self._cpu
+        system = system_cpu_seconds()
+        self.other_cores = None
+        if system is not None and self._system is not None and self.wall_s > 0:
+            self.other_cores = max(0.0, (system[0] - self._system[0] - self.cpu_s) / self.wall_s)

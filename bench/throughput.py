@@ -8,8 +8,8 @@ Two workloads, greedy, ignore_eos, random token prompts (fixed seed):
 Also: the f32 matmul FLOP/s jax reaches here for the step shapes, the FLOP/s jaxserve achieves,
 and where jaxserve's time goes (prefill, decode, mixed steps, host overhead).
 
-  python bench/throughput.py --out bench/out/throughput.json       # full (~25 min on 2 cores)
-  python bench/throughput.py --quick --skip_hf --model=DIR          # smoke test
+  python bench/throughput.py --hf_budget_s=200 --out=bench/out/throughput.json  # full: ~40 min on 2 cores
+  python bench/throughput.py --quick --skip_hf --model=DIR                       # smoke test, seconds
 """
 from __future__ import annotations
 
@@ -25,10 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-FULL = dict(fixed=(64, 128, 128), mixed=(128, 16, 512), max_model_len=1024, max_num_seqs=32,
-            max_num_batched_tokens=512, max_num_prefill_seqs=2, hf_batch_sizes="8,32")
+# Engine settings for 2 CPU cores (see bench/RESULTS.md): decode cost per row falls as rows grow,
+# so 64 sequences; the CPU attention path pads every prefill sequence of a step to the step's token
+# count, so one prefill sequence per step; a 256-token budget already reaches the prefill plateau
+# and keeps decode steps short and the number of compiled shapes small.
+FULL = dict(fixed=(64, 128, 128), mixed=(128, 16, 512), max_model_len=1024, max_num_seqs=64,
+            max_num_batched_tokens=256, max_num_prefill_seqs=1, hf_batch_sizes="8,32")
 QUICK = dict(fixed=(8, 16, 16), mixed=(12, 4, 48), max_model_len=128, max_num_seqs=8,
-             max_num_batched_tokens=64, max_num_prefill_seqs=2, hf_batch_sizes="4")
+             max_num_batched_tokens=64, max_num_prefill_seqs=1, hf_batch_sizes="4")
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -84,10 +88,13 @@ class StepRecorder:
 
 
 def build_engine(model_dir, engine_kwargs):
-    """(engine, seconds to load, seconds of warm-up, number of compiled step shapes)."""
+    """(engine, timings dict). Timings: load, warm-up (compiles every step shape) and the first
+    request after warm-up (a step shape warm-up compiled with the fresh KV cache compiles again
+    once the cache is a step's output; the request absorbs that before anything is timed)."""
     from checkpoints import load
     from jaxserve import device_setup
     from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.request import SamplingParams
 
     config = EngineConfig(warmup=False, **engine_kwargs)
     start = time.perf_counter()
@@ -97,7 +104,11 @@ def build_engine(model_dir, engine_kwargs):
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     num_shapes = engine.runner.warmup()
-    return engine, load_s, time.perf_counter() - start, num_shapes
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.generate([list(range(100, 108))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    return engine, dict(load_s=load_s, warmup_s=warmup_s, num_step_shapes=num_shapes,
+                        first_request_s=time.perf_counter() - start)
 
 
 def run_jaxserve(engine, recorder, workload):
@@ -106,16 +117,16 @@ def run_jaxserve(engine, recorder, workload):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in workload]
     first_step = len(recorder.steps)
     steps0, device0 = engine.num_steps, engine.time_in_steps
-    start = time.perf_counter()
-    results = engine.generate([p for p, _ in workload], params)
-    wall = time.perf_counter() - start
+    with common.CpuMeter() as meter:
+        results = engine.generate([p for p, _ in workload], params)
+    wall = meter.wall_s
     if engine.allocator.num_used_pages:
         raise RuntimeError(f"{engine.allocator.num_used_pages} KV pages still used after generate")
     steps = recorder.steps[first_step:]
     out_tokens = sum(len(r.token_ids) for r in results)
     return dict(
-        wall_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall,
-        prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
+        wall_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall, cpu_s=meter.cpu_s,
+        output_tokens_per_cpu_s=out_tokens / meter.cpu_s, other_processes_cores=meter.other_cores, prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
         device_s=engine.time_in_steps - device0, steps=steps,
         ttft_s=common.summarize([r.ttft for r in results]), tpot_s=common.summarize([r.tpot for r in results]),
         outputs=[r.token_ids for r in results])
@@ -204,13 +215,14 @@ def run_hf(model, workload, batch_size, budget_s, pad_token_id=0):
     import torch
 
     torch_generate(model, [workload[0][0][:4]], 2, pad_token_id)  # warm-up, not timed
-    outputs, useful, generated, elapsed, num_done = [], 0, 0, 0.0, 0
+    outputs, useful, generated, elapsed, cpu, others, num_done = [], 0, 0, 0.0, 0.0, 0.0, 0
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
         max_new = max(m for _, m in batch)
-        start = time.perf_counter()
-        tokens = torch_generate(model, [p for p, _ in batch], max_new, pad_token_id)
-        elapsed += time.perf_counter() - start
+        with common.CpuMeter() as meter:
+            tokens = torch_generate(model, [p for p, _ in batch], max_new, pad_token_id)
+        elapsed, cpu = elapsed + meter.wall_s, cpu + meter.cpu_s
+        others += (meter.other_cores or 0.0) * meter.wall_s
         outputs += [t[:m] for t, (_, m) in zip(tokens, batch)]
         useful += sum(m for _, m in batch)
         generated += max_new * len(batch)
@@ -218,7 +230,8 @@ def run_hf(model, workload, batch_size, budget_s, pad_token_id=0):
         if budget_s and elapsed > budget_s and num_done < len(workload):
             break
     return dict(batch_size=batch_size, wall_s=elapsed, output_tokens=useful, generated_tokens=generated,
-                output_tokens_per_s=useful / elapsed, requests_done=num_done, partial=num_done < len(workload),
+                output_tokens_per_s=useful / elapsed, cpu_s=cpu, output_tokens_per_cpu_s=useful / cpu,
+                other_processes_cores=others / elapsed, requests_done=num_done, partial=num_done < len(workload),
                 outputs=outputs)
 
 
@@ -246,13 +259,18 @@ def greedy_agreement(ours, theirs, k=16):
 # ---- report --------------------------------------------------------------------------------------
 def print_workload(name, run, breakdown, flops, hf_runs):
     print(f"\n== {name}: {run['prompt_tokens']} prompt tokens, {run['output_tokens']} output tokens")
-    rows = [dict(engine="jaxserve", tps=run["output_tokens_per_s"], wall=run["wall_s"], ratio=1.0)]
+    rows = [dict(engine="jaxserve", tps=run["output_tokens_per_s"], wall=run["wall_s"], ratio=1.0,
+                 cpu=run["output_tokens_per_cpu_s"], others=run["other_processes_cores"])]
     for hf in hf_runs:
-        rows.append(dict(engine=f"transformers b={hf['batch_size']}" + (" (partial)" if hf["partial"] else ""),
-                         tps=hf["output_tokens_per_s"], wall=hf["wall_s"],
-                         ratio=run["output_tokens_per_s"] / hf["output_tokens_per_s"]))
+        name = f"transformers b={hf['batch_size']}"
+        if hf["partial"]:
+            name += f" ({hf['requests_done']} requests)"
+        rows.append(dict(engine=name, tps=hf["output_tokens_per_s"], wall=hf["wall_s"], ratio=hf["jaxserve_ratio"],
+                         cpu=hf["output_tokens_per_cpu_s"], others=hf["other_processes_cores"]))
     print(common.format_table(rows, [("engine", "engine", "s"), ("tps", "output tok/s", ".1f"),
-                                     ("wall", "wall s", ".1f"), ("ratio", "jaxserve / this", ".2f")]))
+                                     ("wall", "wall s", ".1f"), ("ratio", "jaxserve / this", ".2f"),
+                                     ("cpu", "tok per CPU s", ".1f"),
+                                     ("others", "cores used by others", ".2f")]))
     kinds = [dict(kind=k, steps=v["steps"], device=v["device_s"], ms=1e3 * v["device_s"] / v["steps"],
                   tokens=v["tokens"], gflops=v["flops"] / v["device_s"] / 1e9)
              for k, v in sorted(breakdown["by_kind"].items())]
@@ -301,16 +319,26 @@ def main(argv=None) -> int:
     if not workloads or set(workloads) - {"fixed", "mixed"}:
         print(f"throughput: --workloads must name fixed and/or mixed, got {args.workloads!r}", file=sys.stderr)
         return 2
+    try:
+        hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or preset["hf_batch_sizes"]).split(",")]
+    except ValueError:
+        print(f"throughput: --hf_batch_sizes must be a comma list of integers, got {args.hf_batch_sizes!r}",
+              file=sys.stderr)
+        return 2
+    if min(hf_batch_sizes) < 1 or args.hf_budget_s < 0:
+        print("throughput: --hf_batch_sizes must be >= 1 and --hf_budget_s >= 0", file=sys.stderr)
+        return 2
     engine_kwargs = {k: getattr(args, k) or preset[k] for k in
                      ("max_num_seqs", "max_num_batched_tokens", "max_num_prefill_seqs", "max_model_len")}
     engine_kwargs["enable_prefix_caching"] = False  # random prompts; repeated runs must not hit the cache
     info = common.machine_info(with_jax=True)
-    engine, load_s, warmup_s, num_shapes = build_engine(model_dir, engine_kwargs)
+    engine, timings = build_engine(model_dir, engine_kwargs)
     recorder = StepRecorder(engine)
     cfg = engine.model_config
     print(common.machine_line(info))
     print(f"model {args.model}: {cfg.num_params() / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
-          f"{engine_kwargs}; load {load_s:.1f}s, warm-up {warmup_s:.1f}s ({num_shapes} step shapes)")
+          f"{engine_kwargs}; load {timings['load_s']:.1f}s, warm-up {timings['warmup_s']:.1f}s "
+          f"({timings['num_step_shapes']} step shapes), first request {timings['first_request_s']:.1f}s")
 
     hf_model = None
     if not args.skip_hf:
@@ -318,23 +346,24 @@ def main(argv=None) -> int:
         import torch
         info["torch"] = torch.__version__
         print(f"transformers model loaded in {hf_load_s:.1f}s (float32, {torch.get_num_threads()} threads)")
-    hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or preset["hf_batch_sizes"]).split(",")]
 
     report = dict(machine=info, machine_line=common.machine_line(info), model=args.model, model_dir=model_dir,
-                  num_params=cfg.num_params(), engine_config=engine_kwargs, load_s=load_s, warmup_s=warmup_s,
-                  num_step_shapes=num_shapes, quick=args.quick, workloads={})
+                  num_params=cfg.num_params(), engine_config=engine_kwargs, **timings,
+                  compilation_cache=os.environ.get("JAXSERVE_COMPILATION_CACHE", "default"),
+                  omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), hf_budget_s=args.hf_budget_s,
+                  quick=args.quick, workloads={})
     for name in workloads:
         if name == "fixed":
             workload = fixed_workload(*preset["fixed"], cfg.vocab_size, args.seed)
         else:
             workload = mixed_workload(*preset["mixed"], cfg.vocab_size, args.seed + 1)
-        load_before = common.load_average()
         run = run_jaxserve(engine, recorder, workload)
         rates = matmul_flops_per_s([s["padded_tokens"] for s in run["steps"]], cfg.hidden_size,
                                    cfg.intermediate_size)
         breakdown, flops = time_breakdown(run), flops_report(run, rates)
-        hf_runs = [run_hf(hf_model, workload, b, args.hf_budget_s, pad_token_id=0)
-                   for b in hf_batch_sizes] if hf_model is not None else []
+        hf_runs = []
+        for batch_size in hf_batch_sizes if hf_model is not None else []:
+            hf_runs.append(run_hf(hf_model, workload, batch_size, args.hf_budget_s, pad_token_id=0))
         for hf in hf_runs:
             hf["jaxserve_ratio"] = run["output_tokens_per_s"] / hf["output_tokens_per_s"]
             if name == "fixed":
@@ -349,11 +378,13 @@ def main(argv=None) -> int:
         steps = run.pop("steps")
         report["workloads"][name] = dict(
             jaxserve=run, breakdown=breakdown, flops=flops, matmul_flops_per_s={str(k): v for k, v in rates.items()},
-            transformers=hf_runs, load_average_1m=[load_before, common.load_average()],
-            step_kind_counts=dict(collections.Counter(s["kind"] for s in steps)))
-    common.write_json(args.out, report)
+            transformers=hf_runs, step_kind_counts=dict(collections.Counter(s["kind"] for s in steps)))
+        common.write_json(args.out, report)  # after each workload, so that a long run keeps what it did
     return 0
 
 
 if __name__ == "__main__":
+    # On a shared machine, OpenMP threads that spin while waiting make torch's small matmuls ~30x
+    # slower (measured); passive waiting keeps the transformers baseline honest. Set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.exit(main())

@@ -50,12 +50,21 @@ def dtype_from_name(name: str) -> np.dtype:
 
 
 def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = None,
-                       overwrite: bool = False) -> ModelConfig:
+                       overwrite: bool = False, quantization: str | None = None) -> ModelConfig:
     """Converts `source_path` into `output_dir`; returns the model's config.
 
     `dtype` (float32, bfloat16, float16) defaults to float32 for GGUF sources and to the
-    embedding table's dtype for Hugging Face sources. Raises ConversionError on bad input.
+    embedding table's dtype for Hugging Face sources. `quantization` ("int8", "int4", ... see
+    jaxserve.quantization) stores the linear layers quantized (checkpoints.quantized).
+    Raises ConversionError on bad input.
     """
+    fmt = None
+    if quantization:
+        from jaxserve.quantization import parse_format
+        try:
+            fmt = parse_format(quantization)
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
     output_dir = os.path.abspath(output_dir)
     if os.path.exists(output_dir) and not overwrite:
         raise ConversionError(f"{output_dir}: already exists")
@@ -74,12 +83,13 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
     except OSError as e:
         raise ConversionError(f"{output_dir}: cannot create ({e.strerror or e})") from None
     try:
-        _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR))
+        formats = _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR), fmt)
         has_tokenizer = source.save_tokenizer(staging)
         _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())
         _write_json(os.path.join(staging, MARKER_FILE), {
             "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
             "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,
+            **({"quantization": formats} if formats else {}),
         })
         _move_into_place(staging, output_dir)
     except BaseException as e:
@@ -90,15 +100,24 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
     return source.config
 
 
-def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str) -> None:
+def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str, fmt=None) -> dict[str, str]:
+    """Writes the parameters; returns {linear leaf: quantization format name} ({} when float)."""
     import orbax.checkpoint as ocp
 
-    buffers = ParamBuffers(source.config, dtype, source_path)
-    for file, name, slot, layer, tensor, transpose in source.tensors():
+    if fmt is None:
+        buffers, tensors, formats = ParamBuffers(source.config, dtype, source_path), source.tensors(), {}
+    else:
+        from checkpoints.quantized import QuantizedParamBuffers, leaf_formats
+        leaf_fmts, direct = leaf_formats(source, fmt)
+        buffers = QuantizedParamBuffers(source.config, dtype, source_path, leaf_fmts)
+        tensors = source.tensors(keep_blocks=frozenset(direct)) if direct else source.tensors()
+        formats = {leaf: f.name for leaf, f in leaf_fmts.items()}
+    for file, name, slot, layer, tensor, transpose in tensors:
         buffers.put(slot, layer, tensor, name, transpose, source_file=file)
     params = buffers.finish(source.describe_missing)
     with _numpy_checkpointer(ocp) as checkpointer:
         checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params))
+    return formats
 
 
 def _numpy_checkpointer(ocp):

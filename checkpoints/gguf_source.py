@@ -41,7 +41,9 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def _unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's Q/K permutation on the leading (output) axis."""
+    """Inverse of llama.cpp's Q/K permutation on the leading (output) axis (of GGUF blocks too)."""
+    if hasattr(rows, "with_rows"):  # checkpoints.quantized.GGUFBlocks: rows of blocks
+        return rows.with_rows(_unpermute_rows(rows.data, num_heads))
     half = rows.shape[0] // num_heads // 2
     grouped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
     return grouped.swapaxes(1, 2).reshape(rows.shape)
@@ -164,8 +166,30 @@ class GGUFSource:
             raise ConversionError(f"{self.path}: tensor {tensor.name!r} data does not match its shape {expected}")
         return values.reshape(expected)
 
-    def tensors(self) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
-        """(file, gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order."""
+    def tensor_kinds(self) -> dict[str, set[str]]:
+        """{slot: GGML type names of its tensors} for the per-layer slots."""
+        kinds: dict[str, set[str]] = {}
+        for tensor in self.reader.tensors:
+            match = _LAYER_NAME.fullmatch(tensor.name)
+            if match and match.group(2) in _LAYER_TABLE:
+                kinds.setdefault(_LAYER_TABLE[match.group(2)][0], set()).add(tensor.tensor_type.name)
+        return kinds
+
+    def _blocks(self, tensor):
+        from checkpoints.quantized import gguf_blocks
+        try:
+            blocks = gguf_blocks(tensor)
+        except ValueError:
+            blocks = None
+        if blocks is None or blocks.shape != tuple(int(n) for n in reversed(tensor.shape)):
+            raise ConversionError(f"{self.path}: tensor {tensor.name!r} data does not match its shape")
+        return blocks
+
+    def tensors(self, keep_blocks: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
+        """(file, gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order.
+
+        Tensors of the slots in `keep_blocks` come as checkpoints.quantized.GGUFBlocks (undequantized)."""
         for tensor in self.reader.tensors:
             name = tensor.name
             if name == _ROPE_FREQS:
@@ -179,7 +203,7 @@ class GGUFSource:
                 layer, (slot, transpose) = None, _GLOBAL_TABLE[name]
             else:
                 raise ConversionError(f"{self.path}: unexpected tensor {name!r}")
-            values = self._dequantize(tensor)
+            values = self._blocks(tensor) if slot in keep_blocks else self._dequantize(tensor)
             if self.permuted_qk and slot in ("layers/wq", "layers/bq", "layers/wk", "layers/bk"):
                 heads = self.config.num_q_heads if slot in ("layers/wq", "layers/bq") else self.config.num_kv_heads
                 if values.shape[0] % (2 * heads) == 0:  # otherwise the shape check reports it

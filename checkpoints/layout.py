@@ -65,12 +65,16 @@ class ParamBuffers:
         if tuple(tensor.shape) != expected:
             raise ConversionError(
                 f"{where}: tensor {source_name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        self.store(name, layer, tensor, transpose)
+        self._filled[key] = source_name
+
+    def store(self, name: str, layer: int | None, tensor: np.ndarray, transpose: bool) -> None:
+        """Writes a checked tensor into its slot (subclasses may store it another way)."""
         value = tensor.T if transpose else tensor
         if layer is None:
             self.arrays[name][...] = value
         else:
             self.arrays["layers"][name.split("/", 1)[1]][layer] = value
-        self._filled[key] = source_name
 
     def finish(self, describe_missing) -> dict:
         """The filled pytree; `describe_missing(name, layer)` names the absent source tensor."""

@@ -45,15 +45,22 @@ def load_params(model_dir: str, dtype, shardings=None) -> dict:
 
     config = load_config(model_dir)
     shapes = config.param_shapes()
-    if shardings is None:
-        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device_sharding, shapes, is_leaf=lambda x: isinstance(x, tuple))
     dtype = jnp.dtype(dtype)
-    try:
-        target = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-                              shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
-    except ValueError as e:
-        raise ConversionError(f"shardings do not match the parameter tree of {model_dir}: {e}") from None
+    formats = check_model_dir(model_dir).get("quantization")
+    if formats:  # linear leaves stored as int8 / int4 dicts keep their dtypes; the rest is cast
+        if shardings is not None:
+            raise ConversionError(f"{model_dir}: a quantized checkpoint cannot be sharded over devices yet")
+        from jaxserve.quantization import checkpoint_structs
+        target = checkpoint_structs(shapes, dtype, formats, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    else:
+        if shardings is None:
+            device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device_sharding, shapes, is_leaf=lambda x: isinstance(x, tuple))
+        try:
+            target = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+                                  shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
+        except ValueError as e:
+            raise ConversionError(f"shardings do not match the parameter tree of {model_dir}: {e}") from None
     params_dir = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
     try:
         with ocp.StandardCheckpointer() as checkpointer:

@@ -1,4 +1,4 @@
-"""Device-side choices made once at start-up: dtype, attention backend, KV pool size."""
+"""Device-side choices made once at start-up: dtype, quantization, attention backend, KV pool size."""
 from __future__ import annotations
 
 import os
@@ -6,9 +6,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxserve import memory
+from jaxserve import memory, quantization
 from jaxserve.config import ModelConfig
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, kv_quant
 
 
 def enable_compilation_cache() -> None:
@@ -34,6 +34,31 @@ def param_dtype(name: str | None):
         raise ValueError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16") from None
 
 
+def kv_cache_dtype(name: str | None):
+    """The KV page dtype for a --kv_cache_dtype name: None for 'auto' (the weights' float dtype),
+    int8 (per-token scales) or float8_e4m3fn ('fp8'). ValueError on any other name."""
+    if name is None or name == "auto":
+        return None
+    if name not in kv_quant.KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r}; use auto, {', '.join(kv_quant.KV_CACHE_DTYPES)}")
+    return kv_quant.KV_CACHE_DTYPES[name]
+
+
+def quantize_weights(params, name: str | None, *, sharded: bool = False):
+    """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged).
+    ValueError for an unknown format, a group size that does not fit, or sharded weights."""
+    if not name:
+        return params
+    if sharded:
+        raise ValueError("quantization does not support tensor_parallel_size > 1 yet")
+    return quantization.quantize_params(params, name)
+
+
+def array_bytes(*trees) -> tuple[int, ...]:
+    """Bytes of the arrays of each pytree (all shards together)."""
+    return tuple(quantization.tree_bytes(tree) for tree in trees)
+
+
 def attention_backend(override: str | None) -> str:
     return dispatch.attention_backend(override)
 
@@ -45,11 +70,14 @@ def plan_num_pages(model_config: ModelConfig, cfg, max_model_len: int, params, *
 
     On CPU the pool is also capped at what max_num_seqs sequences of max_model_len tokens can
     use, so that a laptop-sized run does not zero gigabytes it will never touch."""
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    dtype = params["embed"].dtype  # quantized weights: the dtype of the float leaves
+    quantized = bool(quantization.params_formats(params))
     budget = memory.device_memory_budget_bytes(device or jax.devices()[0])
     plan = memory.plan_memory(
         model_config, device_memory_bytes=budget, memory_utilization=cfg.memory_utilization,
         weight_dtype=jnp.dtype(dtype).name, page_size=cfg.page_size, max_model_len=max_model_len,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        measured_weights_bytes=quantization.tree_bytes(params) if quantized else None,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         max_prefill_seqs=cfg.max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size)
     num_pages = plan.num_pages

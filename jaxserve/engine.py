@@ -35,6 +35,8 @@ class EngineConfig:
     warmup: bool = True
     tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
+    quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
+    kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
 
 
 @dataclasses.dataclass
@@ -76,6 +78,8 @@ class Engine:
 
         cfg = engine_config or EngineConfig()
         device_setup.enable_compilation_cache()
+        params = device_setup.quantize_weights(params, cfg.quantization, sharded=shardings is not None
+                                               or cfg.tensor_parallel_size > 1)
         if shardings is None and cfg.tensor_parallel_size > 1:
             from jaxserve import sharding
             mesh = sharding.make_mesh(model_config, cfg.tensor_parallel_size)
@@ -101,7 +105,9 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_prefill_seqs=cfg.max_num_prefill_seqs,
             backend=device_setup.attention_backend(cfg.attention_backend),
-            max_logprobs=cfg.max_logprobs, shardings=shardings)
+            max_logprobs=cfg.max_logprobs, shardings=shardings,
+            kv_dtype=device_setup.kv_cache_dtype(cfg.kv_cache_dtype))
+        self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -174,7 +180,8 @@ class Engine:
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_total_pages,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=self.allocator.num_prefix_queries_tokens,
-            prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens)
+            prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens,
+            weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

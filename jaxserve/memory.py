@@ -23,7 +23,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 FLOAT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-KV_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
+KV_DTYPE_BYTES = {**FLOAT_DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+# int8 KV pages carry one float32 scale per token and KV head (pallas_kernels.kv_quant).
+KV_SCALE_BYTES = {"int8": 4}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                  "fp8": "float8_e4m3fn"}
 
@@ -166,10 +168,12 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
 
 def kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str = "bfloat16",
                        tensor_parallel_size: int = 1) -> int:
-    """K and V of one token over all layers on one device: 2 x layers x kv_heads x head_dim x bytes."""
+    """K and V of one token over all layers on one device: 2 x layers x kv_heads x head_dim x bytes
+    (plus the per-token, per-head scale of int8 pages)."""
     kv_dtype = normalize_dtype(kv_cache_dtype, tuple(KV_DTYPE_BYTES))
     kv_heads = kv_heads_per_device(model, tensor_parallel_size)
-    return 2 * model.num_layers * kv_heads * model.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    per_head = model.head_dim * KV_DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return 2 * model.num_layers * kv_heads * per_head
 
 
 def activation_bytes(
@@ -247,9 +251,11 @@ def plan_memory(
     tensor_parallel_size: int = 1,
     max_prefill_seqs: int = 1,
     runtime_reserve_fraction: float = 0.05,
+    measured_weights_bytes: int | None = None,
     min_runtime_reserve_bytes: int = 256 * MiB,
 ) -> MemoryPlan:
     """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
+    `measured_weights_bytes` (the loaded weights, e.g. quantized ones) replaces the estimate.
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
@@ -269,7 +275,7 @@ def plan_memory(
 
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
-    weights = weights_bytes(model, weight_dtype, tp)
+    weights = weights_bytes(model, weight_dtype, tp) if measured_weights_bytes is None else measured_weights_bytes
     if weights > usable - reserve:
         raise MemoryPlanError(
             f"the weights do not fit: they need {format_bytes(weights)} per device, but only "

@@ -39,3 +39,5 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    weights_bytes: int = 0  # device arrays of the weights (quantized sizes when quantized)
+    kv_cache_bytes: int = 0  # the KV page pool (scales of an int8 cache included)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxserve import compat
+from pallas_kernels import kv_quant
 
 MASK_VALUE = -1e30
 MIN_DOT_ROWS = 16  # smallest M of a tensor-core dot in the Triton lowering
@@ -61,19 +62,25 @@ def online_softmax_step(q, k, v, valid, key_valid, carry, scale):
     return acc, new_max, row_sum
 
 
-def load_pages(pages_ref, page_ids, keys_per_block):
-    """Gathers pages of one KV head: [pages_per_block] ids -> [keys_per_block, head_dim]."""
+def load_pages(pages_ref, page_ids, keys_per_block, scales_ref=None, dtype=None):
+    """Gathers pages of one KV head: [pages_per_block] ids -> [keys_per_block, head_dim] in
+    `dtype` (needed with scales_ref): int8 pages times their per-token scales, fp8 bits as floats
+    (see kv_quant)."""
     block = pages_ref[page_ids]  # [pages_per_block, page_size, head_dim]
+    if dtype is not None:  # scales: [pages_per_block, page_size, 1]
+        block = kv_quant.dequantize(block, None if scales_ref is None else scales_ref[page_ids], dtype)
     return block.reshape(keys_per_block, block.shape[-1])
 
 
 def _decode_kernel(
     q_ref, k_pages_ref, v_pages_ref, block_table_ref, seq_lens_ref,  # inputs
-    acc_ref, max_ref, sum_ref,  # outputs
-    *, scale, pages_per_block, page_size, blocks_per_split,
+    *refs,  # [k_scales_ref, v_scales_ref] when quantized (inputs), then acc, max, sum (outputs)
+    scale, pages_per_block, page_size, blocks_per_split, quantized=False,
 ):
     # q_ref: [group_pad, d]; k/v_pages_ref: [num_pages, page_size, d] (one KV head);
-    # block_table_ref: [pages_per_split]; seq_lens_ref: [1].
+    # block_table_ref: [pages_per_split]; seq_lens_ref: [1]; k/v_scales_ref: [num_pages, page_size, 1].
+    k_scales_ref, v_scales_ref = refs[:2] if quantized else (None, None)
+    acc_ref, max_ref, sum_ref = refs[-3:]
     split = pl.program_id(2)
     keys_per_block = pages_per_block * page_size
     seq_len = seq_lens_ref[0]
@@ -85,8 +92,8 @@ def _decode_kernel(
 
     def body(block, carry):
         page_ids = block_table_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        k = load_pages(k_pages_ref, page_ids, keys_per_block)
-        v = load_pages(v_pages_ref, page_ids, keys_per_block)
+        k = load_pages(k_pages_ref, page_ids, keys_per_block, k_scales_ref, q.dtype)
+        v = load_pages(v_pages_ref, page_ids, keys_per_block, v_scales_ref, q.dtype)
         key_pos = split_start + block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
         key_valid = key_pos < seq_len  # [keys]
         valid = jnp.broadcast_to(key_valid[None, :], (rows, keys_per_block))
@@ -129,11 +136,12 @@ def paged_decode_attention(
     """Paged attention of one query token per sequence (its last token, K/V already written).
 
     q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size,
-    num_kv_heads, head_dim]; block_table: int32[num_seqs, max_pages_per_seq];
+    num_kv_heads, head_dim] (or quantized caches, see kv_quant); block_table: int32[num_seqs, max_pages_per_seq];
     seq_lens: int32[num_seqs], 0 marks a padding row (zeros out).
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
     num_seqs, num_q_heads, head_dim = q.shape
+    (k_pages, k_scales), (v_pages, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     if group * num_kv_heads != num_q_heads:
@@ -154,9 +162,11 @@ def paged_decode_attention(
     squeezed = compat.squeezed_block_dim()
     page_spec = pl.BlockSpec((num_pages, page_size, squeezed, head_dim), lambda s, h, p: (0, 0, h, 0))
     partial_shape = (num_seqs, num_kv_heads, num_splits, group_pad)
+    quantized = k_scales is not None
+    scale_specs = [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda s, h, p: (0, 0, h, 0))] * 2
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block,
-        page_size=page_size, blocks_per_split=blocks_per_split,
+        page_size=page_size, blocks_per_split=blocks_per_split, quantized=quantized,
     )
     compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2)
     with compat.quiet_pallas_deprecations():
@@ -169,7 +179,7 @@ def paged_decode_attention(
                 page_spec,
                 pl.BlockSpec((squeezed, pages_per_split), lambda s, h, p: (s, p)),
                 pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            ],
+            ] + (scale_specs if quantized else []),
             out_specs=[
                 pl.BlockSpec((squeezed,) * 3 + (group_pad, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
                 pl.BlockSpec((squeezed,) * 3 + (group_pad,), lambda s, h, p: (s, h, p, 0)),
@@ -183,6 +193,7 @@ def paged_decode_attention(
             compiler_params=compiler_params,
             interpret=interpret,
             name="paged_decode_attention",
-        )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32))
+        )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+          *([k_scales, v_scales] if quantized else []))
     out = merge_splits(acc[:, :, :, :group], row_max[:, :, :, :group], row_sum[:, :, :, :group])
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxserve import compat
+from pallas_kernels import kv_quant
 from pallas_kernels.paged_decode import (
     MASK_VALUE, MIN_DOT_ROWS, cdiv, default_keys_per_block, load_pages, next_power_of_2,
     online_softmax_step,
@@ -24,12 +25,15 @@ from pallas_kernels.paged_decode import (
 def _ragged_kernel(
     block_seq_ref, block_start_ref, q_ref, k_pages_ref, v_pages_ref,
     block_table_ref, seq_lens_ref, query_start_loc_ref,  # inputs
-    out_ref,  # output
-    *, scale, block_q, pages_per_block, page_size,
+    *refs,  # [k_scales_ref, v_scales_ref] when quantized (inputs), then out_ref (output)
+    scale, block_q, pages_per_block, page_size, quantized=False,
 ):
     # block_seq_ref, block_start_ref: [1]; q_ref: [num_tokens + block_q, group_pad, d];
     # k/v_pages_ref: [num_pages, page_size, d]; block_table_ref: [num_seqs, padded_pages];
-    # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; out_ref: [block_q, group_pad, d].
+    # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; out_ref: [block_q, group_pad, d];
+    # k/v_scales_ref: [num_pages, page_size, 1].
+    k_scales_ref, v_scales_ref = refs[:2] if quantized else (None, None)
+    out_ref = refs[-1]
     keys_per_block = pages_per_block * page_size
     seq = block_seq_ref[0]
     seq_index = jnp.maximum(seq, 0)
@@ -48,8 +52,8 @@ def _ragged_kernel(
 
     def body(block, carry):
         page_ids = block_table_ref[seq_index, pl.ds(block * pages_per_block, pages_per_block)]
-        k = load_pages(k_pages_ref, page_ids, keys_per_block)
-        v = load_pages(v_pages_ref, page_ids, keys_per_block)
+        k = load_pages(k_pages_ref, page_ids, keys_per_block, k_scales_ref, q.dtype)
+        v = load_pages(v_pages_ref, page_ids, keys_per_block, v_scales_ref, q.dtype)
         key_pos = block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
         key_valid = key_pos < kv_end  # [keys]
         valid = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]  # [rows, keys]
@@ -102,6 +106,7 @@ def ragged_paged_attention(
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
     num_tokens, num_q_heads, head_dim = q.shape
+    (k_pages, k_scales), (v_pages, v_scales) = kv_quant.split(k_pages), kv_quant.split(v_pages)
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs = block_table.shape[0]
     group = num_q_heads // num_kv_heads
@@ -131,9 +136,11 @@ def ragged_paged_attention(
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
 
+    quantized = k_scales is not None
+    scale_specs = [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda b, h: (0, 0, h, 0))] * 2
     kernel = functools.partial(
         _ragged_kernel, scale=scale, block_q=block_q,
-        pages_per_block=pages_per_block, page_size=page_size,
+        pages_per_block=pages_per_block, page_size=page_size, quantized=quantized,
     )
     with compat.quiet_pallas_deprecations():
         out_blocks = pl.pallas_call(
@@ -148,7 +155,7 @@ def ragged_paged_attention(
                 whole(block_table.shape),
                 whole(seq_lens.shape),
                 whole(query_start_loc.shape),
-            ],
+            ] + (scale_specs if quantized else []),
             out_specs=pl.BlockSpec(
                 (squeezed, block_q, squeezed, group_pad, head_dim), lambda b, h: (b, 0, h, 0, 0)
             ),
@@ -159,7 +166,7 @@ def ragged_paged_attention(
             interpret=interpret,
             name="ragged_paged_attention",
         )(block_seq, block_start, q_grouped, k_pages, v_pages, block_table.astype(jnp.int32),
-          seq_lens, query_start_loc)
+          seq_lens, query_start_loc, *([k_scales, v_scales] if quantized else []))
 
     # Back to the token layout: token t of a sequence starting at `start` is row
     # (t - start) % block_q of block block_offset + (t - start) // block_q.

@@ -2,6 +2,7 @@
 
 Layout shared with the kernels:
   k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is the null page.
+  Quantized caches (kv_quant: int8 pages with per-token scales, fp8 bits) are dequantized on load.
   block_table: int32[num_seqs, max_pages_per_seq]; seq_lens: int32[num_seqs] (0 = padding row).
 Query head h reads KV head h // (num_q_heads // num_kv_heads). Softmax runs in float32 and
 the output has the dtype of q. Pages past a sequence's length may hold anything (NaN
@@ -11,6 +12,8 @@ included): every masked position goes through `jnp.where`, never a multiply by z
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -19,22 +22,17 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32[num_tokens] holding
     page * page_size + offset (padding tokens point into page 0).
-    Returns (k_pages, v_pages) with the same shapes and dtypes.
+    Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype))
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)
 
 
 def _gather_context(pages, block_table):
     """[num_pages, page_size, kv, d] -> [num_seqs, max_pages * page_size, kv, d] in float32."""
     num_seqs, max_pages = block_table.shape
-    _, page_size, num_kv_heads, head_dim = pages.shape
-    context = pages[block_table]  # [num_seqs, max_pages, page_size, kv, d]
-    context = context.reshape(num_seqs, max_pages * page_size, num_kv_heads, head_dim)
-    return context.astype(jnp.float32)
+    _, page_size, num_kv_heads, head_dim = kv_quant.values(pages).shape
+    context = kv_quant.gather(pages, block_table)  # [num_seqs, max_pages, page_size, kv, d] f32
+    return context.reshape(num_seqs, max_pages * page_size, num_kv_heads, head_dim)
 
 
 def _masked_softmax_attention(scores, valid, v_context):
@@ -64,6 +62,7 @@ def _grouped_queries(q, num_kv_heads):
 
 
 def _check_heads(q, k_pages):
+    k_pages = kv_quant.values(k_pages)
     num_q_heads, num_kv_heads = q.shape[-2], k_pages.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -80,7 +79,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, scale=
     del interpret
     _check_heads(q, k_pages)
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    num_kv_heads, page_size = kv_quant.values(k_pages).shape[2], kv_quant.values(k_pages).shape[1]
     scale = head_dim**-0.5 if scale is None else scale
     k_context = _gather_context(k_pages, block_table)  # [s, t, kv, d]
     v_context = _gather_context(v_pages, block_table)
@@ -108,7 +107,7 @@ def ragged_paged_attention(
     _check_heads(q, k_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, max_pages = block_table.shape
-    num_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    num_kv_heads, page_size = kv_quant.values(k_pages).shape[2], kv_quant.values(k_pages).shape[1]
     scale = head_dim**-0.5 if scale is None else scale
     starts = query_start_loc[:num_seqs]  # [s]
     query_lens = query_start_loc[1 : num_seqs + 1] - starts  # [s]

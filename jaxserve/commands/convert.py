@@ -16,6 +16,10 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Stored weight dtype; default: "
                       "float32 for GGUF, the source's dtype for Hugging Face folders.", flag_values=fv)
     flags.DEFINE_boolean("overwrite", False, "Replace --output if it already exists.", flag_values=fv)
+    flags.DEFINE_string("quantization", None, "Store the linear layers quantized: int8 (per output channel), "
+                        "int4 (groups of 32 with a zero point), int8_g32|64|128, int4_g64|128, _sym for "
+                        "symmetric int4. GGUF Q8_0 / Q4_0 / Q4_1 tensors are copied without a float round "
+                        "trip (as int8_g32 / int4_g32_sym / int4_g32).", flag_values=fv)
 
 
 def run(fv: flags.FlagValues) -> int:
@@ -26,7 +30,8 @@ def run(fv: flags.FlagValues) -> int:
 
     start = time.perf_counter()
     try:
-        config = convert_checkpoint(fv.source, fv.output, dtype=fv.dtype, overwrite=fv.overwrite)
+        config = convert_checkpoint(fv.source, fv.output, dtype=fv.dtype, overwrite=fv.overwrite,
+                                    quantization=fv.quantization)
     except ConversionError as e:
         print(f"jaxserve convert: {e}", file=sys.stderr)
         return 2

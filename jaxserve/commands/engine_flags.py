@@ -29,11 +29,18 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv)
     flags.DEFINE_enum("attention_backend", None, ["pallas", "interpret", "reference"],
                       "attention implementation (default: pallas on GPU, reference on CPU)", flag_values=fv)
+    flags.DEFINE_string("quantization", None, "quantize the linear layers after loading: int8 (per output "
+                        "channel), int4 (groups of 32 with a zero point); also int8_g32|64|128, "
+                        "int4_g64|128, _sym for symmetric int4 (default: as stored)", flag_values=fv)
+    flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"], "KV cache storage: auto (the "
+                      "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn)",
+                      flag_values=fv)
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:
     """The engine flags the user set; the others keep the EngineConfig defaults."""
-    names = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend"]
+    names = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend",
+                                       "quantization", "kv_cache_dtype"]
     return {name: fv[name].value for name in names if fv[name].value is not None}
 
 

@@ -23,7 +23,8 @@ from flax import nnx
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
-from pallas_kernels import dispatch, reference
+from jaxserve.quantization import linear
+from pallas_kernels import dispatch, kv_quant, reference
 
 Params = dict[str, Any]
 
@@ -38,9 +39,10 @@ class KVCacheSpec:
 
 
 def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) -> dict[str, jax.Array]:
-    """Zeroed K and V caches: [num_layers * num_pages, page_size, num_kv_heads, head_dim] each."""
+    """Zeroed K and V caches: [num_layers * num_pages, page_size, num_kv_heads, head_dim] each
+    (dtype int8: {"pages", "scales"} dicts, see pallas_kernels.kv_quant)."""
     shape = spec.shape(config)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    make = jax.jit(lambda: kv_quant.zeros(shape, dtype), out_shardings=sharding)
     return {"k": make(), "v": make()}
 
 
@@ -133,8 +135,8 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     num_decode = batch["decode_seq_lens"].shape[0]
     num_prefill_seqs = batch["prefill_seq_lens"].shape[0]
     num_tokens = batch["token_ids"].shape[0]
-    num_pages = kv_cache["k"].shape[0] // config.num_layers
-    page_size = kv_cache["k"].shape[1]
+    num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
+    page_size = kv_quant.values(kv_cache["k"]).shape[1]
     T, Hq, Hkv, hd = num_tokens, config.num_q_heads, config.num_kv_heads, config.head_dim
     inv_freq = rope_inv_freq(config)
     positions = batch["positions"]
@@ -160,7 +162,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
         page_offset = layer_idx * num_pages
         h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
         if config.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q = apply_rope(q.reshape(T, Hq, hd), positions, inv_freq)  # [T, Hq, hd]
@@ -171,9 +173,9 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
             batch["decode_block_table"] + page_offset, batch["decode_seq_lens"],
             batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
             batch["prefill_query_start_loc"])
-        x = x + attn.reshape(T, Hq * hd) @ lp["wo"]
+        x = x + linear(attn.reshape(T, Hq * hd), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        x = x + linear(jax.nn.silu(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
         return (x, k_cache, v_cache, layer_idx + 1), None
 
     x = params["embed"][batch["token_ids"]]  # [T, D]

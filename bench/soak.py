@@ -1,0 +1,237 @@
+"""Soak test: minutes of mixed streaming load, with clients that disconnect mid-stream, against a
+launched `jaxserve serve`; the server's RSS and `jaxserve_kv_pages_used` sampled every few seconds.
+
+Passes (exit 0) when
+  - every request completed, or was cut by its own client (a disconnect the server must abort);
+  - memory is flat after warm-up: over the second half of the run the RSS grew by less than
+    --rss_tolerance (median of the last fifth of the samples against the median of the first fifth);
+  - the KV pages return to 0 (and no request is left running or waiting) once the load stops.
+Exit 1 otherwise; the JSON report says which check failed.
+
+  python bench/soak.py --minutes=10 --model=smollm2 --out=bench/out/soak.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shlex
+import sys
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common, serving  # noqa: E402
+
+CHAT_PROMPT_TOKENS = 64  # more than any built-in chat prompt takes
+_METRIC_LINE = re.compile(r"^(jaxserve_[a-z_]+)\s+([-+0-9.eE]+|NaN)$", re.MULTILINE)
+_FINISHED_LINE = re.compile(r'^jaxserve_requests_finished(?:_total)?\{finish_reason="(\w+)"\}\s+([-+0-9.eE]+)$',
+                            re.MULTILINE)
+_HTTP_LINE = re.compile(r'^jaxserve_http_requests(?:_total)?\{([^}]*)\}\s+([-+0-9.eE]+)$', re.MULTILINE)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (psutil when installed, else /proc)."""
+    try:
+        import psutil
+        return psutil.Process(pid).memory_info().rss
+    except ImportError:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict:
+    """From /metrics: the unlabelled jaxserve_* samples (kv pages used, running, waiting, ...),
+    finished requests by reason, and the number of HTTP responses with a 5xx status."""
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    gauges = {name: float(value) for name, value in _METRIC_LINE.findall(text)}
+    finished = {reason: float(value) for reason, value in _FINISHED_LINE.findall(text)}
+    http_5xx = sum(float(value) for labels, value in _HTTP_LINE.findall(text) if 'status="5' in labels)
+    return dict(gauges=gauges, finished=finished, http_5xx=http_5xx)
+
+
+class Soak:
+    def __init__(self, url: str, pid: int, args):
+        self.url, self.pid, self.args = url, pid, args
+        self.rng = random.Random(args.seed)
+        self.counts = dict(completed=0, disconnected=0, failed=0)
+        self.errors: list[str] = []
+        self.samples: list[dict] = []
+        self.output_tokens = 0
+        self.max_model_len: int | None = None  # read from /v1/models: requests must fit in it
+        self.server_finished: dict[str, float] = {}  # the server's count of finished requests by reason
+        self.server_5xx = 0.0
+
+    def next_request(self) -> tuple[object, int, float | None]:
+        """(prompt, max_tokens, seconds after which the client hangs up or None)."""
+        a = self.args
+        room = self.max_model_len or 1 << 30
+        if self.rng.random() < 0.5:
+            prompt = self.rng.choice(serving.CHAT_PROMPTS)
+            room -= CHAT_PROMPT_TOKENS
+        else:
+            length = min(self.rng.randint(a.min_input_len, a.max_input_len), room // 2)
+            prompt = [self.rng.randrange(*serving.RANDOM_TOKEN_RANGE) for _ in range(length)]
+            room -= length
+        max_tokens = max(1, min(self.rng.randint(a.min_output_len, a.max_output_len), room - 1))
+        hang_up = self.rng.uniform(0.05, a.max_disconnect_s) if self.rng.random() < a.disconnect_fraction else None
+        return prompt, max_tokens, hang_up
+
+    async def client(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            prompt, max_tokens, hang_up = self.next_request()
+            request = serving.stream_completion(session, self.url, prompt, max_tokens)
+            try:
+                result = await asyncio.wait_for(request, hang_up) if hang_up else await request
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                if hang_up is not None and isinstance(e, asyncio.TimeoutError) and \
+                        not isinstance(e, aiohttp.ClientError):
+                    self.counts["disconnected"] += 1  # wait_for closed the connection mid-request
+                    continue
+                result = dict(ok=False, error=f"{type(e).__name__}: {e}")
+            if result["ok"]:
+                self.counts["completed"] += 1
+                self.output_tokens += result["completion_tokens"]
+            else:
+                self.counts["failed"] += 1
+                if len(self.errors) < 10:
+                    self.errors.append(result["error"])
+
+    async def sampler(self, session: aiohttp.ClientSession, start: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.sample(session, start)
+            try:
+                await asyncio.wait_for(stop.wait(), self.args.sample_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def sample(self, session: aiohttp.ClientSession, start: float) -> dict:
+        metrics = await scrape(session, self.url)
+        gauges = metrics["gauges"]
+        self.server_finished, self.server_5xx = metrics["finished"], metrics["http_5xx"]
+        sample = dict(t=time.monotonic() - start, rss_mib=rss_bytes(self.pid) / 2**20,
+                      kv_pages_used=gauges.get("jaxserve_kv_pages_used"),
+                      running=gauges.get("jaxserve_num_requests_running"),
+                      waiting=gauges.get("jaxserve_num_requests_waiting"), **dict(self.counts))
+        self.samples.append(sample)
+        return sample
+
+    async def run(self) -> dict:
+        a = self.args
+        timeout = aiohttp.ClientTimeout(total=a.request_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            async with session.get(self.url + "/v1/models") as response:
+                self.max_model_len = (await response.json())["data"][0].get("max_model_len")
+            start = time.monotonic()
+            deadline = start + 60 * a.minutes
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(self.sampler(session, start, stop))
+            await asyncio.gather(*(self.client(session, deadline) for _ in range(a.concurrency)))
+            stop.set()
+            await sampler
+            final = await self.sample(session, start)
+            settle_deadline = time.monotonic() + a.settle_s  # aborts are applied by the engine loop
+            while (final["kv_pages_used"] or final["running"] or final["waiting"]) and \
+                    time.monotonic() < settle_deadline:
+                await asyncio.sleep(0.5)
+                final = await self.sample(session, start)
+        return self.verdict(final, time.monotonic() - start)
+
+    def verdict(self, final: dict, duration: float) -> dict:
+        a = self.args
+        load = [s for s in self.samples if s["t"] <= 60 * a.minutes]
+        second_half = [s["rss_mib"] for s in load if s["t"] >= 30 * a.minutes]
+        k = max(1, len(second_half) // 5)
+        rss_begin = common.percentile(second_half[:k], 50) if second_half else None
+        rss_end = common.percentile(second_half[-k:], 50) if second_half else None
+        growth = (rss_end - rss_begin) / rss_begin if second_half else None
+        checks = {
+            "no_failed_requests": self.counts["failed"] == 0,
+            "requests_completed": self.counts["completed"] > 0,
+            "memory_flat": growth is not None and len(second_half) >= 2 and growth < a.rss_tolerance,
+            "kv_pages_returned": final["kv_pages_used"] == 0,
+            "no_server_errors": not self.server_finished.get("error") and not self.server_5xx,
+            "engine_idle": not final["running"] and not final["waiting"],
+        }
+        return dict(passed=all(checks.values()), checks=checks, duration_s=duration, counts=dict(self.counts),
+                    output_tokens=self.output_tokens, errors=self.errors, server_finished=self.server_finished,
+                    server_http_5xx=self.server_5xx, rss_second_half_begin_mib=rss_begin,
+                    rss_second_half_end_mib=rss_end, rss_growth=growth, rss_tolerance=a.rss_tolerance,
+                    peak_kv_pages_used=max((s["kv_pages_used"] or 0) for s in self.samples),
+                    final=final, samples=self.samples)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="duration of the load")
+    parser.add_argument("--model", default="smollm2", help="the model to serve")
+    parser.add_argument("--server_args", default="", help="extra `jaxserve serve` flags")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    parser.add_argument("--disconnect_fraction", type=float, default=0.25,
+                        help="share of requests whose client hangs up mid-request")
+    parser.add_argument("--max_disconnect_s", type=float, default=2.0, help="latest hang-up, seconds after sending")
+    parser.add_argument("--min_input_len", type=int, default=8, help="random-token prompts: shortest")
+    parser.add_argument("--max_input_len", type=int, default=96, help="random-token prompts: longest")
+    parser.add_argument("--min_output_len", type=int, default=4)
+    parser.add_argument("--max_output_len", type=int, default=64)
+    parser.add_argument("--sample_s", type=float, default=3.0, help="seconds between RSS / metrics samples")
+    parser.add_argument("--rss_tolerance", type=float, default=0.10, help="allowed RSS growth, second half")
+    parser.add_argument("--settle_s", type=float, default=30.0, help="how long the KV pages may take to return")
+    parser.add_argument("--request_timeout_s", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON report path")
+    args = parser.parse_args(argv)
+    if args.minutes <= 0 or args.concurrency < 1 or args.sample_s <= 0:
+        parser.error("--minutes and --sample_s must be > 0 and --concurrency >= 1")
+    if not 0 <= args.disconnect_fraction <= 1:
+        parser.error("--disconnect_fraction must be in [0, 1]")
+    if not 1 <= args.min_input_len <= args.max_input_len or not 1 <= args.min_output_len <= args.max_output_len:
+        parser.error("the length ranges must satisfy 1 <= min <= max")
+    return args
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value:.0f} MiB"
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = common.machine_info()
+    try:
+        with common.ServerProcess(args.model, shlex.split(args.server_args)) as server:
+            print(f"server up on {server.url} after {server.start_seconds:.1f}s; soaking {args.minutes} min",
+                  file=sys.stderr, flush=True)
+            report = asyncio.run(Soak(server.url, server.pid, args).run())
+            exit_code = server.stop()
+    except RuntimeError as e:
+        print(f"soak: {e}", file=sys.stderr)
+        return 2
+    report.update(machine=info, machine_line=common.machine_line(info), model=args.model,
+                  server_args=args.server_args, server_exit_code=exit_code)
+    c = report["counts"]
+    print(report["machine_line"])
+    print(f"{'PASSED' if report['passed'] else 'FAILED'}: {c['completed']} completed, {c['disconnected']} "
+          f"disconnected, {c['failed']} failed in {report['duration_s']:.0f}s; RSS over the second half "
+          f"{_mib(report['rss_second_half_begin_mib'])} -> {_mib(report['rss_second_half_end_mib'])} "
+          f"({_percent(report['rss_growth'])}, tolerance {100 * args.rss_tolerance:.0f}%); KV pages at the end "
+          f"{report['final']['kv_pages_used']} (peak {report['peak_kv_pages_used']})")
+    for name, ok in report["checks"].items():
+        if not ok:
+            print(f"check failed: {name}", file=sys.stderr)
+    for error in report["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    common.write_json(args.out, report)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Smoke tests of the benchmarks on a tiny random model with the SmolLM2 tokenizer.
+
+The serving load generator and the soak test each launch `jaxserve serve`; the one-minute soak
+runs in the background while the other benchmarks run, and its report is checked last.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench import common, soak, throughput
+from tests.tiny_models import make_tiny_hf_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_ARGS = "--max_num_seqs=4 --max_num_batched_tokens=64 --max_model_len=128"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def failure(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A converted tiny Llama (2 layers, hidden 64) with SmolLM2's 49152-token vocabulary and tokenizer."""
+    from checkpoints.default_model import resolve_model
+
+    hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
+    make_tiny_hf_model(hf_dir, vocab_size=49152, hidden_size=64, intermediate_size=128, head_dim=16)
+    smollm2 = resolve_model("smollm2")
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(smollm2, name)):
+            shutil.copy(os.path.join(smollm2, name), hf_dir)
+    out_dir = str(tmp_path_factory.mktemp("tiny") / "model")
+    result = run_script(["-m", "jaxserve.cli", "convert", f"--source={hf_dir}", f"--output={out_dir}"], 300)
+    assert result.returncode == 0, failure(result)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def soak_run(tiny_model, tmp_path_factory):
+    """The one-minute soak, started in the background: (process, report path)."""
+    out = str(tmp_path_factory.mktemp("soak") / "soak.json")
+    process = subprocess.Popen(
+        [sys.executable, "bench/soak.py", "--minutes=1", f"--model={tiny_model}", f"--server_args={SERVER_ARGS}",
+         "--concurrency=6", "--max_disconnect_s=0.2", "--sample_s=2", f"--out={out}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield process, out
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_serving_reports_every_level(tiny_model, soak_run, tmp_path):
+    out = tmp_path / "serving.json"
+    result = run_script(["bench/serving.py", "--launch", f"--model={tiny_model}", f"--server_args={SERVER_ARGS}",
+                         "--concurrency=1,2", "--num_requests=4", "--output_len=8", f"--out={out}"], 300)
+    assert result.returncode == 0, failure(result)
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert (level["completed"], level["failed"]) == (4, 0), level["errors"]
+        assert level["output_tokens"] == 4 * 8  # ignore_eos: every request runs to max_tokens
+        assert level["request_throughput"] > 0 and level["output_tokens_per_s"] > 0
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            stats = level[metric]
+            assert stats["count"] > 0 and 0 < stats["p50"] <= stats["p99"] <= stats["max"], (metric, stats)
+        assert level["e2e_ms"]["p50"] >= level["ttft_ms"]["p50"]
+    assert "TTFT p99 ms" in result.stdout
+    assert (tmp_path / "serving.png").is_file(), "matplotlib (the bench extra) should be installed"
+
+
+def test_throughput_quick(tiny_model, soak_run, tmp_path):
+    out = tmp_path / "throughput.json"
+    result = run_script(["bench/throughput.py", "--quick", "--skip_hf", f"--model={tiny_model}", f"--out={out}"],
+                        300)
+    assert result.returncode == 0, failure(result)
+    report = json.loads(out.read_text())
+    assert report["warmup_s"] > 0 and report["num_step_shapes"] > 0
+    vocab = 49152
+    expected = {"fixed": throughput.fixed_workload(*throughput.QUICK["fixed"], vocab, 0),
+                "mixed": throughput.mixed_workload(*throughput.QUICK["mixed"], vocab, 1)}
+    for name, workload in expected.items():
+        data = report["workloads"][name]
+        run = data["jaxserve"]
+        assert run["output_tokens"] == sum(m for _, m in workload)
+        assert run["prompt_tokens"] == sum(len(p) for p, _ in workload)
+        assert math.isclose(run["output_tokens_per_s"], run["output_tokens"] / run["wall_s"])
+        breakdown = data["breakdown"]
+        assert sum(k["steps"] for k in breakdown["by_kind"].values()) == run["num_steps"]
+        assert sum(k["tokens"] for k in breakdown["by_kind"].values()) == \
+            run["prompt_tokens"] + run["output_tokens"] - len(workload)  # the last token is never fed back
+        assert 0 < breakdown["padding_efficiency"] <= 1
+        assert data["flops"]["flops_per_s_device"] > 0 and data["matmul_flops_per_s"]
+        assert data["transformers"] == []
+
+
+def test_soak_one_minute_passes(soak_run):
+    process, out = soak_run
+    output, _ = process.communicate(timeout=400)
+    assert process.returncode == 0, output[-4000:]
+    report = json.loads(open(out).read())
+    assert report["passed"] and all(report["checks"].values())
+    counts = report["counts"]
+    assert counts["completed"] > 0 and counts["failed"] == 0
+    assert counts["disconnected"] > 0, "the soak should exercise client disconnects"
+    assert report["final"]["kv_pages_used"] == 0 and report["peak_kv_pages_used"] > 0
+    assert report["server_finished"].get("abort", 0) > 0, "disconnects should abort engine requests"
+    assert report["server_finished"].get("length", 0) > 0 and not report["server_finished"].get("error")
+    assert len(report["samples"]) >= 10
+    assert report["server_exit_code"] == 0
+
+
+def soak_verdict(rss_mib: list[float], final_pages: float, failed: int = 0, server_errors=None) -> dict:
+    args = soak.parse_args(["--minutes=1"])
+    run = soak.Soak("http://unused", 0, args)
+    run.counts = dict(completed=10, disconnected=2, failed=failed)
+    run.server_finished = dict(length=10.0, abort=2.0, **(server_errors or {}))
+    run.samples = [dict(t=60.0 * i / len(rss_mib), rss_mib=r, kv_pages_used=3.0) for i, r in enumerate(rss_mib)]
+    return run.verdict(dict(kv_pages_used=final_pages, running=0.0, waiting=0.0), 61.0)
+
+
+def test_soak_verdict_catches_leaks_and_lost_pages():
+    flat = [500.0] * 10 + [520.0] * 10
+    assert soak_verdict(flat, 0.0)["passed"]
+    growing = [500.0 + 10 * i for i in range(20)]  # +~25% over the second half
+    assert not soak_verdict(growing, 0.0)["checks"]["memory_flat"]
+    assert not soak_verdict(flat, 5.0)["checks"]["kv_pages_returned"]
+    assert not soak_verdict(flat, 0.0, failed=1)["checks"]["no_failed_requests"]
+    assert not soak_verdict(flat, 0.0, server_errors={"error": 1.0})["checks"]["no_server_errors"]
+
+
+def test_summaries_match_numpy():
+    import numpy as np
+
+    values = [0.3, 5.0, 1.0, 2.5, 9.0, 4.0, 0.1]
+    stats = common.summarize(values, 1000)
+    assert math.isclose(stats["mean"], 1000 * np.mean(values))
+    assert math.isclose(stats["p50"], 1000 * np.percentile(values, 50))
+    assert math.isclose(stats["p99"], 1000 * np.percentile(values, 99))
+    assert common.summarize([])["count"] == 0
