@@ -126,7 +126,8 @@ def run_jaxserve(engine, recorder, workload):
     out_tokens = sum(len(r.token_ids) for r in results)
     return dict(
         wall_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall, cpu_s=meter.cpu_s,
-        output_tokens_per_cpu_s=out_tokens / meter.cpu_s, other_processes_cores=meter.other_cores, prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
+        output_tokens_per_cpu_s=out_tokens / meter.cpu_s, other_processes_cores=meter.other_cores,
+        prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
         device_s=engine.time_in_steps - device0, steps=steps,
         ttft_s=common.summarize([r.ttft for r in results]), tpot_s=common.summarize([r.tpot for r in results]),
         outputs=[r.token_ids for r in results])

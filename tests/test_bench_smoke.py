@@ -8,18 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from bench import common, soak, throughput
-from tests.tiny_models import make_tiny_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = "--max_num_seqs=4 --max_num_batched_tokens=64 --max_model_len=128"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -31,20 +28,9 @@ def failure(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A converted tiny Llama (2 layers, hidden 64) with SmolLM2's 49152-token vocabulary and tokenizer."""
-    from checkpoints.default_model import resolve_model
-
-    hf_dir = str(tmp_path_factory.mktemp("tiny_hf"))
-    make_tiny_hf_model(hf_dir, vocab_size=49152, hidden_size=64, intermediate_size=128, head_dim=16)
-    smollm2 = resolve_model("smollm2")
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(smollm2, name)):
-            shutil.copy(os.path.join(smollm2, name), hf_dir)
-    out_dir = str(tmp_path_factory.mktemp("tiny") / "model")
-    result = run_script(["-m", "jaxserve.cli", "convert", f"--source={hf_dir}", f"--output={out_dir}"], 300)
-    assert result.returncode == 0, failure(result)
-    return out_dir
+def tiny_model(tiny_chat_model_dir) -> str:
+    """A converted tiny Llama with SmolLM2's 49152-token vocabulary and tokenizer (conftest)."""
+    return tiny_chat_model_dir
 
 
 @pytest.fixture(scope="module")
