@@ -2,7 +2,8 @@
 
 One decode-heavy workload (default 32 random-token prompts x 64 tokens in, 128 greedy tokens out,
 ignore_eos) through `Engine.generate` for each variant: float weights, int8 weights (per output
-channel), int4 weights (groups of 32 with a zero point), and an int8 KV cache (per-token scales).
+channel; int8_g32_zp: groups of 32 with a zero point), int4 weights (groups of 32 with a zero
+point), and an int8 KV cache (per-token scales).
 A warm pass of the same prompts (3 output tokens) compiles the step shapes first; the best of
 `--repeats` timed passes gives output tokens/s and decode-step time (other processes on a shared
 machine only ever slow a pass down); the bytes of the weights and of the KV cache come along.
@@ -26,6 +27,7 @@ from bench import common  # noqa: E402
 VARIANTS = {  # name -> EngineConfig overrides
     "float": {},
     "int8": {"quantization": "int8"},
+    "int8_g32_zp": {"quantization": "int8_g32_zp"},
     "int4": {"quantization": "int4"},
     "kv_int8": {"kv_cache_dtype": "int8"},
     "int4+kv_int8": {"quantization": "int4", "kv_cache_dtype": "int8"},

@@ -2,10 +2,16 @@
 
 Conversion quantizes each layer's tensor as it streams in. GGUF Q8_0, Q4_0 and Q4_1 tensors are
 copied block for block, with no float round trip: a block is 32 inputs of one output row with a
-float16 scale, so Q8_0 -> int8 groups of 32, Q4_0 -> symmetric int4 groups of 32 (code - 8),
-Q4_1 -> int4 groups of 32 with a zero point (the block's minimum). This happens for a leaf whose
-every layer has that one type and when the requested format has the same bits and a group size
-of 32 (or none, for int8); any other leaf is dequantized and quantized in the requested format.
+float16 scale (Q4_1: and a float16 minimum), so the copy is exact:
+
+    requested   Q8_0          Q4_0                      Q4_1
+    int4        -             int4_g32_sym (code - 8)   int4_g32 (zero = the block's minimum)
+    int8        int8_g32      int8_g32 (code - 8)       int8_g32_zp (code - 128), when asked with _zp
+
+This happens for a leaf whose every layer has that one type and when the requested format has
+those bits and a group size of 32 (or none, for int8). Plain int8 (no zero point) cannot hold a
+Q4_1 block, so "int8" from Q4_1 is quantized per output channel from the floats. Any other leaf
+is dequantized and quantized in the requested format.
 """
 from __future__ import annotations
 
@@ -19,9 +25,12 @@ from jaxserve import quantization as qz
 from jaxserve.config import ModelConfig
 
 BLOCK_SIZE = 32
-# GGML type name -> (format its blocks map to, bytes of float16 header: scale [+ minimum])
-DIRECT_KINDS = {"Q8_0": (qz.QuantFormat(8, 32), 2), "Q4_0": (qz.QuantFormat(4, 32), 2),
-                "Q4_1": (qz.QuantFormat(4, 32, zero_point=True), 4)}
+# GGML type name -> bytes of its float16 block header: scale [+ minimum]
+HEADER_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
+# GGML type name -> {bits: the format its blocks copy into exactly}
+COPY_FORMATS = {"Q8_0": {8: qz.QuantFormat(8, 32)},
+                "Q4_0": {8: qz.QuantFormat(8, 32), 4: qz.QuantFormat(4, 32)},
+                "Q4_1": {8: qz.QuantFormat(8, 32, zero_point=True), 4: qz.QuantFormat(4, 32, zero_point=True)}}
 
 
 @dataclasses.dataclass
@@ -37,14 +46,18 @@ class GGUFBlocks:
     def with_rows(self, data: np.ndarray) -> "GGUFBlocks":
         return GGUFBlocks(self.kind, data)
 
-    def to_weight(self) -> dict[str, np.ndarray]:
-        """The quantized weight for `x @ W`: q [in, out] (int4: [in // 2, out]), scale/zero [blocks, out]."""
-        fmt, header = DIRECT_KINDS[self.kind]
+    def to_weight(self, bits: int | None = None) -> dict[str, np.ndarray]:
+        """The quantized weight for `x @ W` in COPY_FORMATS[kind][bits] (default: the kind's own
+        bits): q [in, out] (int4: [in // 2, out]), scale/zero [blocks, out]; KeyError if none."""
+        fmt = COPY_FORMATS[self.kind][bits or (8 if self.kind == "Q8_0" else 4)]
         rows, num_blocks, _ = self.data.shape
         scale = np.ascontiguousarray(self.data[:, :, :2]).view(np.float16)[..., 0]  # [rows, blocks]
-        codes = self.data[:, :, header:]  # Q8_0: int8 [rows, blocks, 32]; Q4: packed [rows, blocks, 16]
-        if fmt.bits == 8:
+        codes = self.data[:, :, HEADER_BYTES[self.kind]:]  # Q8_0: int8 [rows, blocks, 32]; Q4: packed [.., 16]
+        if self.kind == "Q8_0":
             codes = codes.view(np.int8)
+        elif fmt.bits == 8:  # 4-bit codes u (low nibbles: inputs 0-15, high: 16-31) as int8 levels
+            u = np.concatenate([codes & 0xF, codes >> 4], axis=-1).astype(np.int16)
+            codes = (u - (qz.INT8_ZERO_OFFSET if fmt.zero_point else 8)).astype(np.int8)
         weight = {"q": codes.reshape(rows, -1).T, "scale": scale.T}
         if fmt.zero_point:
             weight["zero"] = np.ascontiguousarray(self.data[:, :, 2:4]).view(np.float16)[..., 0].T
@@ -52,11 +65,21 @@ class GGUFBlocks:
 
 
 def gguf_blocks(tensor) -> GGUFBlocks:
-    """A gguf ReaderTensor of a DIRECT_KINDS type as GGUFBlocks."""
-    _, header = DIRECT_KINDS[tensor.tensor_type.name]
+    """A gguf ReaderTensor of a COPY_FORMATS type as GGUFBlocks."""
+    header = HEADER_BYTES[tensor.tensor_type.name]
     block_bytes = header + (BLOCK_SIZE if tensor.tensor_type.name == "Q8_0" else BLOCK_SIZE // 2)
     data = np.asarray(tensor.data, np.uint8)
     return GGUFBlocks(tensor.tensor_type.name, data.reshape(data.shape[0], -1, block_bytes))
+
+
+def copy_format(kind: str | None, fmt: qz.QuantFormat) -> qz.QuantFormat | None:
+    """The format blocks of GGML type `kind` copy into when `fmt` is requested (None: no copy)."""
+    mapped = COPY_FORMATS.get(kind, {}).get(fmt.bits)
+    if mapped is None or fmt.group_size not in (None, BLOCK_SIZE):
+        return None
+    if fmt.bits == 8 and mapped.zero_point and not fmt.zero_point:
+        return None  # Q4_1 needs a zero point: plain int8 is quantized from the floats
+    return mapped
 
 
 def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat], set[str]]:
@@ -66,8 +89,8 @@ def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat]
     for leaf in qz.LINEAR_LEAVES:
         slot_kinds = kinds.get(f"layers/{leaf}", set())
         kind = next(iter(slot_kinds)) if len(slot_kinds) == 1 else None
-        mapped = DIRECT_KINDS.get(kind, (None,))[0]
-        if mapped is not None and mapped.bits == fmt.bits and fmt.group_size in (None, BLOCK_SIZE):
+        mapped = copy_format(kind, fmt)
+        if mapped is not None:
             formats[leaf] = mapped
             direct.add(f"layers/{leaf}")
         else:
@@ -103,10 +126,10 @@ class QuantizedParamBuffers(ParamBuffers):
             return super().store(name, layer, tensor, transpose)
         fmt = self.formats[leaf]
         if isinstance(tensor, GGUFBlocks):
-            if DIRECT_KINDS[tensor.kind][0] != fmt:
+            if COPY_FORMATS[tensor.kind].get(fmt.bits) != fmt:
                 raise ConversionError(f"{self.source_file}: layer {layer} of {name} is {tensor.kind}, "
                                       f"but the leaf is stored as {fmt.name}")
-            weight = tensor.to_weight()
+            weight = tensor.to_weight(fmt.bits)
         else:
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)

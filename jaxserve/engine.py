@@ -28,7 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(the model's context, 2048)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    attention_backend: str | None = None  # None: Pallas on GPU, the jnp reference on CPU
+    attention_backend: str | None = None  # None: Pallas on GPU, the blocked XLA path on CPU
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
     memory_utilization: float = 0.9

@@ -43,16 +43,18 @@ class MemoryPlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedFormat:
-    """Linear-layer weights stored in `bits` with one scale per `group_size` inputs."""
+    """Linear-layer weights stored in `bits` with one scale (and zero point) per `group_size` inputs,
+    as jaxserve.quantization stores them by default."""
     bits: int
     group_size: int | None  # None: one scale per output channel (the group is the whole input)
-    scale_bytes: int = 2  # bfloat16 scales
+    scale_bytes: int = 2  # float16 scales
+    zero_bytes: int = 0  # float16 zero points (2) or none (0)
     compute_dtype: str = "bfloat16"  # activations, embeddings, lm_head, norms and biases
 
 
 QUANTIZED_FORMATS = {
     "int8": QuantizedFormat(bits=8, group_size=None),
-    "int4": QuantizedFormat(bits=4, group_size=128),
+    "int4": QuantizedFormat(bits=4, group_size=32, zero_bytes=2),  # "int4" = "int4_g32"
 }
 WEIGHT_DTYPES = tuple(FLOAT_DTYPE_BYTES) + tuple(QUANTIZED_FORMATS)
 
@@ -134,7 +136,8 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
         return in_features * out_features * FLOAT_DTYPE_BYTES[weight_dtype]
     group = quantized.group_size or in_features
     packed = math.ceil(in_features * out_features * quantized.bits / 8)
-    return packed + math.ceil(in_features / group) * out_features * quantized.scale_bytes
+    per_group = quantized.scale_bytes + quantized.zero_bytes
+    return packed + math.ceil(in_features / group) * out_features * per_group
 
 
 def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
@@ -155,7 +158,8 @@ def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str,
 def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> int:
     """Bytes of the parameters on one device, quantization scales included.
 
-    Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales);
+    Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales and
+    zero points: int8 per output channel, int4 in groups of 32 with a zero point, as the engine);
     embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16).
     """
     weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)

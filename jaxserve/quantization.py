@@ -4,6 +4,7 @@ A quantized weight replaces one stacked float leaf `[L, in, out]` with a small d
 scan still slices it layer by layer:
 
     int8:  q     int8   [L, in, out]          w = q * scale
+           with a zero point:     w = (q + 128) * scale + zero      (zero = the group's minimum)
     int4:  q     uint8  [L, in // 2, out]     two 4-bit codes u in [0, 15] per byte
            (in each group of g inputs, byte j holds input j in its low nibble and input j + g/2 in
            its high nibble: the GGUF Q4 block order, so Q4_0 / Q4_1 blocks copy over unchanged)
@@ -13,8 +14,9 @@ scan still slices it layer by layer:
 
 The format is self-describing (dtype of q, shapes of scale, presence of zero), so `linear` needs
 no side information. Format names: "int8" (per output channel), "int8_g32|64|128" (groups along
-the input), "int4" = "int4_g32" (zero point), "int4_g64|128", and "_sym" for symmetric int4.
-Embeddings, lm_head, norms and biases stay float.
+the input), "_zp" for int8 with a zero point (e.g. "int8_g32_zp": the 16 levels of a GGUF Q4_1
+block are 16 of its codes, so those blocks copy over exactly), "int4" = "int4_g32" (zero point),
+"int4_g64|128", and "_sym" for symmetric int4. Embeddings, lm_head, norms and biases stay float.
 """
 from __future__ import annotations
 
@@ -29,32 +31,37 @@ import numpy as np
 LINEAR_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPE = jnp.float16
-_FORMAT_NAME = re.compile(r"int(?P<bits>[48])(?:_g(?P<group>\d+))?(?P<sym>_sym)?")
+_FORMAT_NAME = re.compile(r"int(?P<bits>[48])(?:_g(?P<group>\d+))?(?P<suffix>_sym|_zp)?")
+INT8_ZERO_OFFSET = 128  # int8 with a zero point: code q in [-128, 127] stands for level q + 128
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     bits: int  # 8 or 4
     group_size: int | None  # inputs per scale; None: one scale per output channel (int8 only)
-    zero_point: bool = False  # int4 only: w = u * scale + zero instead of (u - 8) * scale
+    zero_point: bool = False  # w = level * scale + zero (level: u for int4, q + 128 for int8)
 
     @property
     def name(self) -> str:
         group = "" if self.group_size is None else f"_g{self.group_size}"
-        sym = "_sym" if self.bits == 4 and not self.zero_point else ""
-        return f"int{self.bits}{group}{sym}"
+        if self.bits == 4:
+            return f"int4{group}{'' if self.zero_point else '_sym'}"
+        return f"int8{group}{'_zp' if self.zero_point else ''}"
 
 
 def parse_format(name: str) -> QuantFormat:
-    """'int8', 'int8_g32', 'int4', 'int4_g64_sym', ... -> QuantFormat; ValueError otherwise."""
+    """'int8', 'int8_g32', 'int8_g32_zp', 'int4', 'int4_g64_sym', ... -> QuantFormat; ValueError otherwise."""
     match = _FORMAT_NAME.fullmatch(name.strip().lower())
     group = None if match is None or match["group"] is None else int(match["group"])
-    if match is None or (group is not None and group not in GROUP_SIZES) or (match["sym"] and match["bits"] == "8"):
+    suffix = None if match is None else match["suffix"]
+    if (match is None or (group is not None and group not in GROUP_SIZES)
+            or suffix == ("_sym" if match["bits"] == "8" else "_zp")):
         raise ValueError(f"unknown quantization {name!r}; use int8 or int4, optionally with a group "
-                         f"size _g32, _g64 or _g128 (and _sym for symmetric int4), e.g. int4_g64")
+                         f"size _g32, _g64 or _g128 (and _zp for int8 with a zero point, _sym for "
+                         f"symmetric int4), e.g. int4_g64")
     if match["bits"] == "8":
-        return QuantFormat(8, group)
-    return QuantFormat(4, group or 32, zero_point=not match["sym"])
+        return QuantFormat(8, group, zero_point=suffix == "_zp")
+    return QuantFormat(4, group or 32, zero_point=suffix != "_sym")
 
 
 def is_quantized(weight: Any) -> bool:
@@ -123,19 +130,22 @@ def quantize(weight: jax.Array, fmt: QuantFormat, name: str = "weight") -> dict[
     *lead, in_features, out = weight.shape
     num_groups = shapes["scale"][-2]
     w = jnp.asarray(weight, jnp.float32).reshape(*lead, num_groups, in_features // num_groups, out)
-    if fmt.bits == 8:
-        scale = _to_scale(jnp.max(jnp.abs(w), axis=-2) / 127)
-        q = jnp.clip(jnp.round(w / _safe(scale)), -127, 127).astype(jnp.int8)
-        return {"q": q.reshape(shapes["q"]), "scale": scale}
-    if fmt.zero_point:
+    if fmt.zero_point:  # levels (w - zero) / scale in [0, 255] or [0, 15]; int8 stores level - 128
+        levels = 255 if fmt.bits == 8 else 15
         low, high = jnp.min(w, axis=-2), jnp.max(w, axis=-2)
-        scale, zero = _to_scale((high - low) / 15), low.astype(SCALE_DTYPE)
-        codes = jnp.round((w - zero.astype(jnp.float32)[..., None, :]) / _safe(scale))
+        scale, zero = _to_scale((high - low) / levels), low.astype(SCALE_DTYPE)
+        codes = jnp.clip(jnp.round((w - zero.astype(jnp.float32)[..., None, :]) / _safe(scale)), 0, levels)
+        codes = codes - INT8_ZERO_OFFSET if fmt.bits == 8 else codes
+    else:  # w / scale in [-127, 127] or [-8, 7]; int4 stores it + 8
+        top = 127 if fmt.bits == 8 else 7
+        scale = _to_scale(jnp.max(jnp.abs(w), axis=-2) / top)
+        codes = jnp.clip(jnp.round(w / _safe(scale)), -top if fmt.bits == 8 else -8, top)
+        codes = codes if fmt.bits == 8 else codes + 8
+    codes = codes.reshape(*lead, in_features, out)
+    if fmt.bits == 8:
+        result = {"q": codes.astype(jnp.int8), "scale": scale}
     else:
-        scale = _to_scale(jnp.max(jnp.abs(w), axis=-2) / 7)
-        codes = jnp.round(w / _safe(scale)) + 8
-    codes = jnp.clip(codes, 0, 15).astype(jnp.uint8).reshape(*lead, in_features, out)
-    result = {"q": pack_int4(codes, in_features // num_groups), "scale": scale}
+        result = {"q": pack_int4(codes.astype(jnp.uint8), in_features // num_groups), "scale": scale}
     if fmt.zero_point:
         result["zero"] = zero
     return result
@@ -159,7 +169,11 @@ def dequantize(weight: dict, dtype=jnp.float32) -> jax.Array:
     else:
         *lead, rows, out = q.shape
         values = q.reshape(*lead, num_groups, rows // num_groups, out).astype(jnp.float32)
-        values = values * weight["scale"].astype(jnp.float32)[..., None, :]
+        if "zero" in weight:
+            values = (values + INT8_ZERO_OFFSET) * weight["scale"].astype(jnp.float32)[..., None, :]
+            values = values + weight["zero"].astype(jnp.float32)[..., None, :]
+        else:
+            values = values * weight["scale"].astype(jnp.float32)[..., None, :]
     *lead, groups, group, out = values.shape
     return values.reshape(*lead, groups * group, out).astype(dtype)
 

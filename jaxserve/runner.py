@@ -1,8 +1,9 @@
 """ModelRunner: StepPlan -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
 
 Shapes come from a small set of buckets: decode rows (`decode_buckets`) x prefill tokens
-(`prefill_buckets`); every step pads to the smallest bucket that holds it, so after warm-up no
-step compiles again. The KV cache is donated to the step and updated in place.
+(`prefill_buckets`) x block table width (`page_buckets`; one full width on the XLA CPU path,
+whose cost follows the longest context present); every step pads to the smallest bucket that
+holds it, so after warm-up no step compiles again. The KV cache is donated to the step and updated in place.
 """
 from __future__ import annotations
 
@@ -72,11 +73,15 @@ class ModelRunner:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.max_logprobs = max_logprobs
         self.backend = backend
-        # Decode cost barely grows with rows (weights are read once), prefill cost grows with
-        # tokens, and attention cost with context: hence coarse decode and context buckets.
-        self.decode_buckets = (0,) + geometric_buckets(8, max_num_seqs, 4)
+        # Rows and tokens double from bucket to bucket, so a step pays for at most twice its
+        # work (on CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row
+        # bucket took twice as long); context buckets are coarser (x4), as few steps need them.
+        self.decode_buckets = (0,) + geometric_buckets(8, max_num_seqs, 2)
         self.prefill_buckets = (0,) + geometric_buckets(32, max_num_batched_tokens, 2)
-        self.page_buckets = geometric_buckets(-(-256 // page_size), self.max_pages_per_seq, 4)
+        if backend == "xla":  # its cost follows the longest context present, not the table width
+            self.page_buckets = (self.max_pages_per_seq,)
+        else:
+            self.page_buckets = geometric_buckets(-(-256 // page_size), self.max_pages_per_seq, 4)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
         self.kv_cache = llama.init_kv_cache(

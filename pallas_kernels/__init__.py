@@ -1,4 +1,5 @@
-"""Paged attention for jaxserve: Pallas kernels, their plain-jnp references, and the KV write.
+"""Paged attention for jaxserve: Pallas kernels, a plain-XLA path for CPU, the plain-jnp references
+(the oracle of the tests), and the KV write.
 
 KV pages per layer: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is the null page.
 """

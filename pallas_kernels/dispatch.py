@@ -3,9 +3,11 @@
 Backends:
   "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see jaxserve.compat);
   "interpret"  the same kernels in Pallas interpret mode (runs anywhere, slowly: for tests);
-  "reference"  the plain-jnp versions in reference.py (the fast path on CPU).
+  "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py): the
+               fast path on CPU;
+  "reference"  the plain-jnp oracle in reference.py (the whole context at once).
 Default: "pallas" when jax's default backend is a GPU with the Pallas GPU lowering available,
-"reference" otherwise. An explicit override, else the JAXSERVE_ATTENTION_BACKEND environment
+"xla" otherwise. An explicit override, else the JAXSERVE_ATTENTION_BACKEND environment
 variable, wins.
 """
 
@@ -14,9 +16,9 @@ import os
 import jax
 
 from jaxserve import compat
-from pallas_kernels import paged_decode, ragged_prefill, reference
+from pallas_kernels import paged_decode, ragged_prefill, reference, xla_paged
 
-BACKENDS = ("pallas", "interpret", "reference")
+BACKENDS = ("pallas", "interpret", "xla", "reference")
 BACKEND_ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
 
 
@@ -33,7 +35,7 @@ def attention_backend(override: str | None = None) -> str:
         return choice
     if jax.default_backend() in ("gpu", "cuda", "rocm") and compat.has_pallas_triton():
         return "pallas"
-    return "reference"
+    return "xla"
 
 
 def _check_backend(backend: str) -> None:
@@ -46,6 +48,8 @@ def decode_attention(backend: str, q, k_pages, v_pages, block_table, seq_lens, *
     _check_backend(backend)
     if backend == "reference":
         return reference.paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, scale=scale)
+    if backend == "xla":
+        return xla_paged.paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, scale=scale)
     return paged_decode.paged_decode_attention(
         q, k_pages, v_pages, block_table, seq_lens, scale=scale, interpret=backend == "interpret"
     )
@@ -56,8 +60,9 @@ def ragged_attention(
 ):
     """ragged_paged_attention through `backend` (see reference.ragged_paged_attention)."""
     _check_backend(backend)
-    if backend == "reference":
-        return reference.ragged_paged_attention(
+    if backend in ("reference", "xla"):
+        module = reference if backend == "reference" else xla_paged
+        return module.ragged_paged_attention(
             q, k_pages, v_pages, block_table, seq_lens, query_start_loc, scale=scale
         )
     return ragged_prefill.ragged_paged_attention(

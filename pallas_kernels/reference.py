@@ -61,7 +61,8 @@ def _grouped_queries(q, num_kv_heads):
     return q.astype(jnp.float32).reshape(*lead, num_kv_heads, group, head_dim)
 
 
-def _check_heads(q, k_pages):
+def check_heads(q, k_pages):
+    """ValueError unless q's heads divide evenly over the pages' KV heads with the same head_dim."""
     k_pages = kv_quant.values(k_pages)
     num_q_heads, num_kv_heads = q.shape[-2], k_pages.shape[2]
     if num_q_heads % num_kv_heads:
@@ -77,7 +78,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, scale=
     Rows whose seq_lens is 0 give zeros. `interpret` is accepted for signature parity.
     """
     del interpret
-    _check_heads(q, k_pages)
+    check_heads(q, k_pages)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_quant.values(k_pages).shape[2], kv_quant.values(k_pages).shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -104,34 +105,47 @@ def ragged_paged_attention(
     cheap for the few prefill sequences a step carries.
     """
     del interpret
-    _check_heads(q, k_pages)
+    check_heads(q, k_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, max_pages = block_table.shape
     num_kv_heads, page_size = kv_quant.values(k_pages).shape[2], kv_quant.values(k_pages).shape[1]
     scale = head_dim**-0.5 if scale is None else scale
+    q_padded, query_pos, query_valid = queries_per_sequence(q, seq_lens, query_start_loc, num_seqs, num_kv_heads)
+    k_context = _gather_context(k_pages, block_table)  # [s, t, kv, d]
+    v_context = _gather_context(v_pages, block_table)
+    scores = scale * jnp.einsum("sqkgd,stkd->skgqt", q_padded, k_context, precision=_HIGHEST)
+    key_pos = jnp.arange(max_pages * page_size)  # [t]
+    valid = (key_pos[None, None, :] <= query_pos[:, :, None]) & query_valid[:, :, None]  # [s, q, t]
+    out = _masked_softmax_attention(scores, valid[:, None, None, :, :], v_context)  # [s,kv,g,q,d]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)
+    return to_ragged(out, query_start_loc).astype(q.dtype)
+
+
+def queries_per_sequence(q, seq_lens, query_start_loc, num_seqs, num_kv_heads):
+    """Ragged queries [num_tokens, heads, d] laid out per sequence.
+
+    Returns q_padded [s, num_tokens, kv, group, d] float32 (zeros where invalid), the position of
+    each query in its sequence query_pos [s, num_tokens] and query_valid [s, num_tokens]."""
+    num_tokens = q.shape[0]
     starts = query_start_loc[:num_seqs]  # [s]
     query_lens = query_start_loc[1 : num_seqs + 1] - starts  # [s]
-
     slot = jnp.arange(num_tokens)  # index of a query inside its sequence
     token_index = jnp.clip(starts[:, None] + slot[None, :], 0, num_tokens - 1)  # [s, q]
     query_valid = (slot[None, :] < query_lens[:, None]) & (seq_lens[:, None] > 0)  # [s, q]
     q_padded = _grouped_queries(q[token_index], num_kv_heads)  # [s, q, kv, g, d]
     q_padded = jnp.where(query_valid[:, :, None, None, None], q_padded, 0.0)
-
-    k_context = _gather_context(k_pages, block_table)  # [s, t, kv, d]
-    v_context = _gather_context(v_pages, block_table)
-    scores = scale * jnp.einsum("sqkgd,stkd->skgqt", q_padded, k_context, precision=_HIGHEST)
     query_pos = (seq_lens - query_lens)[:, None] + slot[None, :]  # [s, q]
-    key_pos = jnp.arange(max_pages * page_size)  # [t]
-    valid = (key_pos[None, None, :] <= query_pos[:, :, None]) & query_valid[:, :, None]  # [s, q, t]
-    out = _masked_softmax_attention(scores, valid[:, None, None, :, :], v_context)  # [s,kv,g,q,d]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)
+    return q_padded, query_pos, query_valid
 
-    # Back to the ragged layout: token t reads row (its sequence, t - start of that sequence).
+
+def to_ragged(out, query_start_loc):
+    """Per-sequence results [s, num_tokens, heads, d] back to the ragged layout [num_tokens, heads, d]:
+    token t reads row (its sequence, t - start of that sequence); tokens past the last sequence are 0."""
+    num_seqs, num_tokens = out.shape[:2]
+    starts = query_start_loc[:num_seqs]
     tokens = jnp.arange(num_tokens)
     seq_of_token = jnp.searchsorted(query_start_loc[1 : num_seqs + 1], tokens, side="right")
     token_valid = tokens < query_start_loc[num_seqs]
     seq_of_token = jnp.clip(seq_of_token, 0, num_seqs - 1)
     slot_of_token = jnp.clip(tokens - starts[seq_of_token], 0, num_tokens - 1)
-    out = out[seq_of_token, slot_of_token]  # [num_tokens, num_q_heads, head_dim]
-    return jnp.where(token_valid[:, None, None], out, 0.0).astype(q.dtype)
+    return jnp.where(token_valid[:, None, None], out[seq_of_token, slot_of_token], 0.0)

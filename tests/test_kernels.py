@@ -1,4 +1,5 @@
-"""Paged attention kernels (interpret mode) and references against a float64 numpy oracle.
+"""Paged attention kernels (interpret mode), the XLA CPU path and the references against a
+float64 numpy oracle.
 
 Inputs are fresh random draws each run (the seed is in every failure message): permuted block
 tables, lengths around page boundaries, padding rows in random places, and NaN in every page
@@ -7,13 +8,14 @@ queries. Outputs must be finite, padding must be exactly zero, and the error sma
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch, paged_decode, ragged_prefill, reference
+from pallas_kernels import dispatch, paged_decode, ragged_prefill, reference, xla_paged
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Interpret mode on CPU; on a GPU the kernels run natively (bench/gpu_check.sh).
@@ -121,7 +123,9 @@ def test_paged_decode_matches_oracle(case):
     tiles = dict(case.tiles, num_splits=3) if case.tiles else {}
     kernel_out = paged_decode.paged_decode_attention(*args, interpret=INTERPRET, **tiles)
     reference_out = jax.jit(reference.paged_decode_attention)(*args)
-    for label, out in (("kernel", kernel_out), ("reference", reference_out)):
+    xla_blocks = case.tiles.get("pages_per_block", xla_paged.DECODE_PAGES_PER_BLOCK)
+    xla_out = jax.jit(functools.partial(xla_paged.paged_decode_attention, pages_per_block=xla_blocks))(*args)
+    for label, out in (("kernel", kernel_out), ("reference", reference_out), ("xla", xla_out)):
         assert out.shape == q.shape and out.dtype == q.dtype, label
         assert_close(out, expected, case.dtype, f"decode {label}")
         assert np.all(np.asarray(out, np.float32)[seq_lens == 0] == 0), f"{label}: padding row not zero"
@@ -161,7 +165,9 @@ def test_ragged_matches_oracle(case):
     tiles = dict(case.tiles, block_q=2) if case.tiles else {}
     kernel_out = ragged_prefill.ragged_paged_attention(*args, interpret=INTERPRET, **tiles)
     reference_out = jax.jit(reference.ragged_paged_attention)(*args)
-    for label, out in (("kernel", kernel_out), ("reference", reference_out)):
+    xla_blocks = case.tiles.get("pages_per_block", 3)  # several blocks, a width not dividing the table
+    xla_out = jax.jit(functools.partial(xla_paged.ragged_paged_attention, pages_per_block=xla_blocks))(*args)
+    for label, out in (("kernel", kernel_out), ("reference", reference_out), ("xla", xla_out)):
         assert out.shape == q.shape and out.dtype == q.dtype, label
         assert_close(out, expected, case.dtype, f"ragged {label}")
         tail = np.asarray(out, np.float32)[query_start_loc[-1] :]
@@ -207,7 +213,7 @@ def test_write_kv_updates_donated_pages_in_place():
 def test_attention_backend_choice(monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
     on_gpu = jax.default_backend() == "gpu"
-    assert dispatch.attention_backend() == ("pallas" if on_gpu else "reference")
+    assert dispatch.attention_backend() == ("pallas" if on_gpu else "xla")
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "Interpret")
     assert dispatch.attention_backend() == "interpret"
     assert dispatch.attention_backend("reference") == "reference"
@@ -225,20 +231,37 @@ def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
     def recorder(name):
         return lambda *args, **kwargs: calls.append((name, len(args), kwargs)) or name
 
-    for module in (paged_decode, ragged_prefill, reference):
+    for module in (paged_decode, ragged_prefill, reference, xla_paged):
         for kind, function in (("decode", "paged_decode_attention"), ("ragged", "ragged_paged_attention")):
             monkeypatch.setattr(module, function, recorder(f"{module.__name__}.{kind}"), raising=False)
     decode_args = ("q", "k", "v", "table", "lens")
     ragged_args = decode_args + ("starts",)
     decoded = dispatch.decode_attention(backend, *decode_args, scale=0.5)
     ragged = dispatch.ragged_attention(backend, *ragged_args, scale=0.5)
-    module = "pallas_kernels.reference" if backend == "reference" else "pallas_kernels.paged_decode"
-    assert decoded == f"{module}.decode"
-    module = "pallas_kernels.reference" if backend == "reference" else "pallas_kernels.ragged_prefill"
-    assert ragged == f"{module}.ragged"
+    plain = {"reference": "pallas_kernels.reference", "xla": "pallas_kernels.xla_paged"}
+    assert decoded == f"{plain.get(backend, 'pallas_kernels.paged_decode')}.decode"
+    assert ragged == f"{plain.get(backend, 'pallas_kernels.ragged_prefill')}.ragged"
     assert [c[1] for c in calls] == [5, 6]
     for _, _, kwargs in calls:
         assert kwargs["scale"] == 0.5
         assert kwargs.get("interpret", False) == (backend == "interpret")
     with pytest.raises(ValueError):
         dispatch.decode_attention("triton", *decode_args)
+
+
+def test_xla_path_results_do_not_depend_on_the_other_rows_or_the_table_width():
+    """The engine's CPU path loops to the longest sequence of the call: a row's result must be
+    bit-for-bit the same alone, next to longer rows, and with a wider block table."""
+    case = Case(8, 64, 3, 2, jnp.float32, {})
+    rng = np.random.default_rng([SEED, 99])
+    seq_lens = np.array([5, 70, 17, 0, 33], np.int32)
+    k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
+    q = in_dtype(rng.standard_normal((len(seq_lens), 6, 64)), case.dtype)
+    decode = jax.jit(xla_paged.paged_decode_attention)
+    together = np.asarray(decode(q, k_pages, v_pages, block_table, seq_lens))
+    wide_table = np.pad(block_table, ((0, 0), (0, 7)))
+    wide = np.asarray(decode(q, k_pages, v_pages, wide_table, seq_lens))
+    for row in np.flatnonzero(seq_lens):
+        alone = np.asarray(decode(q[row:row + 1], k_pages, v_pages, block_table[row:row + 1], seq_lens[row:row + 1]))
+        assert np.array_equal(alone[0], together[row]), f"row {row} (seed {SEED})"
+    assert np.array_equal(wide, together)

@@ -57,9 +57,9 @@ def test_quantized_weights_count_scales():
     # int8: one bf16 scale per output channel of every linear layer.
     out_channels = m.num_layers * (q + 2 * kv + 2 * f + 2 * d)
     assert memory.weights_bytes(m, "int8") == counts["linear"] + 2 * out_channels + rest_bf16
-    # int4: half a byte per weight plus one bf16 scale per 128 inputs.
-    in_groups = m.num_layers * (d // 128 * (q + 2 * kv + 2 * f) + q // 128 * d + f // 128 * d)
-    assert memory.weights_bytes(m, "int4") == counts["linear"] // 2 + 2 * in_groups + rest_bf16
+    # int4: half a byte per weight plus a float16 scale and zero point per 32 inputs.
+    in_groups = m.num_layers * (d // 32 * (q + 2 * kv + 2 * f) + q // 32 * d + f // 32 * d)
+    assert memory.weights_bytes(m, "int4") == counts["linear"] // 2 + 4 * in_groups + rest_bf16
     sizes = [memory.weights_bytes(m, dt) for dt in ("int4", "int8", "bfloat16", "float32")]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
     assert memory.resolve_kv_cache_dtype("auto", "int4") == "bfloat16"

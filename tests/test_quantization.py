@@ -26,7 +26,7 @@ from tests.test_kernel_lowering import pallas_custom_calls
 
 Q = gguf.GGMLQuantizationType
 SEED = np.random.SeedSequence().entropy % 2**32
-FORMATS = ["int8", "int8_g32", "int8_g128", "int4", "int4_g64", "int4_g128_sym"]
+FORMATS = ["int8", "int8_g32", "int8_g128", "int8_g32_zp", "int8_zp", "int4", "int4_g64", "int4_g128_sym"]
 
 
 # ---- formats ------------------------------------------------------------------------------------
@@ -35,9 +35,11 @@ def test_format_names():
     assert qz.parse_format("int8") == qz.QuantFormat(8, None)
     assert qz.parse_format("INT4") == qz.QuantFormat(4, 32, zero_point=True)
     assert qz.parse_format("int4_g64_sym") == qz.QuantFormat(4, 64, zero_point=False)
+    assert qz.parse_format("int8_g32_zp") == qz.QuantFormat(8, 32, zero_point=True)
+    assert qz.parse_format("int8_zp") == qz.QuantFormat(8, None, zero_point=True)
     for name in FORMATS:
         assert qz.parse_format(name).name == qz.parse_format(qz.parse_format(name).name).name
-    for bad in ["int3", "int8_sym", "int4_g48", "fp8", ""]:
+    for bad in ["int3", "int8_sym", "int4_g48", "fp8", "", "int4_zp", "int8_g32_sym", "int8_zp_sym"]:
         with pytest.raises(ValueError, match="unknown quantization"):
             qz.parse_format(bad)
 
@@ -67,7 +69,7 @@ def test_round_trip_error_is_within_half_a_step(name):
     assert relative < (0.01 if fmt.bits == 8 else 0.12), relative
 
 
-@pytest.mark.parametrize("name", ["int8", "int8_g64", "int4", "int4_g32_sym"])
+@pytest.mark.parametrize("name", ["int8", "int8_g64", "int8_g32_zp", "int4", "int4_g32_sym"])
 def test_quantized_linear_matches_float_reference(name):
     rng = np.random.default_rng([SEED, 7])
     fmt = qz.parse_format(name)
@@ -87,14 +89,35 @@ def test_group_size_must_divide_the_input():
         qz.quantized_shapes((2, 96, 64), qz.parse_format("int4_g64"), "wq")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_gguf_blocks_are_copied_bit_exactly(qtype):
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_planner_weight_bytes_match_the_quantized_params(name, tied):
+    """memory.weights_bytes for "int8" / "int4" is what the engine stores for those names: the
+    linear layers quantized by quantize_params, everything else in bfloat16."""
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_q_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=tied)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), llama.random_params(config))
+    quantized = qz.quantize_params(params, name)
+    assert set(qz.params_formats(quantized).values()) == {qz.parse_format(name).name}
+    assert memory.weights_bytes(config, name) == qz.tree_bytes(quantized)
+    assert memory.weights_bytes(config, "bfloat16") == qz.tree_bytes(params)
+
+
+@pytest.mark.parametrize("qtype,bits,stored", [
+    (Q.Q8_0, None, "int8_g32"), (Q.Q4_0, None, "int4_g32_sym"), (Q.Q4_1, None, "int4_g32"),
+    (Q.Q4_0, 8, "int8_g32"), (Q.Q4_1, 8, "int8_g32_zp")], ids=lambda v: getattr(v, "name", str(v)))
+def test_gguf_blocks_are_copied_bit_exactly(qtype, bits, stored):
     rng = np.random.default_rng([SEED, int(qtype)])
     rows = rng.standard_normal((24, 128)).astype(np.float32)  # [out, in] as GGUF stores it
+    rows[3, 32:64] = 0.0  # an all-zero block
+    rows[5, :32] += 40.0  # a block far from zero (its minimum dominates)
     data = gguf.quants.quantize(rows, qtype)
     blocks = GGUFBlocks(qtype.name, data.reshape(24, 4, -1))
-    weight = blocks.to_weight()
+    weight = blocks.to_weight(bits)
     assert blocks.shape == (24, 128)
+    assert qz.weight_format(weight).name == stored
+    assert {k: v.shape for k, v in weight.items()} == qz.quantized_shapes((128, 24), qz.parse_format(stored))
+    assert {k: v.dtype for k, v in weight.items()} == qz.quantized_dtypes(qz.parse_format(stored))
     expected = gguf.quants.dequantize(data, qtype).reshape(24, 128).T
     np.testing.assert_array_equal(np.asarray(qz.dequantize({k: jnp.asarray(v) for k, v in weight.items()})), expected)
 
@@ -102,7 +125,8 @@ def test_gguf_blocks_are_copied_bit_exactly(qtype):
 # ---- conversion and loading ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("qtype,requested,stored", [
-    (Q.Q4_1, "int4", "int4_g32"), (Q.Q4_0, "int4", "int4_g32_sym"), (Q.Q8_0, "int8", "int8_g32")],
+    (Q.Q4_1, "int4", "int4_g32"), (Q.Q4_0, "int4", "int4_g32_sym"), (Q.Q8_0, "int8", "int8_g32"),
+    (Q.Q4_1, "int8_g32_zp", "int8_g32_zp"), (Q.Q4_1, "int8_zp", "int8_g32_zp"), (Q.Q4_0, "int8", "int8_g32")],
     ids=lambda v: getattr(v, "name", str(v)))
 def test_gguf_conversion_without_float_round_trip(tmp_path, qtype, requested, stored):
     path = write_gguf(tmp_path / "tiny.gguf", tiny_model(), qtype)  # llama: Q/K rows permuted
@@ -376,6 +400,28 @@ def check_against_float(smollm2, float_run, label, params=None, kv_dtype=jnp.flo
 def test_smollm2_int8_weights_close_to_float(smollm2, float_run):
     quantized = qz.quantize_params(smollm2[2], "int8")
     check_against_float(smollm2, float_run, "int8 weights", params=quantized, quantization="int8")
+
+
+def test_smollm2_int8_zero_point_weights_close_to_float(smollm2, float_run):
+    """int8 groups of 32 with a zero point, quantized from the float weights at load time (their
+    range is the Q4_1 block's range, so the grid lands close to the Q4_1 levels)."""
+    quantized = qz.quantize_params(smollm2[2], "int8_g32_zp")
+    check_against_float(smollm2, float_run, "int8_g32_zp weights", params=quantized,
+                        max_relative=0.01, quantization="int8_g32_zp")
+
+
+def test_smollm2_int8_conversion_copies_the_q4_1_blocks(tmp_path, smollm2, float_run):
+    """Converting the Q4_1 GGUF to int8 with a zero point copies its blocks: the weights are the
+    float model's bit for bit, and so are the greedy answers (20/20)."""
+    config, tokenizer, float_params = smollm2
+    convert_checkpoint(default_model.smollm2_gguf_path(), str(tmp_path / "int8"), quantization="int8_zp")
+    quant = load.load_params(str(tmp_path / "int8"), jnp.float32)
+    back = qz.dequantize_params(quant)
+    for leaf in qz.LINEAR_LEAVES:
+        assert qz.weight_format(quant["layers"][leaf]).name == "int8_g32_zp"
+        np.testing.assert_array_equal(np.asarray(back["layers"][leaf]), np.asarray(float_params["layers"][leaf]), leaf)
+    _, _, answers = run_engine((config, tokenizer, quant))
+    assert answers == float_run[2]
 
 
 def test_smollm2_int8_kv_cache_close_to_float(smollm2, float_run):

@@ -17,9 +17,10 @@ def define_flags(fv: flags.FlagValues) -> None:
                       "float32 for GGUF, the source's dtype for Hugging Face folders.", flag_values=fv)
     flags.DEFINE_boolean("overwrite", False, "Replace --output if it already exists.", flag_values=fv)
     flags.DEFINE_string("quantization", None, "Store the linear layers quantized: int8 (per output channel), "
-                        "int4 (groups of 32 with a zero point), int8_g32|64|128, int4_g64|128, _sym for "
-                        "symmetric int4. GGUF Q8_0 / Q4_0 / Q4_1 tensors are copied without a float round "
-                        "trip (as int8_g32 / int4_g32_sym / int4_g32).", flag_values=fv)
+                        "int4 (groups of 32 with a zero point), int8_g32|64|128, int4_g64|128, _zp for int8 with "
+                        "a zero point, _sym for symmetric int4. GGUF Q8_0 / Q4_0 / Q4_1 tensors are copied "
+                        "without a float round trip (int8: as int8_g32 / int8_g32 / int8_g32_zp when _zp is "
+                        "asked; int4: - / int4_g32_sym / int4_g32).", flag_values=fv)
 
 
 def run(fv: flags.FlagValues) -> int:

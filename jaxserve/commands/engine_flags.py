@@ -27,11 +27,11 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                       "weights, activations and KV cache dtype (default: float32 on CPU, bfloat16 on GPU)",
                       flag_values=fv)
-    flags.DEFINE_enum("attention_backend", None, ["pallas", "interpret", "reference"],
-                      "attention implementation (default: pallas on GPU, reference on CPU)", flag_values=fv)
+    flags.DEFINE_enum("attention_backend", None, ["pallas", "interpret", "xla", "reference"],
+                      "attention implementation (default: pallas on GPU, xla on CPU)", flag_values=fv)
     flags.DEFINE_string("quantization", None, "quantize the linear layers after loading: int8 (per output "
                         "channel), int4 (groups of 32 with a zero point); also int8_g32|64|128, "
-                        "int4_g64|128, _sym for symmetric int4 (default: as stored)", flag_values=fv)
+                        "int4_g64|128, _zp for int8 with a zero point, _sym for symmetric int4 (default: as stored)", flag_values=fv)
     flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"], "KV cache storage: auto (the "
                       "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn)",
                       flag_values=fv)
