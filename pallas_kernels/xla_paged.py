@@ -18,8 +18,6 @@ masked, which leaves its running max, sum and accumulator bit-for-bit unchanged 
 factor is exp(0) = 1 and the added terms are zeros). Softmax in float32; output in q's dtype.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -28,7 +26,6 @@ from pallas_kernels import kv_quant, reference
 _HIGHEST = jax.lax.Precision.HIGHEST
 DECODE_PAGES_PER_BLOCK = 2  # 32 tokens at page size 16: the fastest of 1, 2, 4, 8, 16 measured
 PREFILL_PAGES_PER_BLOCK = 8  # a prefill block serves many queries: larger blocks, fewer loop steps
-DECODE_ROW_GROUPS = 1
 
 
 def _padded_table(block_table, pages_per_block):
@@ -72,35 +69,19 @@ def _num_blocks(seq_lens, block_tokens):
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, scale=None,
-                           pages_per_block=DECODE_PAGES_PER_BLOCK, row_groups=DECODE_ROW_GROUPS):
+                           pages_per_block=DECODE_PAGES_PER_BLOCK):
     """One query token per sequence; see reference.paged_decode_attention.
 
-    q: [num_seqs, num_q_heads, head_dim] -> [num_seqs, num_q_heads, head_dim].
-    With `row_groups` > 1 (and num_seqs a multiple of it), the sequences are sorted by length and
-    each group of num_seqs / row_groups runs its own loop to its own longest sequence, so short
-    sequences stop paying for the longest one of the call."""
+    q: [num_seqs, num_q_heads, head_dim] -> [num_seqs, num_q_heads, head_dim]."""
     reference.check_heads(q, k_pages)
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_quant.values(k_pages).shape[1:3]
     scale = head_dim**-0.5 if scale is None else scale
     pages_per_block = min(pages_per_block, block_table.shape[1])
     block_table = _padded_table(block_table, pages_per_block)
-    q_grouped = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, 1, head_dim)
-    attend = functools.partial(_decode_rows, k_pages, v_pages, scale=scale, pages_per_block=pages_per_block)
-    if row_groups <= 1 or num_seqs % row_groups or num_seqs == row_groups:
-        out = attend(q_grouped, block_table, seq_lens)
-    else:
-        order = jnp.argsort(-seq_lens, stable=True)  # longest first
-        groups = order.reshape(row_groups, num_seqs // row_groups)
-        parts = [attend(q_grouped[rows], block_table[rows], seq_lens[rows]) for rows in groups]
-        out = jnp.zeros_like(q_grouped).at[order].set(jnp.concatenate(parts))
-    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
-
-
-def _decode_rows(k_pages, v_pages, q_grouped, block_table, seq_lens, *, scale, pages_per_block):
-    """The loop of paged_decode_attention over some rows: q_grouped [s, kv, g, 1, d] f32 -> same."""
-    num_seqs, num_kv_heads, group, _, head_dim = q_grouped.shape
-    block_tokens = pages_per_block * kv_quant.values(k_pages).shape[1]
+    group = num_q_heads // num_kv_heads
+    block_tokens = pages_per_block * page_size
+    q_grouped = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, 1, head_dim)
 
     def body(block, state):
         k = _gather_block(k_pages, block_table, block, pages_per_block)  # [s, t, kv, d]
@@ -112,7 +93,8 @@ def _decode_rows(k_pages, v_pages, q_grouped, block_table, seq_lens, *, scale, p
 
     shape = (num_seqs, num_kv_heads, group, 1)
     state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
-    return _finish(jax.lax.fori_loop(0, _num_blocks(seq_lens, block_tokens), body, state))
+    state = jax.lax.fori_loop(0, _num_blocks(seq_lens, block_tokens), body, state)
+    return _finish(state).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
