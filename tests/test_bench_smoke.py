@@ -91,6 +91,19 @@ def test_throughput_quick(tiny_model, soak_run, tmp_path):
         assert data["transformers"] == []
 
 
+def test_step_profile_quick(tiny_model, tmp_path):
+    out = tmp_path / "step.json"
+    result = run_script(["bench/step_profile.py", f"--model={tiny_model}", "--rows=4", "--min_context=5",
+                         "--max_context=40", "--max_model_len=64", "--repeats=1", f"--out={out}"], 300)
+    assert result.returncode == 0, failure(result)
+    report = json.loads(out.read_text())
+    assert set(report["step_s"]) == {"xla", "reference", "no attention"}
+    assert all(seconds > 0 for seconds in report["step_s"].values())
+    assert report["kv_bytes"] > 0 and report["copy_bytes_per_s"] > 0 and report["matmul_flops_per_s"] > 0
+    assert 0 < report["matmul_fraction_bound"]
+    assert "of the matmul rate" in result.stdout
+
+
 def test_soak_one_minute_passes(soak_run):
     process, out = soak_run
     output, _ = process.communicate(timeout=400)
