@@ -48,10 +48,18 @@ def load_params(model_dir: str, dtype, shardings=None) -> dict:
     dtype = jnp.dtype(dtype)
     formats = check_model_dir(model_dir).get("quantization")
     if formats:  # linear leaves stored as int8 / int4 dicts keep their dtypes; the rest is cast
-        if shardings is not None:
-            raise ConversionError(f"{model_dir}: a quantized checkpoint cannot be sharded over devices yet")
         from jaxserve.quantization import checkpoint_structs
-        target = checkpoint_structs(shapes, dtype, formats, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        if shardings is None:
+            target = checkpoint_structs(shapes, dtype, formats, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        else:
+            from jaxserve.sharding import quantized_checkpoint_shardings
+            structs = checkpoint_structs(shapes, dtype, formats)
+            try:
+                array_shardings = quantized_checkpoint_shardings(shardings, structs)
+            except ValueError as e:
+                raise ConversionError(f"{model_dir}: {e}") from None
+            target = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                                  structs, array_shardings)
     else:
         if shardings is None:
             device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])

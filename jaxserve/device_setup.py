@@ -44,13 +44,12 @@ def kv_cache_dtype(name: str | None):
     return kv_quant.KV_CACHE_DTYPES[name]
 
 
-def quantize_weights(params, name: str | None, *, sharded: bool = False):
+def quantize_weights(params, name: str | None):
     """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged).
-    ValueError for an unknown format, a group size that does not fit, or sharded weights."""
+    ValueError for an unknown format or a group size that does not fit. Sharded weights stay on
+    their devices; the runner places the results in their tensor-parallel layout."""
     if not name:
         return params
-    if sharded:
-        raise ValueError("quantization does not support tensor_parallel_size > 1 yet")
     return quantization.quantize_params(params, name)
 
 
@@ -64,20 +63,26 @@ def attention_backend(override: str | None) -> str:
 
 
 def plan_num_pages(model_config: ModelConfig, cfg, max_model_len: int, params, *,
-                   tensor_parallel_size: int = 1, device=None) -> int:
-    """KV pages for the engine: the planner's answer for one device's memory budget (`device`,
-    default the first), with weights and KV heads split over `tensor_parallel_size` devices.
+                   shardings=None) -> int:
+    """KV pages for the engine: the planner's answer for one device's memory budget (the first
+    device of `shardings`' mesh, else the first device), with weights and KV heads split over
+    its tensor-parallel devices.
 
     On CPU the pool is also capped at what max_num_seqs sequences of max_model_len tokens can
     use, so that a laptop-sized run does not zero gigabytes it will never touch."""
     dtype = params["embed"].dtype  # quantized weights: the dtype of the float leaves
-    quantized = bool(quantization.params_formats(params))
-    budget = memory.device_memory_budget_bytes(device or jax.devices()[0])
+    measured_weights_bytes = None  # quantized weights: what the loaded arrays hold on one device
+    if quantization.params_formats(params):
+        measured_weights_bytes = (quantization.tree_bytes(params) if shardings is None
+                                  else shardings.per_device_bytes(params))
+    tensor_parallel_size = 1 if shardings is None else shardings.tensor_parallel_size
+    device = jax.devices()[0] if shardings is None else shardings.mesh.devices.flat[0]
+    budget = memory.device_memory_budget_bytes(device)
     plan = memory.plan_memory(
         model_config, device_memory_bytes=budget, memory_utilization=cfg.memory_utilization,
         weight_dtype=jnp.dtype(dtype).name, page_size=cfg.page_size, max_model_len=max_model_len,
         kv_cache_dtype=cfg.kv_cache_dtype,
-        measured_weights_bytes=quantization.tree_bytes(params) if quantized else None,
+        measured_weights_bytes=measured_weights_bytes,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         max_prefill_seqs=cfg.max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size)
     num_pages = plan.num_pages

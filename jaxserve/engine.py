@@ -78,8 +78,7 @@ class Engine:
 
         cfg = engine_config or EngineConfig()
         device_setup.enable_compilation_cache()
-        params = device_setup.quantize_weights(params, cfg.quantization, sharded=shardings is not None
-                                               or cfg.tensor_parallel_size > 1)
+        params = device_setup.quantize_weights(params, cfg.quantization)
         if shardings is None and cfg.tensor_parallel_size > 1:
             from jaxserve import sharding
             mesh = sharding.make_mesh(model_config, cfg.tensor_parallel_size)
@@ -91,9 +90,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 2048),
                                  model_config.max_position_embeddings)
         num_pages = cfg.num_pages or device_setup.plan_num_pages(
-            model_config, cfg, self.max_model_len, params,
-            tensor_parallel_size=1 if shardings is None else shardings.tensor_parallel_size,
-            device=None if shardings is None else shardings.mesh.devices.flat[0])
+            model_config, cfg, self.max_model_len, params, shardings=shardings)
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -94,8 +94,9 @@ class ModelRunner:
             self._forward = jax.jit(forward, donate_argnums=(1,))
         else:  # one step for the whole mesh; logits gathered (replicated) for the sampler
             kv = {"k": shardings.kv_cache, "v": shardings.kv_cache}
+            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)  # quantized leaves: per array
             self._forward = jax.jit(forward, donate_argnums=(1,),
-                                    in_shardings=(shardings.params, kv, shardings.replicated),
+                                    in_shardings=(param_shardings, kv, shardings.replicated),
                                     out_shardings=(shardings.replicated, kv))
         sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
         self._sample = jax.jit(sample) if shardings is None else jax.jit(

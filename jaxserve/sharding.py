@@ -11,6 +11,9 @@ Tensor-parallel layout of one replica (L layers, D hidden, F intermediate, V voc
   embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
                                                          does not divide); logits are gathered
   norms                                                  replicated
+  quantized linear {q, scale[, zero]} (jaxserve.quantization): q as its float weight; scale and
+    zero [L, groups, out] too, except per-output-channel scales of a row-sharded weight (one group:
+    replicated); a row-sharded weight's groups must divide evenly over the devices
   KV cache [L*pages, page_size, kv_heads, hd]            sharded on kv_heads (dim 2)
 so every device holds 1/TP of the weights and of the KV pages. When TP exceeds the KV heads,
 KV heads are replicated the way vLLM does it: the model runs with TP KV heads, head j holding
@@ -153,20 +156,72 @@ class ModelShardings:
                     shardings["layers"][name] = self.replicated
         return shardings
 
+    def per_device_bytes(self, params: dict) -> int:
+        """Bytes one device holds of `params` (float or quantized leaves) once placed."""
+        def leaf_bytes(array, sharding):
+            return math.prod(sharding.shard_shape(array.shape)) * jnp.dtype(array.dtype).itemsize
+        layers = {name: leaf_shardings(self.params["layers"][name], weight, name)
+                  for name, weight in params["layers"].items()}
+        targets = {**{k: self.params[k] for k in params if k != "layers"}, "layers": layers}
+        return int(sum(jax.tree.leaves(jax.tree.map(leaf_bytes, params, targets))))
+
     def place(self, params: dict) -> dict:
         """The weights laid out for the step: moved into their shardings (a no-op for arrays
-        already there), KV projections expanded when KV heads are replicated."""
+        already there), KV projections expanded when KV heads are replicated.
+        ValueError when a quantized weight's groups cannot be split over the devices."""
         layers = {}
         for name, weight in params["layers"].items():
-            target = self.params["layers"][name]
+            target = leaf_shardings(self.params["layers"][name], weight, name)
             if (self.kv_head_replicas > 1 and name in _REPLICATED_KV_LEAVES
-                    and weight.shape[-1] == self.source_config.kv_size):
-                weight = _repeat_heads(jax.device_put(weight, self.replicated), self.kv_head_replicas,
-                                       self.model_config.head_dim, target)
+                    and _out_features(weight) == self.source_config.kv_size):
+                weight = jax.tree.map(
+                    lambda w, t: _repeat_heads(jax.device_put(w, self.replicated), self.kv_head_replicas,
+                                               self.model_config.head_dim, t), weight, target)
             layers[name] = jax.device_put(weight, target)
         placed = {name: jax.device_put(weight, self.params[name])
                   for name, weight in params.items() if name != "layers"}
         return {**placed, "layers": layers}
+
+
+def _out_features(weight) -> int:
+    """Output size of a float or quantized ({q, scale[, zero]}) weight or bias."""
+    return (weight["q"] if isinstance(weight, dict) else weight).shape[-1]
+
+
+def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
+    """The sharding of one weight: `float_sharding` itself for a float array; for a quantized
+    dict ({q, scale[, zero]}, see jaxserve.quantization) a dict with one sharding per array.
+
+    q is split like the float weight. scale / zero [L, groups, out] follow it on the output axis;
+    on the input axis (row-parallel weights) they are split with the input when there are several
+    groups (which must divide evenly over the devices), and replicated when there is one (per
+    output channel: every device applies the same scales to its partial sums)."""
+    if not isinstance(weight, dict):
+        return float_sharding
+    spec = tuple(float_sharding.spec) + (None,) * (3 - len(float_sharding.spec))
+    devices = float_sharding.mesh.shape[MODEL_AXIS]
+    shardings = {}
+    for key, array in weight.items():
+        array_spec = spec
+        if key != "q" and spec[1] == MODEL_AXIS:
+            groups = array.shape[1]
+            if groups == 1:
+                array_spec = (spec[0], None, spec[2])
+            elif groups % devices:
+                raise ValueError(
+                    f"{name}: {groups} quantization groups over its input cannot be split over "
+                    f"tensor_parallel_size={devices}; use a group size that gives a multiple of "
+                    f"{devices} groups (e.g. a larger or smaller _g32/_g64/_g128) or per-channel int8")
+        shardings[key] = NamedSharding(float_sharding.mesh, P(*array_spec))
+    return shardings
+
+
+def quantized_checkpoint_shardings(float_shardings: dict, structs: dict) -> dict:
+    """Per-array shardings for a checkpoint whose linear leaves may be quantized: `structs` is
+    its tree of abstract arrays (quantized leaves as dicts), `float_shardings` the float layout."""
+    layers = {name: leaf_shardings(float_shardings["layers"][name], struct, name)
+              for name, struct in structs["layers"].items()}
+    return {**{k: v for k, v in float_shardings.items() if k != "layers"}, "layers": layers}
 
 
 def _repeat_heads(weight, replicas: int, head_dim: int, sharding: NamedSharding) -> jax.Array:

@@ -102,23 +102,61 @@ def _tiny_runs() -> dict:
     return runs
 
 
+def _tiny_quantized_runs() -> dict:
+    """Weights quantized at load time, then split: int8 per output channel over 1, 2 and 4
+    devices (4 replicates KV heads); int4 (groups of 32) over 2 devices, where w_down's 3 input
+    groups cannot be split."""
+    from jaxserve import data_parallel
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import llama
+    params = llama.random_params(TINY, seed=3)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9)]
+    runs = {}
+    for quantization, tp in [("int8", 1), ("int8", 2), ("int8", 4), ("int4", 2)]:
+        cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, tensor_parallel_size=tp, quantization=quantization)
+        try:
+            engine = data_parallel.build_engine(Engine, TINY, None, cfg, model_name="tiny",
+                                                load_params=lambda shardings: params)
+        except ValueError as e:
+            runs[f"{quantization}_tp{tp}"] = {"error": str(e)}
+            continue
+        w_down = engine.runner.params["layers"]["w_down"]
+        runs[f"{quantization}_tp{tp}"] = {
+            "tokens": _greedy_tokens(engine, prompts),
+            "w_down_q_shards": sorted({tuple(s.data.shape) for s in w_down["q"].addressable_shards}),
+            "w_down_scale_shards": sorted({tuple(s.data.shape) for s in w_down["scale"].addressable_shards})}
+    return runs
+
+
 def _smollm2_runs(model_dir: str) -> dict:
+    import tempfile
+
+    from checkpoints.convert import convert_checkpoint
+    from checkpoints.default_model import smollm2_gguf_path
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.tokenization import encode_text
     runs = {}
-    for tp in (1, 3):
-        engine = Engine.from_model(model_dir, EngineConfig(**SMALL_ENGINE, num_pages=16, tensor_parallel_size=tp))
-        prompts = [encode_text(engine.tokenizer, p) for p in SMOLLM2_PROMPTS]
-        embed = engine.runner.params["embed"]
-        runs[f"tp{tp}"] = {"tokens": _greedy_tokens(engine, prompts), "kv": _kv_layout(engine),
-                           "embed_shard_shapes": sorted({tuple(s.data.shape) for s in embed.addressable_shards})}
+    with tempfile.TemporaryDirectory() as tmp:  # Q4_1 blocks copied into an int4 checkpoint
+        int4_dir = os.path.join(tmp, "int4")
+        convert_checkpoint(smollm2_gguf_path(), int4_dir, quantization="int4")
+        for name, directory, tp in [("tp1", model_dir, 1), ("tp3", model_dir, 3),
+                                    ("int4_tp1", int4_dir, 1), ("int4_tp3", int4_dir, 3)]:
+            engine = Engine.from_model(directory, EngineConfig(**SMALL_ENGINE, num_pages=16, tensor_parallel_size=tp))
+            prompts = [encode_text(engine.tokenizer, p) for p in SMOLLM2_PROMPTS]
+            embed, wo = engine.runner.params["embed"], engine.runner.params["layers"]["wo"]
+            runs[name] = {"tokens": _greedy_tokens(engine, prompts), "kv": _kv_layout(engine),
+                          "embed_shard_shapes": sorted({tuple(s.data.shape) for s in embed.addressable_shards})}
+            if isinstance(wo, dict):
+                runs[name]["wo_shards"] = {k: sorted({tuple(s.data.shape) for s in v.addressable_shards})
+                                           for k, v in wo.items()}
     return runs
 
 
 def _worker(model_dir: str) -> None:
     import jax
     assert jax.device_count() == NUM_FAKE_DEVICES, jax.devices()
-    print(json.dumps({"tiny": _tiny_runs(), "smollm2": _smollm2_runs(model_dir)}))
+    print(json.dumps({"tiny": _tiny_runs(), "tiny_quantized": _tiny_quantized_runs(),
+                      "smollm2": _smollm2_runs(model_dir)}))
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +215,29 @@ def test_smollm2_tp3_matches_tp1_with_weights_restored_into_shards(results):
     assert tp3["embed_shard_shapes"] == [[49152 // 3, 576]]  # vocabulary-parallel embedding
     assert tp3["kv"]["per_device_bytes"] * 3 == tp1["kv"]["total_bytes"]
     assert tp3["kv"]["shard_shapes"] == [[30 * 16, 16, 1, 64]]
+
+
+def test_quantized_weights_split_over_devices_give_the_same_tokens(results):
+    runs = results["tiny_quantized"]
+    single = runs["int8_tp1"]
+    for tp in (2, 4):
+        run = runs[f"int8_tp{tp}"]
+        assert run["tokens"] == single["tokens"], tp
+        # w_down [L, 96, 64] is row-parallel: codes split over its inputs, per-channel scales whole
+        assert run["w_down_q_shards"] == [[2, 96 // tp, 64]]
+        assert run["w_down_scale_shards"] == [[2, 1, 64]]
+    assert "w_down: 3 quantization groups" in runs["int4_tp2"]["error"]
+    assert "tensor_parallel_size=2" in runs["int4_tp2"]["error"]
+
+
+def test_smollm2_int4_checkpoint_restored_into_shards_matches_one_device(results):
+    tp1, tp3 = results["smollm2"]["int4_tp1"], results["smollm2"]["int4_tp3"]
+    assert all(len(t) == 16 for t in tp1["tokens"])
+    assert tp3["tokens"] == tp1["tokens"]
+    # wo [30, 576, 576] in groups of 32: 18 groups, 6 per device; codes packed two per byte
+    assert tp3["wo_shards"]["q"] == [[30, 576 // 2 // 3, 576]]
+    assert tp3["wo_shards"]["scale"] == [[30, 18 // 3, 576]] == tp3["wo_shards"]["zero"]
+    assert tp1["wo_shards"]["q"] == [[30, 576 // 2, 576]]
 
 
 def test_cli_refuses_a_split_that_does_not_divide(tmp_path):
