@@ -3,7 +3,8 @@
 Shapes come from a small set of buckets: decode rows (`decode_buckets`) x prefill tokens
 (`prefill_buckets`) x block table width (`page_buckets`; one full width on the XLA CPU path,
 whose cost follows the longest context present); every step pads to the smallest bucket that
-holds it, so after warm-up no step compiles again. The KV cache is donated to the step and updated in place.
+holds it, so after warm-up no step compiles again. The KV cache is donated to the step and
+updated in place.
 """
 from __future__ import annotations
 
