@@ -1,4 +1,5 @@
 """Quantization: int8/int4 weights (formats, GGUF blocks, conversion, engine) and int8/fp8 KV pages."""
+import functools
 import json
 
 import gguf
@@ -19,7 +20,7 @@ from jaxserve.models import llama
 from jaxserve.outputs import EngineStats
 from jaxserve.request import SamplingParams
 from jaxserve.tokenization import encode_chat
-from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference
+from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf
 from tests.test_kernel_lowering import pallas_custom_calls
@@ -230,8 +231,8 @@ KV_CASES = [kt.CASES[0], kt.CASES[1], kt.CASES[2]]
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("case", KV_CASES, ids=kt.case_id)
 def test_attention_on_quantized_pages(case, kind):
-    """Kernels (interpret mode) and references read quantized pages: same result as the float64
-    oracle on the dequantized pages, and close to the oracle on the float pages."""
+    """Kernels (interpret mode), the XLA CPU path and the references read quantized pages: the
+    same result as the float64 oracle on the dequantized pages, and close to it on the float pages."""
     rng = np.random.default_rng([SEED, KV_CASES.index(case), 5])
     seq_lens = kt.context_lengths(case.page_size, rng)
     k_float, v_float, block_table = kt.paged_inputs(case, seq_lens, rng)
@@ -265,6 +266,10 @@ def test_attention_on_quantized_pages(case, kind):
                                                                 interpret=kt.INTERPRET), ragged_expected),
         "ragged reference": (jax.jit(reference.ragged_paged_attention)(jnp.asarray(q_ragged), *ragged_args),
                              ragged_expected),
+        "decode xla": (jax.jit(functools.partial(xla_paged.paged_decode_attention, pages_per_block=1))(*decode_args),
+                       lambda k, v: kt.oracle(q[:, None], k, v, block_table, seq_lens, decode_lens)[:, 0]),
+        "ragged xla": (jax.jit(functools.partial(xla_paged.ragged_paged_attention, pages_per_block=2))(
+            jnp.asarray(q_ragged), *ragged_args), ragged_expected),
     }
     for label, (out, expected_of) in runs.items():
         kt.assert_close(out, expected_of(k_seen, v_seen), case.dtype, f"{kind} {label}")
