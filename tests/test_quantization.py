@@ -66,8 +66,10 @@ def test_round_trip_error_is_within_half_a_step(name):
     back = np.asarray(qz.dequantize(qw))
     assert np.all(np.abs(back - w) <= error_bound(qw, fmt, 256)), f"seed {SEED}"
     assert np.all(back[1, :, 5] == 0)
+    # Rounding to a step of max|w| / 7 (int4, symmetric) leaves an RMS error of step / sqrt(12):
+    # about 0.12 of the weights' RMS for a Gaussian group of 128; int8's step is 18x finer.
     relative = np.linalg.norm(back - w) / np.linalg.norm(w)
-    assert relative < (0.01 if fmt.bits == 8 else 0.12), relative
+    assert relative < (0.01 if fmt.bits == 8 else 0.15), f"{relative} (seed {SEED})"
 
 
 @pytest.mark.parametrize("name", ["int8", "int8_g64", "int8_g32_zp", "int4", "int4_g32_sym"])
