@@ -232,10 +232,5 @@ class ModelRunner:
 
 
 def _row_params(req) -> sampler.RowParams:
-    p = req.params
-    return sampler.RowParams(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, seed=req.seed, step=req.num_output_tokens,
-        prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-        num_logprobs=p.logprobs)
+    return sampler.RowParams(req.params, seed=req.seed, step=req.num_output_tokens,
+                             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids)

@@ -22,13 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.request import SamplingParams
+
 GREEDY_TEMPERATURE = 1e-5
 NUM_CANDIDATES = 64
 _CANDIDATE_BLOCK = 16
 _SAMPLE_BLOCK = 256
 _LOGPROB_BLOCK = 64
 _MASK64 = (1 << 64) - 1
-_ROW_FIELDS = (  # name, dtype, value of padding rows
+_ROW_FIELDS = (  # SamplingParams field, dtype, value of padding rows
     ("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
     ("min_p", np.float32, 0.0), ("repetition_penalty", np.float32, 1.0),
     ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0))
@@ -36,25 +38,19 @@ _ROW_FIELDS = (  # name, dtype, value of padding rows
 
 @dataclasses.dataclass(slots=True)
 class RowParams:
-    """Sampling parameters and token history of one row (one request at one step)."""
+    """One row of a step: a request's sampling parameters, where its random stream is, and its
+    token history (read only when it has a penalty)."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     seed: int = 0
     step: int = 0  # number of output tokens so far
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _splitmix64(value: int) -> int:
@@ -88,18 +84,19 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
     for row_index, row in enumerate(rows):
         if row is None:
             continue
-        if not 0.0 < row.top_p <= 1.0:
-            raise ValueError(f"row {row_index}: top_p must be in (0, 1], got {row.top_p}")
-        if not 0.0 <= row.min_p <= 1.0:
-            raise ValueError(f"row {row_index}: min_p must be in [0, 1], got {row.min_p}")
-        if row.repetition_penalty <= 0.0:
+        params = row.params
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"row {row_index}: top_p must be in (0, 1], got {params.top_p}")
+        if not 0.0 <= params.min_p <= 1.0:
+            raise ValueError(f"row {row_index}: min_p must be in [0, 1], got {params.min_p}")
+        if params.repetition_penalty <= 0.0:
             raise ValueError(f"row {row_index}: repetition_penalty must be > 0")
         for name, _, _ in _ROW_FIELDS:
-            inputs[name][row_index] = getattr(row, name)
-        inputs["top_k"][row_index] = max(row.top_k, 0)
+            inputs[name][row_index] = getattr(params, name)
+        inputs["top_k"][row_index] = max(params.top_k, 0)
         inputs["keys"][row_index] = row_key_data(row.seed, row.step)
-        if row.num_logprobs is not None:
-            inputs["num_logprobs"][row_index] = row.num_logprobs
+        if params.logprobs is not None:
+            inputs["num_logprobs"][row_index] = params.logprobs
         if row.has_penalties:
             for name, token_ids in (("prompt_ids", row.prompt_token_ids),
                                     ("output_ids", row.output_token_ids)):

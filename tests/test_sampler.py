@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.request import SamplingParams
 from jaxserve.sampler import (NUM_CANDIDATES, RowParams, allowed_tokens, apply_penalties,
                               build_sampling_inputs, row_key_data, sample)
 
@@ -17,6 +18,12 @@ MAX_LOGPROBS = 5
 _sample = jax.jit(functools.partial(sample, max_logprobs=MAX_LOGPROBS))
 _allowed = jax.jit(allowed_tokens)
 _penalties = jax.jit(apply_penalties)
+
+
+def make_row(seed=0, step=0, prompt_token_ids=(), output_token_ids=(), num_logprobs=None, **sampling):
+    """A RowParams from SamplingParams fields (and num_logprobs) plus the row's stream and history."""
+    return RowParams(SamplingParams(logprobs=num_logprobs, **sampling), seed=seed, step=step,
+                     prompt_token_ids=list(prompt_token_ids), output_token_ids=list(output_token_ids))
 
 
 def run(logits, rows, num_rows=NUM_ROWS):
@@ -41,34 +48,35 @@ def reference_penalties(logits, row):
     counts = np.bincount(row.output_token_ids, minlength=len(logits))
     seen = counts > 0
     seen[row.prompt_token_ids] = True
-    penalty = row.repetition_penalty
+    penalty = row.params.repetition_penalty
     logits[seen] = np.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
-    return logits - row.frequency_penalty * counts - row.presence_penalty * (counts > 0)
+    return logits - row.params.frequency_penalty * counts - row.params.presence_penalty * (counts > 0)
 
 
 def reference_allowed(logits, row, top_p_shift=0.0, min_p_shift=0.0):
     """Kept set of one sampling row, by sorting (float64); shifts probe the boundaries."""
-    scaled = reference_penalties(logits, row) / row.temperature
+    params = row.params
+    scaled = reference_penalties(logits, row) / params.temperature
     keep = np.ones(len(scaled), bool)
-    if 0 < row.top_k < len(scaled):
-        keep &= scaled >= np.sort(scaled)[::-1][row.top_k - 1]
-    top_p = row.top_p + top_p_shift
-    if row.top_p < 1.0:
+    if 0 < params.top_k < len(scaled):
+        keep &= scaled >= np.sort(scaled)[::-1][params.top_k - 1]
+    top_p = params.top_p + top_p_shift
+    if params.top_p < 1.0:
         probs = np.exp(log_softmax(np.where(keep, scaled, -np.inf)))
         descending = np.sort(probs)[::-1]
         mass_before = np.cumsum(descending) - descending
         last = max(int(np.sum(mass_before < top_p)) - 1, 0)
         keep &= probs >= descending[last]
-    if row.min_p > 0:
+    if params.min_p > 0:
         probs = np.exp(log_softmax(scaled))
-        keep &= probs >= (row.min_p + min_p_shift) * probs.max()
+        keep &= probs >= (params.min_p + min_p_shift) * probs.max()
     return keep
 
 
 def assert_allowed_matches(logits, rows):
     got = np.asarray(_allowed(logits, build_sampling_inputs(rows, len(rows), HISTORY)))
     for index, row in enumerate(rows):
-        if row.temperature == 0.0:
+        if row.params.temperature == 0.0:
             continue  # greedy rows take the argmax; their mask means nothing
         inner = reference_allowed(logits[index], row, top_p_shift=-1e-5, min_p_shift=1e-5)
         outer = reference_allowed(logits[index], row, top_p_shift=1e-5, min_p_shift=-1e-5)
@@ -81,13 +89,13 @@ def test_greedy_is_first_argmax_of_penalized_logits():
     logits = random_logits(rng, NUM_ROWS, 3.0)
     logits[1, [3, 700]] = logits[1].max() + 1.0  # ties: the first index wins
     logits[4, [9, 12]] = logits[4].max() + 1.0
-    rows = [RowParams(temperature=0.0, top_k=5, top_p=0.5) for _ in range(NUM_ROWS)]
+    rows = [make_row(temperature=0.0, top_k=5, top_p=0.5) for _ in range(NUM_ROWS)]
     out = run(logits, rows)
     np.testing.assert_array_equal(out["token_ids"], np.argmax(logits, -1))
     assert out["token_ids"][1] == 3 and out["token_ids"][4] == 9
 
     best = int(np.argmax(logits[2]))
-    rows[2] = RowParams(temperature=0.0, repetition_penalty=50.0, presence_penalty=20.0,
+    rows[2] = make_row(temperature=0.0, repetition_penalty=50.0, presence_penalty=20.0,
                         output_token_ids=[best])
     penalized_choice = run(logits, rows)["token_ids"][2]
     assert penalized_choice == np.argmax(reference_penalties(logits[2], rows[2])) != best
@@ -96,12 +104,12 @@ def test_greedy_is_first_argmax_of_penalized_logits():
 def test_penalties_match_numpy_reference():
     rng = np.random.default_rng(1)
     logits = random_logits(rng, 6, 2.0)
-    rows = [RowParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.7,
+    rows = [make_row(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.7,
                       prompt_token_ids=[1, 2, 3, 999], output_token_ids=[3, 3, 5, 5, 5, 0]),
-            RowParams(repetition_penalty=0.8, prompt_token_ids=list(range(10, 26))),
-            RowParams(frequency_penalty=-0.5, output_token_ids=[7] * HISTORY),
-            RowParams(presence_penalty=2.0, output_token_ids=[998, 4]),
-            RowParams(),
+            make_row(repetition_penalty=0.8, prompt_token_ids=list(range(10, 26))),
+            make_row(frequency_penalty=-0.5, output_token_ids=[7] * HISTORY),
+            make_row(presence_penalty=2.0, output_token_ids=[998, 4]),
+            make_row(),
             None]
     inputs = build_sampling_inputs(rows, len(rows), HISTORY)
     got = np.asarray(_penalties(logits, inputs))
@@ -120,7 +128,7 @@ def test_allowed_set_matches_sorting_reference():
     rows, logit_rows = [], []
     for case in cases:
         for scale in (0.05, 1.0, 6.0):  # flat rows need the exact bisection, peaked ones not
-            rows.append(RowParams(temperature=float(rng.uniform(0.5, 1.5)), **case))
+            rows.append(make_row(temperature=float(rng.uniform(0.5, 1.5)), **case))
             logit_rows.append(random_logits(rng, 1, scale)[0])
     got = assert_allowed_matches(np.stack(logit_rows), rows)
     sizes = got.sum(-1)
@@ -130,8 +138,8 @@ def test_allowed_set_matches_sorting_reference():
 def test_tiny_vocab_without_logprobs():
     rng = np.random.default_rng(7)
     logits = (rng.standard_normal((4, 40)) * 2).astype(np.float32)
-    rows = [RowParams(top_k=30, top_p=0.8, seed=1), RowParams(min_p=0.1, seed=2),
-            RowParams(temperature=0.0), RowParams(top_p=0.3, seed=3)]
+    rows = [make_row(top_k=30, top_p=0.8, seed=1), make_row(min_p=0.1, seed=2),
+            make_row(temperature=0.0), make_row(top_p=0.3, seed=3)]
     assert_allowed_matches(logits, rows)
     out = jax.jit(functools.partial(sample, max_logprobs=0))(
         logits, build_sampling_inputs(rows, 4, HISTORY))
@@ -142,7 +150,7 @@ def test_tiny_vocab_without_logprobs():
 def test_ties_at_the_cut_are_kept():
     logits = np.zeros((1, VOCAB), np.float32)
     logits[0, :10] = [5, 4, 3, 3, 3, 3, 2, 1, 1, 0]
-    inputs = build_sampling_inputs([RowParams(top_k=3)], 1, HISTORY)
+    inputs = build_sampling_inputs([make_row(top_k=3)], 1, HISTORY)
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(_allowed(logits, inputs))[0]),
                                   [0, 1, 2, 3, 4, 5])
 
@@ -152,10 +160,10 @@ def test_ties_at_the_cut_are_kept():
 def test_draws_stay_inside_the_allowed_set(params):
     rng = np.random.default_rng(3)
     logits = np.repeat(random_logits(rng, 1, 1.5), NUM_ROWS, 0)
-    row = RowParams(temperature=1.0, **params)
+    row = make_row(temperature=1.0, **params)
     outer = reference_allowed(logits[0], row, top_p_shift=1e-5, min_p_shift=-1e-5)
     drawn = np.concatenate([
-        run(logits, [RowParams(temperature=1.0, seed=seed, step=step, **params)
+        run(logits, [make_row(temperature=1.0, seed=seed, step=step, **params)
                      for seed in range(NUM_ROWS)])["token_ids"] for step in range(8)])
     assert outer[drawn].all()
     assert len(set(drawn.tolist())) > 1
@@ -168,7 +176,7 @@ def test_draw_frequencies_follow_the_distribution():
     num_steps = 40
     for temperature in (1.0, 2.0):
         drawn = np.concatenate([
-            run(logits, [RowParams(temperature=temperature, seed=seed, step=step)
+            run(logits, [make_row(temperature=temperature, seed=seed, step=step)
                          for seed in range(NUM_ROWS)])["token_ids"] for step in range(num_steps)])
         assert np.isin(drawn, tokens).all()
         expected = np.exp(log_softmax(logits[0, tokens] / temperature))
@@ -183,12 +191,12 @@ def test_seeded_draws_ignore_batch_position_and_companions():
     others = random_logits(rng, 16, 0.05)
 
     def own(step):
-        return RowParams(temperature=0.9, top_p=0.95, min_p=0.01, seed=1234, step=step)
+        return make_row(temperature=0.9, top_p=0.95, min_p=0.01, seed=1234, step=step)
 
     def companions(step):  # greedy, penalties, exact-search rows and padding
-        return [RowParams(temperature=1.0, top_k=500, seed=7, step=step),
-                RowParams(temperature=0.0),
-                RowParams(temperature=1.3, top_p=0.99, seed=step,
+        return [make_row(temperature=1.0, top_k=500, seed=7, step=step),
+                make_row(temperature=0.0),
+                make_row(temperature=1.3, top_p=0.99, seed=step,
                           repetition_penalty=1.2, output_token_ids=[1, 2]),
                 None]
 
@@ -203,9 +211,9 @@ def test_seeded_draws_ignore_batch_position_and_companions():
 
 def test_different_seeds_and_steps_draw_differently():
     logits = np.zeros((NUM_ROWS, VOCAB), np.float32)
-    by_seed = run(logits, [RowParams(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
-    by_step = [run(logits, [RowParams(seed=5, step=step)])["token_ids"][0] for step in range(10)]
-    repeated = run(logits, [RowParams(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
+    by_seed = run(logits, [make_row(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
+    by_step = [run(logits, [make_row(seed=5, step=step)])["token_ids"][0] for step in range(10)]
+    repeated = run(logits, [make_row(seed=seed) for seed in range(NUM_ROWS)])["token_ids"]
     assert len(set(by_seed.tolist())) > NUM_ROWS // 2
     assert len(set(by_step)) > 5
     np.testing.assert_array_equal(by_seed, repeated)
@@ -214,7 +222,7 @@ def test_different_seeds_and_steps_draw_differently():
 def test_logprobs_are_raw_log_softmax():
     rng = np.random.default_rng(5)
     logits = random_logits(rng, NUM_ROWS, 2.0)
-    rows = [RowParams(temperature=0.7, top_k=10, repetition_penalty=1.5,
+    rows = [make_row(temperature=0.7, top_k=10, repetition_penalty=1.5,
                       output_token_ids=[1, 2, 3], seed=i, num_logprobs=2) for i in range(NUM_ROWS)]
     out = run(logits, rows)
     expected = log_softmax(logits)
@@ -228,7 +236,7 @@ def test_logprobs_are_raw_log_softmax():
 def test_padding_rows_stay_finite():
     rng = np.random.default_rng(6)
     logits = random_logits(rng, 2, 1.0)
-    rows = [RowParams(temperature=1.0, top_p=0.9, num_logprobs=3), None, None]
+    rows = [make_row(temperature=1.0, top_p=0.9, num_logprobs=3), None, None]
     out = run(logits, rows)
     for name in ("logprobs", "top_logprobs"):
         assert np.isfinite(out[name]).all()
@@ -236,8 +244,8 @@ def test_padding_rows_stay_finite():
 
 
 def test_builder_shapes_history_and_keys():
-    rows = [RowParams(seed=3, step=2, prompt_token_ids=[1, 2], output_token_ids=[9]),
-            RowParams(seed=3, step=2, presence_penalty=0.5, prompt_token_ids=[1, 2],
+    rows = [make_row(seed=3, step=2, prompt_token_ids=[1, 2], output_token_ids=[9]),
+            make_row(seed=3, step=2, presence_penalty=0.5, prompt_token_ids=[1, 2],
                       output_token_ids=[9], top_k=-1, num_logprobs=0),
             None]
     inputs = build_sampling_inputs(rows, 4, 5)
@@ -253,8 +261,8 @@ def test_builder_shapes_history_and_keys():
     assert row_key_data(3, 2) != row_key_data(3, 3) and row_key_data(3, 2) != row_key_data(4, 2)
 
     with pytest.raises(ValueError, match="history_len"):
-        build_sampling_inputs([RowParams(frequency_penalty=1.0, output_token_ids=[1] * 6)], 1, 5)
+        build_sampling_inputs([make_row(frequency_penalty=1.0, output_token_ids=[1] * 6)], 1, 5)
     with pytest.raises(ValueError, match="num_rows"):
         build_sampling_inputs([None, None], 1, 5)
     with pytest.raises(ValueError, match="top_p"):
-        build_sampling_inputs([RowParams(top_p=0.0)], 1, 5)
+        build_sampling_inputs([make_row(top_p=0.0)], 1, 5)
