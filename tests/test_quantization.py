@@ -180,14 +180,21 @@ def test_hugging_face_conversion_quantizes_each_layer(tmp_path):
             np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), f"{leaf}/{key}")
 
 
-def test_smollm2_int4_conversion_is_bit_exact_against_the_float_conversion(tmp_path, smollm2):
-    _, _, float_params = smollm2
-    convert_checkpoint(default_model.smollm2_gguf_path(), str(tmp_path / "int4"), quantization="int4")
-    quant = load.load_params(str(tmp_path / "int4"), jnp.float32)
+def convert_smollm2_bit_exactly(tmp_path, float_params, quantization, stored):
+    """SmolLM2's GGUF converted with `quantization`: every linear leaf stored as `stored` and
+    dequantizing to the float conversion bit for bit. Returns the quantized params."""
+    convert_checkpoint(default_model.smollm2_gguf_path(), str(tmp_path / quantization), quantization=quantization)
+    quant = load.load_params(str(tmp_path / quantization), jnp.float32)
     back = qz.dequantize_params(quant)
     for leaf in qz.LINEAR_LEAVES:
-        assert qz.weight_format(quant["layers"][leaf]).name == "int4_g32"
+        assert qz.weight_format(quant["layers"][leaf]).name == stored
         np.testing.assert_array_equal(np.asarray(back["layers"][leaf]), np.asarray(float_params["layers"][leaf]), leaf)
+    return quant
+
+
+def test_smollm2_int4_conversion_is_bit_exact_against_the_float_conversion(tmp_path, smollm2):
+    _, _, float_params = smollm2
+    quant = convert_smollm2_bit_exactly(tmp_path, float_params, "int4", "int4_g32")
     assert qz.tree_bytes(quant["layers"]) < 0.2 * qz.tree_bytes(float_params["layers"])
 
 
@@ -419,12 +426,7 @@ def test_smollm2_int8_conversion_copies_the_q4_1_blocks(tmp_path, smollm2, float
     """Converting the Q4_1 GGUF to int8 with a zero point copies its blocks: the weights are the
     float model's bit for bit, and so are the greedy answers (20/20)."""
     config, tokenizer, float_params = smollm2
-    convert_checkpoint(default_model.smollm2_gguf_path(), str(tmp_path / "int8"), quantization="int8_zp")
-    quant = load.load_params(str(tmp_path / "int8"), jnp.float32)
-    back = qz.dequantize_params(quant)
-    for leaf in qz.LINEAR_LEAVES:
-        assert qz.weight_format(quant["layers"][leaf]).name == "int8_g32_zp"
-        np.testing.assert_array_equal(np.asarray(back["layers"][leaf]), np.asarray(float_params["layers"][leaf]), leaf)
+    quant = convert_smollm2_bit_exactly(tmp_path, float_params, "int8_zp", "int8_g32_zp")
     _, _, answers = run_engine((config, tokenizer, quant))
     assert answers == float_run[2]
 
