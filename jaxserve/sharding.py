@@ -157,13 +157,23 @@ class ModelShardings:
         return shardings
 
     def per_device_bytes(self, params: dict) -> int:
-        """Bytes one device holds of `params` (float or quantized leaves) once placed."""
-        def leaf_bytes(array, sharding):
-            return math.prod(sharding.shard_shape(array.shape)) * jnp.dtype(array.dtype).itemsize
-        layers = {name: leaf_shardings(self.params["layers"][name], weight, name)
-                  for name, weight in params["layers"].items()}
-        targets = {**{k: self.params[k] for k in params if k != "layers"}, "layers": layers}
-        return int(sum(jax.tree.leaves(jax.tree.map(leaf_bytes, params, targets))))
+        """Bytes one device holds of `params` (float or quantized leaves) once `place`d, KV
+        projections expanded when KV heads are replicated."""
+        def leaf_bytes(array, sharding, replicas=1):
+            shape = (*array.shape[:-1], array.shape[-1] * replicas)
+            return math.prod(sharding.shard_shape(shape)) * jnp.dtype(array.dtype).itemsize
+
+        targets = quantized_checkpoint_shardings(self.params, params)
+        total = 0
+        for name, weight in params.items():
+            if name != "layers":
+                total += leaf_bytes(weight, targets[name])
+        for name, weight in params["layers"].items():
+            replicas = (self.kv_head_replicas if name in _REPLICATED_KV_LEAVES
+                        and _out_features(weight) == self.source_config.kv_size else 1)
+            total += sum(jax.tree.leaves(jax.tree.map(
+                lambda a, t: leaf_bytes(a, t, replicas), weight, targets["layers"][name])))
+        return int(total)
 
     def place(self, params: dict) -> dict:
         """The weights laid out for the step: moved into their shardings (a no-op for arrays
@@ -217,8 +227,8 @@ def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
 
 
 def quantized_checkpoint_shardings(float_shardings: dict, structs: dict) -> dict:
-    """Per-array shardings for a checkpoint whose linear leaves may be quantized: `structs` is
-    its tree of abstract arrays (quantized leaves as dicts), `float_shardings` the float layout."""
+    """Per-array shardings for weights whose linear leaves may be quantized: `structs` is their
+    tree of arrays or abstract arrays (quantized leaves as dicts), `float_shardings` the float layout."""
     layers = {name: leaf_shardings(float_shardings["layers"][name], struct, name)
               for name, struct in structs["layers"].items()}
     return {**{k: v for k, v in float_shardings.items() if k != "layers"}, "layers": layers}

@@ -106,7 +106,10 @@ def _tiny_quantized_runs() -> dict:
     """Weights quantized at load time, then split: int8 per output channel over 1, 2 and 4
     devices (4 replicates KV heads); int4 (groups of 32) over 2 devices, where w_down's 3 input
     groups cannot be split."""
+    import jax
+
     from jaxserve import data_parallel
+    from jaxserve import quantization as qz
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.models import llama
     params = llama.random_params(TINY, seed=3)
@@ -121,6 +124,11 @@ def _tiny_quantized_runs() -> dict:
             runs[f"{quantization}_tp{tp}"] = {"error": str(e)}
             continue
         w_down = engine.runner.params["layers"]["w_down"]
+        shardings = sharding.ModelShardings.create(TINY, sharding.make_mesh(TINY, tp))
+        quantized = qz.quantize_params(params, quantization)
+        runs[f"{quantization}_tp{tp}_bytes"] = {  # planned per-device bytes vs what placing holds
+            "planned": shardings.per_device_bytes(quantized),
+            "placed": sum(sharding.per_device_bytes(a) for a in jax.tree.leaves(shardings.place(quantized)))}
         runs[f"{quantization}_tp{tp}"] = {
             "tokens": _greedy_tokens(engine, prompts),
             "w_down_q_shards": sorted({tuple(s.data.shape) for s in w_down["q"].addressable_shards}),
@@ -226,6 +234,7 @@ def test_quantized_weights_split_over_devices_give_the_same_tokens(results):
         # w_down [L, 96, 64] is row-parallel: codes split over its inputs, per-channel scales whole
         assert run["w_down_q_shards"] == [[2, 96 // tp, 64]]
         assert run["w_down_scale_shards"] == [[2, 1, 64]]
+        assert runs[f"int8_tp{tp}_bytes"]["planned"] == runs[f"int8_tp{tp}_bytes"]["placed"], tp
     assert "w_down: 3 quantization groups" in runs["int4_tp2"]["error"]
     assert "tensor_parallel_size=2" in runs["int4_tp2"]["error"]
 
