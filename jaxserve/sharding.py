@@ -156,6 +156,11 @@ class ModelShardings:
                     shardings["layers"][name] = self.replicated
         return shardings
 
+    def _expands(self, name: str, weight) -> bool:
+        """Whether `place` repeats this checkpoint KV projection's heads (KV heads replicated)."""
+        return (self.kv_head_replicas > 1 and name in _REPLICATED_KV_LEAVES
+                and _out_features(weight) == self.source_config.kv_size)
+
     def per_device_bytes(self, params: dict) -> int:
         """Bytes one device holds of `params` (float or quantized leaves) once `place`d, KV
         projections expanded when KV heads are replicated."""
@@ -169,8 +174,7 @@ class ModelShardings:
             if name != "layers":
                 total += leaf_bytes(weight, targets[name])
         for name, weight in params["layers"].items():
-            replicas = (self.kv_head_replicas if name in _REPLICATED_KV_LEAVES
-                        and _out_features(weight) == self.source_config.kv_size else 1)
+            replicas = self.kv_head_replicas if self._expands(name, weight) else 1
             total += sum(jax.tree.leaves(jax.tree.map(
                 lambda a, t: leaf_bytes(a, t, replicas), weight, targets["layers"][name])))
         return int(total)
@@ -182,8 +186,7 @@ class ModelShardings:
         layers = {}
         for name, weight in params["layers"].items():
             target = leaf_shardings(self.params["layers"][name], weight, name)
-            if (self.kv_head_replicas > 1 and name in _REPLICATED_KV_LEAVES
-                    and _out_features(weight) == self.source_config.kv_size):
+            if self._expands(name, weight):
                 weight = jax.tree.map(
                     lambda w, t: _repeat_heads(jax.device_put(w, self.replicated), self.kv_head_replicas,
                                                self.model_config.head_dim, t), weight, target)
