@@ -94,6 +94,15 @@ def _convert_cached(source: str, name: str) -> str:
     return output
 
 
+def served_model_name(name_or_path: str) -> str:
+    """The public id of a model given as a name or a path: never the path itself (it would leak
+    the server's file system and make clients depend on it). "smollm2" -> "smollm2";
+    "/models/llama-3-8b/" -> "llama-3-8b"; "/m/smollm2.Q4_1.gguf" -> "smollm2.Q4_1"."""
+    if name_or_path.lower() == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    return os.path.basename(os.path.normpath(os.path.expanduser(name_or_path))).removesuffix(".gguf")
+
+
 def resolve_model(name_or_path: str) -> str:
     """A converted model directory for `name_or_path`.
 

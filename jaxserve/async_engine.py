@@ -1,6 +1,7 @@
 """AsyncEngine: an `Engine` stepping in a background thread, feeding asyncio consumers.
 
-Each request is one async iterator of deltas; the event loop never waits on the device.
+Each request is admitted synchronously and then is one async iterator of deltas (a
+`RequestStream`); the event loop never waits on the device.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import Callable
 
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput
@@ -24,7 +25,8 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
+        self.limits = engine.limits
+        self.max_model_len = self.limits.max_seq_len  # the context a request can really use
         self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -32,7 +34,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._num_pending_adds = 0
+        self._num_pending_adds = 0  # added by callers, not yet taken by the engine thread
+        self._pending_lock = threading.Lock()
         self._stats = engine.stats()
 
     def is_alive(self) -> bool:
@@ -52,33 +55,35 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request. Raises ValueError / QueueFullError before the first delta.
+    def health(self) -> dict:
+        """What /health reports beyond liveness: failed steps and the last one's error."""
+        return {"num_step_failures": self.engine.num_step_failures, "last_step_error": self.engine.last_step_error}
 
-        Stopping the iteration early (client gone, task cancelled) aborts the request."""
-        self.engine.check_request(prompt_token_ids, params)
-        if self._stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if not self.is_alive():
-            raise RuntimeError("the engine is not running")
-        deltas: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = deltas
-        self._num_pending_adds += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
+        """Admits one request and returns the stream of its deltas.
+
+        Admission happens here, synchronously: InvalidRequestError (a ValueError, the engine's one
+        admission check), QueueFullError or RuntimeError (engine not running) mean the engine never
+        saw the request. Closing the stream before its last delta aborts the request."""
+        request = self.engine.make_request(request_id, prompt_token_ids, params)
+        with self._pending_lock:
+            if self._stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
+            if request_id in self._queues:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            if not self.is_alive():
+                raise RuntimeError("the engine is not running")
+            deltas: asyncio.Queue = asyncio.Queue()
+            self._queues[request_id] = deltas
+            self._num_pending_adds += 1
+        self._commands.put(("add", request))
         self._wakeup.set()
-        finished = False
-        try:
-            while not finished:
-                out = await deltas.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return RequestStream(request_id, deltas, self._release)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -102,13 +107,14 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if command[0] == "add":
-                _, request_id, prompt, params = command
-                self._num_pending_adds -= 1
+                request = command[1]
+                with self._pending_lock:
+                    self._num_pending_adds -= 1
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add(request)
                 except ValueError as e:
-                    outputs.append(RequestOutput(request_id, [], "", True, "error", len(prompt), 0,
-                                                 error=str(e)))
+                    outputs.append(RequestOutput(request.request_id, [], "", True, "error",
+                                                 request.num_prompt_tokens, 0, error=str(e)))
             else:
                 out = self.engine.abort(command[1])
                 if out is not None:
@@ -124,13 +130,52 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a failed step must not take the server down
-                log.exception("engine step failed")
+                outputs = self.engine.step()  # a failed step fails its own requests and recovers
+            except Exception as e:  # only if recovering failed too: nothing else may stop the thread
+                log.exception("the engine could not recover from a failed step")
                 outputs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._publish(outputs)
         self._publish(self.engine.fail_all("the server is shutting down"))
         self._stats = self.engine.stats()
+
+
+class RequestStream:
+    """Async iterator over the deltas of one admitted request, ending after its finished delta.
+
+    `aclose()` before that aborts the request (its pages return); calling it again, or after the
+    end, does nothing. Callbacks added with `add_done_callback` run once, at the end or close."""
+
+    def __init__(self, request_id: str, deltas: asyncio.Queue, release: Callable[[str, bool], None]) -> None:
+        self.request_id = request_id
+        self._deltas = deltas
+        self._release = release
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._deltas.get()
+        if output.finished:
+            self._end(abort=False)
+        return output
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._release(self.request_id, abort)
+        for callback in self._callbacks:
+            callback()
 
 
 def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:

@@ -14,10 +14,10 @@ import dataclasses
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from jaxserve import sharding
-from jaxserve.outputs import EngineStats, RequestOutput
+from jaxserve.outputs import EngineStats
 
 
 def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
@@ -99,6 +99,7 @@ class DataParallelAsyncEngine:
         self.replicas = replicas
         first = replicas[0]
         self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
+        self.limits = first.limits
         self._in_flight = [0] * len(replicas)
         self._owner: dict[str, int] = {}
 
@@ -116,22 +117,27 @@ class DataParallelAsyncEngine:
     def stats(self) -> EngineStats:
         return sum_stats([r.stats() for r in self.replicas])
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params) -> AsyncIterator[RequestOutput]:
-        """AsyncEngine.generate on the replica with the fewest requests in flight."""
+    def health(self) -> dict:
+        reports = [r.health() for r in self.replicas]
+        errors = [h["last_step_error"] for h in reports if h["last_step_error"]]
+        return {"num_step_failures": sum(h["num_step_failures"] for h in reports),
+                "last_step_error": errors[-1] if errors else None}
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params):
+        """AsyncEngine.generate (admission now, then a RequestStream) on the replica with the
+        fewest requests in flight."""
         if request_id in self._owner:
             raise ValueError(f"duplicate request id {request_id!r}")
         index = min(range(len(self.replicas)), key=self._in_flight.__getitem__)
+        stream = self.replicas[index].generate(request_id, prompt_token_ids, params)
         self._in_flight[index] += 1
         self._owner[request_id] = index
-        stream = self.replicas[index].generate(request_id, prompt_token_ids, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()
+
+        def done():
             self._in_flight[index] -= 1
             self._owner.pop(request_id, None)
+        stream.add_done_callback(done)
+        return stream
 
     def abort(self, request_id: str) -> None:
         index = self._owner.get(request_id)

@@ -6,16 +6,18 @@ delta per request that advanced). `jaxserve.async_engine.AsyncEngine` runs it fo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from typing import Sequence
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.outputs import EngineStats, RequestOutput, TokenLogprob
+from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, TokenLogprob
 from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.request import Request, RequestLimits, RequestStatus, SamplingParams, check_request
+from jaxserve.scheduler import Scheduler, StepPlan
 
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -113,6 +115,8 @@ class Engine:
         self.num_steps = 0
         self.num_computed_tokens = 0  # model tokens computed (prefix-cache hits are not computed)
         self.time_in_steps = 0.0
+        self.num_step_failures = 0
+        self.last_step_error: str | None = None
         if cfg.warmup:
             self.runner.warmup()
 
@@ -133,31 +137,35 @@ class Engine:
         dtype = device_setup.param_dtype(cfg.dtype)
         tokenizer = load.load_tokenizer(model_dir)
         return data_parallel.build_engine(
-            cls, model_config, tokenizer, cfg, model_name=model,
+            cls, model_config, tokenizer, cfg, model_name=default_model.served_model_name(model),
             load_params=lambda shardings: load.load_params(
                 model_dir, dtype, None if shardings is None else shardings.checkpoint_shardings()))
 
     # ---- requests -------------------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request may ask for: the engine's vocabulary, context, KV capacity and logprobs."""
+        return RequestLimits(vocab_size=self.model_config.vocab_size, max_seq_len=self.scheduler.max_seq_len,
+                             max_model_len=self.max_model_len, max_logprobs=self.config.max_logprobs)
+
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises ValueError with a clear message when the request can never be served."""
-        params.validate()
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
-        if not prompt_token_ids:
-            raise ValueError("the prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_token_ids) >= self.scheduler.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
-                             f"max_model_len ({self.scheduler.max_seq_len}) to leave room for output")
+        """Raises InvalidRequestError (a ValueError) when the request can never be served."""
+        check_request(prompt_token_ids, params, self.limits)
+
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Admission: checks the request completely and returns it ready for `add`."""
+        check_request(prompt_token_ids, params, self.limits)
+        return Request(request_id, list(prompt_token_ids), params)
+
+    def add(self, request: Request) -> None:
+        """Queues a request made by `make_request` (already checked; not checked again)."""
+        self.scheduler.add_request(request)
+        self._streams[request.request_id] = _Stream(request, self.tokenizer)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> Request:
-        self.check_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params)
-        self.scheduler.add_request(request)
-        self._streams[request_id] = _Stream(request, self.tokenizer)
+        request = self.make_request(request_id, prompt_token_ids, params)
+        self.add(request)
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -178,7 +186,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=self.allocator.num_prefix_queries_tokens,
             prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens,
-            weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes)
+            weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes,
+            num_step_failures=self.num_step_failures)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -186,7 +195,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except StepInputError as e:  # nothing ran: fail that request, the others run next step
+            log.error("request %s could not be packed into a step: %s", e.request.request_id, e)
+            return [self._fail(e.request, f"the request could not be run: {e}")]
+        except Exception as e:
+            return self._recover_from_failed_step(plan, e)
         self.num_steps += 1
         self.num_computed_tokens += plan.num_tokens
         self.time_in_steps += result.device_seconds
@@ -237,15 +252,37 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens, new_logprobs=logprobs,
             error=request.error_message)
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Ends every unfinished request with an error (after a failed step); pages return."""
-        outputs = []
-        for request_id, stream in list(self._streams.items()):
-            stream.request.error_message = message
-            if not stream.request.is_finished:
-                self.scheduler.finish(stream.request, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(stream, [], "", None))
+    def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+        """A device step failed and no single request can be blamed: its requests end with an
+        error, the engine goes on. If the step consumed the KV cache, the cache is rebuilt and
+        every other running request is recomputed from its tokens (the prefix cache is dropped)."""
+        self.num_step_failures += 1
+        self.last_step_error = f"{type(error).__name__}: {error}"
+        num_prefill_tokens = sum(n for _, n in plan.prefill)
+        log.error("engine step failed (%d decode rows, %d prefill chunks of %d tokens, %d pages in "
+                  "the widest row); failing its %d requests", len(plan.decode), len(plan.prefill),
+                  num_prefill_tokens, max(len(r.page_ids) for r, _ in plan.scheduled), plan.num_seqs,
+                  exc_info=error)
+        message = f"engine step failed: {self.last_step_error}"
+        outputs = [self._fail(request, message) for request, _ in plan.scheduled]
+        if self.runner.recover():
+            recomputed = self.scheduler.recompute_running()
+            self.allocator.reset_prefix_cache()
+            log.warning("the failed step consumed the KV cache: rebuilt it; %d running requests will "
+                        "be recomputed", len(recomputed))
         return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """Ends one request with an error (pages return); its closing delta."""
+        request.error_message = message
+        if not request.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        stream = self._streams.get(request.request_id) or _Stream(request, None)
+        return self._output(stream, [], "", None)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every unfinished request with an error (shutdown, or a step that could not recover)."""
+        return [self._fail(stream.request, message) for stream in list(self._streams.values())]
 
     # ---- offline --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],

@@ -8,6 +8,14 @@ class QueueFullError(RuntimeError):
     """The engine's waiting queue is full; the caller should retry later (HTTP 429)."""
 
 
+class StepInputError(ValueError):
+    """The inputs of one request could not be packed into a step (nothing ran on the device)."""
+
+    def __init__(self, request, message: str) -> None:
+        super().__init__(message)
+        self.request = request
+
+
 @dataclasses.dataclass
 class TokenLogprob:
     token_id: int
@@ -41,3 +49,4 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     weights_bytes: int = 0  # device arrays of the weights (quantized sizes when quantized)
     kv_cache_bytes: int = 0  # the KV page pool (scales of an int8 cache included)
+    num_step_failures: int = 0  # steps that raised; their requests ended with an error

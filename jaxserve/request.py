@@ -12,9 +12,43 @@ import random
 import time
 from typing import Any
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the engine may allow fewer)
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back that much text per token
+MAX_STOP_TOKEN_IDS = 256  # checked per generated token
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # useful values are 1-2; outside, float32 logits vanish or overflow
+_INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
 _MAX_SEED = 2**63
 _system_random = random.SystemRandom()
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses at admission. `param` names the offending field, `code` is
+    an OpenAI-style error code (e.g. "context_length_exceeded")."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What the engine's arrays can hold; every bound of `check_request` derives from these."""
+
+    vocab_size: int  # rows of the embedding: prompt and stop token ids must be below it
+    max_seq_len: int  # prompt + output tokens: min(max_model_len, the KV pool's capacity)
+    max_model_len: int  # the configured context (only named in messages)
+    max_logprobs: int = MAX_LOGPROBS  # columns of the step's top-logprob output
+
+    @property
+    def context_text(self) -> str:
+        """How the context limit is named in refusals."""
+        if self.max_seq_len == self.max_model_len:
+            return f"This model's maximum context length is {self.max_seq_len} tokens"
+        return (f"This model's maximum context length is {self.max_seq_len} tokens (the KV cache holds "
+                f"{self.max_seq_len} tokens; max_model_len is {self.max_model_len})")
 
 
 def _is_int(value: Any) -> bool:
@@ -25,9 +59,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_valid_unicode(text: str) -> bool:
+    """False for strings holding lone surrogates (JSON "\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclasses.dataclass
 class SamplingParams:
-    """Per-request sampling knobs (OpenAI / vLLM meaning). `top_k` 0 or -1 means off."""
+    """Per-request sampling knobs (OpenAI / vLLM meaning). `top_k` 0 or -1 means off.
+
+    Plain data: `check_request` is the one place that decides whether a request is valid."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,61 +92,92 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raises ValueError naming the first field that is out of range or of the wrong type."""
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, low=-1, hint=" (0 or -1 disables top-k)")
-        _check_number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check_number(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=_MAX_SEED - 1)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+def check_request(prompt_token_ids: Any, params: SamplingParams, limits: RequestLimits) -> None:
+    """The admission check: raises InvalidRequestError naming the first field that cannot be served.
+
+    Complete by design: a request that passes cannot fail a step (every value fits the dtype
+    and range of the array it travels in) nor outgrow the KV cache."""
+    _check_prompt(prompt_token_ids, limits)
+    check_sampling_params(params, limits)
+    room = limits.max_seq_len - len(prompt_token_ids)
+    if params.max_tokens > room:
+        raise InvalidRequestError(
+            f"{limits.context_text}; you requested {len(prompt_token_ids) + params.max_tokens} tokens "
+            f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion)",
+            param="max_tokens", code="context_length_exceeded")
+
+
+def _check_prompt(prompt_token_ids: Any, limits: RequestLimits) -> None:
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise InvalidRequestError("the prompt must be a list of token ids", param="prompt")
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty: it must contain at least one token", param="prompt")
+    if len(prompt_token_ids) >= limits.max_seq_len:  # before the per-token scan: cheap first
+        raise InvalidRequestError(
+            f"{limits.context_text}; the prompt has {len(prompt_token_ids)} tokens, leaving no room for "
+            "a completion", param="prompt", code="context_length_exceeded")
+    vocab = limits.vocab_size
+    bad = next((t for t in prompt_token_ids if not _is_int(t) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad!r} is not an integer in [0, {vocab})", param="prompt")
+
+
+def check_sampling_params(params: SamplingParams, limits: RequestLimits | None = None) -> None:
+    """The sampling half of `check_request`. Without `limits` (no engine yet, e.g. the CLI reading
+    its input before loading a model) the bounds that depend on the engine are left out."""
+    vocab = limits.vocab_size if limits is not None else None
+    _check_int("max_tokens", params.max_tokens, low=1)
+    _check_number("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
+    _check_number("top_p", params.top_p, 0.0, 1.0, low_open=True)
+    _check_int("top_k", params.top_k, low=-1, high=_INT32_MAX,
+               hint=f" (0 or -1 disables top-k; {vocab or 'the vocabulary size'} or more keeps every token)")
+    _check_number("min_p", params.min_p, 0.0, 1.0)
+    _check_number("repetition_penalty", params.repetition_penalty, *REPETITION_PENALTY_RANGE)
+    _check_number("presence_penalty", params.presence_penalty, -2.0, 2.0)
+    _check_number("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    if params.seed is not None:
+        _check_int("seed", params.seed, low=0, high=_MAX_SEED - 1)
+    stop = params.stop
+    if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(f"stop allows at most {MAX_STOP_SEQUENCES} strings, got {len(stop)}",
+                                  param="stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidRequestError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}",
+                                      param="stop")
+        if not is_valid_unicode(s):
+            raise InvalidRequestError("stop strings must be valid Unicode (no lone surrogates)", param="stop")
+    ids = params.stop_token_ids
+    if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                                  param="stop_token_ids")
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < (vocab or _INT32_MAX) for t in ids):
+        raise InvalidRequestError(f"stop_token_ids must be a list of token ids in [0, {vocab or 'vocabulary size'})",
+                                  param="stop_token_ids")
+    if not isinstance(params.ignore_eos, bool):
+        raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}", param="ignore_eos")
+    if params.logprobs is not None:
+        _check_int("logprobs", params.logprobs, low=0, high=limits.max_logprobs if limits else MAX_LOGPROBS)
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None, hint: str = "") -> None:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if low is not None and value < low:
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}{hint}, got {value}")
-    if high is not None and value > high:
-        bound = f"in [{low}, {high}]" if low is not None else f"<= {high}"
-        raise ValueError(f"{name} must be {bound}{hint}, got {value}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if low is not None and high is not None else (
+            f">= {low}" if low is not None else f"<= {high}")
+        raise InvalidRequestError(f"{name} must be {bound}{hint}, got {value}", param=name)
 
 
-def _check_number(name: str, value: Any) -> None:
+def _check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
     if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise InvalidRequestError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}", param=name)
 
 
 class RequestStatus(enum.Enum):

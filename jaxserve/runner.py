@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve import sampler
 from jaxserve.config import ModelConfig
+from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
 from jaxserve.scheduler import StepPlan
 
@@ -85,8 +86,9 @@ class ModelRunner:
             self.page_buckets = geometric_buckets(-(-256 // page_size), self.max_pages_per_seq, 4)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
-        self.kv_cache = llama.init_kv_cache(
-            step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
+        self._new_kv_cache = functools.partial(
+            llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
+        self.kv_cache = self._new_kv_cache()
         # Two jitted functions per step, both on device (logits never reach the host): the
         # sampler's shapes depend only on the number of rows, so it compiles far fewer times.
         forward = functools.partial(llama.forward, config=step_config, backend=backend,
@@ -177,11 +179,17 @@ class ModelRunner:
 
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         row_params = [None if req is None else _row_params(req) for req in rows]
-        return sampler.build_sampling_inputs(row_params, len(rows), self.max_model_len)
+        try:
+            return sampler.build_sampling_inputs(row_params, len(rows), self.max_model_len)
+        except sampler.RowInputError as e:
+            raise StepInputError(rows[e.row_index], str(e)) from e
 
     # ---- device ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Runs one step: host arrays in, sampled ids (and logprobs) out; the only crossing."""
+        """Runs one step: host arrays in, sampled ids (and logprobs) out; the only crossing.
+
+        Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
+        any other exception comes from the device step (see `recover`)."""
         bucket, batch, rows = self.build_batch(plan)
         sampling = self._sampling_inputs(rows)
         start = time.perf_counter()
@@ -197,6 +205,15 @@ class ModelRunner:
             top_ids=np.asarray(out["top_ids"])[keep] if want_logprobs else None,
             top_logprobs=np.asarray(out["top_logprobs"])[keep] if want_logprobs else None,
             device_seconds=elapsed)
+
+    def recover(self) -> bool:
+        """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers
+        are deleted once a call takes them). Returns whether it was rebuilt, i.e. every cached
+        K/V is lost and the requests that had any must be recomputed."""
+        if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.kv_cache)):
+            return False
+        self.kv_cache = self._new_kv_cache()
+        return True
 
     def warmup(self) -> int:
         """Compiles the step for every bucket, ahead of time and on all cores. Returns the count.

@@ -66,10 +66,20 @@ def row_key_data(seed: int, step: int) -> tuple[int, int]:
     return mixed >> 32, mixed & 0xFFFFFFFF
 
 
+class RowInputError(ValueError):
+    """Packing one row's parameters failed; `row_index` says which (the caller knows its request)."""
+
+    def __init__(self, row_index: int, message: str) -> None:
+        super().__init__(f"row {row_index}: {message}")
+        self.row_index = row_index
+
+
 def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
                           history_len: int) -> dict[str, np.ndarray]:
     """Pack per-row parameters into fixed-shape arrays; None rows (and rows past len(rows)) pad.
 
+    The values were checked at admission (`request.check_request`); should one still not fit its
+    array, RowInputError names the row, so only its request fails.
     Token histories are filled only for rows with a penalty (the others stay -1: nothing reads
     them), so a step without penalties costs no per-token host work.
     `num_logprobs` is -1 where the row wants no logprobs.
@@ -82,29 +92,27 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
     inputs["prompt_ids"] = np.full((num_rows, history_len), -1, np.int32)
     inputs["output_ids"] = np.full((num_rows, history_len), -1, np.int32)
     for row_index, row in enumerate(rows):
-        if row is None:
-            continue
-        params = row.params
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"row {row_index}: top_p must be in (0, 1], got {params.top_p}")
-        if not 0.0 <= params.min_p <= 1.0:
-            raise ValueError(f"row {row_index}: min_p must be in [0, 1], got {params.min_p}")
-        if params.repetition_penalty <= 0.0:
-            raise ValueError(f"row {row_index}: repetition_penalty must be > 0")
-        for name, _, _ in _ROW_FIELDS:
-            inputs[name][row_index] = getattr(params, name)
-        inputs["top_k"][row_index] = max(params.top_k, 0)
-        inputs["keys"][row_index] = row_key_data(row.seed, row.step)
-        if params.logprobs is not None:
-            inputs["num_logprobs"][row_index] = params.logprobs
-        if row.has_penalties:
-            for name, token_ids in (("prompt_ids", row.prompt_token_ids),
-                                    ("output_ids", row.output_token_ids)):
-                if len(token_ids) > history_len:
-                    raise ValueError(f"row {row_index}: {len(token_ids)} {name} exceed "
-                                     f"history_len={history_len}")
-                inputs[name][row_index, :len(token_ids)] = token_ids
+        if row is not None:
+            try:
+                _pack_row(inputs, row_index, row, history_len)
+            except (ValueError, TypeError, OverflowError) as e:
+                raise RowInputError(row_index, f"{type(e).__name__}: {e}") from e
     return inputs
+
+
+def _pack_row(inputs: dict[str, np.ndarray], row_index: int, row: RowParams, history_len: int) -> None:
+    params = row.params
+    for name, _, _ in _ROW_FIELDS:
+        inputs[name][row_index] = getattr(params, name)
+    inputs["top_k"][row_index] = max(params.top_k, 0)
+    inputs["keys"][row_index] = row_key_data(row.seed, row.step)
+    if params.logprobs is not None:
+        inputs["num_logprobs"][row_index] = params.logprobs
+    if row.has_penalties:
+        for name, token_ids in (("prompt_ids", row.prompt_token_ids), ("output_ids", row.output_token_ids)):
+            if len(token_ids) > history_len:
+                raise ValueError(f"{len(token_ids)} {name} exceed history_len={history_len}")
+            inputs[name][row_index, :len(token_ids)] = token_ids
 
 
 def _blocked(x, block):

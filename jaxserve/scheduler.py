@@ -86,18 +86,10 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queues a request; ValueError if it is invalid or its prompt can never be served."""
-        request.params.validate()
+        """Queues a request that passed `request.check_request` (this does not check it again);
+        ValueError on a duplicate id."""
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt must contain at least one token")
-        if request.num_prompt_tokens >= self.max_seq_len:
-            limit = (f"max_model_len {self.max_model_len}" if self.max_seq_len == self.max_model_len else
-                     f"the KV cache capacity of {self.max_seq_len} tokens")
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, which leaves no room to generate: "
-                f"it must be shorter than {limit}")
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -205,6 +197,15 @@ class Scheduler:
         if num_needed > 0:
             request.page_ids.extend(allocator.allocate(num_needed))
         return True
+
+    def recompute_running(self) -> list[Request]:
+        """Sends every running request back to the front of the waiting queue, in admission order,
+        to be recomputed from its tokens (the KV cache was lost); returns them."""
+        requests = list(self.running)
+        plan = StepPlan()
+        for request in reversed(requests):
+            self._preempt(request, plan)
+        return requests
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)

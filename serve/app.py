@@ -8,6 +8,7 @@ then ends the rest with an error event.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import hmac
@@ -19,10 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.outputs import QueueFullError
+from jaxserve.request import InvalidRequestError, SamplingParams
+from jaxserve.tokenization import max_token_chars
 from serve.fanout import ChoiceFanout, ServerStopping
 from serve.metrics import ServerMetrics
-from serve.protocol import (ProtocolError, build_sampling_params, error_body, parse_chat_request,
-                            parse_completion_request, prompt_token_ids)
+from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params,
+                            check_prompt_chars, error_body, parse_chat_request, parse_completion_request,
+                            prompt_token_ids)
 from serve.responses import SSE_DONE, ChoiceState, ResponseShaper, sse_event
 
 logger = logging.getLogger(__name__)
@@ -35,20 +39,37 @@ _SEED_LIMIT = 2**63
 class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0  # to receive the whole body once the headers are in (408 after)
     drain_timeout_s: float = 30.0  # how long in-flight requests may run on after a shutdown signal
     retry_after_s: int = 1  # the Retry-After of a 429 (engine queue full)
     manage_engine: bool = True  # start the engine with the app and shut it down with it
+    served_model_names: tuple[str, ...] = ()  # ids clients may name, the first reported; () = engine's
+    num_prepare_threads: int = 2  # JSON parsing and tokenizing run here, never on the event loop
 
 
 class ServerState:
     def __init__(self, engine: Any, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.model_names = tuple(config.served_model_names) or (engine.model_name,)
         self.metrics = ServerMetrics(engine.stats)
         self.active: set[ChoiceFanout] = set()
         self.draining = False
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=65536)(lambda token_id: engine.tokenizer.decode([token_id]))
+        self.max_token_chars = max_token_chars(engine.tokenizer)
+        self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
+                                                                  thread_name_prefix="jaxserve-prepare")
+
+    def prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[int], SamplingParams]:
+        """Body bytes -> (request, prompt token ids, sampling parameters); ProtocolError on bad
+        input. Cheap checks first: no text is tokenized that could not fit in the context."""
+        body = _parse_json(raw)
+        request = (parse_chat_request if is_chat else parse_completion_request)(body, self.model_names)
+        max_seq_len = self.engine.max_model_len
+        check_prompt_chars(request, max_seq_len, self.max_token_chars)
+        prompt_ids = prompt_token_ids(self.engine.tokenizer, request)
+        return request, prompt_ids, build_sampling_params(request, len(prompt_ids), max_seq_len)
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -67,6 +88,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_stop_engine)
+    app.on_cleanup.append(_stop_prepare_pool)
     return app
 
 
@@ -115,7 +137,9 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     api_key = request.app[STATE].config.api_key
     if api_key and request.path not in OPEN_PATHS:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the raw bytes.
+        token_bytes = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, api_key.encode()):
             raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
                                 code="invalid_api_key")
     return await handler(request)
@@ -123,9 +147,9 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 async def handle_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model = {"id": state.engine.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-             "max_model_len": state.engine.max_model_len}
-    return web.json_response({"object": "list", "data": [model]})
+    models = [{"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+               "max_model_len": state.engine.max_model_len} for name in state.model_names]
+    return web.json_response({"object": "list", "data": models})
 
 
 def engine_is_alive(engine: Any) -> bool:
@@ -147,7 +171,8 @@ async def handle_health(request: web.Request) -> web.Response:
         return web.json_response({"status": "shutting down"}, status=503)
     if not engine_is_alive(state.engine):
         return web.json_response({"status": "engine not running"}, status=503)
-    return web.json_response({"status": "ok"})
+    health = getattr(state.engine, "health", None)
+    return web.json_response({"status": "ok", **(health() if callable(health) else {})})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
@@ -163,8 +188,7 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, is_chat=True)
 
 
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
@@ -173,36 +197,42 @@ async def _read_json(request: web.Request) -> Any:
         raise ProtocolError("the request body is nested too deeply") from None
 
 
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within {timeout_s:g} s", status=408,
+                            code="request_timeout", headers={"Connection": "close"}) from None
+
+
 async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamResponse:
     arrival_time = time.monotonic()
     state = request.app[STATE]
     engine = state.engine
     if state.draining:
         raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
-    body = await _read_json(request)
-    parse = parse_chat_request if is_chat else parse_completion_request
-    req = parse(body, engine.model_name)
-    prompt_ids = prompt_token_ids(engine.tokenizer, req)
-    params = build_sampling_params(req, len(prompt_ids), engine.max_model_len)
+    raw = await _read_body(request, state.config.body_timeout_s)
+    loop = asyncio.get_running_loop()
+    req, prompt_ids, params = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat)
     choice_params = [params] + [
         dataclasses.replace(params, seed=(params.seed + i) % _SEED_LIMIT) if params.seed is not None else params
         for i in range(1, req.n)
     ]
-    shaper = ResponseShaper(is_chat=is_chat, model=engine.model_name, token_text=state.token_text,
+    shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
                             want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
     trackers = [state.metrics.tracker(arrival_time, len(prompt_ids)) for _ in range(req.n)]
     fanout = ChoiceFanout(engine, shaper.response_id, prompt_ids, choice_params,
                           on_output=lambda i, output: trackers[i].observe(output))
     state.active.add(fanout)
-    started = False
     try:
         try:
             await fanout.start()
-            started = True
         except QueueFullError as e:
             raise ProtocolError(f"the server is at capacity, retry later ({e})", status=429,
                                 error_type="rate_limit_error", code="queue_full",
                                 headers={"Retry-After": str(state.config.retry_after_s)}) from None
+        except InvalidRequestError as e:  # the engine's admission check
+            raise admission_error(e, req) from None
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         except ServerStopping as e:
@@ -213,9 +243,8 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
     finally:
         state.active.discard(fanout)
         await fanout.close()
-        if started:
-            for tracker in trackers:
-                tracker.finish("abort")  # counts only the choices that did not finish
+        for tracker in trackers[:fanout.num_admitted]:
+            tracker.finish("abort")  # counts only the admitted choices that did not finish
 
 
 async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.Response:
@@ -295,3 +324,7 @@ async def _stop_engine(app: web.Application) -> None:
     state = app[STATE]
     if state.config.manage_engine:
         await state.engine.shutdown()
+
+
+async def _stop_prepare_pool(app: web.Application) -> None:
+    app[STATE].prepare_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,9 @@
 """Runs the n engine requests behind one HTTP request and merges their deltas in arrival order.
 
-`start()` waits for every choice's first event, so an engine refusal (ValueError, QueueFullError)
-surfaces before the HTTP response is committed. `close()` (always called) cancels what is still
-running: the engine aborts those requests and frees their pages.
+`start()` admits every choice (the engine's synchronous `generate`: a refusal raises there, and
+the choices already admitted are aborted), then waits for each choice's first event, so an early
+failure surfaces before the HTTP response is committed. `close()` (always called) cancels what is
+still running: the engine aborts those requests and frees their pages.
 """
 from __future__ import annotations
 
@@ -39,15 +40,14 @@ class ChoiceFanout:
         self._buffered: list[tuple[int, Any]] = []
         self._tasks: list[asyncio.Task] = []
         self._stop_reason: str | None = None
+        self.num_admitted = 0  # choices the engine accepted (each ends with a finish reason)
 
     @property
     def num_choices(self) -> int:
         return len(self.params)
 
-    async def _pump(self, index: int) -> None:
-        stream = None
+    async def _pump(self, index: int, stream: Any) -> None:
         try:
-            stream = self.engine.generate(self.request_ids[index], self.prompt_token_ids, self.params[index])
             async for output in stream:
                 if self.on_output is not None:
                     self.on_output(index, output)
@@ -56,12 +56,22 @@ class ChoiceFanout:
         except Exception as e:  # handed to the consumer, which decides the HTTP outcome
             self._events.put_nowait((index, e))
         finally:
-            if stream is not None:
-                await _close_quietly(stream)
+            await _close_quietly(stream)
 
     async def start(self) -> None:
-        """Starts every choice and waits for each one's first event; re-raises an engine refusal."""
-        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(self.num_choices)]
+        """Admits every choice, then waits for each one's first event. Re-raises an engine refusal
+        (after aborting the choices already admitted) or an early failure."""
+        streams = []
+        try:
+            for index in range(self.num_choices):
+                streams.append(self.engine.generate(self.request_ids[index], self.prompt_token_ids,
+                                                    self.params[index]))
+                self.num_admitted += 1
+        except BaseException:
+            for stream in streams:
+                await _close_quietly(stream)
+            raise
+        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)]
         started: set[int] = set()
         while len(started) < self.num_choices:
             index, event = await self._next_event()

@@ -1,25 +1,24 @@
-"""OpenAI request validation: JSON bodies -> GenerationRequest -> SamplingParams.
+"""OpenAI request parsing: JSON bodies -> GenerationRequest -> SamplingParams.
 
-Every problem with a request becomes a ProtocolError carrying the HTTP status and the fields of
-an OpenAI-style error body. No jax here: this module is unit-tested in milliseconds.
+This module reads the JSON (types, the OpenAI fields the server supports, the text of prompts and
+messages); the bounds of every value are the engine's admission check (`jaxserve.request.
+check_request`), whose refusals `admission_error` turns into the same 400s. Every problem becomes
+a ProtocolError carrying the HTTP status and the fields of an OpenAI-style error body. No jax
+here: this module is unit-tested in milliseconds.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jinja2
 
+from jaxserve.request import InvalidRequestError, SamplingParams, is_valid_unicode
 from jaxserve.tokenization import encode_chat, encode_text
 
-from jaxserve.request import MAX_LOGPROBS, SamplingParams
-
 MAX_CHOICES = 16  # upper bound on `n`
-MAX_STOP_SEQUENCES = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # what OpenAI and vLLM use when a completion names none
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_INT64_MAX = 2**63 - 1
 
 
 class ProtocolError(Exception):
@@ -61,6 +60,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     max_tokens: int | None  # None: the endpoint's default
+    max_tokens_param: str  # the field the client used for it ("max_tokens" or "max_completion_tokens")
     logprobs: int | None  # None: no logprobs; k: the sampled token's logprob plus the top k
     sampling: dict[str, Any]  # the other SamplingParams fields the client set
     prompt: str | list[int] | None = None  # completions: text or token ids
@@ -86,16 +86,13 @@ class _Fields:
             raise ProtocolError(f"'{name}' must be {_range_text(low, high)}, got {value}", param=name)
         return value
 
-    def number(self, name: str, *, low: float, high: float, low_open: bool = False) -> float | None:
+    def number(self, name: str) -> float | None:
         value = self.body.get(name)
         if value is None:
             return None
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ProtocolError(f"'{name}' must be a finite number, got {value!r}", param=name)
-        if value > high or value < low or (low_open and value == low):
-            bracket = "(" if low_open else "["
-            raise ProtocolError(f"'{name}' must be in {bracket}{low}, {high}], got {value}", param=name)
-        return float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ProtocolError(f"'{name}' must be a number, got {value!r}", param=name)
+        return value
 
     def boolean(self, name: str, default: bool = False) -> bool:
         value = self.body.get(name)
@@ -110,10 +107,8 @@ class _Fields:
         if value is None:
             return None
         items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-            raise ProtocolError(f"'{name}' must be a non-empty string or a list of non-empty strings", param=name)
-        if len(items) > MAX_STOP_SEQUENCES:
-            raise ProtocolError(f"'{name}' allows at most {MAX_STOP_SEQUENCES} sequences", param=name)
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ProtocolError(f"'{name}' must be a string or a list of strings", param=name)
         return items
 
 
@@ -130,9 +125,9 @@ def parse_completion_request(body: Any, served_model: str) -> GenerationRequest:
         raise ProtocolError("'echo' is not supported", param="echo")
     if fields.present("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
-    logprobs = fields.integer("logprobs", low=0, high=MAX_LOGPROBS)
-    return _build(fields, served_model, is_chat=False, max_tokens=fields.integer("max_tokens", low=1),
-                  logprobs=logprobs, prompt=_parse_prompt(body.get("prompt")))
+    return _build(fields, served_model, is_chat=False, max_tokens=fields.integer("max_tokens"),
+                  max_tokens_param="max_tokens", logprobs=fields.integer("logprobs"),
+                  prompt=_parse_prompt(body.get("prompt")))
 
 
 def parse_chat_request(body: Any, served_model: str) -> GenerationRequest:
@@ -141,26 +136,27 @@ def parse_chat_request(body: Any, served_model: str) -> GenerationRequest:
     for name in ("tools", "functions"):
         if body.get(name):
             raise ProtocolError(f"'{name}' is not supported", param=name)
-    max_tokens = fields.integer("max_completion_tokens", low=1)
-    if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", low=1)
-    top_logprobs = fields.integer("top_logprobs", low=0, high=MAX_LOGPROBS)
+    max_tokens_param = "max_completion_tokens" if fields.present("max_completion_tokens") else "max_tokens"
+    top_logprobs = fields.integer("top_logprobs")
     wants_logprobs = fields.boolean("logprobs")
     if top_logprobs is not None and not wants_logprobs:
         raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    return _build(fields, served_model, is_chat=True, max_tokens=max_tokens, logprobs=logprobs,
+    return _build(fields, served_model, is_chat=True, max_tokens=fields.integer(max_tokens_param),
+                  max_tokens_param=max_tokens_param, logprobs=logprobs,
                   messages=_parse_messages(body.get("messages")))
 
 
-def _common_checks(body: Any, served_model: str) -> _Fields:
+def _common_checks(body: Any, served_models: str | tuple[str, ...]) -> _Fields:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("'model' must be a string", param="model")
-    if model is not None and model != served_model:
-        raise ProtocolError(f"The model `{model}` does not exist", status=404, param="model", code="model_not_found")
+    served = (served_models,) if isinstance(served_models, str) else served_models
+    if model is not None and model not in served:
+        raise ProtocolError(f"The model `{_printable(model)}` does not exist", status=404, param="model",
+                            code="model_not_found")
     fields = _Fields(body)
     if fields.integer("best_of", low=1, default=1) != 1:
         raise ProtocolError("'best_of' other than 1 is not supported", param="best_of")
@@ -172,8 +168,8 @@ def _common_checks(body: Any, served_model: str) -> _Fields:
     return fields
 
 
-def _build(fields: _Fields, served_model: str, *, is_chat: bool, max_tokens: int | None,
-           logprobs: int | None, prompt: Any = None, messages: Any = None) -> GenerationRequest:
+def _build(fields: _Fields, served_models: str | tuple[str, ...], *, is_chat: bool, max_tokens: int | None,
+           max_tokens_param: str, logprobs: int | None, prompt: Any = None, messages: Any = None) -> GenerationRequest:
     stream = fields.boolean("stream")
     stream_options = fields.body.get("stream_options")
     include_usage = False
@@ -184,25 +180,27 @@ def _build(fields: _Fields, served_model: str, *, is_chat: bool, max_tokens: int
             raise ProtocolError("'stream_options' must be an object", param="stream_options")
         include_usage = _Fields(stream_options).boolean("include_usage")
     sampling: dict[str, Any] = {
-        "temperature": fields.number("temperature", low=0.0, high=2.0),
-        "top_p": fields.number("top_p", low=0.0, high=1.0, low_open=True),
-        "top_k": fields.integer("top_k", low=-1),
-        "min_p": fields.number("min_p", low=0.0, high=1.0),
-        "repetition_penalty": fields.number("repetition_penalty", low=0.0, high=math.inf, low_open=True),
-        "presence_penalty": fields.number("presence_penalty", low=-2.0, high=2.0),
-        "frequency_penalty": fields.number("frequency_penalty", low=-2.0, high=2.0),
-        "seed": fields.integer("seed", low=0, high=_INT64_MAX),
+        "temperature": fields.number("temperature"),
+        "top_p": fields.number("top_p"),
+        "top_k": fields.integer("top_k"),
+        "min_p": fields.number("min_p"),
+        "repetition_penalty": fields.number("repetition_penalty"),
+        "presence_penalty": fields.number("presence_penalty"),
+        "frequency_penalty": fields.number("frequency_penalty"),
+        "seed": fields.integer("seed"),
         "stop": fields.string_list("stop"),
         "stop_token_ids": _parse_token_ids(fields.body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
         "ignore_eos": fields.boolean("ignore_eos"),
     }
+    model = fields.body.get("model")
     return GenerationRequest(
         is_chat=is_chat,
-        model=served_model,
+        model=model if model is not None else (served_models if isinstance(served_models, str) else served_models[0]),
         n=fields.integer("n", low=1, high=MAX_CHOICES, default=1),
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         logprobs=logprobs,
         sampling={k: v for k, v in sampling.items() if v is not None},
         prompt=prompt,
@@ -213,8 +211,8 @@ def _build(fields: _Fields, served_model: str, *, is_chat: bool, max_tokens: int
 def _parse_token_ids(value: Any, param: str, *, allow_empty: bool = False) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        raise ProtocolError(f"'{param}' must be a list of non-negative integer token ids", param=param)
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(f"'{param}' must be a list of integer token ids", param=param)
     if not value and not allow_empty:
         raise ProtocolError(f"'{param}' must not be empty", param=param)
     return value
@@ -224,7 +222,7 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
     if prompt is None:
         raise ProtocolError("'prompt' is required", param="prompt")
     if isinstance(prompt, str):
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return _parse_prompt(prompt[0])  # a batch of one prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -253,9 +251,22 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
     return parsed
 
 
+def _text(value: str, param: str) -> str:
+    if not is_valid_unicode(value):
+        raise ProtocolError(f"'{param}' is not valid Unicode: it holds a lone surrogate (e.g. \\ud800)",
+                            param=param)
+    return value
+
+
+def _printable(value: str, limit: int = 100) -> str:
+    """A client string safe to echo in an error: valid Unicode, at most `limit` characters."""
+    text = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _message_text(content: Any, role: str, param: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, param)
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
@@ -264,55 +275,60 @@ def _message_text(content: Any, role: str, param: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ProtocolError(f"'{param}' parts must be {{'type': 'text', 'text': <string>}}; "
                                     "other content types are not supported", param=param)
-            texts.append(part["text"])
+            texts.append(_text(part["text"], param))
         return "".join(texts)
     raise ProtocolError(f"'{param}' must be a string or a list of text parts", param=param)
 
 
+def num_prompt_chars(request: GenerationRequest) -> int:
+    """Characters of the client's text: the prompt, or the messages' contents (0 for token ids)."""
+    if request.is_chat:
+        return sum(len(m["content"]) for m in request.messages)
+    return len(request.prompt) if isinstance(request.prompt, str) else 0
+
+
+def check_prompt_chars(request: GenerationRequest, max_seq_len: int, max_token_chars: int) -> None:
+    """Refuses, before any tokenizing, text that is longer than the context could hold even if
+    every token were the vocabulary's longest (`max_token_chars` characters)."""
+    num_chars = num_prompt_chars(request)
+    if num_chars > max_seq_len * max_token_chars:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_seq_len} tokens; the prompt has {num_chars} "
+            f"characters, which is at least {-(-num_chars // max_token_chars)} tokens (no token is longer "
+            f"than {max_token_chars} characters)", param="messages" if request.is_chat else "prompt",
+            code="context_length_exceeded")
+
+
 def prompt_token_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     """The prompt's token ids: the chat template for chat (with the generation prompt), else the
-    tokenizer (with its special tokens, e.g. BOS) or the client's own ids. Checked against the vocabulary."""
+    tokenizer (with its special tokens, e.g. BOS) or the client's own ids."""
     if request.is_chat:
         try:
-            token_ids = encode_chat(tokenizer, request.messages)
+            return encode_chat(tokenizer, request.messages)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ProtocolError(f"the chat template rejected the messages: {e}", param="messages") from None
-    elif isinstance(request.prompt, str):
-        token_ids = encode_text(tokenizer, request.prompt)
-    else:
-        token_ids = list(request.prompt)
-    check_prompt_token_ids(token_ids, len(tokenizer))
-    return token_ids
+    if isinstance(request.prompt, str):
+        return encode_text(tokenizer, request.prompt)
+    return list(request.prompt)
 
 
-def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    """Refuses an empty prompt and token ids outside the vocabulary."""
-    if not token_ids:
-        raise ProtocolError("the prompt is empty", param="prompt")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ProtocolError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
-
-
-def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """SamplingParams for one choice; checks the prompt and max_tokens against the context length."""
-    param = "messages" if request.is_chat else "prompt"
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise ProtocolError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{num_prompt_tokens} tokens, leaving no room for a completion",
-                            param=param, code="context_length_exceeded")
+def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+    """SamplingParams for one choice, with the endpoint's default max_tokens (vLLM's: the rest of
+    the context for chat, 16 for completions). Checked by the engine at admission."""
     max_tokens = request.max_tokens
     if max_tokens is None:
+        room = max(max_seq_len - num_prompt_tokens, 1)  # no room: admission names the prompt
         max_tokens = room if request.is_chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    elif max_tokens > room:
-        name = "max_completion_tokens" if request.is_chat else "max_tokens"
-        raise ProtocolError(f"This model's maximum context length is {max_model_len} tokens; you requested "
-                            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                            "for the completion)", param=name, code="context_length_exceeded")
-    params = SamplingParams(max_tokens=max_tokens, logprobs=request.logprobs, **request.sampling)
-    try:
-        params.validate()
-    except ValueError as e:
-        raise ProtocolError(str(e)) from None
-    return params
+    return SamplingParams(max_tokens=max_tokens, logprobs=request.logprobs, **request.sampling)
+
+
+def admission_error(error: InvalidRequestError, request: GenerationRequest) -> ProtocolError:
+    """The 400 for a request the engine's admission check refused, naming the client's field."""
+    param = error.param
+    if param == "prompt" and request.is_chat:
+        param = "messages"
+    elif param == "max_tokens":
+        param = request.max_tokens_param
+    elif param == "logprobs" and request.is_chat:
+        param = "top_logprobs"
+    return ProtocolError(str(error), param=param, code=error.code)

@@ -1,4 +1,6 @@
-"""Engine: continuous batching, preemption, prefix caching, compile count, seeded sampling."""
+"""Engine: continuous batching, preemption, prefix caching, compile count, seeded sampling, failed steps."""
+import re
+
 import numpy as np
 import pytest
 from jax import monitoring
@@ -188,10 +190,88 @@ def test_logprobs_are_returned_per_token(params):
 
 def test_bad_requests_are_refused_with_clear_errors(params):
     engine = make_engine(params)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
         engine.add_request("long", [3] * 300, GREEDY)
     with pytest.raises(ValueError, match="vocab|\\[0, 256\\)"):
         engine.add_request("oov", [3, 999], GREEDY)
     with pytest.raises(ValueError, match="top_p"):
         engine.add_request("p", [3], SamplingParams(top_p=1.5))
+    assert_all_pages_free(engine)
+
+
+def _run_to_end(engine, outputs=None):
+    outputs = {} if outputs is None else outputs
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def _tokens(deltas):
+    return [t for out in deltas for t in out.new_token_ids]
+
+
+def test_a_failed_device_step_fails_only_its_requests_and_the_engine_recovers(params, caplog):
+    """A device fault in a step that held only `victim` (and consumed the donated KV cache): the
+    victim ends with an error; `bystander`, running but not in that step, is recomputed and ends
+    exactly as alone; a later request sharing the victim's prefix does not read its lost pages."""
+    import jax
+    seed = 12
+    rng = np.random.default_rng(seed)
+    victim_prompt, bystander_prompt = random_prompts(rng, 2, low=20, high=40)
+    later_prompt = victim_prompt[:16] + [7, 8, 9]  # two full pages of the victim's prefix
+    alone = run_alone(make_engine(params), [bystander_prompt, later_prompt])
+    engine = make_engine(params, enable_prefix_caching=True)
+    engine.add_request("victim", victim_prompt, GREEDY)
+    engine.add_request("bystander", bystander_prompt, GREEDY)
+    outputs = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert len(_tokens(outputs["bystander"])) >= 2 and engine.allocator.num_cached_pages > 0
+
+    schedule, run_step = engine.scheduler.schedule, engine.runner._run_step
+
+    def victim_only():
+        plan = schedule()
+        plan.decode = [r for r in plan.decode if r.request_id == "victim"]
+        return plan
+
+    def device_fault(*args):
+        for leaf in jax.tree_util.tree_leaves(engine.runner.kv_cache):
+            leaf.delete()  # what a failed call that took the donated cache leaves behind
+        raise RuntimeError("injected device fault")
+
+    engine.scheduler.schedule, engine.runner._run_step = victim_only, device_fault
+    with caplog.at_level("ERROR", logger="jaxserve.engine"):
+        failed = engine.step()
+    engine.scheduler.schedule, engine.runner._run_step = schedule, run_step
+    assert [(o.request_id, o.finished, o.finish_reason) for o in failed] == [("victim", True, "error")]
+    assert "injected device fault" in failed[0].error
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and re.fullmatch(r"engine step failed \(1 decode rows, 0 prefill chunks of 0 tokens, "
+                                             r"\d+ pages in the widest row\); failing its 1 requests", errors[0])
+    assert engine.stats().num_step_failures == 1 and engine.last_step_error == "RuntimeError: injected device fault"
+
+    _run_to_end(engine, outputs)
+    assert _tokens(outputs["bystander"]) == alone[0], f"seed {seed}"
+    engine.add_request("later", later_prompt, GREEDY)
+    assert _tokens(_run_to_end(engine)["later"]) == alone[1], f"seed {seed}"
+    assert_all_pages_free(engine)
+
+
+def test_a_request_whose_inputs_cannot_be_packed_fails_alone(params):
+    """Should a value that admission let through still not fit its array, only its request fails."""
+    from jaxserve.request import Request
+    prompt = [5, 6, 7, 8, 9]
+    alone = run_alone(make_engine(params), [prompt])[0]
+    engine = make_engine(params)
+    engine.add(Request("bad", [3, 4], SamplingParams(max_tokens=4, top_k=2**31)))  # not checked: overflows int32
+    engine.add_request("good", prompt, GREEDY)
+    outputs = _run_to_end(engine)
+    assert [(o.finish_reason, o.error.split(":")[0]) for o in outputs["bad"]] == [
+        ("error", "the request could not be run")]
+    assert "OverflowError" in outputs["bad"][0].error
+    assert _tokens(outputs["good"]) == alone
+    assert engine.num_step_failures == 0
     assert_all_pages_free(engine)

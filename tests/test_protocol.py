@@ -6,8 +6,9 @@ import math
 import pytest
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
-from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ProtocolError, build_sampling_params,
-                            parse_chat_request, parse_completion_request, prompt_token_ids)
+from jaxserve.request import InvalidRequestError, RequestLimits, check_request
+from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ProtocolError, admission_error, build_sampling_params,
+                            check_prompt_chars, parse_chat_request, parse_completion_request, prompt_token_ids)
 from serve.responses import ChoiceState, ResponseShaper, completion_logprobs
 
 MODEL = "tiny"
@@ -21,9 +22,25 @@ def chat(**fields):
     return parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}, MODEL)
 
 
-def refusal(parse, body) -> ProtocolError:
+LIMITS = RequestLimits(vocab_size=256, max_seq_len=100, max_model_len=100)
+
+
+def admit(parse, body, tokenizer=None, limits=LIMITS):
+    """What the server and the engine do with a body: parse, tokenize, the engine's admission check."""
+    request = parse(body, MODEL)
+    check_prompt_chars(request, limits.max_seq_len, max_token_chars=1)
+    ids = prompt_token_ids(tokenizer or ListTokenizer(), request)
+    params = build_sampling_params(request, len(ids), limits.max_seq_len)
+    try:
+        check_request(ids, params, limits)
+    except InvalidRequestError as e:
+        raise admission_error(e, request) from None
+    return request, ids, params
+
+
+def refusal(parse, body, **kwargs) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
-        parse(body, MODEL)
+        admit(parse, body, **kwargs)
     return info.value
 
 
@@ -42,6 +59,13 @@ BAD_COMMON_FIELDS = [
     ({"top_p": 1.01}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"top_k": 1.5}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),  # would overflow the step's int32 array
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
+    ({"repetition_penalty": 1e308}, "repetition_penalty"),  # inf in float32
+    ({"stop_token_ids": [256]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 257}, "stop_token_ids"),
+    ({"stop": ["\ud800"]}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 2.1}, "presence_penalty"),
@@ -98,7 +122,9 @@ def test_unknown_model_is_404_model_not_found():
     (12, "string or a list"),
     ({"text": "hi"}, "string or a list"),
     ([], "must not be empty"),
-    ([1, -1], "non-negative"),
+    ([1, -1], "[0, 256)"),
+    ([1, 256], "[0, 256)"),
+    ("\ud800", "lone surrogate"),
     ([1, "a"], "token ids"),
     ([1, 2.0], "token ids"),
     (["a", "b"], "batched"),
@@ -122,6 +148,7 @@ def test_prompt_forms(prompt, expected):
     ({"suffix": "x"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"prompt": "x" * 101}, "prompt"),  # longer than the context even at one token per character
 ])
 def test_bad_completion_only_fields(fields, param):
     assert refusal(parse_completion_request, {"prompt": "hi", **fields}).param == param
@@ -138,6 +165,9 @@ def test_bad_completion_only_fields(fields, param):
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "messages[1].content"),
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+    ([{"role": "user", "content": "\udfff"}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}], "messages[0].content"),
+    ([{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 41}], "messages"),
 ])
 def test_bad_messages(messages, param):
     body = {} if messages is None else {"messages": messages}
@@ -196,18 +226,27 @@ def test_sampling_params_carry_the_request():
             params.presence_penalty, params.ignore_eos) == (5, 0.5, 0.9, ["a", "b"], 3, 2, 1.0, True)
 
 
-@pytest.mark.parametrize("request_maker, num_prompt_tokens, param", [
-    (lambda: completion(), 100, "prompt"),
-    (lambda: completion(), 150, "prompt"),
-    (lambda: chat(), 100, "messages"),
-    (lambda: completion(max_tokens=11), 90, "max_tokens"),
-    (lambda: chat(max_completion_tokens=11), 90, "max_completion_tokens"),
+@pytest.mark.parametrize("parse, body, param", [
+    (parse_completion_request, {"prompt": [1] * 100}, "prompt"),
+    (parse_completion_request, {"prompt": [1] * 150}, "prompt"),
+    (parse_chat_request, {"messages": [{"role": "user", "content": "x" * 95}]}, "messages"),
+    (parse_completion_request, {"prompt": [1] * 90, "max_tokens": 11}, "max_tokens"),
+    (parse_chat_request, {"messages": [{"role": "user", "content": "x" * 75}], "max_completion_tokens": 11},
+     "max_completion_tokens"),
 ])
-def test_context_length_is_enforced(request_maker, num_prompt_tokens, param):
-    with pytest.raises(ProtocolError) as info:
-        build_sampling_params(request_maker(), num_prompt_tokens, 100)
-    assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
-    assert "100" in info.value.message
+def test_context_length_is_enforced(parse, body, param):
+    error = refusal(parse, body)
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", param)
+    assert "100" in error.message
+
+
+def test_the_refusal_names_the_kv_cache_when_it_is_the_limit():
+    small_pool = RequestLimits(vocab_size=256, max_seq_len=40, max_model_len=100)
+    error = refusal(parse_completion_request, {"prompt": [1] * 30, "max_tokens": 11}, limits=small_pool)
+    assert error.param == "max_tokens" and error.code == "context_length_exceeded"
+    assert "maximum context length is 40 tokens (the KV cache holds 40 tokens; max_model_len is 100)" in error.message
+    _, _, params = admit(parse_completion_request, {"prompt": [1] * 30, "max_tokens": 10}, limits=small_pool)
+    assert params.max_tokens == 10
 
 
 class ListTokenizer:
@@ -239,15 +278,19 @@ def test_prompt_token_ids():
     assert prompt_token_ids(tokenizer, chat()) == [ord(c) for c in "<user>hi<assistant>"]
 
 
-@pytest.mark.parametrize("tokenizer, request_maker, message_part", [
-    (ListTokenizer(), lambda: completion(prompt=[3, 256]), "outside the vocabulary"),
-    (ListTokenizer(bos=False), lambda: completion(prompt=""), "empty"),
-    (ListTokenizer(has_template=False), lambda: chat(), "chat template"),
+@pytest.mark.parametrize("tokenizer, body, message_part", [
+    (ListTokenizer(), {"prompt": [3, 256]}, "[0, 256)"),
+    (ListTokenizer(bos=False), {"prompt": ""}, "empty"),
 ])
-def test_prompt_token_id_refusals(tokenizer, request_maker, message_part):
+def test_prompt_token_id_refusals(tokenizer, body, message_part):
+    error = refusal(parse_completion_request, body, tokenizer=tokenizer)
+    assert error.status == 400 and error.param == "prompt" and message_part in error.message
+
+
+def test_a_chat_template_failure_is_400():
     with pytest.raises(ProtocolError) as info:
-        prompt_token_ids(tokenizer, request_maker())
-    assert info.value.status == 400 and message_part in info.value.message
+        prompt_token_ids(ListTokenizer(has_template=False), chat())
+    assert info.value.status == 400 and "chat template" in info.value.message
 
 
 def _output(text: str, token_ids: list[int], finished: bool = False, total: int = 0, logprobs=None) -> RequestOutput:

@@ -1,11 +1,16 @@
 import pytest
 
-from jaxserve.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams
+from jaxserve.request import (MAX_LOGPROBS, InvalidRequestError, Request, RequestLimits, RequestStatus,
+                              SamplingParams, check_request)
+
+LIMITS = RequestLimits(vocab_size=100, max_seq_len=50, max_model_len=50)
 
 
 def test_defaults_are_valid():
-    SamplingParams().validate()
-    SamplingParams(temperature=0.0, top_k=-1, seed=0, stop="###", logprobs=MAX_LOGPROBS).validate()
+    check_request([1], SamplingParams(), LIMITS)
+    check_request([1, 99], SamplingParams(temperature=0.0, top_k=-1, seed=0, stop="###", logprobs=MAX_LOGPROBS,
+                                          stop_token_ids=[99], max_tokens=48), LIMITS)
+    check_request([1], SamplingParams(top_k=2**31 - 1, repetition_penalty=100.0), LIMITS)
 
 
 def test_stop_string_becomes_list():
@@ -16,32 +21,75 @@ def test_stop_string_becomes_list():
     (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
     (dict(max_tokens=2.5), "max_tokens must be an integer"),
     (dict(max_tokens=True), "max_tokens must be an integer"),
-    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(temperature=-0.1), "temperature must be in [0, 2], got -0.1"),
+    (dict(temperature=2.5), "temperature must be in [0, 2], got 2.5"),
     (dict(temperature="hot"), "temperature must be a finite number"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
-    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0"),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(top_k=-2), "top_k must be >= -1 (0 or -1 disables top-k), got -2"),
+    (dict(top_k=-2), "top_k must be in [-1, 2147483647] (0 or -1 disables top-k; 100 or more keeps every "
+                     "token), got -2"),
+    (dict(top_k=2**31), "top_k must be in [-1, 2147483647]"),
     (dict(top_k=3.0), "top_k must be an integer"),
     (dict(min_p=1.1), "min_p must be in [0, 1], got 1.1"),
     (dict(min_p=-0.1), "min_p must be in [0, 1]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.01, 100], got 0"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be in [0.01, 100]"),
+    (dict(repetition_penalty=1e308), "repetition_penalty must be in [0.01, 100]"),
     (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
     (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2], got -3"),
     (dict(seed=-1), "seed must be in [0, 9223372036854775807], got -1"),
+    (dict(seed=2**63), "seed must be in [0, 9223372036854775807]"),
     (dict(seed="7"), "seed must be an integer"),
     (dict(stop=[1, 2]), "stop must be a string or a list of strings"),
-    (dict(stop=[""]), "stop strings must not be empty"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
-    (dict(stop_token_ids=5), "stop_token_ids must be a list of non-negative integers"),
+    (dict(stop=[""]), "stop strings must have 1 to 1024 characters, got 0"),
+    (dict(stop=["x"] * 17), "stop allows at most 16 strings, got 17"),
+    (dict(stop=["\ud800"]), "stop strings must be valid Unicode"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids in [0, 100)"),
+    (dict(stop_token_ids=[100]), "stop_token_ids must be a list of token ids in [0, 100)"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids"),
+    (dict(stop_token_ids=[1] * 257), "stop_token_ids allows at most 256 ids, got 257"),
     (dict(ignore_eos=1), "ignore_eos must be a boolean"),
     (dict(logprobs=21), "logprobs must be in [0, 20], got 21"),
     (dict(logprobs=-1), "logprobs must be in [0, 20], got -1"),
 ])
-def test_validate_messages(kwargs, message):
-    with pytest.raises(ValueError) as info:
-        SamplingParams(**kwargs).validate()
+def test_sampling_refusals_name_the_field(kwargs, message):
+    with pytest.raises(InvalidRequestError) as info:
+        check_request([1, 2], SamplingParams(**kwargs), LIMITS)
     assert message in str(info.value)
+    assert info.value.param == next(iter(kwargs))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "the prompt is empty"),
+    ("12", "must be a list of token ids"),
+    ([1, 100], "prompt token id 100 is not an integer in [0, 100)"),
+    ([1, -1], "prompt token id -1 is not"),
+    ([1, 2.0], "prompt token id 2.0 is not"),
+    ([1] * 50, "maximum context length is 50 tokens; the prompt has 50 tokens, leaving no room"),
+])
+def test_prompt_refusals(prompt, message):
+    with pytest.raises(InvalidRequestError) as info:
+        check_request(prompt, SamplingParams(max_tokens=1), LIMITS)
+    assert message in str(info.value) and info.value.param == "prompt"
+
+
+def test_max_tokens_must_fit_the_context_left_by_the_prompt():
+    check_request([1] * 10, SamplingParams(max_tokens=40), LIMITS)
+    with pytest.raises(InvalidRequestError, match="you requested 51 tokens") as info:
+        check_request([1] * 10, SamplingParams(max_tokens=41), LIMITS)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    pool_bound = RequestLimits(vocab_size=100, max_seq_len=50, max_model_len=2048)
+    with pytest.raises(InvalidRequestError, match=r"is 50 tokens \(the KV cache holds 50 tokens; max_model_len "
+                                                  r"is 2048\)"):
+        check_request([1] * 10, SamplingParams(max_tokens=1500), pool_bound)
+
+
+def test_logprobs_bound_is_the_engines():
+    limits = RequestLimits(vocab_size=100, max_seq_len=50, max_model_len=50, max_logprobs=5)
+    check_request([1], SamplingParams(logprobs=5), limits)
+    with pytest.raises(InvalidRequestError, match=r"logprobs must be in \[0, 5\], got 6"):
+        check_request([1], SamplingParams(logprobs=6), limits)
 
 
 def test_status_finish_reasons():

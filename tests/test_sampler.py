@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve.request import SamplingParams
-from jaxserve.sampler import (NUM_CANDIDATES, RowParams, allowed_tokens, apply_penalties,
+from jaxserve.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties,
                               build_sampling_inputs, row_key_data, sample)
 
 VOCAB = 1000  # not a multiple of any block size: exercises the -inf padding
@@ -260,9 +260,12 @@ def test_builder_shapes_history_and_keys():
     np.testing.assert_array_equal(inputs["keys"][0], inputs["keys"][1])
     assert row_key_data(3, 2) != row_key_data(3, 3) and row_key_data(3, 2) != row_key_data(4, 2)
 
-    with pytest.raises(ValueError, match="history_len"):
-        build_sampling_inputs([make_row(frequency_penalty=1.0, output_token_ids=[1] * 6)], 1, 5)
+    with pytest.raises(RowInputError, match="history_len") as info:
+        build_sampling_inputs([None, make_row(frequency_penalty=1.0, output_token_ids=[1] * 6)], 2, 5)
+    assert info.value.row_index == 1
     with pytest.raises(ValueError, match="num_rows"):
         build_sampling_inputs([None, None], 1, 5)
-    with pytest.raises(ValueError, match="top_p"):
-        build_sampling_inputs([make_row(top_p=0.0)], 1, 5)
+    # A value that does not fit its int32 array (admission refuses it) names its row, not the step.
+    with pytest.raises(RowInputError, match="OverflowError") as info:
+        build_sampling_inputs([make_row(), make_row(top_k=2**31)], 2, 5)
+    assert info.value.row_index == 1

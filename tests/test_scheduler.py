@@ -255,21 +255,17 @@ def test_sequence_that_outgrows_the_pool_ends_with_length():
     assert request.output_token_ids == reference_output([3, 4, 5], 3)
 
 
-def test_add_request_rejects_what_can_never_run():
-    scheduler = make_scheduler(num_pages=5, page_size=4, max_len=10)  # 16 token slots
-    with pytest.raises(ValueError, match="prompt has 10 tokens.*shorter than max_model_len 10"):
-        scheduler.add_request(Request("a", list(range(10))))
-    with pytest.raises(ValueError, match="at least one token"):
-        scheduler.add_request(Request("b", []))
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
-        scheduler.add_request(Request("c", [1], SamplingParams(temperature=-1)))
-    small_pool = make_scheduler(num_pages=3, page_size=4, max_len=100)
-    with pytest.raises(ValueError, match="KV cache capacity of 8 tokens"):
-        small_pool.add_request(Request("d", list(range(8))))
+def test_add_request_refuses_a_duplicate_id():
+    scheduler = make_scheduler(num_pages=5, page_size=4, max_len=10)
     scheduler.add_request(Request("e", [1]))
     with pytest.raises(ValueError, match="duplicate request id 'e'"):
         scheduler.add_request(Request("e", [1]))
     assert scheduler.num_waiting == 1
+
+
+def test_max_seq_len_is_the_smaller_of_max_model_len_and_the_pool():
+    assert make_scheduler(num_pages=5, page_size=4, max_len=10).max_seq_len == 10
+    assert make_scheduler(num_pages=3, page_size=4, max_len=100).max_seq_len == 8  # 2 usable pages
 
 
 def test_constructor_limits_and_update_checks():
@@ -281,3 +277,22 @@ def test_constructor_limits_and_update_checks():
     with pytest.raises(ValueError, match="expected 1 sampled ids, got 2"):
         scheduler.update(plan, [1, 2])
     assert StepPlan().is_empty and StepPlan().num_tokens == 0
+
+
+def test_recompute_running_sends_every_running_request_back_in_order_and_frees_its_pages():
+    scheduler = make_scheduler(num_pages=40, budget=16, max_num_seqs=8)
+    device = FakeDevice(scheduler.allocator)
+    requests = [Request(f"r{i}", [5 + i, 6, 7, 8, 9], greedy(10)) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.update(plan := scheduler.schedule(), device.run(plan))
+    scheduler.add_request(queued := Request("queued", [3, 4], greedy(2)))
+    assert scheduler.num_running == 3 and scheduler.allocator.num_used_pages > 0
+    assert scheduler.recompute_running() == requests
+    assert list(scheduler.waiting) == requests + [queued] and scheduler.num_running == 0
+    assert all(r.num_computed_tokens == 0 and not r.page_ids and r.status == RequestStatus.PREEMPTED
+               for r in requests)
+    assert scheduler.allocator.num_used_pages == 0
+    run_engine_loop(scheduler, device, [])  # they run again, from their prompt and the output they have
+    for request in requests:
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, 10)

@@ -34,6 +34,7 @@ from jaxserve import cli
 from jaxserve.commands import engine_flags
 from jaxserve.commands import serve as serve_command
 from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, TokenLogprob
+from jaxserve.request import RequestLimits, check_request
 from serve.app import ServerConfig, create_app
 from serve.server import serve_until_stopped
 
@@ -68,6 +69,26 @@ def fake_token_ids(prompt_ids: list[int], count: int, seed: int | None) -> list[
 
 def fake_text(prompt_ids: list[int], count: int, seed: int | None = None) -> str:
     return byte_tokenizer().decode(fake_token_ids(prompt_ids, count, seed))
+
+
+class _FakeStream:
+    """The fake's deltas; closed before the first one, it still ends the request (as RequestStream does)."""
+
+    def __init__(self, deltas, closed_before_start) -> None:
+        self.deltas, self.closed_before_start, self.started = deltas, closed_before_start, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self.started = True
+        return await self.deltas.__anext__()
+
+    async def aclose(self) -> None:
+        if not self.started:
+            self.started = True
+            self.closed_before_start()
+        await self.deltas.aclose()
 
 
 class FakeEngine:
@@ -115,21 +136,28 @@ class FakeEngine:
         return EngineStats(self.num_running, self.num_waiting, self.kv_pages_used, self.num_pages, 0,
                            self.prefix_queried, self.prefix_hits)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any):
-        params.validate()
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any):
+        """Admission now (as AsyncEngine.generate), then the stream of deltas."""
+        check_request(prompt_token_ids, params, RequestLimits(len(self.tokenizer), self.max_model_len,
+                                                              self.max_model_len))
         if self.refuse:
             raise ValueError(self.refuse)
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError("prompt too long")
-        if self.num_running >= self.max_running and self.num_waiting >= self.max_waiting:
+        if self.num_running + self.num_waiting >= self.max_running + self.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests waiting")
         self.prompts.append(list(prompt_token_ids))
         self.params.append(params)
+        self.num_waiting += 1
+
+        def closed_before_start():
+            self.num_waiting -= 1
+            self.aborted.append(request_id)
+        return _FakeStream(self._deltas(request_id, prompt_token_ids, params), closed_before_start)
+
+    async def _deltas(self, request_id: str, prompt_token_ids: list[int], params: Any):
         self.prefix_queried += len(prompt_token_ids)
         self.prefix_hits += len(prompt_token_ids) // 2
         num_prompt = len(prompt_token_ids)
         waiting, running, finished, pages = True, False, False, 0
-        self.num_waiting += 1
         try:
             await self._slots.acquire()
             waiting, running = False, True

@@ -301,7 +301,8 @@ def test_partition_specs_cover_every_weight():
 class _StubReplica:
     def __init__(self, name, num_running):
         self.name, self.num_running, self.requests, self.aborted = name, num_running, [], []
-        self.tokenizer, self.model_name, self.max_model_len = None, "stub", 64
+        self.feeders = []
+        self.tokenizer, self.model_name, self.max_model_len, self.limits = None, "stub", 64, None
 
     def stats(self):
         return EngineStats(self.num_running, 1, 2, 10, 0, 0, 0)
@@ -309,10 +310,18 @@ class _StubReplica:
     def is_alive(self):
         return True
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    def generate(self, request_id, prompt_token_ids, params):
+        from jaxserve.async_engine import RequestStream
+        from jaxserve.outputs import RequestOutput
         self.requests.append(request_id)
-        yield self.name
-        await asyncio.sleep(0.01)
+        deltas = asyncio.Queue()
+
+        async def feed():  # two deltas, the second after a pause: the request stays in flight
+            deltas.put_nowait(RequestOutput(request_id, [], self.name, False, None, 2, 0))
+            await asyncio.sleep(0.01)
+            deltas.put_nowait(RequestOutput(request_id, [], self.name, True, "stop", 2, 0))
+        self.feeders.append(asyncio.get_running_loop().create_task(feed()))
+        return RequestStream(request_id, deltas, lambda rid, abort: self.aborted.append(rid) if abort else None)
         yield self.name
 
     def abort(self, request_id):
@@ -325,7 +334,7 @@ def test_async_router_sends_each_request_to_the_least_busy_replica():
     router = DataParallelAsyncEngine([a, b])
 
     async def consume(request_id):
-        return [out async for out in router.generate(request_id, [1, 2], None)]
+        return [out.new_text async for out in router.generate(request_id, [1, 2], None)]
 
     async def main():
         return await asyncio.gather(*(consume(f"r{i}") for i in range(4)))

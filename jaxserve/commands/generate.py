@@ -96,7 +96,7 @@ def _percentiles(values: list[float]) -> str:
 
 
 def run(fv: flags.FlagValues) -> int:
-    from jaxserve.request import SamplingParams
+    from jaxserve.request import SamplingParams, check_sampling_params
 
     if not fv.input or not fv.output:
         print("jaxserve generate: --input and --output are required", file=sys.stderr)
@@ -108,7 +108,7 @@ def run(fv: flags.FlagValues) -> int:
         for item in items:
             sp = SamplingParams(**{**base, **{k: item[k] for k in _LINE_OVERRIDES if k in item}})
             try:
-                sp.validate()
+                check_sampling_params(sp)  # early, before the model loads; all of check_request after
             except ValueError as e:
                 raise InputError(f"{fv.input}: id {item['id']!r}: {e}") from None
             params.append(sp)
