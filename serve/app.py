@@ -22,6 +22,7 @@ from aiohttp import web
 from jaxserve.outputs import QueueFullError
 from jaxserve.request import InvalidRequestError, SamplingParams
 from jaxserve.tokenization import max_token_chars
+from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.fanout import ChoiceFanout, ServerStopping
 from serve.metrics import ServerMetrics
 from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params,
@@ -39,7 +40,6 @@ _SEED_LIMIT = 2**63
 class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
-    body_timeout_s: float = 30.0  # to receive the whole body once the headers are in (408 after)
     drain_timeout_s: float = 30.0  # how long in-flight requests may run on after a shutdown signal
     retry_after_s: int = 1  # the Retry-After of a 429 (engine queue full)
     manage_engine: bool = True  # start the engine with the app and shut it down with it
@@ -197,12 +197,14 @@ def _parse_json(raw: bytes) -> Any:
         raise ProtocolError("the request body is nested too deeply") from None
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+async def _read_body(request: web.Request) -> bytes:
+    """The body, within the server's body timeout (see serve.connections)."""
     try:
-        return await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise ProtocolError(f"the request body did not arrive within {timeout_s:g} s", status=408,
-                            code="request_timeout", headers={"Connection": "close"}) from None
+        return await read_body(request)
+    except BodyTimeout as e:
+        raise ProtocolError(e.message, status=408, code="request_timeout", headers={"Connection": "close"}) from None
+    except MalformedBody as e:
+        raise ProtocolError(e.message, code="bad_http_request", headers={"Connection": "close"}) from None
 
 
 async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamResponse:
@@ -211,7 +213,7 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
     engine = state.engine
     if state.draining:
         raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
-    raw = await _read_body(request, state.config.body_timeout_s)
+    raw = await _read_body(request)
     loop = asyncio.get_running_loop()
     req, prompt_ids, params = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat)
     choice_params = [params] + [

@@ -322,7 +322,6 @@ class _StubReplica:
             deltas.put_nowait(RequestOutput(request_id, [], self.name, True, "stop", 2, 0))
         self.feeders.append(asyncio.get_running_loop().create_task(feed()))
         return RequestStream(request_id, deltas, lambda rid, abort: self.aborted.append(rid) if abort else None)
-        yield self.name
 
     def abort(self, request_id):
         self.aborted.append(request_id)

@@ -25,6 +25,18 @@ def define_flags(fv: flags.FlagValues) -> None:
                        lower_bound=0.0, flag_values=fv)
     flags.DEFINE_integer("retry_after_s", 1, "Retry-After of a 429 when the waiting queue is full", lower_bound=0,
                          flag_values=fv)
+    flags.DEFINE_list("served_model_name", None, "model ids clients may send in 'model' (comma-separated; the "
+                      "first is reported in responses and /v1/models). Default: the model's short name "
+                      "(smollm2, or the last component of --model's path)", flag_values=fv)
+    flags.DEFINE_integer("max_connections", 0, "open connections beyond which new ones get a 503 and are closed "
+                         "(0: the open-file limit, raised to the hard limit, minus a reserve)", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_float("header_timeout_s", 10.0, "time a connection has to send a complete request line and "
+                       "headers (closed after)", lower_bound=0.1, flag_values=fv)
+    flags.DEFINE_float("body_timeout_s", 30.0, "time to receive a request body once its headers arrived (408 "
+                       "after)", lower_bound=0.1, flag_values=fv)
+    flags.DEFINE_float("keepalive_timeout_s", 30.0, "idle time before a keep-alive connection is closed",
+                       lower_bound=0.1, flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
 
@@ -34,6 +46,7 @@ def run(fv: flags.FlagValues) -> int:
     for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     from serve.app import ServerConfig, create_app
+    from serve.connections import ConnectionLimits
     from serve.server import serve_until_stopped
 
     config = ServerConfig(
@@ -41,7 +54,11 @@ def run(fv: flags.FlagValues) -> int:
         max_body_bytes=fv.max_body_bytes,
         drain_timeout_s=fv.drain_timeout_s,
         retry_after_s=fv.retry_after_s,
+        served_model_names=tuple(name for name in fv.served_model_name or () if name),
     )
+
+    limits = ConnectionLimits(max_connections=fv.max_connections or None, header_timeout_s=fv.header_timeout_s,
+                              body_timeout_s=fv.body_timeout_s, keepalive_timeout_s=fv.keepalive_timeout_s)
 
     async def serve() -> int:
         from jaxserve.async_engine import build_async_engine
@@ -52,7 +69,7 @@ def run(fv: flags.FlagValues) -> int:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
             return 2
         try:
-            await serve_until_stopped(create_app(engine, config), fv.host, fv.port)
+            await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits)
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1
