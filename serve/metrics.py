@@ -42,6 +42,8 @@ class _EngineStatsCollector:
                      s.kv_cache_bytes)
         yield _counter("jaxserve_preemptions", "Requests preempted (recomputed) for lack of pages.",
                        s.num_preemptions)
+        yield _counter("jaxserve_step_failures", "Engine steps that failed; their requests ended with an error.",
+                       s.num_step_failures)
         yield _counter("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        s.prefix_cache_queried_tokens)
         yield _counter("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",

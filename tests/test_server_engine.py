@@ -139,3 +139,26 @@ def test_bad_requests_get_json_errors_and_server_stays_up(server, body, status):
     assert r.status_code == status
     assert r.json()["error"]["message"]
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_server_goes_on(server):
+    """A device fault fails the requests of that step only: later requests are served, /health
+    and /metrics report it."""
+    runner = server.async_engine.engine.runner
+    run_step = runner._run_step
+
+    def fault_once(*args):
+        runner._run_step = run_step
+        raise RuntimeError("injected device fault")
+    runner._run_step = fault_once
+    r = requests.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "fails", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"]
+    health = requests.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["num_step_failures"] == 1
+    assert health["last_step_error"] == "RuntimeError: injected device fault"
+    assert server.metric("jaxserve_step_failures_total") == 1
+    after = client(server).completions.create(model="tiny", prompt="works", max_tokens=4, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 4
+    assert server.metric("jaxserve_kv_pages_used") == 0
