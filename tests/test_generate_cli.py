@@ -78,4 +78,4 @@ def test_missing_files_and_models_exit_2(tiny_chat_model_dir, tmp_path, capsys):
 def test_prompt_too_long_is_refused_before_running(tiny_chat_model_dir, tmp_path, capsys):
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "prompt": "word " * 300})])
     assert generate(tiny_chat_model_dir, inp, tmp_path / "out.jsonl") == 2
-    assert "maximum context length is 256 tokens" in capsys.readouterr().err
+    assert "the prompt has 301 tokens, leaving no room for a completion" in capsys.readouterr().err
