@@ -22,6 +22,7 @@ from aiohttp import web
 from jaxserve.outputs import QueueFullError
 from jaxserve.request import InvalidRequestError, SamplingParams
 from jaxserve.tokenization import max_token_chars
+from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.fanout import ChoiceFanout, ServerStopping
 from serve.metrics import ServerMetrics
@@ -45,6 +46,8 @@ class ServerConfig:
     manage_engine: bool = True  # start the engine with the app and shut it down with it
     served_model_names: tuple[str, ...] = ()  # ids clients may name, the first reported; () = engine's
     num_prepare_threads: int = 2  # JSON parsing and tokenizing run here, never on the event loop
+    web_ui: bool = True  # the chat page at / (serve/web_ui.py); open without the API key
+    allowed_origins: tuple[str, ...] = ()  # CORS on the /v1 routes for these origins; () = same-origin only
 
 
 class ServerState:
@@ -78,8 +81,11 @@ STATE = web.AppKey("jaxserve_state", ServerState)
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
     """The app serving `engine` (see jaxserve.async_engine.AsyncEngine for the interface it needs)."""
     config = config or ServerConfig()
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_error_middleware, _auth_middleware])
+    # CORS preflights (only with allowed_origins) are answered before the API-key check.
+    middlewares = [_error_middleware, *web_ui.cors_middlewares(config.allowed_origins), _auth_middleware]
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[STATE] = ServerState(engine, config)
+    web_ui.setup(app, page=config.web_ui, allowed_origins=config.allowed_origins)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_get("/v1/models", handle_models)
@@ -135,7 +141,7 @@ def _count_request(request: web.Request, status: int) -> None:
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     api_key = request.app[STATE].config.api_key
-    if api_key and request.path not in OPEN_PATHS:
+    if api_key and request.path not in OPEN_PATHS and not web_ui.is_public(request):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the raw bytes.
         token_bytes = token.strip().encode("utf-8", "surrogateescape")

@@ -37,8 +37,24 @@ def define_flags(fv: flags.FlagValues) -> None:
                        "after)", lower_bound=0.1, flag_values=fv)
     flags.DEFINE_float("keepalive_timeout_s", 30.0, "idle time before a keep-alive connection is closed",
                        lower_bound=0.1, flag_values=fv)
+    flags.DEFINE_boolean("no_web_ui", False, "do not serve the chat page at / (then / is a 404)", flag_values=fv)
+    flags.DEFINE_list("allowed_origins", None, "origins (scheme://host[:port], comma-separated; * for any) whose "
+                      "browser pages may call the /v1 routes (CORS). Default: none, same-origin only",
+                      flag_values=fv)
+    flags.register_validator("allowed_origins", _valid_origins, flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
+
+
+def _valid_origins(values: list[str] | None) -> bool:
+    if not values:
+        return True
+    from serve.web_ui import parse_allowed_origins
+    try:
+        parse_allowed_origins(values)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def run(fv: flags.FlagValues) -> int:
@@ -48,6 +64,7 @@ def run(fv: flags.FlagValues) -> int:
     from serve.app import ServerConfig, create_app
     from serve.connections import ConnectionLimits
     from serve.server import serve_until_stopped
+    from serve.web_ui import parse_allowed_origins
 
     config = ServerConfig(
         api_key=fv.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -55,6 +72,8 @@ def run(fv: flags.FlagValues) -> int:
         drain_timeout_s=fv.drain_timeout_s,
         retry_after_s=fv.retry_after_s,
         served_model_names=tuple(name for name in fv.served_model_name or () if name),
+        web_ui=not fv.no_web_ui,
+        allowed_origins=parse_allowed_origins(fv.allowed_origins or ()),
     )
 
     limits = ConnectionLimits(max_connections=fv.max_connections or None, header_timeout_s=fv.header_timeout_s,
