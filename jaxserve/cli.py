@@ -10,6 +10,8 @@ import sys
 
 from absl import flags
 
+from jaxserve import platforms
+
 SUBCOMMANDS = {
     "convert": "convert a Hugging Face folder or a GGUF file into a jaxserve checkpoint",
     "generate": "batch generation: JSONL prompts in, JSONL completions out",
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"jaxserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    platforms.default_to_cpu_without_gpu()
     module = importlib.import_module(f"jaxserve.commands.{name}")
     fv = flags.FlagValues()
     module.define_flags(fv)

@@ -35,6 +35,11 @@ ATTENTION_SCORE_COPIES = 2
 # Logits [max_num_seqs, vocab] in float32, plus one same-sized working copy in the sampler
 # (log-softmax / sort for top-k and top-p).
 LOGITS_COPIES = 2
+# The GPU build (Pallas kernels), calibrated on XLA's memory analysis of the steps compiled for an
+# H100 (jax 0.10.2; bench/RESULTS.md, "GPU build compiled on the CPU machine"): the sampler's
+# temporaries are 3.3 float32 copies of its logits, and the layer scan keeps one layer's slice of
+# the stacked linear weights in temporaries next to the activations.
+GPU_LOGITS_COPIES = 1 + 3.5
 
 
 class MemoryPlanError(ValueError):
@@ -189,6 +194,8 @@ def activation_bytes(
     max_context_len: int,
     tensor_parallel_size: int = 1,
     max_prefill_seqs: int = 1,
+    backend: str = "reference",
+    weight_dtype: str | None = None,
 ) -> int:
     """Peak live activations of the largest step bucket on one device.
 
@@ -209,6 +216,14 @@ def activation_bytes(
     The prefill part of a step goes through the reference ragged attention, which pads the
     queries per prefill sequence: its scores are [P, hq, T, C]. The decode part goes through
     the paged-decode kernel, whose working set is small next to these terms.
+
+    With `backend="pallas"` (the GPU build) both attention parts are kernels that keep their
+    blocks on chip: attention = T (2 hq + 2 hkv) hd a (q, k, v and the output); the scan's slice
+    of one layer's linear weights (in `weight_dtype`) adds to the step; T is the largest bucket,
+    max_num_seqs decode rows + max_num_batched_tokens prefill tokens; and the sampler phase is
+    GPU_LOGITS_COPIES float32 copies of the logits:
+
+        peak      = max(layer weights + residual + max(attention, mlp), logits)
     """
     tp = tensor_parallel_size
     a = FLOAT_DTYPE_BYTES[normalize_dtype(compute_dtype, tuple(FLOAT_DTYPE_BYTES))]
@@ -218,6 +233,13 @@ def activation_bytes(
     hkv = kv_heads_per_device(model, tp)
     f_local = math.ceil(model.intermediate_size / tp)
     p = max_prefill_seqs
+    if backend == "pallas":
+        tokens = max_num_seqs + max_num_batched_tokens
+        layer_weights = sum(_linear_bytes(i, o, normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES))
+                            for i, o in _linear_shapes(model, tp))
+        step = (layer_weights + 2 * tokens * model.hidden_size * a
+                + max(tokens * (2 * hq + 2 * hkv) * hd * a, 3 * tokens * f_local * a))
+        return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
     residual = 2 * tokens * model.hidden_size * a
     attention = (tokens * (hq + 2 * hkv) * hd * a
                  + ATTENTION_SCORE_COPIES * p * hq * tokens * context * 4
@@ -257,6 +279,7 @@ def plan_memory(
     runtime_reserve_fraction: float = 0.05,
     measured_weights_bytes: int | None = None,
     min_runtime_reserve_bytes: int = 256 * MiB,
+    backend: str = "reference",
 ) -> MemoryPlan:
     """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
     `measured_weights_bytes` (the loaded weights, e.g. quantized ones) replaces the estimate.
@@ -291,7 +314,7 @@ def plan_memory(
     activations = activation_bytes(
         model, compute_dtype=_compute_dtype(weight_dtype), max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_context_len=pages_per_seq * page_size,
-        tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs)
+        tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs, backend=backend, weight_dtype=weight_dtype)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - weights - activations - reserve

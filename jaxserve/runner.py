@@ -1,8 +1,8 @@
 """ModelRunner: StepPlan -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
 
-Shapes come from a small set of buckets: decode rows (`decode_buckets`) x prefill tokens
-(`prefill_buckets`) x block table width (`page_buckets`; one full width on the XLA CPU path,
-whose cost follows the longest context present); every step pads to the smallest bucket that
+Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill tokens x block table
+width (one full width on the XLA CPU path, whose cost follows the longest context present); every
+step pads to the smallest bucket that
 holds it, so after warm-up no step compiles again. The KV cache is donated to the step and
 updated in place.
 """
@@ -46,6 +46,63 @@ class Bucket:
     num_pages: int  # block table width: pages per sequence the step may read
 
 
+@dataclasses.dataclass(frozen=True)
+class BucketSet:
+    """The step shapes an engine compiles: every combination of its decode rows, prefill tokens
+    and block-table widths (but not the empty step).
+
+    Rows and tokens double from bucket to bucket, so a step pays for at most twice its work (on
+    CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row bucket took
+    twice as long); context buckets are coarser (x4), as few steps need them. The XLA CPU path
+    has one table width, since its cost follows the longest context present, not the width."""
+    decode: tuple[int, ...]
+    prefill: tuple[int, ...]
+    pages: tuple[int, ...]
+    max_num_prefill_seqs: int
+
+    @classmethod
+    def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
+               max_num_prefill_seqs: int, max_model_len: int, page_size: int) -> "BucketSet":
+        max_pages_per_seq = -(-max_model_len // page_size)
+        pages = ((max_pages_per_seq,) if backend == "xla" else
+                 geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
+        return cls((0,) + geometric_buckets(8, max_num_seqs, 2),
+                   (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages, max_num_prefill_seqs)
+
+    def all(self) -> list[Bucket]:
+        return [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p]
+
+    def smallest_and_largest(self) -> list[Bucket]:
+        """The corner shapes: smallest and largest of each kind (a compile check CI can afford)."""
+        def ends(sizes):  # 0 (no part of that kind) where allowed, the smallest size, the largest
+            nonzero = [size for size in sizes if size]
+            return sorted({size for size in sizes if size == 0} | {nonzero[0], nonzero[-1]})
+        return [Bucket(d, p, n) for d in ends(self.decode) for p in ends(self.prefill) for n in ends(self.pages)
+                if d or p]
+
+    def fit(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
+        """The smallest bucket that holds a step."""
+        return Bucket(next(b for b in self.decode if b >= num_decode),
+                      next(b for b in self.prefill if b >= num_prefill_tokens),
+                      next(b for b in self.pages if b >= num_pages))
+
+    def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
+        """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
+        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.num_pages
+        num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
+        T = dec + pre
+        return dict(
+            token_ids=np.zeros(T, np.int32),  # [T]
+            positions=np.zeros(T, np.int32),  # [T]
+            slot_mapping=np.zeros(T, np.int32),  # [T]
+            decode_block_table=np.zeros((dec, P), np.int32),  # [num_decode, pages]
+            decode_seq_lens=np.zeros(dec, np.int32),  # [num_decode]
+            prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),  # [num_prefill_seqs, pages]
+            prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),  # [num_prefill_seqs]
+            prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),  # [num_prefill_seqs + 1]
+            logits_indices=np.zeros(dec + num_prefill_seqs, np.int32))  # [rows]
+
+
 @dataclasses.dataclass
 class StepOutput:
     """Host copies of what one step sampled: one row per decode request, then one per prefill chunk."""
@@ -75,15 +132,9 @@ class ModelRunner:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.max_logprobs = max_logprobs
         self.backend = backend
-        # Rows and tokens double from bucket to bucket, so a step pays for at most twice its
-        # work (on CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row
-        # bucket took twice as long); context buckets are coarser (x4), as few steps need them.
-        self.decode_buckets = (0,) + geometric_buckets(8, max_num_seqs, 2)
-        self.prefill_buckets = (0,) + geometric_buckets(32, max_num_batched_tokens, 2)
-        if backend == "xla":  # its cost follows the longest context present, not the table width
-            self.page_buckets = (self.max_pages_per_seq,)
-        else:
-            self.page_buckets = geometric_buckets(-(-256 // page_size), self.max_pages_per_seq, 4)
+        self.buckets = BucketSet.create(
+            backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
         self._new_kv_cache = functools.partial(
@@ -109,13 +160,10 @@ class ModelRunner:
 
     # ---- shapes ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
-        return Bucket(next(b for b in self.decode_buckets if b >= num_decode),
-                      next(b for b in self.prefill_buckets if b >= num_prefill_tokens),
-                      next(b for b in self.page_buckets if b >= num_pages))
+        return self.buckets.fit(num_decode, num_prefill_tokens, num_pages)
 
     def all_buckets(self) -> list[Bucket]:
-        return [Bucket(d, p, n) for d in self.decode_buckets for p in self.prefill_buckets
-                for n in self.page_buckets if d or p]
+        return self.buckets.all()
 
     # ---- host arrays ----------------------------------------------------------------------
     def _slots(self, page_ids: list[int], start: int, stop: int) -> np.ndarray:
@@ -162,20 +210,7 @@ class ModelRunner:
         return bucket, batch, rows
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
-        """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
-        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.num_pages
-        num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
-        T = dec + pre
-        return dict(
-            token_ids=np.zeros(T, np.int32),  # [T]
-            positions=np.zeros(T, np.int32),  # [T]
-            slot_mapping=np.zeros(T, np.int32),  # [T]
-            decode_block_table=np.zeros((dec, P), np.int32),  # [num_decode, pages]
-            decode_seq_lens=np.zeros(dec, np.int32),  # [num_decode]
-            prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),  # [num_prefill_seqs, pages]
-            prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),  # [num_prefill_seqs]
-            prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),  # [num_prefill_seqs + 1]
-            logits_indices=np.zeros(dec + num_prefill_seqs, np.int32))  # [rows]
+        return self.buckets.empty_batch(bucket)
 
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         row_params = [None if req is None else _row_params(req) for req in rows]

@@ -4,7 +4,10 @@ import shutil
 
 import pytest
 
+from jaxserve import platforms
 from tests.tiny_models import make_tiny_hf_model
+
+platforms.default_to_cpu_without_gpu()  # before any test imports jax; inherited by subprocesses
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

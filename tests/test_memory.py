@@ -207,7 +207,8 @@ def test_cli_json(llama_config_file, capsys):
     assert rc == 0, err
     result = json.loads(out)
     expected = memory.plan_memory(model(LLAMA3_8B), device_memory_bytes=80 * memory.GiB,
-                                  max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=2048)
+                                  max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=2048,
+                                  max_prefill_seqs=2)  # the engine's max_num_prefill_seqs
     assert result == expected.to_dict()
     for key in ("weights_bytes", "kv_bytes_per_token", "activation_bytes", "num_pages", "max_concurrent_seqs"):
         assert key in result

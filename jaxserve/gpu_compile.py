@@ -1,0 +1,267 @@
+"""Compiling the engine's GPU build on a machine without a GPU (XLA "deviceless" ahead-of-time).
+
+`compile_for_gpu` builds the engine as `jaxserve serve` would on a named GPU (bfloat16, the Pallas
+kernels, the GPU bucket set, the page pool the planner gives for that GPU's memory, tensor
+parallelism over a topology of that many GPUs, quantized weights, a quantized KV cache), with
+abstract weights (`jax.ShapeDtypeStruct`: no checkpoint needed), and compiles every step bucket
+and sampler shape down to ptxas for the target. Each compiled step reports XLA's memory analysis
+next to the planner's activation estimate, and the number of Pallas kernel calls in it (a silent
+fallback to XLA attention shows as 0).
+
+Targets are XLA `GpuTargetConfig` text protos shipped in `jaxserve/gpu_targets/` (h100, h200,
+a100). Needs the `gpu-compile` extra (jax's CUDA plugin and ptxas, not the CUDA runtime) and
+`JAX_PLATFORMS=cpu` set before jax starts (the plugin cannot start without a GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import compat, memory, quantization, sampler, sharding
+from jaxserve.config import ModelConfig
+from jaxserve.gpu_targets import target_config, target_memory_bytes
+from jaxserve.models import llama
+from jaxserve.runner import Bucket, BucketSet
+from pallas_kernels import kv_quant
+
+INSTALL_HINT = "pip install -e '.[gpu-compile]' (jax's CUDA plugin and ptxas, about 1.2 GB)"
+_ERROR_CHARS = 2000  # of XLA's message kept in a failed bucket's report
+
+
+class GpuCompileUnavailable(RuntimeError):
+    """This installation cannot compile for a GPU (the CUDA plugin or ptxas is missing)."""
+
+
+_NEEDED = (("jax_plugins.xla_cuda12", "jax's CUDA plugin"), ("nvidia.cuda_nvcc", "ptxas (nvidia-cuda-nvcc-cu12)"))
+
+
+def _missing() -> list[str]:
+    def installed(module):
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package is missing
+            return False
+    return [what for module, what in _NEEDED if not installed(module)]
+
+
+def is_available() -> bool:
+    """Whether this installation can compile for a GPU (the gpu-compile extra is installed)."""
+    return not _missing()
+
+
+def check_available() -> None:
+    """Raises GpuCompileUnavailable with the install command when the compile cannot run."""
+    if not is_available():
+        raise GpuCompileUnavailable(f"compiling for a GPU needs {' and '.join(_missing())}: {INSTALL_HINT}")
+
+
+def gpu_mesh(target: str, tensor_parallel_size: int) -> jax.sharding.Mesh:
+    """A (data=1, model=T) mesh over T abstract GPUs of the target."""
+    from jax.experimental import topologies
+    check_available()
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                            topology=f"1x1x{tensor_parallel_size}")
+    return topologies.make_mesh(topology, (1, tensor_parallel_size), sharding.AXES)
+
+
+@dataclasses.dataclass
+class CompiledShape:
+    """One compiled program: a step bucket (or a sampler row count) and what XLA says of it."""
+    bucket: dict[str, int]  # num_decode, num_prefill_tokens, num_pages (sampler: num_rows)
+    ok: bool
+    error: str | None = None  # XLA's message when not ok
+    pallas_kernels: int = 0  # Pallas kernel calls in the compiled program
+    temp_bytes: int = 0  # XLA's memory analysis, per device
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse donated arguments (the KV cache)
+    flops: float | None = None  # XLA's cost analysis (None where it gives none)
+    planned_activation_bytes: int | None = None  # the planner's estimate for this shape
+    compile_seconds: float = 0.0
+
+
+def count_pallas_kernels(hlo_text: str) -> int:
+    """Pallas GPU kernel calls (custom calls of the Triton or Mosaic GPU lowerings) in HLO text."""
+    return sum(len(re.findall(rf'custom_call_target="{re.escape(target)}"', hlo_text))
+               for target in compat.PALLAS_GPU_CUSTOM_CALL_TARGETS)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _compile(jitted, args, mesh) -> tuple[Any, float]:
+    start = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
+        compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> CompiledShape:
+    try:
+        compiled, seconds = _compile(jitted, args, mesh)
+    except Exception as e:  # XLA's error is the report: a kernel over the shared-memory limit, ...
+        return CompiledShape(key, ok=False, error=f"{type(e).__name__}: {e}"[:_ERROR_CHARS],
+                             planned_activation_bytes=planned)
+    stats = compiled.memory_analysis()
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) and costs else costs
+    return CompiledShape(
+        key, ok=True, pallas_kernels=count_pallas_kernels(compiled.as_text()),
+        temp_bytes=stats.temp_size_in_bytes, argument_bytes=stats.argument_size_in_bytes,
+        output_bytes=stats.output_size_in_bytes, alias_bytes=stats.alias_size_in_bytes,
+        flops=costs.get("flops") if isinstance(costs, dict) else None,
+        planned_activation_bytes=planned, compile_seconds=round(seconds, 3))
+
+
+def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_size: int = 1,
+                    dtype: str = "bfloat16", quantization_format: str | None = None,
+                    kv_cache_dtype: str = "auto", page_size: int = 16, max_model_len: int | None = None,
+                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_num_prefill_seqs: int = 4,
+                    memory_utilization: float = 0.9, num_pages: int | None = None,
+                    which_buckets: str = "all", max_logprobs: int = 20) -> dict[str, Any]:
+    """Plans and compiles the engine for `tensor_parallel_size` GPUs of `target`.
+
+    Returns {"plan": the memory plan, "compile": {target, jax_version, buckets, sampler}}, every
+    byte count per device. `which_buckets`: "all" (what warm-up compiles) or "ends" (the smallest
+    and largest of each kind). ValueError on a configuration the engine would refuse;
+    GpuCompileUnavailable without the gpu-compile extra. A bucket that fails to compile is
+    reported with ok=False and XLA's message, not raised.
+    """
+    check_available()
+    sharding.check_tensor_parallel(model_config, tensor_parallel_size)
+    max_model_len = max_model_len or model_config.max_position_embeddings
+    mesh = gpu_mesh(target, tensor_parallel_size)
+    shardings = sharding.ModelShardings.create(model_config, mesh)
+    run_config = shardings.model_config
+    float_dtype = jnp.dtype(dtype)
+    params = jax.eval_shape(lambda: llama.random_params(run_config, float_dtype))
+    if quantization_format:
+        params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format), params)
+    params = _abstract(params, sharding.quantized_checkpoint_shardings(shardings.params, params))
+    # The planner knows int8 / int4; other formats are planned as float (an overestimate).
+    plan_weight_dtype = quantization_format if quantization_format in memory.QUANTIZED_FORMATS else float_dtype.name
+    plan = memory.plan_memory(
+        model_config, device_memory_bytes=target_memory_bytes(target), memory_utilization=memory_utilization,
+        weight_dtype=plan_weight_dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, max_prefill_seqs=max_num_prefill_seqs,
+        measured_weights_bytes=shardings.per_device_bytes(params), backend="pallas")
+    num_pages = num_pages or plan.num_pages
+    kv_dtype = kv_quant.KV_CACHE_DTYPES.get(kv_cache_dtype, float_dtype)
+    kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, page_size),
+                                                          kv_dtype))
+    kv_shardings = jax.tree.map(lambda _: shardings.kv_cache, kv_cache)
+    kv_cache = _abstract(kv_cache, kv_shardings)
+    replicated = shardings.replicated
+    # As ModelRunner: without tensor parallelism the step runs no shard_map.
+    step_mesh = mesh if tensor_parallel_size > 1 else None
+    forward = jax.jit(functools.partial(llama.forward, config=run_config, backend="pallas", mesh=step_mesh),
+                      donate_argnums=(1,), out_shardings=(replicated, kv_shardings))
+    buckets = BucketSet.create(backend="pallas", max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len,
+                               page_size=page_size)
+    chosen = buckets.all() if which_buckets == "all" else buckets.smallest_and_largest()
+    compute_dtype = float_dtype.name
+    steps = []
+    for bucket in chosen:
+        batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+                 for name, a in buckets.empty_batch(bucket).items()}
+        planned = step_activation_bytes(model_config, bucket, buckets, page_size, plan_weight_dtype, compute_dtype,
+                                        tensor_parallel_size)
+        steps.append(_report(dataclasses.asdict(bucket), forward, (params, kv_cache, batch), mesh, planned))
+    sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs), out_shardings=replicated)
+    samplers = []
+    for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
+        logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
+        inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
+                  sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len).items()}
+        samplers.append(_report({"num_rows": num_rows}, sample, (logits, inputs), mesh, None))
+    plan_dict = plan.to_dict()
+    if num_pages != plan.num_pages:
+        plan_dict["num_pages_compiled"] = num_pages
+    return {"plan": plan_dict,
+            "compile": {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": tensor_parallel_size,
+                        "buckets": [dataclasses.asdict(s) for s in steps],
+                        "sampler": [dataclasses.asdict(s) for s in samplers]}}
+
+
+def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: BucketSet, page_size: int,
+                          weight_dtype: str, compute_dtype: str, tensor_parallel_size: int) -> int:
+    """The planner's activation estimate for one step bucket of the GPU build."""
+    return memory.activation_bytes(
+        model_config, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
+        max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
+        max_context_len=bucket.num_pages * page_size, tensor_parallel_size=tensor_parallel_size,
+        max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0, backend="pallas")
+
+
+# ---- the kernels on the real compiler ------------------------------------------------------------
+KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention")
+_THUNK_LINE = re.compile(r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
+                         r"shared_memory: (\d+) bytes")
+
+
+@dataclasses.dataclass
+class KernelReport:
+    """One Pallas kernel as compiled for the target: ptxas's resource use and XLA's launch."""
+    name: str
+    gpu: str  # ptxas --gpu-name, e.g. sm_90a
+    registers: int  # per thread
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_memory_bytes: int  # dynamic shared memory of the launch
+    threads: int  # per block
+    grid: list[int]
+
+
+def ptxas_path() -> str:
+    import nvidia.cuda_nvcc
+    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+
+
+def ptxas_gpu_name(target: str) -> str:
+    """sm_90a for Hopper (its wgmma instructions), sm_80 for Ampere, from the target's capability."""
+    text = target_config(target)
+    major = int(re.search(r"major:\s*(\d+)", text).group(1))
+    minor = int(re.search(r"minor:\s*(\d+)", text).group(1))
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
+    """Compiles `jitted` for the target with XLA's dump on, then runs ptxas -v on the PTX of each
+    Pallas kernel in it: registers and spills from ptxas, shared memory and launch shape from
+    XLA's thunk sequence. Raises what the compile raises (e.g. shared memory exceeded)."""
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
+            jitted.lower(*args).compile(compiler_options={"xla_dump_to": dump})
+        launches = {}
+        for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
+            with open(path) as f:
+                for name, grid, threads, shared in _THUNK_LINE.findall(f.read()):
+                    launches[name] = ([int(g) for g in grid.split(",")], int(threads.split(",")[0]), int(shared))
+        gpu = ptxas_gpu_name(target)
+        for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+            with open(path) as f:
+                entries = re.findall(r"\.entry (\w+)\(", f.read())
+            for name in (e for e in entries if e in KERNEL_NAMES):
+                out = subprocess.run([ptxas_path(), "-v", "--warn-on-spills", "--gpu-name", gpu, path, "-o", os.devnull],
+                                     capture_output=True, text=True, check=True).stderr
+                spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+                grid, threads, shared = launches.get(name, ([], 0, 0))
+                reports.append(KernelReport(name, gpu, int(re.search(r"Used (\d+) registers", out).group(1)),
+                                            int(spills.group(1)), int(spills.group(2)), shared, threads, grid))
+    return reports

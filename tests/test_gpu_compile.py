@@ -1,0 +1,135 @@
+"""The GPU build compiled for Hopper on this CPU machine (XLA deviceless AOT, down to ptxas).
+
+Needs the gpu-compile extra (`make test` installs it). The compile set is the smallest and largest
+bucket of each kind; bench/gpu_compile.py sweeps every bucket of bigger models.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxserve import cli, gpu_compile, memory
+from jaxserve.config import ModelConfig
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.ragged_prefill import ragged_paged_attention
+
+pytestmark = pytest.mark.skipif(
+    not gpu_compile.is_available(), reason=f"the gpu-compile extra is not installed: {gpu_compile.INSTALL_HINT}")
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_q_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
+TINY_LLAMA3 = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_q_heads=8,
+                          num_kv_heads=2, head_dim=64, max_position_embeddings=1024, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+
+
+def assert_compiled(report, num_step_shapes):
+    steps, samplers = report["compile"]["buckets"], report["compile"]["sampler"]
+    assert len(steps) == num_step_shapes
+    for entry in steps + samplers:
+        assert entry["ok"], entry
+    for entry in steps:  # one kernel per attention part: a fallback to XLA attention shows as fewer
+        parts = (entry["bucket"]["num_decode"] > 0) + (entry["bucket"]["num_prefill_tokens"] > 0)
+        assert entry["pallas_kernels"] == parts, entry
+        assert entry["argument_bytes"] > 0 and entry["output_bytes"] > 0
+    return steps, samplers
+
+
+def test_smollm2_compiles_for_h100_and_the_planner_bounds_xla():
+    report = gpu_compile.compile_for_gpu(SMOLLM2, target="h100", max_model_len=2048, max_num_seqs=32,
+                                         max_num_batched_tokens=512, max_num_prefill_seqs=2, which_buckets="ends")
+    steps, samplers = assert_compiled(report, num_step_shapes=16)  # decode {0,8,32} x prefill {0,32,512} x pages {16,128}
+    largest_temp = max(entry["temp_bytes"] for entry in steps + samplers)
+    assert largest_temp <= report["plan"]["activation_bytes"] <= 1.5 * largest_temp
+    assert report["compile"]["target"] == "h100" and report["compile"]["jax_version"] == jax.__version__
+    assert report["plan"]["num_pages"] > 100_000  # 80 GB of KV pages for a 135M model
+
+
+def test_tensor_parallel_int8_weights_and_fp8_kv_compile_with_the_sharded_kernels():
+    report = gpu_compile.compile_for_gpu(TINY_LLAMA3, target="h200", tensor_parallel_size=2, max_model_len=256,
+                                         max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2,
+                                         quantization_format="int8", kv_cache_dtype="fp8", which_buckets="ends",
+                                         num_pages=512)
+    assert_compiled(report, num_step_shapes=3)  # decode {0, 8} x prefill {0, 32} x pages {16}
+    assert report["compile"]["tensor_parallel_size"] == 2 and report["plan"]["weight_dtype"] == "int8"
+
+
+def _abstract(mesh, *shapes_and_dtypes):
+    replicated = NamedSharding(mesh, P())
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes_and_dtypes]
+
+
+KERNEL_SHAPES = {  # (query heads, KV heads, head_dim): Llama-3-8B and SmolLM2
+    "llama3_8b": (32, 8, 128),
+    "smollm2": (9, 3, 64),
+}
+
+
+@pytest.mark.parametrize("model", sorted(KERNEL_SHAPES))
+def test_kernels_at_their_shipped_block_sizes_do_not_spill_on_sm90a(model):
+    heads, kv_heads, head_dim = KERNEL_SHAPES[model]
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    pages = ((1024, 16, kv_heads, head_dim), jnp.bfloat16)
+    decode = _abstract(mesh, ((64, heads, head_dim), jnp.bfloat16), pages, pages, ((64, 64), jnp.int32),
+                       ((64,), jnp.int32))
+    ragged = _abstract(mesh, ((512, heads, head_dim), jnp.bfloat16), pages, pages, ((4, 64), jnp.int32),
+                       ((4,), jnp.int32), ((5,), jnp.int32))
+    reports = (gpu_compile.kernel_reports(jax.jit(paged_decode_attention), decode, mesh, "h100")
+               + gpu_compile.kernel_reports(jax.jit(ragged_paged_attention), ragged, mesh, "h100"))
+    print(json.dumps([vars(r) for r in reports], indent=1))
+    assert sorted(r.name for r in reports) == ["paged_decode_attention", "ragged_paged_attention"]
+    for r in reports:
+        assert r.gpu == "sm_90a" and 0 < r.registers <= 255 and r.threads > 0
+        assert r.spill_store_bytes == r.spill_load_bytes == 0, r
+        assert 0 < r.shared_memory_bytes <= 232448, r  # the H100's shared memory per block
+
+
+def test_an_oversized_block_is_refused_by_the_compiler():
+    """The check has teeth: 64 pages of 16 keys per block need 800 KiB of shared memory."""
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    pages = ((1024, 16, 8, 128), jnp.bfloat16)
+    args = _abstract(mesh, ((64, 32, 128), jnp.bfloat16), pages, pages, ((64, 64), jnp.int32), ((64,), jnp.int32))
+    oversized = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=64))
+    report = gpu_compile._report({"pages_per_block": 64}, oversized, args, mesh, None)
+    assert not report.ok and "Shared memory size limit exceeded" in report.error and "232448" in report.error
+
+
+def test_plan_compile_command_reports_json_and_a_failure_exits_2(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024,
+                                  "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                                  "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                                  "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
+    args = ["jaxserve", "plan", f"--config={config}", "--target=h100", "--compile", "--buckets=ends",
+            "--max_num_seqs=8", "--max_num_batched_tokens=32", "--max_model_len=256"]
+    assert cli.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compile"]["target"] == "h100" and all(b["ok"] for b in out["compile"]["buckets"])
+    assert out["device_memory_bytes"] == gpu_compile.target_memory_bytes("h100")
+    real_report = gpu_compile._report
+
+    def fail_prefill(key, *rest):
+        if key.get("num_prefill_tokens") == 32:
+            return gpu_compile.CompiledShape(key, ok=False, error="RESOURCE_EXHAUSTED: injected")
+        return real_report(key, *rest)
+    monkeypatch.setattr(gpu_compile, "_report", fail_prefill)
+    assert cli.main(args) == 2
+    assert "failed to compile for h100" in capsys.readouterr().err
+
+
+def test_without_the_extra_the_command_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_compile, "is_available", lambda: False)
+    assert cli.main(["jaxserve", "plan", "--model=smollm2", "--target=h100", "--compile"]) == 2
+    assert "pip install -e '.[gpu-compile]'" in capsys.readouterr().err
+
+
+def test_plan_for_a_target_uses_its_memory_and_the_gpu_activation_formula(capsys):
+    assert cli.main(["jaxserve", "plan", "--model=smollm2", "--target=h200", "--max_model_len=2048"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device_memory_bytes"] == gpu_compile.target_memory_bytes("h200")
+    gpu = memory.activation_bytes(SMOLLM2, max_num_batched_tokens=2048, max_num_seqs=256, max_context_len=2048,
+                                  max_prefill_seqs=2, backend="pallas")
+    assert plan["activation_bytes"] == gpu
