@@ -39,7 +39,7 @@ def soak_run(tiny_model, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("soak") / "soak.json")
     process = subprocess.Popen(
         [sys.executable, "bench/soak.py", "--minutes=1", f"--model={tiny_model}", f"--server_args={SERVER_ARGS}",
-         "--concurrency=6", "--max_disconnect_s=0.2", "--sample_s=2", f"--out={out}"],
+         "--concurrency=6", "--max_disconnect_s=0.2", "--sample_s=2", "--hostile_every_s=2", f"--out={out}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield process, out
     if process.poll() is None:
@@ -118,6 +118,7 @@ def test_soak_one_minute_passes(soak_run):
     assert report["server_finished"].get("length", 0) > 0 and not report["server_finished"].get("error")
     assert len(report["samples"]) >= 10
     assert report["server_exit_code"] == 0
+    assert report["hostile"]["sent"] >= 10 and report["hostile"]["unexpected"] == 0, report["hostile"]
 
 
 def soak_verdict(rss_mib: list[float], final_pages: float, failed: int = 0, server_errors=None) -> dict:
