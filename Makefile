@@ -1,10 +1,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+GPU_COMPILE_VENV ?= .venv-gpu-compile
+GPU_COMPILE_BIN := $(GPU_COMPILE_VENV)/bin
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: install install-test serve test generate bench
+.PHONY: install install-test install-gpu-compile serve test generate bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,22 +15,33 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q -e .
 
-## Test extras, the GPU compile check (jax's CUDA plugin + ptxas) and, for the web UI's browser
-## tests, Debian's chromium with its chromedriver (installed when missing).
+## Test extras and, for the web UI's browser tests, Debian's chromium with its chromedriver
+## (installed when missing).
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,gpu-compile]'
+	$(BIN)/pip install -q -e '.[test]'
 	@command -v chromium >/dev/null && test -x /usr/bin/chromedriver || \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "note: no chromium + chromedriver, the browser tests will skip (apt-get install chromium chromium-driver)"; fi
 
+$(GPU_COMPILE_BIN)/python:
+	$(PYTHON) -m venv $(GPU_COMPILE_VENV)
+	$(GPU_COMPILE_BIN)/pip install -q --upgrade pip
+
+## The GPU compile check in an environment of its own: jax's CUDA plugin (with ptxas) stays out of
+## $(VENV), where it would print "Could not find cuda drivers" at every start on a CPU machine.
+install-gpu-compile: $(GPU_COMPILE_BIN)/python
+	$(GPU_COMPILE_BIN)/pip install -q -e '.[gpu-compile]' pytest
+
 ## Install, fetch + convert the default model on first use, and serve it on 127.0.0.1:$(PORT).
 serve: install
 	$(BIN)/jaxserve serve --model=$(MODEL) --port=$(PORT)
 
-## Install with the test extras and run the whole suite.
-test: install-test
+## Install with the test extras and run the whole suite; then the GPU compile check (its tests
+## skip in the first run) in its own environment.
+test: install-test install-gpu-compile
 	$(BIN)/python -m pytest -q tests
+	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py
 
 generate: install
 	$(BIN)/jaxserve generate --model=$(MODEL) --input=$(INPUT) --output=$(OUTPUT)

@@ -26,4 +26,8 @@ tail -15 "$OUT/kernels.txt"
 echo "== 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model; planner vs measured"
 timeout 300 python bench/e2e_gpu.py --out "$OUT/e2e.json" > "$OUT/e2e.txt" 2>&1 || status=1
 tail -12 "$OUT/e2e.txt"
+echo "== 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), to set beside 3+4"
+JAX_PLATFORMS=cpu timeout 240 python bench/gpu_compile.py --quick --runs=llama-3-8b:h200:1 \
+  --out "$OUT/gpu_compile.json" > "$OUT/gpu_compile.txt" 2>&1 || status=1
+grep '^{' "$OUT/gpu_compile.txt" | tail -3
 exit $status

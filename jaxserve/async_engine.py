@@ -99,7 +99,8 @@ class AsyncEngine:
         if outputs and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(deliver)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> list[RequestOutput]:
+        """Applies the queued adds and aborts; returns the deltas they produced."""
         outputs = []
         while True:
             try:
@@ -119,12 +120,16 @@ class AsyncEngine:
                 out = self.engine.abort(command[1])
                 if out is not None:
                     outputs.append(out)
+        return outputs
+
+    def _publish_with_stats(self, outputs: list[RequestOutput]) -> None:
+        """Stats first: a client that sees a request end also sees its pages returned."""
+        self._stats = self.engine.stats()
         self._publish(outputs)
 
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_commands()
-            self._stats = self.engine.stats()
+            self._publish_with_stats(self._drain_commands())
             if not self.engine.has_unfinished():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
@@ -134,9 +139,8 @@ class AsyncEngine:
             except Exception as e:  # only if recovering failed too: nothing else may stop the thread
                 log.exception("the engine could not recover from a failed step")
                 outputs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            self._publish(outputs)
-        self._publish(self.engine.fail_all("the server is shutting down"))
-        self._stats = self.engine.stats()
+            self._publish_with_stats(outputs)
+        self._publish_with_stats(self.engine.fail_all("the server is shutting down"))
 
 
 class RequestStream:

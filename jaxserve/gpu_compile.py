@@ -101,10 +101,17 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def _compile(jitted, args, mesh) -> tuple[Any, float]:
+def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
+    """Lowers and compiles for the abstract GPU mesh. The persistent compilation cache is off
+    meanwhile: a deviceless GPU executable cannot be loaded back, and must not crowd the cache."""
     start = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
-        compiled = jitted.lower(*args).compile()
+    cache_enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
+            compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_enabled)
     return compiled, time.perf_counter() - start
 
 
@@ -247,8 +254,7 @@ def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
     Raises what the compile raises (e.g. shared memory exceeded)."""
     reports = []
     with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
-            jitted.lower(*args).compile(compiler_options={"xla_dump_to": dump})
+        _compile(jitted, args, mesh, compiler_options={"xla_dump_to": dump})
         launches = {}
         for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
             with open(path) as f:
