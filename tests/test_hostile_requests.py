@@ -302,8 +302,10 @@ def test_half_open_connections_are_closed_and_a_flood_past_the_fd_limit_is_shed(
 
 def test_requests_cancelled_while_queued_count_as_aborted(server, clean_log):
     aborted_before = server.metric("jaxserve_requests_finished_total", '{finish_reason="abort"}')
-    blockers = Streams(server, n=16, max_tokens=60)  # 4 run, 12 wait: the next ones queue behind them
-    time.sleep(0.2)
+    # Each blocker needs almost the whole KV pool, so they run one at a time (~0.5 s each) and the
+    # requests below stay queued behind them for seconds.
+    blockers = Streams(server, n=8, max_tokens=POOL_TOKENS - 32)
+    time.sleep(0.3)
     body = json.dumps({"model": "tiny", "prompt": "queued", "max_tokens": 20, "stream": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
