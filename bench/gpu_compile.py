@@ -3,7 +3,7 @@
 For each (model, target, tensor parallel size): the memory plan at 0.9 of the GPU's memory, every
 step bucket and sampler shape compiled (XLA temp / argument bytes next to the planner's estimate,
 compile seconds, Pallas kernel calls), and ptxas's report of both kernels at their shipped block
-sizes. Needs the gpu-compile extra.
+sizes. Needs the gpu-compile extra (`make install-gpu-compile`, then .venv-gpu-compile/bin/python).
 
     python bench/gpu_compile.py --out=bench/out/gpu_compile.json            # the full sweep
     python bench/gpu_compile.py --quick --out=bench/out/gpu_compile.json    # corner buckets only
@@ -91,9 +91,9 @@ def main() -> int:
                    "kernels": kernel_report(config, target)}
         print(json.dumps({k: v for k, v in summary.items() if k != "kernels"}), flush=True)
         results["runs"].append({**summary, "report": report})
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:  # after each run: a long sweep keeps what it finished
+            json.dump(results, f, indent=1)
     return 1 if any(r["num_failed"] for r in results["runs"]) else 0
 
 

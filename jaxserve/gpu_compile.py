@@ -20,6 +20,7 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -43,16 +44,20 @@ class GpuCompileUnavailable(RuntimeError):
     """This installation cannot compile for a GPU (the CUDA plugin or ptxas is missing)."""
 
 
-_NEEDED = (("jax_plugins.xla_cuda12", "jax's CUDA plugin"), ("nvidia.cuda_nvcc", "ptxas (nvidia-cuda-nvcc-cu12)"))
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
 
 
 def _missing() -> list[str]:
-    def installed(module):
-        try:
-            return importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # the parent package is missing
-            return False
-    return [what for module, what in _NEEDED if not installed(module)]
+    missing = []
+    if not any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+        missing.append("jax's CUDA plugin")
+    if ptxas_path() is None:
+        missing.append("ptxas (nvidia-cuda-nvcc-cu12)")
+    return missing
 
 
 def is_available() -> bool:
@@ -234,9 +239,14 @@ class KernelReport:
     grid: list[int]
 
 
-def ptxas_path() -> str:
-    import nvidia.cuda_nvcc
-    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+def ptxas_path() -> str | None:
+    """The ptxas of the nvidia-cuda-nvcc wheel, else the one on PATH (a CUDA toolkit), else None."""
+    if _installed("nvidia.cuda_nvcc"):
+        import nvidia.cuda_nvcc
+        path = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+        if os.path.isfile(path):
+            return path
+    return shutil.which("ptxas")
 
 
 def ptxas_gpu_name(target: str) -> str:
