@@ -140,7 +140,7 @@ def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> Com
 def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_size: int = 1,
                     dtype: str = "bfloat16", quantization_format: str | None = None,
                     kv_cache_dtype: str = "auto", page_size: int = 16, max_model_len: int | None = None,
-                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_num_prefill_seqs: int = 4,
+                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_num_prefill_seqs: int = 2,
                     memory_utilization: float = 0.9, num_pages: int | None = None,
                     which_buckets: str = "all", max_logprobs: int = 20) -> dict[str, Any]:
     """Plans and compiles the engine for `tensor_parallel_size` GPUs of `target`.
