@@ -25,8 +25,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
-        self.limits = engine.limits
-        self.max_model_len = self.limits.max_seq_len  # the context a request can really use
+        self.max_model_len = engine.limits.max_seq_len  # the context a request can really use
         self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()

@@ -99,7 +99,6 @@ class DataParallelAsyncEngine:
         self.replicas = replicas
         first = replicas[0]
         self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
-        self.limits = first.limits
         self._in_flight = [0] * len(replicas)
         self._owner: dict[str, int] = {}
 

@@ -154,7 +154,7 @@ class Engine:
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         """Admission: checks the request completely and returns it ready for `add`."""
-        check_request(prompt_token_ids, params, self.limits)
+        self.check_request(prompt_token_ids, params)
         return Request(request_id, list(prompt_token_ids), params)
 
     def add(self, request: Request) -> None:

@@ -151,7 +151,6 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     GpuCompileUnavailable without the gpu-compile extra. A bucket that fails to compile is
     reported with ok=False and XLA's message, not raised.
     """
-    check_available()
     sharding.check_tensor_parallel(model_config, tensor_parallel_size)
     max_model_len = max_model_len or model_config.max_position_embeddings
     mesh = gpu_mesh(target, tensor_parallel_size)

@@ -235,8 +235,8 @@ def activation_bytes(
     p = max_prefill_seqs
     if backend == "pallas":
         tokens = max_num_seqs + max_num_batched_tokens
-        layer_weights = sum(_linear_bytes(i, o, normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES))
-                            for i, o in _linear_shapes(model, tp))
+        stored = normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES)
+        layer_weights = sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
         step = (layer_weights + 2 * tokens * model.hidden_size * a
                 + max(tokens * (2 * hq + 2 * hkv) * hd * a, 3 * tokens * f_local * a))
         return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))

@@ -302,7 +302,7 @@ class _StubReplica:
     def __init__(self, name, num_running):
         self.name, self.num_running, self.requests, self.aborted = name, num_running, [], []
         self.feeders = []
-        self.tokenizer, self.model_name, self.max_model_len, self.limits = None, "stub", 64, None
+        self.tokenizer, self.model_name, self.max_model_len = None, "stub", 64
 
     def stats(self):
         return EngineStats(self.num_running, 1, 2, 10, 0, 0, 0)
