@@ -41,7 +41,7 @@ serve: install
 ## skip in the first run) in its own environment.
 test: install-test install-gpu-compile
 	$(BIN)/python -m pytest -q tests
-	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py
+	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py tests/test_kernel_gpu_compile.py
 
 generate: install
 	$(BIN)/jaxserve generate --model=$(MODEL) --input=$(INPUT) --output=$(OUTPUT)

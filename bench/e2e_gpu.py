@@ -27,7 +27,7 @@ from jaxserve import memory  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.async_engine import AsyncEngine  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
-from jaxserve.models import llama  # noqa: E402
+from jaxserve.models import weights  # noqa: E402
 from jaxserve.request import SamplingParams  # noqa: E402
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -100,7 +100,7 @@ def decode_roofline(engine: Engine, batch: int, context: int, bandwidth: float, 
     """Times pure decode steps of `batch` sequences at `context` tokens against bytes / bandwidth."""
     cfg = engine.model_config
     prompts = [rng.integers(10, cfg.vocab_size, context).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=engine.limits.max_seq_len - context, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"roof-{i}", p, params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
@@ -111,15 +111,19 @@ def decode_roofline(engine: Engine, batch: int, context: int, bandwidth: float, 
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    records = list(engine.step_records)[-20:]
     for i in range(batch):
         engine.abort(f"roof-{i}")
     itemsize = jnp.dtype(jax.tree_util.tree_leaves(engine.runner.params)[0].dtype).itemsize
-    weight_bytes = cfg.num_params() * itemsize
+    weight_bytes = weights.num_params(cfg) * itemsize
     kv_bytes = batch * context * 2 * cfg.num_layers * cfg.kv_size * itemsize
     step = float(np.median(times))
     roofline = (weight_bytes + kv_bytes) / bandwidth
+    device = float(np.median([r.device_seconds for r in records]))
     return {"batch": batch, "context": context, "step_ms": step * 1000, "roofline_ms": roofline * 1000,
-            "fraction_of_roofline": roofline / step, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+            "fraction_of_roofline": roofline / step, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "device_ms": device * 1000, "host_ms": float(np.median([r.host_seconds for r in records])) * 1000,
+            "device_fraction_of_roofline": roofline / device}
 
 
 def main(argv=None) -> int:
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     report["copy_bandwidth_GBps"] = copy_bandwidth(1 << (24 if quick else 30)) / 1e9
 
     start = time.perf_counter()
-    params = llama.random_params(cfg, dtype=dtype)
+    params = weights.random_params(cfg, dtype=dtype)
     jax.block_until_ready(params)
     engine_cfg = EngineConfig(max_num_seqs=8 if quick else 64, max_num_batched_tokens=64 if quick else 2048,
                               max_num_prefill_seqs=2 if quick else 4, max_model_len=512 if quick else 4096,

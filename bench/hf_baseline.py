@@ -39,8 +39,6 @@ def run_hf(model, workload, batch_size, budget_s, pad_token_id=0):
     Output tokens counted are the requested ones (the extra tokens a short request gets while its
     batch waits for the longest member are waste). With `budget_s`, stops after the batch that
     crosses it (`partial`)."""
-    import torch
-
     torch_generate(model, [workload[0][0][:4]], 2, pad_token_id)  # warm-up, not timed
     outputs, useful, generated, elapsed, cpu, others, num_done = [], 0, 0, 0.0, 0.0, 0.0, 0
     for first in range(0, len(workload), batch_size):

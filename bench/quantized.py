@@ -41,16 +41,10 @@ def workload(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> li
 
 
 def record_steps(engine) -> list[tuple[int, int, float]]:
-    """Wraps the runner so that every step appends (decode rows, prefill tokens, device seconds)."""
+    """A list that gets (decode rows, prefill tokens, device seconds) of every step (the engine's StepRecords)."""
     steps: list[tuple[int, int, float]] = []
-    execute = engine.runner.execute
-
-    def recorded(plan):
-        out = execute(plan)
-        steps.append((len(plan.decode), sum(n for _, n in plan.prefill), out.device_seconds))
-        return out
-
-    engine.runner.execute = recorded
+    engine.add_step_listener(lambda record: steps.append(
+        (record.num_decode_rows, record.num_prefill_tokens, record.device_seconds)))
     return steps
 
 
@@ -58,6 +52,7 @@ def run_variant(name: str, model_config, params, args) -> dict:
     import jax
 
     from jaxserve import memory, quantization
+    from jaxserve.models import weights
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.request import SamplingParams
 
@@ -87,7 +82,7 @@ def run_variant(name: str, model_config, params, args) -> dict:
     stats = engine.stats()
     kv_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else jax.numpy.dtype(params["embed"].dtype).name
     layers = engine.runner.params["layers"]
-    linear_bytes = quantization.tree_bytes({k: layers[k] for k in quantization.LINEAR_LEAVES})
+    linear_bytes = quantization.tree_bytes({k: layers[k] for k in weights.linear_leaves(model_config)})
     row = {
         "variant": name, "formats": sorted(set(quantization.params_formats(engine.runner.params).values())),
         "weights_bytes": stats.weights_bytes, "linear_bytes": linear_bytes,

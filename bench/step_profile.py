@@ -6,6 +6,8 @@ attention output replaced by its queries), next to two machine limits measured i
 the f32 matmul rate jax reaches for the step's [rows, hidden] x [hidden, ffn] shape and the
 memory bandwidth of a large copy. From them: the matmul-only time of the step, the time to read
 the step's K/V once, and so the best fraction of the matmul rate any attention could leave.
+Last, the same decode step run by the engine (`Engine.step` on as many sequences), from its
+StepRecords: device time next to the engine's host time per step.
 
   python bench/step_profile.py --rows=64 --min_context=129 --max_context=256
   python bench/step_profile.py --rows=64 --min_context=16 --max_context=1024 --backends=xla,reference
@@ -40,6 +42,28 @@ def decode_batch(rows, min_context, max_context, page_size, num_pages, max_pages
         decode_block_table=block_table, decode_seq_lens=lens,
         prefill_block_table=np.zeros((0, max_pages), np.int32), prefill_seq_lens=np.zeros(0, np.int32),
         prefill_query_start_loc=np.zeros(1, np.int32), logits_indices=np.arange(rows, dtype=np.int32))
+
+
+def engine_decode_steps(config, params, args, page_size, max_pages) -> list:
+    """StepRecords of `args.repeats` engine steps that decode all `args.rows` sequences (contexts
+    uniform in [min_context, max_context]); the first such step, which compiles, is left out."""
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.request import SamplingParams
+
+    engine = Engine(config, params, None, EngineConfig(
+        max_num_seqs=args.rows, max_num_batched_tokens=max(256, args.rows), page_size=page_size,
+        num_pages=args.rows * max_pages + 1, max_model_len=args.max_model_len, enable_prefix_caching=False,
+        warmup=False))
+    rng = np.random.default_rng(1)
+    sampling = SamplingParams(max_tokens=args.max_model_len - args.max_context, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate(rng.integers(args.min_context, args.max_context + 1, args.rows)):
+        engine.add_request(f"profile-{i}", rng.integers(100, config.vocab_size, int(length)).tolist(), sampling)
+    full_decode = []
+    engine.add_step_listener(lambda record: full_decode.append(record) if (
+        record.kind == "decode" and record.num_decode_rows == args.rows) else None)
+    while engine.has_unfinished() and len(full_decode) <= args.repeats:
+        engine.step()
+    return full_decode[1:]
 
 
 def median_seconds(run, repeats):
@@ -105,6 +129,13 @@ def main(argv=None) -> int:
     finally:
         dispatch.decode_attention = real_decode_attention
 
+    records = engine_decode_steps(config, params, args, page_size, max_pages)
+    engine_step = None if not records else dict(
+        num_steps=len(records), bucket_decode_rows=records[0].bucket_decode_rows,
+        device_s=float(np.median([r.device_seconds for r in records])),
+        host_s=float(np.median([r.host_seconds for r in records])),
+        pack_s=float(np.median([r.pack_seconds for r in records])))
+
     rows, d, f = args.rows, config.hidden_size, config.intermediate_size
     matmul = jax.jit(lambda a, b: a @ b)
     a = jnp.ones((rows, d), jnp.float32)
@@ -131,9 +162,13 @@ def main(argv=None) -> int:
     best = matmul_s / (results["no attention"] + read_kv_s)
     print(f"bound: with attention costing one read of K/V on top of the step without attention, "
           f"the step reaches at most {best:.2f} of the matmul rate")
+    if engine_step:
+        print(f"engine decode step ({engine_step['num_steps']} StepRecords, {rows} rows in a "
+              f"{engine_step['bucket_decode_rows']}-row bucket): {1e3 * engine_step['device_s']:.1f} ms device + "
+              f"{1e3 * engine_step['host_s']:.1f} ms host ({1e3 * engine_step['pack_s']:.1f} ms packing the arrays)")
     common.write_json(args.out, dict(machine=info, args=vars(args), step_s=results, matmul_flops_per_s=matmul_rate,
                                      step_flops=step_flops, kv_bytes=kv_bytes, copy_bytes_per_s=bandwidth,
-                                     matmul_fraction_bound=best))
+                                     matmul_fraction_bound=best, engine_decode_step=engine_step))
     return 0
 
 

@@ -55,10 +55,9 @@ def mixed_workload(num, min_len, max_len, vocab_size, seed):
 
 # ---- jaxserve ----------------------------------------------------------------------------------
 class StepRecorder:
-    """Wraps `engine.runner.execute` to record each step's shape, useful FLOPs and timings."""
+    """Collects the engine's StepRecords (a step listener) with each step's useful FLOPs."""
 
     def __init__(self, engine):
-        self.runner = engine.runner
         cfg = engine.model_config
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.matmul_flops_per_token = 2 * cfg.num_layers * (d * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * d
@@ -66,26 +65,16 @@ class StepRecorder:
         self.lm_head_flops_per_row = 2 * d * cfg.vocab_size
         self.attention_flops_per_pair = cfg.num_layers * 4 * cfg.q_size  # QK^T and PV, per (query, key)
         self.steps: list[dict] = []
-        self._execute = self.runner.execute
-        self.runner.execute = self._recorded_execute
+        engine.add_step_listener(self._record)
 
-    def _recorded_execute(self, plan):
-        num_prefill = sum(n for _, n in plan.prefill)
-        num_pages = max(len(r.page_ids) for r in plan.decode + [r for r, _ in plan.prefill])
-        bucket = self.runner.bucket_for(len(plan.decode), num_prefill, num_pages)
-        pairs = sum(r.num_computed_tokens + 1 for r in plan.decode)
-        pairs += sum(n * r.num_computed_tokens + n * (n + 1) // 2 for r, n in plan.prefill)
-        start = time.perf_counter()
-        result = self._execute(plan)
-        total = time.perf_counter() - start
+    def _record(self, record):
+        num_rows = record.num_decode_rows + record.num_prefill_rows
         self.steps.append(dict(
-            kind="mixed" if plan.decode and plan.prefill else "decode" if plan.decode else "prefill",
-            num_decode=len(plan.decode), num_prefill_tokens=num_prefill,
-            padded_tokens=bucket.num_decode + bucket.num_prefill_tokens,
-            flops=(self.matmul_flops_per_token * plan.num_tokens + self.lm_head_flops_per_row * plan.num_seqs
-                   + self.attention_flops_per_pair * pairs),
-            device_s=result.device_seconds, host_prep_s=total - result.device_seconds))
-        return result
+            kind=record.kind, num_decode=record.num_decode_rows, num_prefill_tokens=record.num_prefill_tokens,
+            padded_tokens=record.num_padded_tokens,
+            flops=(self.matmul_flops_per_token * record.num_tokens + self.lm_head_flops_per_row * num_rows
+                   + self.attention_flops_per_pair * record.num_attention_pairs),
+            device_s=record.device_seconds, host_prep_s=record.pack_seconds, host_step_s=record.host_seconds))
 
 
 def build_engine(model_dir, engine_kwargs):
@@ -135,7 +124,8 @@ def run_jaxserve(engine, recorder, workload):
 
 
 def time_breakdown(run):
-    """Where the wall time went: device time per step kind, host prep, and the rest of the host loop."""
+    """Where the wall time went: device time per step kind, host prep (the runner packing a step's
+    arrays), the rest of the engine's host work per step, and what is left of the loop."""
     kinds = collections.defaultdict(lambda: dict(steps=0, device_s=0.0, tokens=0, flops=0.0))
     for s in run["steps"]:
         k = kinds[s["kind"]]
@@ -145,10 +135,12 @@ def time_breakdown(run):
         k["flops"] += s["flops"]
     device = sum(s["device_s"] for s in run["steps"])
     prep = sum(s["host_prep_s"] for s in run["steps"])
+    host_steps = sum(s["host_step_s"] for s in run["steps"])
     num_steps = max(len(run["steps"]), 1)
     useful = sum(s["num_decode"] + s["num_prefill_tokens"] for s in run["steps"])
     padded = sum(s["padded_tokens"] for s in run["steps"])
-    return dict(by_kind=dict(kinds), device_s=device, host_prep_s=prep, host_loop_s=run["wall_s"] - device - prep,
+    return dict(by_kind=dict(kinds), device_s=device, host_prep_s=prep, host_step_s=host_steps,
+                host_loop_s=run["wall_s"] - device - prep,
                 host_overhead_per_step_ms=1e3 * (run["wall_s"] - device) / num_steps,
                 device_per_step_ms=1e3 * device / num_steps, padding_efficiency=useful / max(padded, 1))
 
@@ -208,7 +200,8 @@ def print_workload(name, run, breakdown, flops, hf_runs):
                                       ("device", "device s", ".1f"), ("ms", "ms/step", ".1f"),
                                       ("tokens", "tokens", "d"), ("gflops", "GFLOP/s", ".1f")]))
     print(f"host: {breakdown['host_prep_s']:.1f}s building step arrays, {breakdown['host_loop_s']:.1f}s "
-          f"scheduler/detokenizer/loop; {breakdown['host_overhead_per_step_ms']:.1f} ms host overhead per step "
+          f"scheduler/detokenizer/loop ({breakdown['host_step_s']:.1f}s of host work inside engine steps); "
+          f"{breakdown['host_overhead_per_step_ms']:.1f} ms host overhead per step "
           f"vs {breakdown['device_per_step_ms']:.1f} ms device; padding efficiency "
           f"{breakdown['padding_efficiency']:.2f}")
     print(f"FLOP/s: jaxserve {flops['flops_per_s_device'] / 1e9:.1f} GFLOP/s over device time "
@@ -239,6 +232,7 @@ def main(argv=None) -> int:
     preset = QUICK if args.quick else FULL
     from checkpoints import ConversionError
     from checkpoints.default_model import resolve_model
+    from jaxserve.models import weights
 
     try:
         model_dir = resolve_model(args.model)
@@ -266,7 +260,7 @@ def main(argv=None) -> int:
     recorder = StepRecorder(engine)
     cfg = engine.model_config
     print(common.machine_line(info))
-    print(f"model {args.model}: {cfg.num_params() / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
+    print(f"model {args.model}: {weights.num_params(cfg) / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
           f"{engine_kwargs}; load {timings['load_s']:.1f}s, warm-up {timings['warmup_s']:.1f}s "
           f"({timings['num_step_shapes']} step shapes), first request {timings['first_request_s']:.1f}s")
 
@@ -278,7 +272,7 @@ def main(argv=None) -> int:
         print(f"transformers model loaded in {hf_load_s:.1f}s (float32, {torch.get_num_threads()} threads)")
 
     report = dict(machine=info, machine_line=common.machine_line(info), model=args.model, model_dir=model_dir,
-                  num_params=cfg.num_params(), engine_config=engine_kwargs, **timings,
+                  num_params=weights.num_params(cfg), engine_config=engine_kwargs, **timings,
                   compilation_cache=os.environ.get("JAXSERVE_COMPILATION_CACHE", "default"),
                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), hf_budget_s=args.hf_budget_s,
                   quick=args.quick, workloads={})

@@ -115,9 +115,7 @@ def resolve_model(name_or_path: str) -> str:
         return output if _is_converted(output) else _convert_cached(smollm2_gguf_path(), DEFAULT_MODEL)
     path = os.path.expanduser(name_or_path)
     if _is_converted(path):
-        from checkpoints.load import check_model_dir
-        check_model_dir(path)
-        return path
+        return path  # its marker is read (and checked) when it is opened: checkpoints.load.open_model
     if not os.path.exists(path):
         raise ConversionError(
             f"{name_or_path}: not a known model name ({DEFAULT_MODEL}) and no such file or directory")

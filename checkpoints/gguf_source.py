@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from checkpoints import ConversionError
+from checkpoints.layout import describe_slot, source_names
 from checkpoints.rope_freqs import llama3_scaling_from_factors
 from jaxserve.config import ConfigError, ModelConfig
 
@@ -22,20 +23,8 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
 # general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 
-# gguf name -> (pytree slot, stored as [out, in] so transposed)
-_GLOBAL_TABLE = {
-    "token_embd.weight": ("embed", False),
-    "output_norm.weight": ("final_norm", False),
-    "output.weight": ("lm_head", True),
-}
-_LAYER_TABLE = {
-    "attn_norm.weight": ("layers/attn_norm", False), "attn_q.weight": ("layers/wq", True),
-    "attn_k.weight": ("layers/wk", True), "attn_v.weight": ("layers/wv", True),
-    "attn_output.weight": ("layers/wo", True), "attn_q.bias": ("layers/bq", False),
-    "attn_k.bias": ("layers/bk", False), "attn_v.bias": ("layers/bv", False),
-    "ffn_norm.weight": ("layers/mlp_norm", False), "ffn_gate.weight": ("layers/w_gate", True),
-    "ffn_up.weight": ("layers/w_up", True), "ffn_down.weight": ("layers/w_down", True),
-}
+_LAYER_PREFIX = "blk.{layer}."
+_ROPE_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "kv", "attn_k.bias": "kv"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -82,6 +71,7 @@ class GGUFSource:
             if isinstance(e, ConversionError):
                 raise
             raise ConversionError(f"{path}: malformed model metadata ({e})") from None
+        self._whole_names, self._layer_names = source_names(self.config, "gguf")
 
     def _field(self, key: str, required: bool = False, default=None):
         field = self.reader.get_field(key)
@@ -171,8 +161,8 @@ class GGUFSource:
         kinds: dict[str, set[str]] = {}
         for tensor in self.reader.tensors:
             match = _LAYER_NAME.fullmatch(tensor.name)
-            if match and match.group(2) in _LAYER_TABLE:
-                kinds.setdefault(_LAYER_TABLE[match.group(2)][0], set()).add(tensor.tensor_type.name)
+            if match and match.group(2) in self._layer_names:
+                kinds.setdefault(self._layer_names[match.group(2)][0], set()).add(tensor.tensor_type.name)
         return kinds
 
     def _blocks(self, tensor):
@@ -197,25 +187,22 @@ class GGUFSource:
             if name == "output.weight" and self.config.tie_word_embeddings:
                 continue
             match = _LAYER_NAME.fullmatch(name)
-            if match and match.group(2) in _LAYER_TABLE:
-                layer, (slot, transpose) = int(match.group(1)), _LAYER_TABLE[match.group(2)]
-            elif name in _GLOBAL_TABLE:
-                layer, (slot, transpose) = None, _GLOBAL_TABLE[name]
+            if match and match.group(2) in self._layer_names:
+                layer, (slot, transpose) = int(match.group(1)), self._layer_names[match.group(2)]
+            elif name in self._whole_names:
+                layer, (slot, transpose) = None, self._whole_names[name]
             else:
                 raise ConversionError(f"{self.path}: unexpected tensor {name!r}")
             values = self._blocks(tensor) if slot in keep_blocks else self._dequantize(tensor)
-            if self.permuted_qk and slot in ("layers/wq", "layers/bq", "layers/wk", "layers/bk"):
-                heads = self.config.num_q_heads if slot in ("layers/wq", "layers/bq") else self.config.num_kv_heads
+            permuted = _ROPE_PERMUTED.get(match.group(2)) if match else None
+            if self.permuted_qk and permuted:
+                heads = self.config.num_q_heads if permuted == "q" else self.config.num_kv_heads
                 if values.shape[0] % (2 * heads) == 0:  # otherwise the shape check reports it
                     values = _unpermute_rows(values, heads)
             yield self.path, name, slot, layer, values, transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
-        for table, prefix in ((_GLOBAL_TABLE, ""), (_LAYER_TABLE, f"blk.{layer}.")):
-            for name, (candidate, _) in table.items():
-                if candidate == slot:
-                    return prefix + name
-        return slot
+        return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)
 
     def save_tokenizer(self, output_dir: str) -> bool:
         """Builds a Hugging Face tokenizer (chat template included) from the GGUF metadata."""

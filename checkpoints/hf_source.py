@@ -10,37 +10,13 @@ from typing import Iterator
 import numpy as np
 
 from checkpoints import ConversionError
+from checkpoints.layout import describe_slot, source_names
 from checkpoints.safetensors_file import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
 
-# checkpoint key -> (pytree slot, stored as [out, in] so transposed)
-_KEY_TABLE = [
-    (re.compile(r"model\.embed_tokens\.weight"), "embed", False),
-    (re.compile(r"model\.norm\.weight"), "final_norm", False),
-    (re.compile(r"lm_head\.weight"), "lm_head", True),
-    (re.compile(r"model\.layers\.(\d+)\.input_layernorm\.weight"), "layers/attn_norm", False),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight"), "layers/wq", True),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight"), "layers/wk", True),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight"), "layers/wv", True),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight"), "layers/wo", True),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias"), "layers/bq", False),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias"), "layers/bk", False),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias"), "layers/bv", False),
-    (re.compile(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight"), "layers/mlp_norm", False),
-    (re.compile(r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight"), "layers/w_gate", True),
-    (re.compile(r"model\.layers\.(\d+)\.mlp\.up_proj\.weight"), "layers/w_up", True),
-    (re.compile(r"model\.layers\.(\d+)\.mlp\.down_proj\.weight"), "layers/w_down", True),
-]
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_PREFIX = "model.layers.{layer}."
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
-_SLOT_TO_KEY = {
-    "embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight",
-    "layers/attn_norm": "input_layernorm.weight", "layers/wq": "self_attn.q_proj.weight",
-    "layers/wk": "self_attn.k_proj.weight", "layers/wv": "self_attn.v_proj.weight",
-    "layers/wo": "self_attn.o_proj.weight", "layers/bq": "self_attn.q_proj.bias",
-    "layers/bk": "self_attn.k_proj.bias", "layers/bv": "self_attn.v_proj.bias",
-    "layers/mlp_norm": "post_attention_layernorm.weight", "layers/w_gate": "mlp.gate_proj.weight",
-    "layers/w_up": "mlp.up_proj.weight", "layers/w_down": "mlp.down_proj.weight",
-}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -69,7 +45,6 @@ class HFSource:
         if not os.path.isfile(config_path):
             raise ConversionError(f"{config_path}: no such file (not a Hugging Face model folder?)")
         hf_config = _read_json(config_path)
-        hf_config = _lift_rope_parameters(hf_config)
         generation_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(generation_path):
             hf_config = _merge_generation_eos(hf_config, _read_json(generation_path))
@@ -77,6 +52,7 @@ class HFSource:
             self.config = ModelConfig.from_hf_dict(hf_config)
         except ConfigError as e:
             raise ConversionError(f"{config_path}: {e}") from None
+        self._whole_names, self._layer_names = source_names(self.config, "hf")
         self.files = [SafetensorsFile(p) for p in self._shard_paths()]
         self._owner = {}
         for file in self.files:
@@ -105,7 +81,7 @@ class HFSource:
 
     def default_dtype(self) -> np.dtype:
         """The float dtype of the source's embedding table (float64 sources give float32)."""
-        name = _SLOT_TO_KEY["embed"]
+        name = self.describe_missing("embed", None)
         if name not in self._owner:
             raise ConversionError(f"{self.folder}: missing tensor {name!r}")
         dtype = self._owner[name].dtype(name)
@@ -117,18 +93,17 @@ class HFSource:
             for name in file.names():
                 if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
-                for pattern, slot, transpose in _KEY_TABLE:
-                    match = pattern.fullmatch(name)
-                    if match:
-                        layer = int(match.group(1)) if match.groups() else None
-                        yield file.path, name, slot, layer, file.read(name), transpose
-                        break
+                match = _LAYER_NAME.fullmatch(name)
+                if match and match.group(2) in self._layer_names:
+                    layer, (slot, transpose) = int(match.group(1)), self._layer_names[match.group(2)]
+                elif name in self._whole_names:
+                    layer, (slot, transpose) = None, self._whole_names[name]
                 else:
                     raise ConversionError(f"{file.path}: unexpected tensor {name!r}")
+                yield file.path, name, slot, layer, file.read(name), transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
-        key = _SLOT_TO_KEY[slot]
-        return key if layer is None else f"model.layers.{layer}.{key}"
+        return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)
 
     def save_tokenizer(self, output_dir: str) -> bool:
         """Copies the tokenizer files; False when the folder has none."""
@@ -148,14 +123,3 @@ def _merge_generation_eos(hf_config: dict, generation: dict) -> dict:
     eos = as_list(hf_config.get("eos_token_id"))
     extra = [i for i in as_list(generation.get("eos_token_id")) if i not in eos]
     return {**hf_config, "eos_token_id": eos + extra} if extra else hf_config
-
-
-def _lift_rope_parameters(hf_config: dict) -> dict:
-    """transformers 5 writes `rope_parameters` instead of `rope_theta` / `rope_scaling`."""
-    rope = hf_config.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" in hf_config:
-        return hf_config
-    lifted = {**hf_config, "rope_theta": rope.get("rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default" and not hf_config.get("rope_scaling"):
-        lifted["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return lifted

@@ -1,12 +1,7 @@
-"""The parameter pytree of a Llama-family model, and buffers that sources fill tensor by tensor.
+"""Buffers that conversion sources fill tensor by tensor, and the source names of each slot.
 
-Weights are stored for `x @ W` (transposed from Hugging Face's `[out, in]`); per-layer weights are
-stacked on a leading layer axis:
-
-    embed [V, D]; final_norm [D]; lm_head [D, V] (only when embeddings are not tied)
-    layers: attn_norm [L, D], wq [L, D, Hq*hd], wk [L, D, Hkv*hd], wv [L, D, Hkv*hd],
-            wo [L, Hq*hd, D], bq/bk/bv [L, Hq*hd / Hkv*hd] (only with attention_bias),
-            mlp_norm [L, D], w_gate [L, D, F], w_up [L, D, F], w_down [L, F, D]
+The parameter tree, its shapes and the Hugging Face / llama.cpp names of every weight are declared
+once, in `jaxserve.models.weights`; a slot is a weight's path ("embed", "layers/wq", ...).
 """
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import numpy as np
 
 from checkpoints import ConversionError
 from jaxserve.config import ModelConfig
+from jaxserve.models import weights
 
 
 def _leaf_names(shapes: dict) -> list[str]:
@@ -30,7 +26,7 @@ class ParamBuffers:
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str):
         self.config = config
         self.source_file = source_file
-        shapes = config.param_shapes()
+        shapes = weights.param_shapes(config)
         self.arrays = {k: np.empty(s, dtype) for k, s in shapes.items() if k != "layers"}
         self.arrays["layers"] = {k: np.empty(s, dtype) for k, s in shapes["layers"].items()}
         self._filled: dict[tuple[str, int | None], str] = {}
@@ -85,3 +81,24 @@ class ParamBuffers:
                     raise ConversionError(
                         f"{self.source_file}: missing tensor {describe_missing(name, layer)!r}")
         return self.arrays
+
+
+def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
+    """The tensor names of `config`'s weights in a source format ("hf" or "gguf"), as two maps to
+    (slot, transposed): whole-model names ("model.norm.weight") and per-layer names without their
+    layer prefix ("self_attn.q_proj.weight" of "model.layers.{i}.")."""
+    whole, per_layer = {}, {}
+    for info in weights.weight_infos(config).values():
+        name = getattr(info, fmt)
+        if name is not None:
+            (per_layer if info.per_layer else whole)[name] = (info.path, info.transposed)
+    return whole, per_layer
+
+
+def describe_slot(whole: dict, per_layer: dict, layer_prefix: str, slot: str, layer: int | None) -> str:
+    """The source name of `slot` (of `layer`), for messages about a missing tensor."""
+    for table, prefix in ((whole, ""), (per_layer, layer_prefix.format(layer=layer))):
+        for name, (candidate, _) in table.items():
+            if candidate == slot:
+                return prefix + name
+    return slot

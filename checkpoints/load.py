@@ -1,11 +1,15 @@
-"""Load a converted model directory: config, parameters (orbax) and tokenizer."""
+"""Open a converted model directory once, then load its tokenizer and parameters (orbax).
+
+`open_model(name_or_path)` resolves a model name or path to a converted directory (converting a
+GGUF or Hugging Face source into the cache on first use), reads its `jaxserve.json` marker and
+its config once, and returns a `ModelSource`; the tokenizer and the weights load from it.
+jax is imported only to load the weights.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-
-import jax
-import jax.numpy as jnp
 
 from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
 from jaxserve.config import ConfigError, ModelConfig
@@ -27,64 +31,106 @@ def check_model_dir(model_dir: str) -> dict:
     return marker
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A converted model directory, opened: its marker and config read once; the tokenizer and
+    the weights are loaded on request."""
+    path: str
+    name: str  # the public id (checkpoints.default_model.served_model_name), never a path
+    marker: dict
+    config: ModelConfig
+
+    @classmethod
+    def open(cls, model_dir: str, name: str | None = None) -> "ModelSource":
+        """Reads the marker and the config of a converted directory; ConversionError if it is not
+        one or its config cannot be served."""
+        from checkpoints.default_model import served_model_name
+
+        marker = check_model_dir(model_dir)
+        try:
+            config = ModelConfig.from_json_file(os.path.join(model_dir, "config.json"))
+        except ConfigError as e:
+            raise ConversionError(f"{model_dir}: {e}") from None
+        return cls(model_dir, name or served_model_name(model_dir), marker, config)
+
+    @property
+    def quantization(self) -> dict[str, str]:
+        """{linear leaf: format name} of the leaves stored quantized; {} for float weights."""
+        return self.marker.get("quantization") or {}
+
+    def param_shapes(self) -> dict:
+        """The parameter tree of shapes (tuples) of this model: the one place loading asks for them."""
+        from jaxserve.models import weights
+        return weights.param_shapes(self.config)
+
+    def load_tokenizer(self):
+        """The Hugging Face tokenizer saved with the model (local files only); None when the source
+        had no tokenizer files (token ids in, token ids out)."""
+        if not self.marker.get("has_tokenizer", True):
+            return None
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except Exception as e:  # transformers raises many types for broken tokenizer files
+            raise ConversionError(f"{self.path}: cannot load the tokenizer ({e})") from None
+
+    def abstract_params(self, dtype, sharding=None) -> dict:
+        """The checkpoint's arrays as jax.ShapeDtypeStructs: float leaves in `dtype`, leaves stored
+        quantized in their own dtypes; all with `sharding` (default: none)."""
+        import jax.numpy as jnp
+
+        from jaxserve.quantization import checkpoint_structs
+        return checkpoint_structs(self.param_shapes(), jnp.dtype(dtype), self.quantization, sharding)
+
+    def load_params(self, dtype, shardings=None) -> dict:
+        """The parameter pytree as jax arrays, float leaves cast to `dtype` while restoring (leaves
+        stored as int8 / int4 dicts keep their dtypes).
+
+        `shardings`: a pytree of `jax.sharding.Sharding` matching the float parameters (default:
+        all on the first device).
+        """
+        import jax
+        import orbax.checkpoint as ocp
+
+        if shardings is None:
+            target = self.abstract_params(dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        else:
+            from jaxserve.sharding import quantized_checkpoint_shardings
+            structs = self.abstract_params(dtype)
+            try:
+                array_shardings = quantized_checkpoint_shardings(shardings, structs)
+            except ValueError as e:  # quantization groups that do not split over the devices
+                raise ConversionError(f"{self.path}: {e}") from None
+            except (KeyError, TypeError) as e:
+                raise ConversionError(f"shardings do not match the parameter tree of {self.path}: {e!r}") from None
+            try:
+                target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                      structs, array_shardings)
+            except ValueError as e:
+                raise ConversionError(f"shardings do not match the parameter tree of {self.path}: {e}") from None
+        params_dir = os.path.abspath(os.path.join(self.path, PARAMS_DIR))
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                return checkpointer.restore(params_dir, target)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConversionError(f"{params_dir}: cannot restore the parameters ({e})") from None
+
+
+def open_model(name_or_path: str) -> ModelSource:
+    """The model `name_or_path` names ("smollm2", a converted directory, a `.gguf` file or a
+    Hugging Face folder; see checkpoints.default_model.resolve_model), opened once."""
+    from checkpoints.default_model import resolve_model, served_model_name
+    return ModelSource.open(resolve_model(name_or_path), served_model_name(name_or_path))
+
+
+# One-call helpers on a converted directory (each opens it).
 def load_config(model_dir: str) -> ModelConfig:
-    check_model_dir(model_dir)
-    try:
-        return ModelConfig.from_json_file(os.path.join(model_dir, "config.json"))
-    except ConfigError as e:
-        raise ConversionError(f"{model_dir}: {e}") from None
+    return ModelSource.open(model_dir).config
 
 
 def load_params(model_dir: str, dtype, shardings=None) -> dict:
-    """The parameter pytree as jax arrays of `dtype`, cast while restoring.
-
-    `shardings`: a pytree of `jax.sharding.Sharding` matching the parameters (default: all on the
-    first device).
-    """
-    import orbax.checkpoint as ocp
-
-    config = load_config(model_dir)
-    shapes = config.param_shapes()
-    dtype = jnp.dtype(dtype)
-    formats = check_model_dir(model_dir).get("quantization")
-    if formats:  # linear leaves stored as int8 / int4 dicts keep their dtypes; the rest is cast
-        from jaxserve.quantization import checkpoint_structs
-        if shardings is None:
-            target = checkpoint_structs(shapes, dtype, formats, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        else:
-            from jaxserve.sharding import quantized_checkpoint_shardings
-            structs = checkpoint_structs(shapes, dtype, formats)
-            try:
-                array_shardings = quantized_checkpoint_shardings(shardings, structs)
-            except ValueError as e:
-                raise ConversionError(f"{model_dir}: {e}") from None
-            target = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                                  structs, array_shardings)
-    else:
-        if shardings is None:
-            device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda _: device_sharding, shapes, is_leaf=lambda x: isinstance(x, tuple))
-        try:
-            target = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-                                  shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
-        except ValueError as e:
-            raise ConversionError(f"shardings do not match the parameter tree of {model_dir}: {e}") from None
-    params_dir = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
-    try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(params_dir, target)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConversionError(f"{params_dir}: cannot restore the parameters ({e})") from None
+    return ModelSource.open(model_dir).load_params(dtype, shardings)
 
 
 def load_tokenizer(model_dir: str):
-    """The Hugging Face tokenizer saved with the model (local files only); None when the source
-    had no tokenizer files (token ids in, token ids out)."""
-    marker = check_model_dir(model_dir)
-    if not marker.get("has_tokenizer", True):
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception as e:  # transformers raises many types for broken tokenizer files
-        raise ConversionError(f"{model_dir}: cannot load the tokenizer ({e})") from None
+    return ModelSource.open(model_dir).load_tokenizer()

@@ -23,6 +23,7 @@ from checkpoints import ConversionError
 from checkpoints.layout import ParamBuffers
 from jaxserve import quantization as qz
 from jaxserve.config import ModelConfig
+from jaxserve.models import weights
 
 BLOCK_SIZE = 32
 # GGML type name -> bytes of its float16 block header: scale [+ minimum]
@@ -86,7 +87,7 @@ def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat]
     """Format of every linear leaf, and the slots ('layers/wq', ...) to copy as GGUF blocks."""
     kinds = source.tensor_kinds() if hasattr(source, "tensor_kinds") else {}
     formats, direct = {}, set()
-    for leaf in qz.LINEAR_LEAVES:
+    for leaf in weights.linear_leaves(source.config):
         slot_kinds = kinds.get(f"layers/{leaf}", set())
         kind = next(iter(slot_kinds)) if len(slot_kinds) == 1 else None
         mapped = copy_format(kind, fmt)
@@ -105,7 +106,8 @@ class QuantizedParamBuffers(ParamBuffers):
                  formats: dict[str, qz.QuantFormat]):
         super().__init__(config, dtype, source_file)
         self.formats = formats
-        shapes = config.param_shapes()["layers"]
+        shapes = weights.param_shapes(config)["layers"]
+        self._layer_shapes = shapes
         for leaf, fmt in formats.items():
             try:
                 leaf_shapes = qz.quantized_shapes(shapes[leaf], fmt, leaf)
@@ -117,7 +119,7 @@ class QuantizedParamBuffers(ParamBuffers):
     def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
         leaf = name.split("/", 1)[-1]
         if name.startswith("layers/") and leaf in self.formats:
-            return self.config.param_shapes()["layers"][leaf][1:]
+            return self._layer_shapes[leaf][1:]
         return super().slot_shape(name, layer)
 
     def store(self, name: str, layer: int | None, tensor, transpose: bool) -> None:

@@ -6,9 +6,9 @@ Llama 3.x releases use and keep the one that reproduces the tensor.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from jaxserve.config import rope_inv_freq
 
 _CANDIDATES = tuple(
     {"low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": original}
@@ -19,14 +19,8 @@ _CANDIDATES = tuple(
 
 def llama3_frequency_divisors(rope_theta: float, head_dim: int, scaling: dict) -> np.ndarray:
     """The per-frequency divisors that llama3 scaling applies: [head_dim // 2]."""
-    inv_freq = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    factor = scaling["factor"]
-    original = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = 1.0 / ((1.0 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, smoothed))
+    scaling = {"rope_type": "llama3", **scaling}
+    return rope_inv_freq(rope_theta, head_dim, None) / rope_inv_freq(rope_theta, head_dim, scaling)
 
 
 def llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict | None:

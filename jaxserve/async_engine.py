@@ -12,7 +12,7 @@ import threading
 from typing import Callable
 
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput
+from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, StepRecord
 from jaxserve.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """`listener(record)` after every engine step that ran; it runs on the engine thread."""
+        self.engine.add_step_listener(listener)
 
     def health(self) -> dict:
         """What /health reports beyond liveness: failed steps and the last one's error."""
@@ -182,12 +186,12 @@ class RequestStream:
 
 
 def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
-    """The server's factory: an AsyncEngine (not yet started) for a model name or path."""
-    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
-    max_waiting = engine_kwargs.get("max_waiting_requests")
-    engine = Engine.from_model(model, EngineConfig(**engine_kwargs))
+    """The server's factory: an AsyncEngine (not yet started) for a model name or path.
+    `engine_kwargs`: EngineConfig fields (None: the default)."""
+    config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
+    engine = Engine.from_model(model, config)
     replicas = getattr(engine, "replicas", None)  # data parallel: one AsyncEngine per replica
     if replicas is not None:
         from jaxserve.data_parallel import DataParallelAsyncEngine
-        return DataParallelAsyncEngine([AsyncEngine(e, max_waiting) for e in replicas])
-    return AsyncEngine(engine, max_waiting)
+        return DataParallelAsyncEngine([AsyncEngine(e) for e in replicas])
+    return AsyncEngine(engine)

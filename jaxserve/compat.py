@@ -1,22 +1,17 @@
-"""The one place that knows about differences between jax versions (0.10.x here, 0.11.x on GPU).
+"""What jaxserve knows about differences between jax versions (0.10.x here, 0.11.x on GPU),
+beyond the kernels' own shims (pallas_kernels.compat): the custom-call targets a Pallas GPU kernel
+lowers to, and lowering for CUDA on a machine without a GPU (tests, gpu_compile).
 
-Everything else in jaxserve and pallas_kernels imports these helpers instead of probing jax.
-
-Pallas GPU lowering: the kernels are written for the Triton lowering of Pallas (selected by
-passing Triton compiler params, whatever `jax_pallas_use_mosaic_gpu` says). Upstream marks that
-lowering deprecated since jax 0.11 in favour of Mosaic GPU, whose `pallas_call` path is itself
-deprecated for `plgpu.kernel`; the gather-by-page-table loads these kernels rely on map directly
-onto Triton pointers, so Triton stays the choice until a Mosaic GPU port is written and measured
-on hardware. If a jax release drops the Triton lowering, `pallas_gpu_compiler_params` raises a
-clear error and `pallas_kernels.dispatch` falls back to the reference on GPU.
+Pallas GPU lowering: the kernels use the Triton lowering of Pallas; see pallas_kernels.compat for
+why, and for what happens on a jax without it.
 """
 
 import contextlib
 import dataclasses
-import warnings
 
 import jax
-from jax.experimental import pallas as pl
+
+from pallas_kernels.compat import quiet_pallas_deprecations
 
 PALLAS_GPU_LOWERING = "triton"
 
@@ -32,40 +27,6 @@ PALLAS_GPU_CUSTOM_CALL_TARGETS = (
 # A Hopper part: the compute capability the Triton lowering assumes when no GPU is attached.
 _ABSTRACT_CUDA_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 _ABSTRACT_CUDA_COMPUTE_CAPABILITY = "9.0"
-
-
-def squeezed_block_dim():
-    """Marker for a BlockSpec dimension of size 1 that the kernel does not see."""
-    return getattr(pl, "squeezed", None)
-
-
-def pallas_gpu_compiler_params(num_warps: int, num_stages: int):
-    """Compiler params that select the Triton lowering of `pl.pallas_call` on GPU."""
-    try:
-        from jax.experimental.pallas import triton as pallas_triton
-    except ImportError as error:  # a jax without the Triton lowering
-        raise NotImplementedError(
-            f"jax {jax.__version__} has no Pallas Triton lowering; use the 'reference' attention backend"
-        ) from error
-    return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def has_pallas_triton() -> bool:
-    """Whether this jax still ships the Pallas Triton lowering."""
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def quiet_pallas_deprecations():
-    """Silences the DeprecationWarning newer jax emits for the Triton lowering."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*pallas.*")
-        yield
 
 
 def _abstract_cuda_device():

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+import numpy as np
+
+# Hugging Face architecture -> model_type; every one runs through jaxserve.models.llama.forward.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 class ConfigError(ValueError):
@@ -19,6 +30,9 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """A decoder of the Llama family. Every field that changes the math is here; a Hugging Face
+    config field that changes it and is not implemented is refused by `from_hf_dict`, never ignored."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,13 +42,25 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF llama3 dict: factor, low/high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", factor, low/high_freq_factor,
+    #                                    original_max_position_embeddings} or {"rope_type": "linear", factor}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style q/k/v biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP as well
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + weight)
+    hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), applied in the compute dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5 (else head_dim's)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    sliding_window: int | None = None  # a query sees the last `sliding_window` positions, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled)
 
     @property
     def q_size(self) -> int:
@@ -44,56 +70,50 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def param_shapes(self) -> dict[str, Any]:
-        """The one declaration of the weights: a pytree of shapes, for `x @ W` (transposed from
-        Hugging Face's [out, in]), per-layer weights stacked on a leading layer axis."""
-        L, D, F, V = self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.q_size, self.kv_size
-        layers = {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D),
-                  "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
-        if self.attention_bias:
-            layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
-        shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-        if not self.tie_word_embeddings:
-            shapes["lm_head"] = (D, V)
-        return shapes
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = 2 * d + d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f
-        if self.attention_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        lm_head = 0 if self.tie_word_embeddings else d * v
-        return v * d + self.num_layers * per_layer + d + lm_head
+    def layer_windows(self) -> list[int]:
+        """The sliding window of every layer; 0 where a layer attends to the whole context."""
+        types = self.layer_types or (SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION,) * self.num_layers
+        return [self.sliding_window if t == SLIDING_ATTENTION else 0 for t in types]
+
+    def rope_inv_freq(self, sliding: bool = False) -> np.ndarray:
+        """Inverse rotary frequencies [head_dim // 2] of a full-attention layer (or, with `sliding`,
+        of a sliding-window layer: Gemma 3 gives those their own unscaled base)."""
+        if sliding and self.rope_local_theta is not None:
+            return rope_inv_freq(self.rope_local_theta, self.head_dim, None).astype(np.float32)
+        return rope_inv_freq(self.rope_theta, self.head_dim, self.rope_scaling).astype(np.float32)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        gemma = arch.startswith("Gemma")
         try:
             num_q_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            num_layers = int(cfg["num_hidden_layers"])
             head_dim = cfg.get("head_dim") or hidden // num_q_heads
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            # transformers >= 5 folds rope_theta and the scaling dict into `rope_parameters`.
-            rope_params = cfg.get("rope_parameters") or {}
-            rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-            rope_scaling = cfg.get("rope_scaling") or (rope_params or None)
-            if rope_scaling is not None:
-                rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
-                kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-                if kind not in ("llama3", "default", None):
-                    raise ConfigError(f"unsupported rope_scaling type {kind!r}")
-                if kind in ("default", None):
-                    rope_scaling = None
+            rope_theta, rope_scaling, rope_local_theta = _rope(cfg, arch)
+            sliding_window, layer_types = _attention_layout(cfg, arch, num_layers)
+            act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+            if act not in _ACTIVATIONS:
+                raise ConfigError(f"unsupported activation {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+            for field, harmless in (("mlp_bias", False), ("use_bidirectional_attention", False),
+                                    ("partial_rotary_factor", 1.0)):
+                if cfg.get(field) not in (None, harmless):
+                    raise ConfigError(f"{field}={cfg[field]!r} is not supported")
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_q_heads=num_q_heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
                 head_dim=int(head_dim),
@@ -101,24 +121,42 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 architecture=arch,
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                sandwich_norms=gemma,
+                norm_weight_offset=1.0 if gemma else 0.0,
+                hidden_act=act,
+                embedding_multiplier=hidden ** 0.5 if gemma else 1.0,
+                query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+                attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
+                final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+                sliding_window=sliding_window,
+                layer_types=layer_types,
+                rope_local_theta=rope_local_theta,
             )
         except KeyError as e:
             raise ConfigError(f"config is missing the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"malformed config ({e})") from None
         if config.num_q_heads % config.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({config.num_q_heads}) is not a multiple of num_key_value_heads ({config.num_kv_heads})")
+        if config.attention_bias and config.architecture not in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
+            raise ConfigError(f"attention_bias is not supported for {config.architecture}")
         return config
 
     def to_hf_dict(self) -> dict[str, Any]:
-        return {
+        """The Hugging Face config.json of this model (`from_hf_dict` reads it back unchanged)."""
+        gemma = self.architecture.startswith("Gemma")
+        out = {
             "architectures": [self.architecture],
-            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}[self.architecture],
+            "model_type": ARCHITECTURES[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -134,7 +172,21 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
+            "hidden_activation" if gemma else "hidden_act": self.hidden_act,
+            "sliding_window": self.sliding_window,
         }
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            out["use_sliding_window"] = self.sliding_window is not None
+        if gemma:
+            scalar = self.query_pre_attn_scalar
+            out.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers wants an int
+                       attn_logit_softcapping=self.attn_logit_softcap,
+                       final_logit_softcapping=self.final_logit_softcap)
+        if self.rope_local_theta is not None:
+            out["rope_local_base_freq"] = self.rope_local_theta
+        return out
 
     @classmethod
     def from_json_file(cls, path: str) -> "ModelConfig":
@@ -146,3 +198,91 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(data)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, rope_local_theta) from transformers 4 fields (rope_theta,
+    rope_scaling, rope_local_base_freq) or transformers 5's `rope_parameters` (flat, or per layer
+    type for Gemma 3)."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if FULL_ATTENTION in params or SLIDING_ATTENTION in params:  # per layer type (Gemma 3)
+        local_params = params.get(SLIDING_ATTENTION) or {}
+        if _rope_type(local_params) != "default":
+            raise ConfigError(f"unsupported rope_parameters for sliding layers: {local_params}")
+        local = float(local_params.get("rope_theta", 10000.0))
+        params = params.get(FULL_ATTENTION) or {}
+    elif cfg.get("rope_local_base_freq") is not None:
+        local = float(cfg["rope_local_base_freq"])
+    elif arch == "Gemma3ForCausalLM":
+        local = 10000.0  # transformers' default for Gemma 3
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params or None)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        kind = _rope_type(scaling)
+        if kind not in _ROPE_TYPES:
+            raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(_ROPE_TYPES)}")
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return theta, scaling, local
+
+
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type")) or "default"
+
+
+def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types): which layers attend through a sliding window, and its size."""
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window that only applies with use_sliding_window
+    if arch == "LlamaForCausalLM" and window is not None:
+        raise ConfigError("sliding_window is not supported for LlamaForCausalLM")
+    types = cfg.get("layer_types")
+    if types is None:
+        if arch == "Gemma2ForCausalLM":
+            types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)]
+        elif arch == "Gemma3ForCausalLM":
+            pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+            types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
+            first = int(cfg.get("max_window_layers", num_layers))
+            types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if types is not None:
+        types = tuple(types)
+        if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+            raise ConfigError(f"layer_types must list {FULL_ATTENTION} or {SLIDING_ATTENTION} for each of "
+                              f"the {num_layers} layers, got {list(types)}")
+        if window is None:  # no window: every layer attends to the whole context
+            types = None
+        elif all(t == FULL_ATTENTION for t in types):
+            types, window = None, None
+        elif all(t == SLIDING_ATTENTION for t in types):
+            types = None
+    if window is not None and (isinstance(window, bool) or int(window) < 1):
+        raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
+    return (None if window is None else int(window)), types
+
+
+def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2] (float64), scaled as `scaling` says: "linear"
+    divides every frequency by the factor; "llama3" divides the low ones by it and interpolates
+    the middle band (the formula of Meta's Llama 3.1 release)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if _rope_type(scaling) == "linear":
+        return inv_freq / factor
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = inv_freq * ((1.0 - smooth) / factor + smooth)
+    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(is_medium, smoothed, scaled)

@@ -22,20 +22,27 @@ from jaxserve.outputs import EngineStats
 
 def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
                  load_params: Callable):
-    """An `engine_cls` (one replica) or a DataParallelEngine of `cfg.data_parallel_size` replicas.
+    """The one engine builder: an `engine_cls` (one replica) or a DataParallelEngine of
+    `cfg.data_parallel_size` replicas, each on its own `cfg.tensor_parallel_size` devices.
 
     load_params(shardings) returns the weights of one replica: `shardings` is that replica's
     `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
-    single device. The head split is checked before any weight is loaded (ValueError)."""
+    single device. The split is checked before any weight is loaded (ValueError), and each
+    replica's memory budget is read before its weights take memory (the planner subtracts them)."""
+    from jaxserve import device_setup
+
     tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
     if tp == 1 and dp == 1:
-        return engine_cls(model_config, load_params(None), tokenizer, cfg, model_name=model_name)
-    mesh = sharding.make_mesh(model_config, tp, dp)
+        replica_shardings = [None]
+    else:
+        mesh = sharding.make_mesh(model_config, tp, dp)
+        replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh)
+                             for replica_mesh in sharding.replica_meshes(mesh)]
     engines = []
-    for replica_mesh in sharding.replica_meshes(mesh):
-        shardings = sharding.ModelShardings.create(model_config, replica_mesh)
-        engines.append(engine_cls(model_config, load_params(shardings), tokenizer, cfg,
-                                  model_name=model_name, shardings=shardings))
+    for shardings in replica_shardings:
+        budget = None if cfg.num_pages else device_setup.memory_budget_bytes(shardings)
+        engines.append(engine_cls(model_config, load_params(shardings), tokenizer, cfg, model_name=model_name,
+                                  shardings=shardings, device_memory_bytes=budget))
     return engines[0] if dp == 1 else DataParallelEngine(engines)
 
 
@@ -115,6 +122,11 @@ class DataParallelAsyncEngine:
 
     def stats(self) -> EngineStats:
         return sum_stats([r.stats() for r in self.replicas])
+
+    def add_step_listener(self, listener: Callable) -> None:
+        """AsyncEngine.add_step_listener on every replica (each calls it on its own thread)."""
+        for replica in self.replicas:
+            replica.add_step_listener(listener)
 
     def health(self) -> dict:
         reports = [r.health() for r in self.replicas]

@@ -1,6 +1,7 @@
 """Device-side choices made once at start-up: dtype, quantization, attention backend, KV pool size."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -25,9 +26,11 @@ def on_gpu() -> bool:
 
 
 def param_dtype(name: str | None):
-    """float32 on CPU and bfloat16 on GPU unless a dtype is named."""
+    """The jnp dtype named (float32, bfloat16, float16); None: this platform's default
+    (EngineConfig.for_platform: bfloat16 on GPU, float32 on CPU)."""
     if name is None:
-        return jnp.bfloat16 if on_gpu() else jnp.float32
+        from jaxserve.engine import EngineConfig
+        name = EngineConfig().for_platform(on_gpu()).dtype
     try:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
     except KeyError:
@@ -44,13 +47,13 @@ def kv_cache_dtype(name: str | None):
     return kv_quant.KV_CACHE_DTYPES[name]
 
 
-def quantize_weights(params, name: str | None):
+def quantize_weights(params, name: str | None, config):
     """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged).
     ValueError for an unknown format or a group size that does not fit. Sharded weights stay on
     their devices; the runner places the results in their tensor-parallel layout."""
     if not name:
         return params
-    return quantization.quantize_params(params, name)
+    return quantization.quantize_params(params, name, config)
 
 
 def array_bytes(*trees) -> tuple[int, ...]:
@@ -62,34 +65,39 @@ def attention_backend(override: str | None) -> str:
     return dispatch.attention_backend(override)
 
 
-def plan_num_pages(model_config: ModelConfig, cfg, max_model_len: int, params, *,
-                   shardings=None) -> int:
-    """KV pages for the engine: the planner's answer for one device's memory budget (the first
-    device of `shardings`' mesh, else the first device), with weights and KV heads split over
-    its tensor-parallel devices.
+def platform_config(cfg):
+    """`cfg` (an EngineConfig) with this machine's defaults filled in: the attention backend
+    (pallas_kernels.dispatch's choice: Pallas on a GPU with its lowering, else the XLA path;
+    $JAXSERVE_ATTENTION_BACKEND wins) and the dtype (EngineConfig.for_platform)."""
+    cfg = dataclasses.replace(cfg, attention_backend=attention_backend(cfg.attention_backend))
+    return cfg.for_platform(on_gpu())
 
-    On CPU the pool is also capped at what max_num_seqs sequences of max_model_len tokens can
-    use, so that a laptop-sized run does not zero gigabytes it will never touch."""
-    dtype = params["embed"].dtype  # quantized weights: the dtype of the float leaves
-    measured_weights_bytes = None  # quantized weights: what the loaded arrays hold on one device
-    if quantization.params_formats(params):
-        measured_weights_bytes = (quantization.tree_bytes(params) if shardings is None
-                                  else shardings.per_device_bytes(params))
-    tensor_parallel_size = 1 if shardings is None else shardings.tensor_parallel_size
+
+def memory_budget_bytes(shardings=None) -> int:
+    """The memory budget of the device the KV pool is planned for: the first device of
+    `shardings`' mesh, else the first device. Read it before the weights are loaded."""
     device = jax.devices()[0] if shardings is None else shardings.mesh.devices.flat[0]
-    budget = memory.device_memory_budget_bytes(device)
-    plan = memory.plan_memory(
-        model_config, device_memory_bytes=budget, memory_utilization=cfg.memory_utilization,
-        weight_dtype=jnp.dtype(dtype).name, page_size=cfg.page_size, max_model_len=max_model_len,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        measured_weights_bytes=measured_weights_bytes,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        max_prefill_seqs=cfg.max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size)
-    num_pages = plan.num_pages
-    if not on_gpu():
-        pages_per_seq = -(-max_model_len // cfg.page_size)
-        num_pages = min(num_pages, cfg.max_num_seqs * pages_per_seq + 1)
-    return num_pages
+    return memory.device_memory_budget_bytes(device)
+
+
+def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
+                device_memory_bytes: int | None = None) -> memory.MemoryPlan:
+    """memory.plan_engine for an engine over the loaded `params` (on one device, or split as
+    `shardings` says): this machine's platform defaults, the weights' float dtype, and, for
+    quantized weights, the bytes one device holds of them in place of the estimate."""
+    cfg = platform_config(dataclasses.replace(cfg, dtype=jnp.dtype(params["embed"].dtype).name))
+    if device_memory_bytes is None:
+        device_memory_bytes = memory_budget_bytes(shardings)
+    return memory.plan_engine(model_config, cfg, device_memory_bytes=device_memory_bytes, on_gpu=on_gpu(),
+                              measured_weights_bytes=quantized_weights_bytes(params, shardings))
+
+
+def quantized_weights_bytes(params, shardings=None) -> int | None:
+    """The bytes one device holds of `params` (arrays or abstract arrays, split as `shardings`
+    says) when some of them are quantized; None for float weights (the planner estimates those)."""
+    if not quantization.params_formats(params):
+        return None
+    return quantization.tree_bytes(params) if shardings is None else shardings.per_device_bytes(params)
 
 
 DISTRIBUTED_ENV_VARS = ("JAXSERVE_COORDINATOR_ADDRESS", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID")

@@ -2,26 +2,42 @@
 
 `Engine` is synchronous: `add_request`, `abort` and `step` (one scheduled model step, returning a
 delta per request that advanced). `jaxserve.async_engine.AsyncEngine` runs it for asyncio callers.
+
+The engine is the core: scheduling, the model step, stop tokens and length limits, recovery from
+a failed step. Each step's per-request results go, as `CoreOutput`s, to the output side
+(`jaxserve.output_processor`: detokenization, stop strings, logprobs), and each step that ran
+leaves one `StepRecord` (shape, work, device and host time) for benchmarks and metrics.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, TokenLogprob
+from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
+from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, StepRecord, TokenLogprob
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestLimits, RequestStatus, SamplingParams, check_request
+from jaxserve.scheduled_batch import ScheduledBatch
 from jaxserve.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
 
+STEP_RECORDS_KEPT = 1024  # the most recent StepRecords an engine keeps
+
+
+DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
+
+
 @dataclasses.dataclass
 class EngineConfig:
+    """The engine's settings, and the one source of their defaults: `jaxserve serve`, `generate`
+    and `plan` define their engine flags from these (jaxserve/commands/engine_flags.py), and
+    `jaxserve.memory.plan_engine` sizes the KV pool from the whole config."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_num_prefill_seqs: int = 2
@@ -39,6 +55,18 @@ class EngineConfig:
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
+
+    def for_platform(self, on_gpu: bool) -> "EngineConfig":
+        """This config with the platform defaults filled in where it leaves them open: dtype
+        bfloat16 and the Pallas kernels on a GPU, float32 and the blocked XLA attention on the CPU."""
+        return dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
+                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"))
+
+    def model_len(self, model_config) -> int:
+        """The longest sequence served: max_model_len (default: DEFAULT_MAX_MODEL_LEN), at most
+        the model's context."""
+        context = model_config.max_position_embeddings
+        return min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context)
 
 
 @dataclasses.dataclass
@@ -61,38 +89,32 @@ class FinishedRequest:
         return (self.e2e - self.ttft) / (len(self.token_ids) - 1)
 
 
-class _Stream:
-    """Host-side text state of one request: detokenizer and stop strings."""
-
-    def __init__(self, request: Request, tokenizer):
-        self.request = request
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
-        self.stop_checker = StopChecker(request.params.stop)
-
-
 class Engine:
     """Synchronous engine: the scheduler (host) plus the model runner (device)."""
 
     def __init__(self, model_config, params, tokenizer, engine_config: EngineConfig | None = None,
-                 *, model_name: str = "model", shardings=None):
+                 *, model_name: str = "model", shardings=None, device_memory_bytes: int | None = None):
+        """One replica over loaded weights: on the first device, or on the devices of `shardings`
+        (a `sharding.ModelShardings`, required with tensor_parallel_size > 1). Engines are built
+        by `data_parallel.build_engine` (which `from_model` uses); tests and benchmarks may call
+        this directly on one device. Without `num_pages` the KV pool is `memory.plan_engine`'s
+        for `device_memory_bytes` (default: the device's budget, read now)."""
         from jaxserve import runner as runner_lib  # jax lives behind the runner
         from jaxserve import device_setup
 
         cfg = engine_config or EngineConfig()
-        device_setup.enable_compilation_cache()
-        params = device_setup.quantize_weights(params, cfg.quantization)
         if shardings is None and cfg.tensor_parallel_size > 1:
-            from jaxserve import sharding
-            mesh = sharding.make_mesh(model_config, cfg.tensor_parallel_size)
-            shardings = sharding.ModelShardings.create(model_config, mesh)
+            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs the replica's shardings; "
+                             f"build the engine with Engine.from_model or data_parallel.build_engine")
+        device_setup.enable_compilation_cache()
+        params = device_setup.quantize_weights(params, cfg.quantization, model_config)
         self.config = cfg
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 2048),
-                                 model_config.max_position_embeddings)
-        num_pages = cfg.num_pages or device_setup.plan_num_pages(
-            model_config, cfg, self.max_model_len, params, shardings=shardings)
+        self.max_model_len = cfg.model_len(model_config)
+        num_pages = cfg.num_pages or device_setup.plan_engine(
+            model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes).num_pages
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -111,7 +133,9 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._streams: dict[str, _Stream] = {}
+        self.output_processor = OutputProcessor(tokenizer)
+        self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
+        self._step_listeners: tuple[Callable[[StepRecord], None], ...] = ()
         self.num_steps = 0
         self.num_computed_tokens = 0  # model tokens computed (prefix-cache hits are not computed)
         self.time_in_steps = 0.0
@@ -127,19 +151,16 @@ class Engine:
         Weights are restored straight into each device's shards. With data_parallel_size > 1
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
         Raises ValueError when the model cannot be split over the requested devices."""
-        from checkpoints import default_model, load
+        from checkpoints import load
         from jaxserve import data_parallel, device_setup
 
-        cfg = engine_config or EngineConfig()
         device_setup.initialize_distributed()
-        model_dir = default_model.resolve_model(model)
-        model_config = load.load_config(model_dir)
-        dtype = device_setup.param_dtype(cfg.dtype)
-        tokenizer = load.load_tokenizer(model_dir)
+        cfg = device_setup.platform_config(engine_config or EngineConfig())
+        source = load.open_model(model)
         return data_parallel.build_engine(
-            cls, model_config, tokenizer, cfg, model_name=default_model.served_model_name(model),
-            load_params=lambda shardings: load.load_params(
-                model_dir, dtype, None if shardings is None else shardings.checkpoint_shardings()))
+            cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,
+            load_params=lambda shardings: source.load_params(
+                cfg.dtype, None if shardings is None else shardings.checkpoint_shardings()))
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -160,7 +181,7 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queues a request made by `make_request` (already checked; not checked again)."""
         self.scheduler.add_request(request)
-        self._streams[request.request_id] = _Stream(request, self.tokenizer)
+        self.output_processor.add(request.request_id, request.prompt_token_ids, request.params)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> Request:
@@ -171,10 +192,9 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Aborts a request now (its pages return at once); its closing delta, or None if unknown."""
         request = self.scheduler.abort(request_id)
-        stream = self._streams.pop(request_id, None)
-        if request is None or stream is None:
+        if request is None:
             return None
-        return self._output(stream, [], "", None)
+        return self._close(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -189,68 +209,87 @@ class Engine:
             weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes,
             num_step_failures=self.num_step_failures)
 
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """Calls `listener(record)` after every step that ran, on the thread that steps the engine."""
+        self._step_listeners += (listener,)
+
+    def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        self._step_listeners = tuple(f for f in self._step_listeners if f != listener)  # == matches bound methods
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one model step; returns a delta for every request that advanced."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        batch = plan.to_batch()
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(batch)
         except StepInputError as e:  # nothing ran: fail that request, the others run next step
-            log.error("request %s could not be packed into a step: %s", e.request.request_id, e)
-            return [self._fail(e.request, f"the request could not be run: {e}")]
+            request = next(r for r, _ in plan.scheduled if r.request_id == e.request_id)
+            log.error("request %s could not be packed into a step: %s", e.request_id, e)
+            return [self._fail(request, f"the request could not be run: {e}")]
         except Exception as e:
             return self._recover_from_failed_step(plan, e)
         self.num_steps += 1
-        self.num_computed_tokens += plan.num_tokens
+        self.num_computed_tokens += batch.num_tokens
         self.time_in_steps += result.device_seconds
-        rows = {req.request_id: i for i, req in enumerate(plan.decode + [r for r, _ in plan.prefill])}
+        rows = {row.request_id: i for i, row in enumerate(batch.rows)}
         appended = self.scheduler.update(plan, result.token_ids.tolist())
-        outputs = []
+        core_outputs = []
         for request in appended:
-            stream = self._streams.get(request.request_id)
-            if stream is None:
-                continue
-            logprob = None
+            self._check_stop_token(request)
+            i = rows[request.request_id]
+            logprobs = None
             if request.params.logprobs is not None and result.logprobs is not None:
-                i = rows[request.request_id]
-                k = request.params.logprobs
-                logprob = TokenLogprob(
-                    request.output_token_ids[-1], float(result.logprobs[i]),
-                    [(int(t), float(lp)) for t, lp in zip(result.top_ids[i][:k], result.top_logprobs[i][:k])])
-            outputs.append(self._advance(stream, logprob))
+                logprobs = RowLogprobs(float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i])
+            core_outputs.append(self._core_output(request, logprobs))
+        outputs, stopped = self.output_processor.process(core_outputs)
+        for request in appended:
+            if request.request_id in stopped:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        self._record_step(batch, result, time.perf_counter() - start)
         return outputs
 
-    def _advance(self, stream: _Stream, logprob: TokenLogprob | None) -> RequestOutput:
-        """Stop checks and detokenization for the token just appended to the request."""
-        request = stream.request
+    def _check_stop_token(self, request: Request) -> None:
+        """Finishes a request whose new token is one of its stop tokens (or EOS, unless ignored)."""
         token_id = request.output_token_ids[-1]
         params = request.params
-        text = ""
-        stop_string_matched = False
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)  # the token is not text
-        elif stream.detokenizer is not None:
-            text, stop_string_matched = stream.stop_checker.add(stream.detokenizer.add(token_id))
-        if stop_string_matched:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        elif not request.is_finished:
-            self.scheduler.check_length(request)
-        if request.is_finished and not stop_string_matched and stream.detokenizer is not None:
-            text += stream.stop_checker.add(stream.detokenizer.flush())[0] + stream.stop_checker.flush()
-        return self._output(stream, [token_id], text, [logprob] if logprob else None)
 
-    def _output(self, stream: _Stream, token_ids, text, logprobs) -> RequestOutput:
-        request = stream.request
-        if request.is_finished:
-            self._streams.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=token_ids, new_text=text,
-            finished=request.is_finished, finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, new_logprobs=logprobs,
-            error=request.error_message)
+    @staticmethod
+    def _core_output(request: Request, logprobs: RowLogprobs | None = None, new_token: bool = True) -> CoreOutput:
+        """The request's state after a step (its last token is new) or, with new_token=False, at its end."""
+        return CoreOutput(
+            request_id=request.request_id,
+            new_token_ids=(request.output_token_ids[-1],) if new_token else (),
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            logprobs=logprobs, error=request.error_message)
+
+    def _close(self, request: Request) -> RequestOutput:
+        """The closing delta of a request the core ended without a new token (abort, error)."""
+        outputs, _ = self.output_processor.process([self._core_output(request, new_token=False)])
+        return outputs[0]
+
+    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float) -> None:
+        """Keeps the step's StepRecord and hands it to the listeners (a failing listener is logged)."""
+        bucket = result.bucket
+        record = StepRecord(
+            kind="mixed" if batch.decode and batch.prefill else "decode" if batch.decode else "prefill",
+            bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
+            bucket_pages=bucket.num_pages, num_decode_rows=len(batch.decode), num_prefill_rows=len(batch.prefill),
+            num_prefill_tokens=batch.num_prefill_tokens, num_tokens=batch.num_tokens,
+            num_attention_pairs=batch.num_attention_pairs, device_seconds=result.device_seconds,
+            host_seconds=step_seconds - result.device_seconds, pack_seconds=result.host_seconds)
+        self.step_records.append(record)
+        for listener in self._step_listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("a step listener failed")
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an
@@ -277,12 +316,11 @@ class Engine:
         request.error_message = message
         if not request.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-        stream = self._streams.get(request.request_id) or _Stream(request, None)
-        return self._output(stream, [], "", None)
+        return self._close(request)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Ends every unfinished request with an error (shutdown, or a step that could not recover)."""
-        return [self._fail(stream.request, message) for stream in list(self._streams.values())]
+        return [self._fail(request, message) for request in self.scheduler.unfinished_requests()]
 
     # ---- offline --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],

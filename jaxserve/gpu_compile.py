@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from jaxserve import compat, memory, quantization, sampler, sharding
 from jaxserve.config import ModelConfig
 from jaxserve.gpu_targets import target_config, target_memory_budget_bytes
-from jaxserve.models import llama
+from jaxserve.models import llama, weights
 from jaxserve.runner import Bucket, BucketSet
 from pallas_kernels import kv_quant
+from pallas_kernels.compat import quiet_pallas_deprecations
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (jax's CUDA plugin and ptxas, about 1.2 GB)"
 _ERROR_CHARS = 2000  # of XLA's message kept in a failed bucket's report
@@ -113,7 +114,7 @@ def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
     cache_enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), compat.quiet_pallas_deprecations():
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), quiet_pallas_deprecations():
             compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_enabled)
@@ -157,12 +158,11 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     shardings = sharding.ModelShardings.create(model_config, mesh)
     run_config = shardings.model_config
     float_dtype = jnp.dtype(dtype)
-    params = jax.eval_shape(lambda: llama.random_params(run_config, float_dtype))
+    params = jax.eval_shape(lambda: weights.random_params(run_config, float_dtype))
     if quantization_format:
-        params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format), params)
+        params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format, run_config), params)
     params = _abstract(params, sharding.quantized_checkpoint_shardings(shardings.params, params))
-    # The planner knows int8 / int4; other formats are planned as float (an overestimate).
-    plan_weight_dtype = quantization_format if quantization_format in memory.QUANTIZED_FORMATS else float_dtype.name
+    plan_weight_dtype = quantization_format or float_dtype.name  # any jaxserve.quantization format
     plan = memory.plan_memory(
         model_config, device_memory_bytes=target_memory_budget_bytes(target), memory_utilization=memory_utilization,
         weight_dtype=plan_weight_dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
@@ -197,9 +197,11 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     samplers = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
-        inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
-                  sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len).items()}
-        samplers.append(_report({"num_rows": num_rows}, sample, (logits, inputs), mesh, None))
+        for penalties in (False, True):  # the two variants the engine warms up
+            inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
+                      sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties).items()}
+            samplers.append(_report({"num_rows": num_rows, "penalties": penalties}, sample, (logits, inputs), mesh,
+                                    None))
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
         plan_dict["num_pages_compiled"] = num_pages

@@ -1,6 +1,9 @@
 """Memory planner: how many KV pages fit next to the weights, the activations and the runtime.
 
-Pure host code (no jax at import time). Every byte count is per device: with tensor parallelism
+`plan_engine` is the one sizing of an engine: `jaxserve plan` prints it and the engine allocates
+its `num_pages` for the same EngineConfig. Pure host code (no jax at import time; the
+quantization formats and the tensor-parallel split rules are jaxserve.quantization's and
+jaxserve.sharding's, imported when used). Every byte count is per device: with tensor parallelism
 the attention heads, the MLP columns and the vocabulary are split over `tensor_parallel_size`
 devices, norms are replicated, and KV heads are split (or replicated when there are fewer KV
 heads than devices).
@@ -15,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from jaxserve.engine import EngineConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,22 +52,11 @@ class MemoryPlanError(ValueError):
     """The requested configuration does not fit in the memory budget (or makes no sense)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedFormat:
-    """Linear-layer weights stored in `bits` with one scale (and zero point) per `group_size` inputs,
-    as jaxserve.quantization stores them by default."""
-    bits: int
-    group_size: int | None  # None: one scale per output channel (the group is the whole input)
-    scale_bytes: int = 2  # float16 scales
-    zero_bytes: int = 0  # float16 zero points (2) or none (0)
-    compute_dtype: str = "bfloat16"  # activations, embeddings, lm_head, norms and biases
-
-
-QUANTIZED_FORMATS = {
-    "int8": QuantizedFormat(bits=8, group_size=None),
-    "int4": QuantizedFormat(bits=4, group_size=32, zero_bytes=2),  # "int4" = "int4_g32"
-}
-WEIGHT_DTYPES = tuple(FLOAT_DTYPE_BYTES) + tuple(QUANTIZED_FORMATS)
+# Weight dtypes: a float dtype, or a jaxserve.quantization format name (int8, int4, int4_g64,
+# int8_g32_zp, ...; see quantization.parse_format), which stores the decoder's linear layers
+# quantized and the rest (embeddings, lm_head, norms, biases) in QUANTIZED_COMPUTE_DTYPE.
+WEIGHT_DTYPES = tuple(FLOAT_DTYPE_BYTES) + ("int8", "int4")
+QUANTIZED_COMPUTE_DTYPE = "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +65,8 @@ class MemoryPlan:
     device_memory_bytes: int
     memory_utilization: float
     usable_bytes: int
-    weight_dtype: str
+    weight_dtype: str  # a float dtype, or the quantization format of the linear layers
+    compute_dtype: str  # activations and the weights that are not quantized
     kv_cache_dtype: str
     tensor_parallel_size: int
     page_size: int
@@ -93,15 +89,31 @@ class MemoryPlan:
 
 
 def normalize_dtype(name: str, allowed) -> str:
+    """The canonical name of `name` among `allowed`; with `allowed=WEIGHT_DTYPES` every
+    quantization format (quant_format) is allowed too. MemoryPlanError for anything else."""
     canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
-    if canonical not in allowed:
-        raise MemoryPlanError(f"unknown dtype {name!r}; expected one of {', '.join(allowed)}")
-    return canonical
+    if canonical in allowed:
+        return canonical
+    if allowed is WEIGHT_DTYPES:
+        return quant_format(canonical).name
+    raise MemoryPlanError(f"unknown dtype {name!r}; expected one of {', '.join(allowed)}")
+
+
+def quant_format(weight_dtype: str):
+    """The `jaxserve.quantization.QuantFormat` a weight dtype names, or None for a float dtype.
+    MemoryPlanError for a name that is neither."""
+    if weight_dtype in FLOAT_DTYPE_BYTES:
+        return None
+    from jaxserve.quantization import parse_format  # imports jax: only when quantized weights are planned
+    try:
+        return parse_format(weight_dtype)
+    except ValueError as e:
+        raise MemoryPlanError(f"unknown weight dtype {weight_dtype!r}: expected one of "
+                              f"{', '.join(FLOAT_DTYPE_BYTES)} or a quantization format ({e})") from None
 
 
 def _compute_dtype(weight_dtype: str) -> str:
-    quantized = QUANTIZED_FORMATS.get(weight_dtype)
-    return quantized.compute_dtype if quantized else weight_dtype
+    return QUANTIZED_COMPUTE_DTYPE if quant_format(weight_dtype) else weight_dtype
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
@@ -112,52 +124,53 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
 
 
 def kv_heads_per_device(model: ModelConfig, tensor_parallel_size: int) -> int:
-    tp = tensor_parallel_size
-    if tp < 1:
-        raise MemoryPlanError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if model.num_q_heads % tp:
-        raise MemoryPlanError(f"num_attention_heads ({model.num_q_heads}) is not divisible by "
-                              f"tensor_parallel_size ({tp})")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise MemoryPlanError(f"num_key_value_heads ({model.num_kv_heads}) and tensor_parallel_size "
-                              f"({tp}) must divide one another")
-    return max(1, model.num_kv_heads // tp)
+    """KV heads on each of `tensor_parallel_size` devices (replicated when fewer than devices).
+    MemoryPlanError when the model cannot be split that way (jaxserve.sharding's rules)."""
+    from jaxserve import sharding  # imports jax: the split rules live with the partition rules
+    try:
+        sharding.check_tensor_parallel(model, tensor_parallel_size)
+    except ValueError as e:
+        raise MemoryPlanError(str(e)) from None
+    return max(1, model.num_kv_heads // tensor_parallel_size)
+
+
+def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(role, shape on one device) of every weight, from the model's one declaration
+    (jaxserve.models.weights) and the partition rules: with KV heads replicated up to `tp`, every
+    axis the rules split is divided over the devices."""
+    kv_heads_per_device(model, tp)  # MemoryPlanError when the model cannot be split this way
+    from jaxserve import sharding  # imports jax, as the declaration does
+    from jaxserve.models import weights
+    run = sharding.sharded_model_config(model, tp)
+    rules = sharding.logical_axis_rules(run, tp)
+    return [(info.role, tuple(math.ceil(n / tp) if rules.get(axis) else n for n, axis in zip(info.shape, info.axes)))
+            for info in weights.weight_infos(run).values()]
 
 
 def _linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """(in_features, out_features) on one device of every linear layer in one decoder layer."""
-    d, hd = model.hidden_size, model.head_dim
-    q_local = model.num_q_heads // tp * hd
-    kv_local = kv_heads_per_device(model, tp) * hd
-    f_local = math.ceil(model.intermediate_size / tp)
-    column_parallel = [(d, q_local), (d, kv_local), (d, kv_local), (d, f_local), (d, f_local)]
-    row_parallel = [(q_local, d), (f_local, d)]  # o_proj, down_proj
-    return column_parallel + row_parallel
+    return [shape[1:] for role, shape in _device_weights(model, tp) if role == "linear"]
 
 
 def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int:
-    quantized = QUANTIZED_FORMATS.get(weight_dtype)
-    if quantized is None:
+    fmt = quant_format(weight_dtype)
+    if fmt is None:
         return in_features * out_features * FLOAT_DTYPE_BYTES[weight_dtype]
-    group = quantized.group_size or in_features
-    packed = math.ceil(in_features * out_features * quantized.bits / 8)
-    per_group = quantized.scale_bytes + quantized.zero_bytes
+    from jaxserve.quantization import quantized_dtypes
+    group = fmt.group_size or in_features
+    packed = math.ceil(in_features * out_features * fmt.bits / 8)
+    per_group = sum(dtype.itemsize for key, dtype in quantized_dtypes(fmt).items() if key != "q")  # scale, zero
     return packed + math.ceil(in_features / group) * out_features * per_group
 
 
 def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
-    """Parameters held by one device, by kind: linear (decoder matrices) and the rest."""
-    tp = tensor_parallel_size
-    d = model.hidden_size
-    linear = model.num_layers * sum(i * o for i, o in _linear_shapes(model, tp))
-    vocab_local = math.ceil(model.vocab_size / tp)
-    embeddings = vocab_local * d * (1 if model.tie_word_embeddings else 2)
-    norms = (2 * model.num_layers + 1) * d
-    biases = 0
-    if model.attention_bias:
-        q_local = model.num_q_heads // tp * model.head_dim
-        biases = model.num_layers * (q_local + 2 * kv_heads_per_device(model, tp) * model.head_dim)
-    return {"linear": linear, "embeddings": embeddings, "norms": norms, "biases": biases}
+    """Parameters held by one device, by kind: linear (decoder matrices), embeddings (embed and
+    lm_head), norms and biases."""
+    kinds = {"linear": "linear", "embedding": "embeddings", "norm": "norms", "bias": "biases"}
+    counts = dict.fromkeys(kinds.values(), 0)
+    for role, shape in _device_weights(model, tensor_parallel_size):
+        counts[kinds[role]] += math.prod(shape)
+    return counts
 
 
 def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> int:
@@ -280,9 +293,15 @@ def plan_memory(
     measured_weights_bytes: int | None = None,
     min_runtime_reserve_bytes: int = 256 * MiB,
     backend: str = "reference",
+    compute_dtype: str | None = None,
+    max_num_pages: int | None = None,
+    num_pages: int | None = None,
 ) -> MemoryPlan:
     """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
     `measured_weights_bytes` (the loaded weights, e.g. quantized ones) replaces the estimate.
+    `compute_dtype` (activations; the KV cache's with kv_cache_dtype "auto") defaults to the
+    weights' float dtype, QUANTIZED_COMPUTE_DTYPE for quantized ones. `max_num_pages` caps the
+    pool; `num_pages` fixes it (the estimates are still reported, the fit checks are skipped).
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
@@ -296,14 +315,16 @@ def plan_memory(
     if not 0 <= runtime_reserve_fraction < 1:
         raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
     weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, weight_dtype)
+    compute_dtype = normalize_dtype(compute_dtype or _compute_dtype(weight_dtype), tuple(FLOAT_DTYPE_BYTES))
+    kv_dtype = (compute_dtype if kv_cache_dtype.lower() == "auto"
+                else normalize_dtype(kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
     tp = tensor_parallel_size
     kv_heads_per_device(model, tp)  # validates the head split
 
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
     weights = weights_bytes(model, weight_dtype, tp) if measured_weights_bytes is None else measured_weights_bytes
-    if weights > usable - reserve:
+    if weights > usable - reserve and num_pages is None:
         raise MemoryPlanError(
             f"the weights do not fit: they need {format_bytes(weights)} per device, but only "
             f"{format_bytes(max(usable - reserve, 0))} is available ({format_bytes(device_memory_bytes)}"
@@ -312,29 +333,58 @@ def plan_memory(
 
     pages_per_seq = math.ceil(max_model_len / page_size)
     activations = activation_bytes(
-        model, compute_dtype=_compute_dtype(weight_dtype), max_num_batched_tokens=max_num_batched_tokens,
+        model, compute_dtype=compute_dtype, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_context_len=pages_per_seq * page_size,
         tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs, backend=backend, weight_dtype=weight_dtype)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - weights - activations - reserve
-    num_pages = max(kv_budget, 0) // per_page
-    if num_pages < 1 + pages_per_seq:
+    fits = max(kv_budget, 0) // per_page
+    if num_pages is None and fits < 1 + pages_per_seq:
         raise MemoryPlanError(
             f"no room for the KV cache of one sequence of {max_model_len} tokens: it needs "
             f"{format_bytes((1 + pages_per_seq) * per_page)}, but after the weights "
             f"({format_bytes(weights)}), the activations ({format_bytes(activations)}) and the runtime "
             f"reserve ({format_bytes(reserve)}) only {format_bytes(max(kv_budget, 0))} is left; lower "
             f"max_model_len, max_num_batched_tokens or max_num_seqs, or give more memory")
+    if num_pages is None:
+        num_pages = fits if max_num_pages is None else min(fits, max_num_pages)
     return MemoryPlan(
         device_memory_bytes=int(device_memory_bytes), memory_utilization=float(memory_utilization),
-        usable_bytes=usable, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+        usable_bytes=usable, weight_dtype=weight_dtype, compute_dtype=compute_dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, page_size=page_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         num_params=sum(count_params(model, 1).values()), weights_bytes=weights,
         kv_bytes_per_token=per_token, kv_bytes_per_page=per_page, activation_bytes=activations,
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq)
+
+
+def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: int, on_gpu: bool,
+                measured_weights_bytes: int | None = None) -> MemoryPlan:
+    """The one sizing of an engine: the plan `jaxserve plan` reports and the KV pool (`num_pages`)
+    and context (`max_model_len`) the engine allocates for the same `cfg` on one device.
+
+    `cfg` is a `jaxserve.engine.EngineConfig`; the platform defaults it leaves open (dtype,
+    attention backend) are a GPU's when `on_gpu`, else the CPU's. The weights are quantized
+    when `cfg.quantization` names a format; `measured_weights_bytes` (the loaded weights' bytes
+    on one device) replaces the estimate. A `cfg.num_pages` is taken as it is. On the CPU the
+    pool is capped at what max_num_seqs sequences of max_model_len tokens can use, so that a
+    laptop-sized run does not zero gigabytes it will never touch.
+    """
+    cfg = cfg.for_platform(on_gpu)
+    max_model_len = cfg.model_len(model)
+    cap = None
+    if not on_gpu and cfg.page_size > 0:
+        cap = cfg.max_num_seqs * math.ceil(max_model_len / cfg.page_size) + 1  # + the null page
+    return plan_memory(
+        model, device_memory_bytes=device_memory_bytes, memory_utilization=cfg.memory_utilization,
+        weight_dtype=cfg.quantization or cfg.dtype, compute_dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+        page_size=cfg.page_size, max_model_len=max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size,
+        max_prefill_seqs=cfg.max_num_prefill_seqs, measured_weights_bytes=measured_weights_bytes,
+        backend="pallas" if cfg.attention_backend == "pallas" else "reference",
+        max_num_pages=cap, num_pages=cfg.num_pages)
 
 
 def _read_int(path: str) -> int | None:

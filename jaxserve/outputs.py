@@ -1,4 +1,4 @@
-"""What the engine hands back to its callers (server, CLI): plain dataclasses, no jax."""
+"""What the engine hands back to its callers (server, CLI, benchmarks): plain dataclasses, no jax."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +11,9 @@ class QueueFullError(RuntimeError):
 class StepInputError(ValueError):
     """The inputs of one request could not be packed into a step (nothing ran on the device)."""
 
-    def __init__(self, request, message: str) -> None:
+    def __init__(self, request_id: str, message: str) -> None:
         super().__init__(message)
-        self.request = request
+        self.request_id = request_id
 
 
 @dataclasses.dataclass
@@ -50,3 +50,33 @@ class EngineStats:
     weights_bytes: int = 0  # device arrays of the weights (quantized sizes when quantized)
     kv_cache_bytes: int = 0  # the KV page pool (scales of an int8 cache included)
     num_step_failures: int = 0  # steps that raised; their requests ended with an error
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step that ran: its shape, its work and where its time went.
+
+    The engine keeps the recent ones (`Engine.step_records`) and passes each to its step
+    listeners (`Engine.add_step_listener`): the benchmarks and the server's /metrics read these."""
+    kind: str  # "decode" (decode rows only) | "prefill" (prefill chunks only) | "mixed"
+    bucket_decode_rows: int  # the compiled shape the step was padded into ...
+    bucket_prefill_tokens: int
+    bucket_pages: int  # ... block-table width
+    num_decode_rows: int
+    num_prefill_rows: int  # prefill chunks
+    num_prefill_tokens: int
+    num_tokens: int  # tokens computed: decode rows + prefill tokens
+    num_attention_pairs: int  # (query, key) pairs the step's causal attention covers
+    device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
+    host_seconds: float  # the rest of `Engine.step`: scheduling, packing, stop checks, detokenizing
+    pack_seconds: float  # the runner's part of host_seconds: packing the arrays, slicing the results
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Token rows the compiled step computed (the bucket's)."""
+        return self.bucket_decode_rows + self.bucket_prefill_tokens
+
+    @property
+    def seconds(self) -> float:
+        """The whole step: device and host."""
+        return self.device_seconds + self.host_seconds

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LINEAR_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+from jaxserve.config import ModelConfig
+from jaxserve.models import weights
+
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPE = jnp.float16
 _FORMAT_NAME = re.compile(r"int(?P<bits>[48])(?:_g(?P<group>\d+))?(?P<suffix>_sym|_zp)?")
@@ -200,14 +202,15 @@ def linear(x: jax.Array, weight) -> jax.Array:
 
 # ---- whole parameter trees ---------------------------------------------------------------------
 
-def quantize_params(params: dict, quantization: str | QuantFormat) -> dict:
-    """`params` with every float linear leaf quantized (on its device, one leaf at a time).
+def quantize_params(params: dict, quantization: str | QuantFormat, config: ModelConfig) -> dict:
+    """`params` (of `config`'s model) with every float linear leaf quantized (on its device, one
+    leaf at a time; the linear leaves are those jaxserve.models.weights declares with role "linear").
 
     Leaves already quantized are kept when they have the requested number of bits; a different
     number of bits is a ValueError (convert the model again instead)."""
     fmt = parse_format(quantization) if isinstance(quantization, str) else quantization
     layers = dict(params["layers"])
-    for name in LINEAR_LEAVES:
+    for name in weights.linear_leaves(config):
         weight = layers[name]
         if is_quantized(weight):
             stored = weight_format(weight)

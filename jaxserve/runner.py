@@ -1,10 +1,10 @@
-"""ModelRunner: StepPlan -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
+"""ModelRunner: ScheduledBatch -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
 
-Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill tokens x block table
-width (one full width on the XLA CPU path, whose cost follows the longest context present); every
-step pads to the smallest bucket that
-holds it, so after warm-up no step compiles again. The KV cache is donated to the step and
-updated in place.
+The runner works from the scheduler's plain step data (`jaxserve.scheduled_batch`) alone; it never
+sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
+tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
+context present); every step pads to the smallest bucket that holds it, so after warm-up no step
+compiles again. The KV cache is donated to the step and updated in place.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from jaxserve import sampler
 from jaxserve.config import ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
-from jaxserve.scheduler import StepPlan
+from jaxserve.scheduled_batch import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,19 @@ class BucketSet:
 
 @dataclasses.dataclass
 class StepOutput:
-    """Host copies of what one step sampled: one row per decode request, then one per prefill chunk."""
+    """Host copies of what one step sampled, one row per row of its batch (decode rows, then
+    prefill chunks), and what the step cost."""
     token_ids: np.ndarray  # int32[num_rows]
-    logprobs: np.ndarray | None  # float32[num_rows]
+    logprobs: np.ndarray | None  # float32[num_rows]; None when no row asked for logprobs
     top_ids: np.ndarray | None  # int32[num_rows, max_logprobs]
     top_logprobs: np.ndarray | None  # float32[num_rows, max_logprobs]
-    device_seconds: float
+    bucket: Bucket  # the compiled shape the step ran in
+    device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
+    host_seconds: float  # the runner's host work: packing the arrays, slicing the results
 
 
 class ModelRunner:
-    """Owns the weights and the KV cache on device; runs one step per StepPlan."""
+    """Owns the weights and the KV cache on device; runs one step per ScheduledBatch."""
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -156,7 +160,7 @@ class ModelRunner:
         self._sample = jax.jit(sample) if shardings is None else jax.jit(
             sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
-        self._compiled_sample: dict[int, jax.stages.Compiled] = {}
+        self._compiled_sample: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (rows, penalties)
 
     # ---- shapes ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
@@ -166,80 +170,78 @@ class ModelRunner:
         return self.buckets.all()
 
     # ---- host arrays ----------------------------------------------------------------------
-    def _slots(self, page_ids: list[int], start: int, stop: int) -> np.ndarray:
+    def _slots(self, page_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
+        """KV slots (page * page_size + offset) of positions start .. stop - 1. int32[stop - start]."""
         positions = np.arange(start, stop)
         pages = np.asarray(page_ids, np.int32)[positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
-    def build_batch(self, plan: StepPlan) -> tuple[Bucket, dict[str, np.ndarray], list]:
-        """Pads the plan into its bucket. Returns (bucket, batch arrays, per-row requests)."""
-        num_prefill_tokens = sum(n for _, n in plan.prefill)
-        num_pages = max(len(r.page_ids) for r in plan.decode + [r for r, _ in plan.prefill])
-        bucket = self.bucket_for(len(plan.decode), num_prefill_tokens, num_pages)
-        batch = self.empty_batch(bucket)
+    def build_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
+        """Pads the batch into its bucket. Returns (bucket, step arrays, the ScheduledRow of each
+        sampled row: decode rows at 0.., prefill chunks at bucket.num_decode..; None for padding)."""
+        bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_num_pages)
+        arrays = self.empty_batch(bucket)
         dec_bucket = bucket.num_decode
-        token_ids, positions, slot_mapping = batch["token_ids"], batch["positions"], batch["slot_mapping"]
-        decode_block_table, decode_seq_lens = batch["decode_block_table"], batch["decode_seq_lens"]
-        prefill_block_table, prefill_seq_lens = batch["prefill_block_table"], batch["prefill_seq_lens"]
-        query_start_loc, logits_indices = batch["prefill_query_start_loc"], batch["logits_indices"]
-        query_start_loc[:] = num_prefill_tokens
+        token_ids, positions, slot_mapping = arrays["token_ids"], arrays["positions"], arrays["slot_mapping"]
+        decode_block_table, decode_seq_lens = arrays["decode_block_table"], arrays["decode_seq_lens"]
+        prefill_block_table, prefill_seq_lens = arrays["prefill_block_table"], arrays["prefill_seq_lens"]
+        query_start_loc, logits_indices = arrays["prefill_query_start_loc"], arrays["logits_indices"]
+        query_start_loc[:] = batch.num_prefill_tokens
         rows: list = [None] * len(logits_indices)
 
-        for i, req in enumerate(plan.decode):
-            pos = req.num_computed_tokens
-            token_ids[i] = req.all_token_ids[pos]
-            positions[i] = pos
-            slot_mapping[i] = self._slots(req.page_ids, pos, pos + 1)[0]
-            decode_block_table[i, :len(req.page_ids)] = req.page_ids
-            decode_seq_lens[i] = pos + 1
+        for i, row in enumerate(batch.decode):
+            token_ids[i] = row.token_ids[0]
+            positions[i] = row.start
+            slot_mapping[i] = row.page_ids[row.start // self.page_size] * self.page_size + row.start % self.page_size
+            decode_block_table[i, :len(row.page_ids)] = row.page_ids
+            decode_seq_lens[i] = row.end
             logits_indices[i] = i
-            rows[i] = req
+            rows[i] = row
         offset = 0
-        for j, (req, n) in enumerate(plan.prefill):
-            start = req.num_computed_tokens
+        for j, row in enumerate(batch.prefill):
+            n = len(row.token_ids)
             t0 = dec_bucket + offset
-            token_ids[t0:t0 + n] = req.all_token_ids[start:start + n]
-            positions[t0:t0 + n] = np.arange(start, start + n)
-            slot_mapping[t0:t0 + n] = self._slots(req.page_ids, start, start + n)
-            prefill_block_table[j, :len(req.page_ids)] = req.page_ids
-            prefill_seq_lens[j] = start + n
+            token_ids[t0:t0 + n] = row.token_ids
+            positions[t0:t0 + n] = np.arange(row.start, row.end)
+            slot_mapping[t0:t0 + n] = self._slots(row.page_ids, row.start, row.end)
+            prefill_block_table[j, :len(row.page_ids)] = row.page_ids
+            prefill_seq_lens[j] = row.end
             query_start_loc[j] = offset
             offset += n
             logits_indices[dec_bucket + j] = t0 + n - 1
-            rows[dec_bucket + j] = req
-        return bucket, batch, rows
+            rows[dec_bucket + j] = row
+        return bucket, arrays, rows
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         return self.buckets.empty_batch(bucket)
 
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
-        row_params = [None if req is None else _row_params(req) for req in rows]
         try:
-            return sampler.build_sampling_inputs(row_params, len(rows), self.max_model_len)
+            return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
+                                                 len(rows), self.max_model_len)
         except sampler.RowInputError as e:
-            raise StepInputError(rows[e.row_index], str(e)) from e
+            raise StepInputError(rows[e.row_index].request_id, str(e)) from e
 
     # ---- device ---------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Runs one step: host arrays in, sampled ids (and logprobs) out; the only crossing.
 
         Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
         any other exception comes from the device step (see `recover`)."""
-        bucket, batch, rows = self.build_batch(plan)
-        sampling = self._sampling_inputs(rows)
         start = time.perf_counter()
-        out = jax.device_get(self._run_step(bucket, batch, sampling))
-        elapsed = time.perf_counter() - start
-        num_dec = len(plan.decode)
-        dec_bucket = batch["decode_seq_lens"].shape[0]
-        keep = list(range(num_dec)) + [dec_bucket + j for j in range(len(plan.prefill))]
-        want_logprobs = any(req is not None and req.params.logprobs is not None for req in rows)
-        return StepOutput(
-            token_ids=np.asarray(out["token_ids"])[keep],
-            logprobs=np.asarray(out["logprobs"])[keep] if want_logprobs else None,
-            top_ids=np.asarray(out["top_ids"])[keep] if want_logprobs else None,
-            top_logprobs=np.asarray(out["top_logprobs"])[keep] if want_logprobs else None,
-            device_seconds=elapsed)
+        bucket, arrays, rows = self.build_batch(batch)
+        sampling = self._sampling_inputs(rows)
+        device_start = time.perf_counter()
+        out = jax.device_get(self._run_step(bucket, arrays, sampling))
+        device_seconds = time.perf_counter() - device_start
+        keep = list(range(len(batch.decode))) + [bucket.num_decode + j for j in range(len(batch.prefill))]
+        want_logprobs = any(row.sampling is not None and row.sampling.params.logprobs is not None
+                            for row in batch.rows)
+        names = ("token_ids", "logprobs", "top_ids", "top_logprobs") if want_logprobs else ("token_ids",)
+        kept = {name: np.asarray(out[name])[keep] for name in names}
+        return StepOutput(token_ids=kept["token_ids"], logprobs=kept.get("logprobs"), top_ids=kept.get("top_ids"),
+                          top_logprobs=kept.get("top_logprobs"), bucket=bucket, device_seconds=device_seconds,
+                          host_seconds=time.perf_counter() - start - device_seconds)
 
     def recover(self) -> bool:
         """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers
@@ -262,27 +264,24 @@ class ModelRunner:
             batch = self.empty_batch(bucket)
             self._compiled_forward[bucket] = self._forward.lower(self.params, self.kv_cache, batch).compile()
 
-        def compile_sampler(num_rows):
+        def compile_sampler(num_rows, penalties):
             logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
-            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len)
-            self._compiled_sample[num_rows] = self._sample.lower(logits, sampling).compile()
+            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties)
+            self._compiled_sample[num_rows, penalties] = self._sample.lower(logits, sampling).compile()
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
+        samplers = [(n, penalties) for n in row_counts for penalties in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             jobs = [pool.submit(compile_bucket, b) for b in buckets]
-            jobs += [pool.submit(compile_sampler, n) for n in row_counts]
+            jobs += [pool.submit(compile_sampler, n, penalties) for n, penalties in samplers]
             for job in jobs:
                 job.result()
-        log.info("warm-up compiled %d step shapes and %d sampler shapes in %.1fs", len(buckets),
-                 len(row_counts), time.perf_counter() - start)
+        log.info("warm-up compiled %d step shapes and %d sampler shapes (with and without penalties) in "
+                 "%.1fs", len(buckets), len(samplers), time.perf_counter() - start)
         return len(buckets)
 
-    def _run_step(self, bucket: Bucket, batch, sampling) -> dict[str, jax.Array]:
+    def _run_step(self, bucket: Bucket, arrays, sampling) -> dict[str, jax.Array]:
         forward = self._compiled_forward.get(bucket, self._forward)
-        logits, self.kv_cache = forward(self.params, self.kv_cache, batch)
-        return self._compiled_sample.get(logits.shape[0], self._sample)(logits, sampling)
-
-
-def _row_params(req) -> sampler.RowParams:
-    return sampler.RowParams(req.params, seed=req.seed, step=req.num_output_tokens,
-                             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids)
+        logits, self.kv_cache = forward(self.params, self.kv_cache, arrays)
+        key = (logits.shape[0], sampler.has_histories(sampling))
+        return self._compiled_sample.get(key, self._sample)(logits, sampling)

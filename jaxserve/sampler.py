@@ -14,15 +14,18 @@ block by its mass, then a token in it) take about one pass; top_k / top_p read t
 NUM_CANDIDATES largest values, and only rows whose cut lies beyond them run an exact 32-step
 bisection over the row. Stages no row needs are skipped under `lax.cond`; a row's result never
 depends on the other rows, and its random key only on (seed, step).
-"""
 
-import dataclasses
+Penalties need each row's token history, two `[rows, history_len]` arrays. They exist only in
+the inputs of a step where some row has a penalty, and their presence is static (the inputs'
+structure): the common step without penalties neither builds nor transfers them, and runs a
+compiled variant without the penalty stage.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.request import SamplingParams
+from jaxserve.scheduled_batch import RowParams
 
 GREEDY_TEMPERATURE = 1e-5
 NUM_CANDIDATES = 64
@@ -34,23 +37,6 @@ _ROW_FIELDS = (  # SamplingParams field, dtype, value of padding rows
     ("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
     ("min_p", np.float32, 0.0), ("repetition_penalty", np.float32, 1.0),
     ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0))
-
-
-@dataclasses.dataclass(slots=True)
-class RowParams:
-    """One row of a step: a request's sampling parameters, where its random stream is, and its
-    token history (read only when it has a penalty)."""
-
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    seed: int = 0
-    step: int = 0  # number of output tokens so far
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def has_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _splitmix64(value: int) -> int:
@@ -74,23 +60,30 @@ class RowInputError(ValueError):
         self.row_index = row_index
 
 
-def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
-                          history_len: int) -> dict[str, np.ndarray]:
+def build_sampling_inputs(rows: list[RowParams | None], num_rows: int, history_len: int,
+                          penalties: bool | None = None) -> dict[str, np.ndarray]:
     """Pack per-row parameters into fixed-shape arrays; None rows (and rows past len(rows)) pad.
 
     The values were checked at admission (`request.check_request`); should one still not fit its
     array, RowInputError names the row, so only its request fails.
-    Token histories are filled only for rows with a penalty (the others stay -1: nothing reads
-    them), so a step without penalties costs no per-token host work.
+    The token histories `prompt_ids` / `output_ids` (int32[num_rows, history_len], -1 padded) are
+    included when `penalties` is True, or when it is None and some row has a penalty; only rows
+    with a penalty fill theirs (nothing reads the others).
     `num_logprobs` is -1 where the row wants no logprobs.
     """
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows do not fit in num_rows={num_rows}")
-    inputs = {name: np.full(num_rows, padding, dtype) for name, dtype, padding in _ROW_FIELDS}
-    inputs["keys"] = np.zeros((num_rows, 2), np.uint32)
-    inputs["num_logprobs"] = np.full(num_rows, -1, np.int32)
-    inputs["prompt_ids"] = np.full((num_rows, history_len), -1, np.int32)
-    inputs["output_ids"] = np.full((num_rows, history_len), -1, np.int32)
+    any_penalties = any(row is not None and row.has_penalties for row in rows)
+    if penalties is None:
+        penalties = any_penalties
+    elif any_penalties and not penalties:
+        raise ValueError("a row has a penalty: its inputs need the token histories (penalties=True)")
+    inputs = {name: np.full(num_rows, padding, dtype) for name, dtype, padding in _ROW_FIELDS}  # [num_rows]
+    inputs["keys"] = np.zeros((num_rows, 2), np.uint32)  # [num_rows, 2]: threefry key words
+    inputs["num_logprobs"] = np.full(num_rows, -1, np.int32)  # [num_rows]
+    if penalties:
+        inputs["prompt_ids"] = np.full((num_rows, history_len), -1, np.int32)  # [num_rows, history_len]
+        inputs["output_ids"] = np.full((num_rows, history_len), -1, np.int32)  # [num_rows, history_len]
     for row_index, row in enumerate(rows):
         if row is not None:
             try:
@@ -98,6 +91,11 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int,
             except (ValueError, TypeError, OverflowError) as e:
                 raise RowInputError(row_index, f"{type(e).__name__}: {e}") from e
     return inputs
+
+
+def has_histories(inputs: dict) -> bool:
+    """Whether sampling inputs carry token histories (static: the compiled variant with penalties)."""
+    return "output_ids" in inputs
 
 
 def _pack_row(inputs: dict[str, np.ndarray], row_index: int, row: RowParams, history_len: int) -> None:
@@ -204,10 +202,8 @@ def apply_penalties(logits, inputs):
 
 
 def _penalized_logits(logits, inputs):
-    uses_penalties = jnp.any((inputs["repetition_penalty"] != 1.0)
-                             | (inputs["presence_penalty"] != 0.0)
-                             | (inputs["frequency_penalty"] != 0.0))
-    return jax.lax.cond(uses_penalties, apply_penalties, lambda x, _: x, logits, inputs)
+    """Penalties where the inputs carry histories (some row has one; identity for the others)."""
+    return apply_penalties(logits, inputs) if has_histories(inputs) else logits
 
 
 def _is_sampling(inputs):
@@ -304,7 +300,8 @@ def _logprobs(logits, token_ids, max_logprobs):
 def sample(logits, inputs: dict[str, jax.Array], *, max_logprobs: int) -> dict[str, jax.Array]:
     """Sample one token per row. Pure and jit-able; `max_logprobs` is static.
 
-    logits: float32[rows, vocab]; inputs: the arrays of `build_sampling_inputs`.
+    logits: float32[rows, vocab]; inputs: the arrays of `build_sampling_inputs` (the penalty
+    stage is compiled in only when they carry token histories).
     Returns token_ids i32[rows]; logprobs f32[rows] (raw log_softmax of the sampled token);
     top_ids i32[rows, max_logprobs] and top_logprobs f32[rows, max_logprobs] (raw, best first).
     The logprob outputs are zeros when no row of the batch has num_logprobs >= 0.

@@ -5,6 +5,9 @@ running request in decode state its one token, then spends the remaining budget 
 (running requests mid-prefill first, then waiting requests FCFS). When the KV pages run out, the
 most recently admitted request not yet scheduled in this step is preempted: its pages are freed
 and it is recomputed later from its prompt and the output it already has.
+
+The `StepPlan` names live requests (the scheduler's and the engine's bookkeeping); the runner gets
+its `to_batch()` snapshot, plain immutable data (`jaxserve.scheduled_batch`).
 """
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import time
 
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduled_batch import RowParams, ScheduledBatch, ScheduledRow, uses_penalties
 
 
 @dataclasses.dataclass
 class StepPlan:
+    """What one step computes, over live requests (the scheduler's `update` applies its results)."""
     decode: list[Request] = dataclasses.field(default_factory=list)  # one token each: the last one
     prefill: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, num_new_tokens)
     preempted: list[Request] = dataclasses.field(default_factory=list)  # pages freed during this schedule()
@@ -38,6 +43,26 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.decode and not self.prefill
+
+    def to_batch(self) -> ScheduledBatch:
+        """The plan as plain data for the runner; a snapshot, taken before `Scheduler.update`."""
+        return ScheduledBatch(decode=tuple(_scheduled_row(request, 1) for request in self.decode),
+                              prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill))
+
+
+def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
+    start = request.num_computed_tokens
+    end = start + num_new
+    if num_new == 1:
+        token_ids = (request.token_id_at(start),)
+    else:
+        token_ids = tuple(request.all_token_ids[start:end])
+    sampling = None
+    if end == request.num_tokens:  # the row's sample becomes the next output token
+        history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+                   if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
+        sampling = RowParams(request.params, request.seed, request.num_output_tokens, *history)
+    return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling)
 
 
 class Scheduler:
@@ -82,8 +107,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def unfinished_requests(self) -> list[Request]:
+        """Every request added and not finished, in the order they were added."""
+        return list(self._requests.values())
 
     def add_request(self, request: Request) -> None:
         """Queues a request that passed `request.check_request` (this does not check it again);
@@ -130,6 +156,7 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """Decides the next step (pages are reserved for it now); empty when nothing can run."""
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -222,7 +249,8 @@ class Scheduler:
         `sampled_token_ids` holds one id per decode request, then one per prefill entry. Returns
         the requests that got a new output token (a prefill chunk only when it reached the end of
         the sequence). Requests that hit max_tokens or the length limit come back already finished
-        with FINISHED_LENGTH; the engine runs its stop checks on all of them and calls `finish`.
+        with FINISHED_LENGTH; the engine checks stop tokens and stop strings on all of them and
+        calls `finish` (which only changes the status of one already finished).
         Requests finished (aborted) while the step ran are skipped.
         """
         if len(sampled_token_ids) != plan.num_seqs:

@@ -4,13 +4,14 @@ Mesh axes ("data", "model"): `data` indexes model replicas, `model` the devices 
 sharded over (tensor parallelism). Each replica runs on its own `(1, tensor_parallel_size)`
 sub-mesh (`replica_meshes`), with its own engine, scheduler and KV pool (see data_parallel.py).
 
-Tensor-parallel layout of one replica (L layers, D hidden, F intermediate, V vocabulary):
+Tensor-parallel layout of one replica (L layers, D hidden, F intermediate, V vocabulary), from
+the logical axes each weight declares (jaxserve.models.weights; `logical_axis_rules`):
   wq, wk, wv [L, D, heads*hd], w_gate, w_up [L, D, F]   column-sharded (last axis over "model")
   wo [L, Hq*hd, D], w_down [L, F, D]                    row-sharded (middle axis over "model")
   bq, bk, bv [L, heads*hd]                               sharded like their weights
   embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
                                                          does not divide); logits are gathered
-  norms                                                  replicated
+  norms (q_norm / k_norm over head_dim too)              replicated
   quantized linear {q, scale[, zero]} (jaxserve.quantization): q as its float weight; scale and
     zero [L, groups, out] too, except per-output-channel scales of a row-sharded weight (one group:
     replicated); a row-sharded weight's groups must divide evenly over the devices
@@ -33,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import weights
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -40,7 +42,6 @@ AXES = (DATA_AXIS, MODEL_AXIS)
 
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # [tokens, heads, head_dim]
 KV_CACHE_SPEC = P(None, None, MODEL_AXIS, None)  # [L * pages, page_size, kv_heads, head_dim]
-_REPLICATED_KV_LEAVES = ("wk", "wv", "bk", "bv")
 
 
 def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> str | None:
@@ -104,18 +105,22 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i:i + 1], AXES) for i in range(mesh.shape[DATA_AXIS])]
 
 
-def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
-    """PartitionSpec of every weight (same tree as `config.param_shapes()`)."""
+def logical_axis_rules(config: ModelConfig, tensor_parallel_size: int) -> dict[str, str | None]:
+    """Mesh axis of each logical weight axis (jaxserve.models.weights): heads, KV heads and the
+    intermediate size over "model"; the vocabulary too when it divides; the rest replicated."""
     vocab = MODEL_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
-    column, row, bias = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None), P(None, MODEL_AXIS)
-    rules = {"wq": column, "wk": column, "wv": column, "w_gate": column, "w_up": column,
-             "wo": row, "w_down": row, "bq": bias, "bk": bias, "bv": bias}
-    shapes = config.param_shapes()
-    specs = {"embed": P(vocab, None), "final_norm": P(),
-             "layers": {name: rules.get(name, P()) for name in shapes["layers"]}}
-    if "lm_head" in shapes:
-        specs["lm_head"] = P(None, vocab)
-    return specs
+    return {"q": MODEL_AXIS, "kv": MODEL_AXIS, "ffn": MODEL_AXIS, "vocab": vocab}
+
+
+def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
+    """PartitionSpec of every weight (the parameter tree), from the weights' logical axes."""
+    rules = logical_axis_rules(config, tensor_parallel_size)
+    return weights.tree_of(weights.weight_infos(config), lambda info: P(*(rules.get(a) for a in info.axes)))
+
+
+def _holds_kv_heads(info: weights.WeightInfo) -> bool:
+    """A projection to KV heads (or its bias): repeated when KV heads are replicated."""
+    return "kv" in info.axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +156,17 @@ class ModelShardings:
         that KV projections to be replicated are restored whole, then expanded by `place`."""
         shardings = jax.tree.map(lambda s: s, self.params)
         if self.kv_head_replicas > 1:
-            for name in _REPLICATED_KV_LEAVES:
-                if name in shardings["layers"]:
-                    shardings["layers"][name] = self.replicated
+            for name in self._kv_leaves():
+                shardings["layers"][name] = self.replicated
         return shardings
+
+    def _kv_leaves(self) -> set[str]:
+        return {info.name for info in weights.weight_infos(self.source_config).values()
+                if info.per_layer and _holds_kv_heads(info)}
 
     def _expands(self, name: str, weight) -> bool:
         """Whether `place` repeats this checkpoint KV projection's heads (KV heads replicated)."""
-        return (self.kv_head_replicas > 1 and name in _REPLICATED_KV_LEAVES
+        return (self.kv_head_replicas > 1 and name in self._kv_leaves()
                 and _out_features(weight) == self.source_config.kv_size)
 
     def per_device_bytes(self, params: dict) -> int:

@@ -1,23 +1,27 @@
-"""Paged attention for jaxserve: Pallas kernels, a plain-XLA path for CPU, the plain-jnp references
-(the oracle of the tests), and the KV write.
+"""Paged attention for jaxserve: Pallas kernels, a plain-XLA path for CPU, the KV write, and the
+plain-jnp test oracle (pallas_kernels.reference, not imported here).
 
+Stands alone: imports only jax, numpy, the standard library and itself.
 KV pages per layer: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is the null page.
+Attention options shared by every entry point (sliding_window, scale, logit_soft_cap): see
+pallas_kernels.common.
+
+Modules: dispatch (backend choice), paged_decode and ragged_prefill (Pallas kernels, sharing
+pallas_common), xla_paged (CPU path), common (KV write, masks, options), kv_quant (int8 / fp8
+pages), compat (jax-version shims), reference (test oracle).
 """
 
+from pallas_kernels.common import NO_WINDOW, write_kv
 from pallas_kernels.dispatch import attention_backend, decode_attention, ragged_attention
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
-from pallas_kernels.reference import paged_decode_attention as reference_paged_decode_attention
-from pallas_kernels.reference import ragged_paged_attention as reference_ragged_paged_attention
-from pallas_kernels.reference import write_kv
 
 __all__ = [
+    "NO_WINDOW",
     "attention_backend",
     "decode_attention",
     "paged_decode_attention",
     "ragged_attention",
     "ragged_paged_attention",
-    "reference_paged_decode_attention",
-    "reference_ragged_paged_attention",
     "write_kv",
 ]

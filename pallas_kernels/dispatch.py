@@ -1,22 +1,25 @@
 """The one place that decides which attention implementation runs.
 
 Backends:
-  "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see jaxserve.compat);
+  "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see pallas_kernels.compat);
   "interpret"  the same kernels in Pallas interpret mode (runs anywhere, slowly: for tests);
   "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py): the
                fast path on CPU;
-  "reference"  the plain-jnp oracle in reference.py (the whole context at once).
+  "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
+               only when this backend is asked for.
 Default: "pallas" when jax's default backend is a GPU with the Pallas GPU lowering available,
 "xla" otherwise. An explicit override, else the JAXSERVE_ATTENTION_BACKEND environment
 variable, wins.
+
+Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
+int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
 
 import os
 
 import jax
 
-from jaxserve import compat
-from pallas_kernels import paged_decode, ragged_prefill, reference, xla_paged
+from pallas_kernels import compat, paged_decode, ragged_prefill, xla_paged
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 BACKEND_ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
@@ -38,34 +41,52 @@ def attention_backend(override: str | None = None) -> str:
     return "xla"
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-
-
-def decode_attention(backend: str, q, k_pages, v_pages, block_table, seq_lens, *, scale=None):
-    """paged_decode_attention through `backend` (see reference.paged_decode_attention)."""
-    _check_backend(backend)
-    if backend == "reference":
-        return reference.paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, scale=scale)
+def _plain_module(backend: str):
+    """The plain-XLA module of a non-Pallas backend; ValueError for an unknown backend."""
     if backend == "xla":
-        return xla_paged.paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, scale=scale)
-    return paged_decode.paged_decode_attention(
-        q, k_pages, v_pages, block_table, seq_lens, scale=scale, interpret=backend == "interpret"
+        return xla_paged
+    if backend == "reference":
+        from pallas_kernels import reference  # the test oracle: loaded only when asked for
+        return reference
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def decode_attention(
+    backend: str, q, k_pages, v_pages, block_table, seq_lens, *,
+    sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
+):
+    """Paged attention of one query token per sequence through `backend`.
+
+    q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, num_kv_heads,
+    head_dim] (or quantized caches); block_table: int32[num_seqs, max_pages]; seq_lens:
+    int32[num_seqs] (0: padding row). Returns [num_seqs, num_q_heads, head_dim] in q's dtype.
+    """
+    options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
+    if backend in ("pallas", "interpret"):
+        return paged_decode.paged_decode_attention(
+            q, k_pages, v_pages, block_table, seq_lens, interpret=backend == "interpret", **options
+        )
+    return _plain_module(backend).paged_decode_attention(
+        q, k_pages, v_pages, block_table, seq_lens, **options
     )
 
 
 def ragged_attention(
-    backend: str, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, scale=None
+    backend: str, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
+    sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
 ):
-    """ragged_paged_attention through `backend` (see reference.ragged_paged_attention)."""
-    _check_backend(backend)
-    if backend in ("reference", "xla"):
-        module = reference if backend == "reference" else xla_paged
-        return module.ragged_paged_attention(
-            q, k_pages, v_pages, block_table, seq_lens, query_start_loc, scale=scale
+    """Causal paged attention of a ragged batch of query tokens through `backend`.
+
+    q: [num_tokens, num_q_heads, head_dim]; the tokens of sequence i are
+    q[query_start_loc[i]:query_start_loc[i+1]] (int32[num_seqs + 1]), the last tokens of its
+    seq_lens[i]; other arguments as in decode_attention. Returns q's shape and dtype.
+    """
+    options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
+    if backend in ("pallas", "interpret"):
+        return ragged_prefill.ragged_paged_attention(
+            q, k_pages, v_pages, block_table, seq_lens, query_start_loc,
+            interpret=backend == "interpret", **options,
         )
-    return ragged_prefill.ragged_paged_attention(
-        q, k_pages, v_pages, block_table, seq_lens, query_start_loc,
-        scale=scale, interpret=backend == "interpret",
+    return _plain_module(backend).ragged_paged_attention(
+        q, k_pages, v_pages, block_table, seq_lens, query_start_loc, **options
     )

@@ -3,8 +3,10 @@
 Grid (num_seqs, num_kv_heads, num_splits). A program owns one KV head of one sequence and one
 contiguous slice of its context: it loads every page of that slice once, for all the query
 heads that share the KV head (the group, padded to the 16 rows a tensor-core dot needs), and
-keeps an online softmax in float32. Programs past a sequence's length do no work. The partial
-results of the splits are merged with their log-sum-exp weights in the wrapper.
+keeps an online softmax in float32. Programs past a sequence's length do no work; with a sliding
+window, a program starts at the first block of keys the query sees (programs wholly before it do
+no work either). The partial results of the splits are merged with their log-sum-exp weights in
+the wrapper. Options (sliding_window, scale, logit_soft_cap): see pallas_kernels.common.
 """
 
 import functools
@@ -13,80 +15,40 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve import compat
-from pallas_kernels import kv_quant
+from pallas_kernels import compat, kv_quant
+from pallas_kernels.common import first_visible_key, softmax_scale, window_size
+from pallas_kernels.pallas_common import (
+    MIN_DOT_ROWS, cdiv, default_keys_per_block, init_carry, load_pages, next_power_of_2,
+    online_softmax_step,
+)
 
-MASK_VALUE = -1e30
-MIN_DOT_ROWS = 16  # smallest M of a tensor-core dot in the Triton lowering
 TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 several times over
 MIN_BLOCKS_PER_SPLIT = 2
 
 
-def default_keys_per_block(dtype) -> int:
-    """Keys (pages_per_block * page_size) per inner step. float32 dots run without tensor cores
-    and hold far more registers, so they get half the tile (ptxas for sm_90: 16-bit tiles do not
-    spill; float32 with head_dim 128 spills a few hundred bytes, acceptable off the hot path)."""
-    return 64 if jnp.dtype(dtype).itemsize <= 2 else 32
-
-
-def next_power_of_2(value: int) -> int:
-    return 1 if value <= 1 else 1 << (value - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def online_softmax_step(q, k, v, valid, key_valid, carry, scale):
-    """One block of keys of an online softmax.
-
-    q: [rows, d]; k, v: [keys, d]; valid: [rows, keys]; key_valid: [keys]
-    carry: (acc [rows, d] f32, row_max [rows] f32, row_sum [rows] f32).
-    """
-    acc, row_max, row_sum = carry
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = jax.lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-    )  # [rows, keys]
-    scores = jnp.where(valid, scores * scale, MASK_VALUE)
-    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-    correction = jnp.exp(row_max - new_max)
-    weights = jnp.where(valid, jnp.exp(scores - new_max[:, None]), 0.0)
-    v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))  # garbage (even NaN) past the end
-    update = jax.lax.dot_general(
-        weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-        precision=precision, preferred_element_type=jnp.float32,
-    )  # [rows, d]
-    acc = acc * correction[:, None] + update
-    row_sum = row_sum * correction + jnp.sum(weights, axis=1)
-    return acc, new_max, row_sum
-
-
-def load_pages(pages_ref, page_ids, keys_per_block, scales_ref=None, dtype=None):
-    """Gathers pages of one KV head: [pages_per_block] ids -> [keys_per_block, head_dim] in
-    `dtype` (needed with scales_ref): int8 pages times their per-token scales, fp8 bits as floats
-    (see kv_quant)."""
-    block = pages_ref[page_ids]  # [pages_per_block, page_size, head_dim]
-    if dtype is not None:  # scales: [pages_per_block, page_size, 1]
-        block = kv_quant.dequantize(block, None if scales_ref is None else scales_ref[page_ids], dtype)
-    return block.reshape(keys_per_block, block.shape[-1])
-
-
 def _decode_kernel(
     q_ref, k_pages_ref, v_pages_ref, block_table_ref, seq_lens_ref,  # inputs
-    *refs,  # [k_scales_ref, v_scales_ref] when quantized (inputs), then acc, max, sum (outputs)
-    scale, pages_per_block, page_size, blocks_per_split, quantized=False,
+    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized (inputs),
+    # then acc, max, sum (outputs)
+    scale, logit_soft_cap, pages_per_block, page_size, blocks_per_split, windowed, quantized,
 ):
     # q_ref: [group_pad, d]; k/v_pages_ref: [num_pages, page_size, d] (one KV head);
-    # block_table_ref: [pages_per_split]; seq_lens_ref: [1]; k/v_scales_ref: [num_pages, page_size, 1].
-    k_scales_ref, v_scales_ref = refs[:2] if quantized else (None, None)
-    acc_ref, max_ref, sum_ref = refs[-3:]
+    # block_table_ref: [pages_per_split]; seq_lens_ref: [1]; window_ref: [1] (from window_size);
+    # k/v_scales_ref: [num_pages, page_size, 1].
+    inputs, (acc_ref, max_ref, sum_ref) = list(refs[:-3]), refs[-3:]
+    window_ref = inputs.pop(0) if windowed else None
+    k_scales_ref, v_scales_ref = inputs if quantized else (None, None)
     split = pl.program_id(2)
     keys_per_block = pages_per_block * page_size
+    keys_per_split = blocks_per_split * keys_per_block
     seq_len = seq_lens_ref[0]
-    split_start = split * (blocks_per_split * keys_per_block)
-    keys_here = jnp.clip(seq_len - split_start, 0, blocks_per_split * keys_per_block)
+    split_start = split * keys_per_split
+    keys_here = jnp.clip(seq_len - split_start, 0, keys_per_split)
     num_blocks = (keys_here + keys_per_block - 1) // keys_per_block
+    first_block, first_key = 0, 0
+    if windowed:  # the query is the last token, at seq_len - 1: skip blocks before its window
+        first_key = first_visible_key(seq_len - 1, window_ref[0])
+        first_block = jnp.clip(first_key - split_start, 0, keys_per_split) // keys_per_block
     q = q_ref[...]
     rows, head_dim = q.shape
 
@@ -96,15 +58,12 @@ def _decode_kernel(
         v = load_pages(v_pages_ref, page_ids, keys_per_block, v_scales_ref, q.dtype)
         key_pos = split_start + block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
         key_valid = key_pos < seq_len  # [keys]
+        if windowed:
+            key_valid = key_valid & (key_pos >= first_key)
         valid = jnp.broadcast_to(key_valid[None, :], (rows, keys_per_block))
-        return online_softmax_step(q, k, v, valid, key_valid, carry, scale)
+        return online_softmax_step(q, k, v, valid, key_valid, carry, scale, logit_soft_cap)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, row_max, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc, row_max, row_sum = jax.lax.fori_loop(first_block, num_blocks, body, init_carry(rows, head_dim))
     acc_ref[...] = acc
     max_ref[...] = row_max
     sum_ref[...] = row_sum
@@ -127,17 +86,21 @@ def merge_splits(acc, row_max, row_sum):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "num_splits", "pages_per_block", "num_warps")
+    jax.jit,
+    static_argnames=("scale", "logit_soft_cap", "interpret", "num_splits", "pages_per_block", "num_warps"),
 )
 def paged_decode_attention(
     q, k_pages, v_pages, block_table, seq_lens, *,
-    scale=None, interpret=False, num_splits=None, pages_per_block=None, num_warps=None,
+    sliding_window=None, scale=None, logit_soft_cap=None,
+    interpret=False, num_splits=None, pages_per_block=None, num_warps=None,
 ):
     """Paged attention of one query token per sequence (its last token, K/V already written).
 
     q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size,
     num_kv_heads, head_dim] (or quantized caches, see kv_quant); block_table: int32[num_seqs, max_pages_per_seq];
     seq_lens: int32[num_seqs], 0 marks a padding row (zeros out).
+    sliding_window: int32 scalar operand or None; scale, logit_soft_cap: static floats or None
+    (see pallas_kernels.common). With a window, blocks before it are not read.
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
     num_seqs, num_q_heads, head_dim = q.shape
@@ -146,7 +109,8 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     if group * num_kv_heads != num_q_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    scale = head_dim**-0.5 if scale is None else float(scale)
+    scale = softmax_scale(scale, head_dim)
+    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
     group_pad = max(MIN_DOT_ROWS, next_power_of_2(group))
     pages_per_block = pages_per_block or max(1, default_keys_per_block(k_pages.dtype) // page_size)
     num_warps = num_warps or (4 if jnp.dtype(q.dtype).itemsize <= 2 else 8)
@@ -162,11 +126,17 @@ def paged_decode_attention(
     squeezed = compat.squeezed_block_dim()
     page_spec = pl.BlockSpec((num_pages, page_size, squeezed, head_dim), lambda s, h, p: (0, 0, h, 0))
     partial_shape = (num_seqs, num_kv_heads, num_splits, group_pad)
-    quantized = k_scales is not None
-    scale_specs = [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda s, h, p: (0, 0, h, 0))] * 2
+    windowed, quantized = sliding_window is not None, k_scales is not None
+    extra_inputs, extra_specs = [], []
+    if windowed:
+        extra_inputs.append(window_size(sliding_window).reshape(1))
+        extra_specs.append(pl.BlockSpec((1,), lambda s, h, p: (0,)))
+    if quantized:
+        extra_inputs += [k_scales, v_scales]
+        extra_specs += [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda s, h, p: (0, 0, h, 0))] * 2
     kernel = functools.partial(
-        _decode_kernel, scale=scale, pages_per_block=pages_per_block,
-        page_size=page_size, blocks_per_split=blocks_per_split, quantized=quantized,
+        _decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, pages_per_block=pages_per_block,
+        page_size=page_size, blocks_per_split=blocks_per_split, windowed=windowed, quantized=quantized,
     )
     compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages=2)
     with compat.quiet_pallas_deprecations():
@@ -179,7 +149,7 @@ def paged_decode_attention(
                 page_spec,
                 pl.BlockSpec((squeezed, pages_per_split), lambda s, h, p: (s, p)),
                 pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            ] + (scale_specs if quantized else []),
+            ] + extra_specs,
             out_specs=[
                 pl.BlockSpec((squeezed,) * 3 + (group_pad, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
                 pl.BlockSpec((squeezed,) * 3 + (group_pad,), lambda s, h, p: (s, h, p, 0)),
@@ -194,6 +164,6 @@ def paged_decode_attention(
             interpret=interpret,
             name="paged_decode_attention",
         )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-          *([k_scales, v_scales] if quantized else []))
+          *extra_inputs)
     out = merge_splits(acc[:, :, :, :group], row_max[:, :, :, :group], row_sum[:, :, :, :group])
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

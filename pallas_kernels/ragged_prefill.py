@@ -4,8 +4,10 @@ The query tokens of a batch are cut, per sequence, into blocks of `block_q` toke
 schedule maps each program of the grid (query block, kv head) to its sequence and first token
 (the grid is sized for the worst case and spare programs do nothing). A program takes its query
 block times the query heads of one KV head as the rows of its dots ([block_q * group_pad, d]),
-walks that sequence's pages up to the causal limit of its last row with an online softmax, and
-writes its own output block, so no two programs write the same memory.
+walks that sequence's pages up to the causal limit of its last row (from the first block its
+first row's sliding window reaches, with a window) with an online softmax, and writes its own
+output block, so no two programs write the same memory. Options (sliding_window, scale,
+logit_soft_cap): see pallas_kernels.common.
 """
 
 import functools
@@ -14,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve import compat
-from pallas_kernels import kv_quant
-from pallas_kernels.paged_decode import (
-    MASK_VALUE, MIN_DOT_ROWS, cdiv, default_keys_per_block, load_pages, next_power_of_2,
+from pallas_kernels import compat, kv_quant
+from pallas_kernels.common import first_visible_key, in_window, softmax_scale, window_size
+from pallas_kernels.pallas_common import (
+    MIN_DOT_ROWS, cdiv, default_keys_per_block, init_carry, load_pages, next_power_of_2,
     online_softmax_step,
 )
 
@@ -25,15 +27,17 @@ from pallas_kernels.paged_decode import (
 def _ragged_kernel(
     block_seq_ref, block_start_ref, q_ref, k_pages_ref, v_pages_ref,
     block_table_ref, seq_lens_ref, query_start_loc_ref,  # inputs
-    *refs,  # [k_scales_ref, v_scales_ref] when quantized (inputs), then out_ref (output)
-    scale, block_q, pages_per_block, page_size, quantized=False,
+    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized (inputs),
+    # then out_ref (output)
+    scale, logit_soft_cap, block_q, pages_per_block, page_size, windowed, quantized,
 ):
     # block_seq_ref, block_start_ref: [1]; q_ref: [num_tokens + block_q, group_pad, d];
     # k/v_pages_ref: [num_pages, page_size, d]; block_table_ref: [num_seqs, padded_pages];
-    # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; out_ref: [block_q, group_pad, d];
-    # k/v_scales_ref: [num_pages, page_size, 1].
-    k_scales_ref, v_scales_ref = refs[:2] if quantized else (None, None)
-    out_ref = refs[-1]
+    # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
+    # window_size); k/v_scales_ref: [num_pages, page_size, 1]; out_ref: [block_q, group_pad, d].
+    inputs, out_ref = list(refs[:-1]), refs[-1]
+    window_ref = inputs.pop(0) if windowed else None
+    k_scales_ref, v_scales_ref = inputs if quantized else (None, None)
     keys_per_block = pages_per_block * page_size
     seq = block_seq_ref[0]
     seq_index = jnp.maximum(seq, 0)
@@ -43,6 +47,11 @@ def _ragged_kernel(
     first_pos = seq_len - query_end + block_start  # position of the block's first token
     kv_end = jnp.clip(first_pos + block_q, 0, seq_len)  # keys any row of this block may read
     num_blocks = (kv_end + keys_per_block - 1) // keys_per_block
+    first_block, first_key = 0, 0
+    if windowed:  # keys before the window of the block's first row are read by no row
+        window = window_ref[0]
+        first_key = first_visible_key(jnp.maximum(first_pos, 0), window)
+        first_block = first_key // keys_per_block
 
     q = q_ref[pl.ds(block_start, block_q)]  # [block_q, group_pad, d]
     _, group_pad, head_dim = q.shape
@@ -56,15 +65,14 @@ def _ragged_kernel(
         v = load_pages(v_pages_ref, page_ids, keys_per_block, v_scales_ref, q.dtype)
         key_pos = block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
         key_valid = key_pos < kv_end  # [keys]
-        valid = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]  # [rows, keys]
-        return online_softmax_step(q, k, v, valid, key_valid, carry, scale)
+        if windowed:
+            key_valid = key_valid & (key_pos >= first_key)
+            valid = in_window(row_pos[:, None], key_pos[None, :], window) & key_valid[None, :]
+        else:
+            valid = (key_pos[None, :] <= row_pos[:, None]) & key_valid[None, :]  # [rows, keys]
+        return online_softmax_step(q, k, v, valid, key_valid, carry, scale, logit_soft_cap)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc, _, row_sum = jax.lax.fori_loop(first_block, num_blocks, body, init_carry(rows, head_dim))
     out = jnp.where(row_sum[:, None] > 0, acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
     out_ref[...] = out.reshape(block_q, group_pad, head_dim).astype(out_ref.dtype)
 
@@ -89,11 +97,13 @@ def query_block_schedule(query_start_loc, seq_lens, num_seqs, block_q, num_query
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_q", "pages_per_block", "num_warps")
+    jax.jit,
+    static_argnames=("scale", "logit_soft_cap", "interpret", "block_q", "pages_per_block", "num_warps"),
 )
 def ragged_paged_attention(
     q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
-    scale=None, interpret=False, block_q=None, pages_per_block=None, num_warps=8,
+    sliding_window=None, scale=None, logit_soft_cap=None,
+    interpret=False, block_q=None, pages_per_block=None, num_warps=8,
 ):
     """Causal paged attention of a ragged batch of query tokens.
 
@@ -103,6 +113,9 @@ def ragged_paged_attention(
     head_dim]) through block_table (int32[num_seqs, max_pages_per_seq]).
     query_start_loc (int32[num_seqs + 1]) is non-decreasing: padding rows repeat the last value.
     Tokens past query_start_loc[num_seqs] and sequences with seq_lens 0 give zeros.
+    sliding_window: int32 scalar operand or None; scale, logit_soft_cap: static floats or None
+    (see pallas_kernels.common). With a window, a query block starts at the first block of keys
+    its first query sees.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -112,7 +125,8 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     if group * num_kv_heads != num_q_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    scale = head_dim**-0.5 if scale is None else float(scale)
+    scale = softmax_scale(scale, head_dim)
+    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
     group_pad = next_power_of_2(group)
     rows_per_block = default_keys_per_block(q.dtype)  # block_q * group_pad; same register budget as keys
     block_q = block_q or max(1, rows_per_block // group_pad, MIN_DOT_ROWS // group_pad)
@@ -136,11 +150,17 @@ def ragged_paged_attention(
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
 
-    quantized = k_scales is not None
-    scale_specs = [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda b, h: (0, 0, h, 0))] * 2
+    windowed, quantized = sliding_window is not None, k_scales is not None
+    extra_inputs, extra_specs = [], []
+    if windowed:
+        extra_inputs.append(window_size(sliding_window).reshape(1))
+        extra_specs.append(whole((1,)))
+    if quantized:
+        extra_inputs += [k_scales, v_scales]
+        extra_specs += [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda b, h: (0, 0, h, 0))] * 2
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, block_q=block_q,
-        pages_per_block=pages_per_block, page_size=page_size, quantized=quantized,
+        _ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, block_q=block_q,
+        pages_per_block=pages_per_block, page_size=page_size, windowed=windowed, quantized=quantized,
     )
     with compat.quiet_pallas_deprecations():
         out_blocks = pl.pallas_call(
@@ -155,7 +175,7 @@ def ragged_paged_attention(
                 whole(block_table.shape),
                 whole(seq_lens.shape),
                 whole(query_start_loc.shape),
-            ] + (scale_specs if quantized else []),
+            ] + extra_specs,
             out_specs=pl.BlockSpec(
                 (squeezed, block_q, squeezed, group_pad, head_dim), lambda b, h: (b, 0, h, 0, 0)
             ),
@@ -166,7 +186,7 @@ def ragged_paged_attention(
             interpret=interpret,
             name="ragged_paged_attention",
         )(block_seq, block_start, q_grouped, k_pages, v_pages, block_table.astype(jnp.int32),
-          seq_lens, query_start_loc, *([k_scales, v_scales] if quantized else []))
+          seq_lens, query_start_loc, *extra_inputs)
 
     # Back to the token layout: token t of a sequence starting at `start` is row
     # (t - start) % block_q of block block_offset + (t - start) // block_q.

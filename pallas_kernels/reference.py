@@ -1,4 +1,12 @@
-"""Plain-jnp paged attention: the oracle of the kernel tests and the engine's CPU path.
+"""Plain-jnp paged attention: the oracle of the kernel tests (and the explicit "reference"
+attention backend). Production code does not import it: the engine's CPU path is xla_paged.py,
+the KV write and the shared helpers live in common.py.
+
+It gathers each sequence's whole block table and soft-maxes it with a dense mask written from the
+positions, transformers-style (options as in pallas_kernels.common):
+  scores = scale * q.k  (scale None: head_dim ** -0.5)
+  scores = cap * tanh(scores / cap)  when logit_soft_cap is set
+  a query at position p sees key k iff k <= p and (window <= 0 or k > p - window)
 
 Layout shared with the kernels:
   k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is the null page.
@@ -13,18 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
+from pallas_kernels.common import check_heads, queries_per_sequence, to_ragged
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatters new K/V rows into their slots; in place under jit with donated pages.
-
-    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32[num_tokens] holding
-    page * page_size + offset (padding tokens point into page 0).
-    Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
-    """
-    return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)
 
 
 def _gather_context(pages, block_table):
@@ -61,17 +60,24 @@ def _grouped_queries(q, num_kv_heads):
     return q.astype(jnp.float32).reshape(*lead, num_kv_heads, group, head_dim)
 
 
-def check_heads(q, k_pages):
-    """ValueError unless q's heads divide evenly over the pages' KV heads with the same head_dim."""
-    k_pages = kv_quant.values(k_pages)
-    num_q_heads, num_kv_heads = q.shape[-2], k_pages.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if q.shape[-1] != k_pages.shape[-1]:
-        raise ValueError(f"head_dim of q ({q.shape[-1]}) != head_dim of pages ({k_pages.shape[-1]})")
+def _scores(q, k_context, equation, scale, logit_soft_cap):
+    """scale * q.k (einsum `equation`), soft-capped when logit_soft_cap is set; float32."""
+    scores = scale * jnp.einsum(equation, q, k_context, precision=_HIGHEST)
+    return scores if logit_soft_cap is None else logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, scale=None, interpret=False):
+def _visible(query_pos, key_pos, sliding_window):
+    """Causal mask, narrowed to a sliding window as transformers' sliding_window_overlay does:
+    key_pos <= query_pos and key_pos > query_pos - window (when window > 0). Broadcasts."""
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        window = jnp.asarray(sliding_window, jnp.int32)
+        visible = visible & ((window <= 0) | (key_pos > query_pos - window))
+    return visible
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, sliding_window=None,
+                           scale=None, logit_soft_cap=None, interpret=False):
     """One query token per sequence against that sequence's pages (its last token).
 
     q: [num_seqs, num_q_heads, head_dim] -> [num_seqs, num_q_heads, head_dim] (dtype of q).
@@ -85,15 +91,16 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, scale=
     k_context = _gather_context(k_pages, block_table)  # [s, t, kv, d]
     v_context = _gather_context(v_pages, block_table)
     q_grouped = _grouped_queries(q, num_kv_heads)[:, :, :, None, :]  # [s, kv, g, 1, d]
-    scores = scale * jnp.einsum("skgqd,stkd->skgqt", q_grouped, k_context, precision=_HIGHEST)
+    scores = _scores(q_grouped, k_context, "skgqd,stkd->skgqt", scale, logit_soft_cap)
     positions = jnp.arange(block_table.shape[1] * page_size)
-    valid = positions[None, :] < seq_lens[:, None]  # [s, t]
+    valid = _visible(seq_lens[:, None] - 1, positions[None, :], sliding_window)  # [s, t]
     out = _masked_softmax_attention(scores, valid[:, None, None, None, :], v_context)
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, scale=None, interpret=False
+    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, sliding_window=None,
+    scale=None, logit_soft_cap=None, interpret=False,
 ):
     """Causal attention of a ragged batch of query tokens against their sequences' pages.
 
@@ -113,39 +120,10 @@ def ragged_paged_attention(
     q_padded, query_pos, query_valid = queries_per_sequence(q, seq_lens, query_start_loc, num_seqs, num_kv_heads)
     k_context = _gather_context(k_pages, block_table)  # [s, t, kv, d]
     v_context = _gather_context(v_pages, block_table)
-    scores = scale * jnp.einsum("sqkgd,stkd->skgqt", q_padded, k_context, precision=_HIGHEST)
+    scores = _scores(q_padded, k_context, "sqkgd,stkd->skgqt", scale, logit_soft_cap)
     key_pos = jnp.arange(max_pages * page_size)  # [t]
-    valid = (key_pos[None, None, :] <= query_pos[:, :, None]) & query_valid[:, :, None]  # [s, q, t]
+    valid = _visible(query_pos[:, :, None], key_pos[None, None, :], sliding_window)
+    valid = valid & query_valid[:, :, None]  # [s, q, t]
     out = _masked_softmax_attention(scores, valid[:, None, None, :, :], v_context)  # [s,kv,g,q,d]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)
     return to_ragged(out, query_start_loc).astype(q.dtype)
-
-
-def queries_per_sequence(q, seq_lens, query_start_loc, num_seqs, num_kv_heads):
-    """Ragged queries [num_tokens, heads, d] laid out per sequence.
-
-    Returns q_padded [s, num_tokens, kv, group, d] float32 (zeros where invalid), the position of
-    each query in its sequence query_pos [s, num_tokens] and query_valid [s, num_tokens]."""
-    num_tokens = q.shape[0]
-    starts = query_start_loc[:num_seqs]  # [s]
-    query_lens = query_start_loc[1 : num_seqs + 1] - starts  # [s]
-    slot = jnp.arange(num_tokens)  # index of a query inside its sequence
-    token_index = jnp.clip(starts[:, None] + slot[None, :], 0, num_tokens - 1)  # [s, q]
-    query_valid = (slot[None, :] < query_lens[:, None]) & (seq_lens[:, None] > 0)  # [s, q]
-    q_padded = _grouped_queries(q[token_index], num_kv_heads)  # [s, q, kv, g, d]
-    q_padded = jnp.where(query_valid[:, :, None, None, None], q_padded, 0.0)
-    query_pos = (seq_lens - query_lens)[:, None] + slot[None, :]  # [s, q]
-    return q_padded, query_pos, query_valid
-
-
-def to_ragged(out, query_start_loc):
-    """Per-sequence results [s, num_tokens, heads, d] back to the ragged layout [num_tokens, heads, d]:
-    token t reads row (its sequence, t - start of that sequence); tokens past the last sequence are 0."""
-    num_seqs, num_tokens = out.shape[:2]
-    starts = query_start_loc[:num_seqs]
-    tokens = jnp.arange(num_tokens)
-    seq_of_token = jnp.searchsorted(query_start_loc[1 : num_seqs + 1], tokens, side="right")
-    token_valid = tokens < query_start_loc[num_seqs]
-    seq_of_token = jnp.clip(seq_of_token, 0, num_seqs - 1)
-    slot_of_token = jnp.clip(tokens - starts[seq_of_token], 0, num_tokens - 1)
-    return jnp.where(token_valid[:, None, None], out[seq_of_token, slot_of_token], 0.0)

@@ -56,6 +56,8 @@ class ServerState:
         self.config = config
         self.model_names = tuple(config.served_model_names) or (engine.model_name,)
         self.metrics = ServerMetrics(engine.stats)
+        if hasattr(engine, "add_step_listener"):  # step time and tokens per step (serve/metrics.py)
+            engine.add_step_listener(self.metrics.observe_step)
         self.active: set[ChoiceFanout] = set()
         self.draining = False
         self.created = int(time.time())

@@ -1,7 +1,9 @@
 """Prometheus metrics of the server, in a registry of its own (one per app).
 
 Request counters and latency histograms are fed by the handlers; the engine gauges (running,
-waiting, KV pages, preemptions, prefix cache) are read from `engine.stats()` at scrape time.
+waiting, KV pages, preemptions, prefix cache) are read from `engine.stats()` at scrape time; the
+step histograms (time and tokens per step, by kind) are fed by the engine's `StepRecord`s
+(`observe_step`, an engine step listener, called on the engine thread).
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from typing import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jaxserve.outputs import EngineStats, RequestOutput
+from jaxserve.outputs import EngineStats, RequestOutput, StepRecord
 
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_STEP_TOKEN_BUCKETS = tuple(2.0 ** i for i in range(14))  # 1 .. 8192 tokens
 
 
 class _EngineStatsCollector:
@@ -76,7 +79,24 @@ class ServerMetrics:
                                                "tokens of a request.", buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("jaxserve_e2e_request_latency_seconds", "From arrival to the last token.",
                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("jaxserve_step_duration_seconds", "Engine step time (device and host) by "
+                                      "kind: decode, prefill or mixed.", ["kind"], buckets=_TOKEN_LATENCY_BUCKETS,
+                                      registry=r)
+        self.step_device_seconds = Counter("jaxserve_step_device_seconds", "Device time of engine steps "
+                                           "(forward and sampler) by kind.", ["kind"], registry=r)
+        self.step_tokens = Histogram("jaxserve_step_tokens", "Tokens computed per engine step by kind.", ["kind"],
+                                     buckets=_STEP_TOKEN_BUCKETS, registry=r)
+        self.step_padded_tokens = Counter("jaxserve_step_padded_tokens", "Token rows the compiled steps "
+                                          "computed, padding included (tokens / this: padding efficiency).",
+                                          registry=r)
         r.register(_EngineStatsCollector(engine_stats))
+
+    def observe_step(self, record: StepRecord) -> None:
+        """One engine step (an engine step listener; thread-safe)."""
+        self.step_seconds.labels(kind=record.kind).observe(record.seconds)
+        self.step_device_seconds.labels(kind=record.kind).inc(record.device_seconds)
+        self.step_tokens.labels(kind=record.kind).observe(record.num_tokens)
+        self.step_padded_tokens.inc(record.num_padded_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

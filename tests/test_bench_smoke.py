@@ -87,6 +87,7 @@ def test_throughput_quick(tiny_model, soak_run, tmp_path):
         assert sum(k["tokens"] for k in breakdown["by_kind"].values()) == \
             run["prompt_tokens"] + run["output_tokens"] - len(workload)  # the last token is never fed back
         assert 0 < breakdown["padding_efficiency"] <= 1
+        assert 0 < breakdown["host_prep_s"] < breakdown["host_step_s"]  # from the engine's StepRecords
         assert data["flops"]["flops_per_s_device"] > 0 and data["matmul_flops_per_s"]
         assert data["transformers"] == []
 
@@ -102,6 +103,10 @@ def test_step_profile_quick(tiny_model, tmp_path):
     assert report["kv_bytes"] > 0 and report["copy_bytes_per_s"] > 0 and report["matmul_flops_per_s"] > 0
     assert 0 < report["matmul_fraction_bound"]
     assert "of the matmul rate" in result.stdout
+    engine_step = report["engine_decode_step"]  # from the engine's StepRecords of full decode steps
+    assert engine_step["num_steps"] == 1 and engine_step["bucket_decode_rows"] >= 4
+    assert engine_step["device_s"] > 0 and engine_step["host_s"] > engine_step["pack_s"] > 0
+    assert "engine decode step" in result.stdout
 
 
 def test_soak_one_minute_passes(soak_run):

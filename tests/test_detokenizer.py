@@ -7,6 +7,8 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxserve.detokenizer import (REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, find_stop_string,
                                   partial_stop_suffix_len)
+from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
+from jaxserve.request import SamplingParams
 
 TEXT = "héllo wörld, 日本語 😀 the café end"
 
@@ -168,3 +170,76 @@ def test_random_streams_match_one_shot_truncation():
             if not stopped:
                 assert len(checker.text) - len(emitted) < max(map(len, stop))
         assert emitted + checker.flush() == expected and checker.stopped == (match is not None)
+
+
+# ---- the output processor: core results -> deltas ---------------------------------------------
+def core(request_id, token_ids, num_output_tokens, finish_reason=None, **fields):
+    return CoreOutput(request_id, tuple(token_ids), finish_reason, num_prompt_tokens=2,
+                      num_output_tokens=num_output_tokens, **fields)
+
+
+def run_tokens(processor, request_id, ids, last_reason="length"):
+    """Feeds `ids` one per step, the last one ending the request with `last_reason`; the deltas."""
+    outputs, stopped = [], []
+    for i, token_id in enumerate(ids):
+        out, ids_stopped = processor.process([core(request_id, [token_id], i + 1,
+                                                   last_reason if i == len(ids) - 1 else None)])
+        outputs += out
+        stopped += ids_stopped
+        if out[0].finished:
+            break
+    return outputs, stopped
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_output_processor_streams_the_text_and_flushes_at_the_end(name):
+    tokenizer = TOKENIZERS[name]()
+    ids = encode(tokenizer, TEXT)
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", ids[:2], SamplingParams())
+    output_ids = ids[2:] + encode(tokenizer, "😀")[:1]  # byte-level: ends mid-character, held until the end
+    outputs, stopped = run_tokens(processor, "r", output_ids)
+    expected = tokenizer.decode(ids[:2] + output_ids)[len(tokenizer.decode(ids[:2])):]
+    assert "".join(o.new_text for o in outputs) == expected and stopped == []
+    assert [o.new_token_ids for o in outputs] == [[t] for t in output_ids]
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].finish_reason == "length" and not processor.has("r")
+
+
+def test_output_processor_cuts_a_stop_string_and_reports_it():
+    tokenizer = byte_level_tokenizer()
+    ids = encode(tokenizer, "hello world, the quick brown fox")
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", ids[:1], SamplingParams(stop=["quick"]))
+    outputs, stopped = run_tokens(processor, "r", ids[1:])
+    assert "".join(o.new_text for o in outputs) == tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):].split(
+        "quick")[0]
+    assert stopped == ["r"] and outputs[-1].finished and outputs[-1].finish_reason == "stop"
+    assert len(outputs) < len(ids) - 1 and not processor.has("r")  # ended at the token completing "quick"
+
+
+def test_output_processor_a_stop_token_is_not_text_but_releases_the_held_tail():
+    tokenizer = byte_level_tokenizer()
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", encode(tokenizer, "the"), SamplingParams(stop=["end!"]))
+    en = encode(tokenizer, " en")
+    outputs, stopped = run_tokens(processor, "r", en + [1], last_reason="stop")  # 1: "</s>", a stop token
+    assert "".join(o.new_text for o in outputs[:-1]) == " "  # "en" could start "end!": held back
+    assert outputs[-1].new_text == "en" and stopped == []  # released at the end; the core ended it
+    assert outputs[-1].new_token_ids == [1] and outputs[-1].finish_reason == "stop"
+
+
+def test_output_processor_shapes_logprobs_and_closes_without_a_token():
+    import numpy as np
+    processor = OutputProcessor(None)  # no tokenizer: token ids only
+    processor.add("r", [5, 6], SamplingParams(logprobs=2))
+    row = RowLogprobs(-0.5, np.array([7, 3, 9], np.int32), np.array([-0.5, -1.5, -2.0], np.float32))
+    (out,), _ = processor.process([core("r", [7], 1, logprobs=row)])
+    assert out.new_text == "" and out.new_token_ids == [7] and not out.finished
+    (lp,) = out.new_logprobs
+    assert (lp.token_id, lp.logprob, lp.top) == (7, -0.5, [(7, -0.5), (3, -1.5)])
+    (closed,), _ = processor.process([core("r", [], 1, "abort")])
+    assert (closed.finished, closed.finish_reason, closed.new_token_ids, closed.new_logprobs) == (True, "abort", [],
+                                                                                                  None)
+    (failed,), _ = processor.process([core("unknown", [], 0, "error", error="boom")])
+    assert (failed.finish_reason, failed.error, failed.new_text) == ("error", "boom", "")

@@ -7,7 +7,7 @@ from jax import monitoring
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import weights
 from jaxserve.request import SamplingParams
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def params():
-    return llama.random_params(TINY, seed=1)
+    return weights.random_params(TINY, seed=1)
 
 
 def make_engine(params, **overrides):
@@ -56,41 +56,44 @@ def assert_all_pages_free(engine):
 
 
 def test_batch_invariance_with_staggered_arrivals_and_odd_chunks(params):
-    rng = np.random.default_rng()
+    seed = 0
+    rng = np.random.default_rng(seed)
     prompts = random_prompts(rng, 10)
     reference = run_alone(make_engine(params, enable_prefix_caching=False), prompts)
     engine = make_engine(params, max_num_batched_tokens=13, enable_prefix_caching=False)
-    assert run_staggered(engine, prompts) == reference
+    assert run_staggered(engine, prompts) == reference, f"seed {seed}"
     assert_all_pages_free(engine)
 
 
 def test_preemption_keeps_outputs(params):
-    rng = np.random.default_rng()
+    seed = 1
+    rng = np.random.default_rng(seed)
     prompts = random_prompts(rng, 8, 20, 50)
     params_long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ample = make_engine(params, enable_prefix_caching=False)
     expected = [r.token_ids for r in ample.generate(prompts, params_long)]
     tight = make_engine(params, num_pages=20, enable_prefix_caching=False)  # 19 usable pages of 8
     got = [r.token_ids for r in tight.generate(prompts, params_long)]
-    assert got == expected
-    assert tight.scheduler.num_preemptions > 0
+    assert got == expected, f"seed {seed}"
+    assert tight.scheduler.num_preemptions > 0, f"seed {seed}"
     assert ample.scheduler.num_preemptions == 0
     assert_all_pages_free(tight)
 
 
 def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(params):
-    rng = np.random.default_rng()
+    seed = 2
+    rng = np.random.default_rng(seed)
     system = rng.integers(3, TINY.vocab_size, 40).tolist()  # 5 full pages of 8
     prompts = [system + rng.integers(3, TINY.vocab_size, rng.integers(1, 10)).tolist() for _ in range(6)]
     off = make_engine(params, enable_prefix_caching=False)
     on = make_engine(params, enable_prefix_caching=True)
     expected = run_alone(off, prompts)
-    assert run_alone(on, prompts) == expected
+    assert run_alone(on, prompts) == expected, f"seed {seed}"
     computed_off = off.num_computed_tokens
     computed_on = on.num_computed_tokens
     # Every request after the first reuses the 40 cached system-prompt tokens.
-    assert computed_off - computed_on == 40 * (len(prompts) - 1)
-    assert on.stats().prefix_cache_hit_tokens == 40 * (len(prompts) - 1)
+    assert computed_off - computed_on == 40 * (len(prompts) - 1), f"seed {seed}"
+    assert on.stats().prefix_cache_hit_tokens == 40 * (len(prompts) - 1), f"seed {seed}"
     assert_all_pages_free(on)
 
 
@@ -105,8 +108,9 @@ def test_no_compilation_after_warmup(params, warmup):
             compiles.append(event)
 
     monitoring.register_event_duration_secs_listener(listener)
+    seed = 3
     try:
-        rng = np.random.default_rng()
+        rng = np.random.default_rng(seed)
         prompts = random_prompts(rng, 50, 1, 120)
         sampling = [SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0.0, 0.8])),
                                    top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
@@ -116,11 +120,11 @@ def test_no_compilation_after_warmup(params, warmup):
         results = run_staggered_mixed(engine, prompts, sampling)
     finally:
         monitoring.unregister_event_duration_listener(listener)
-    assert all(r for r in results)
+    assert all(r for r in results), f"seed {seed}"
     if warmup:
-        assert compiles == []
+        assert compiles == [], f"seed {seed}"
     else:  # the counter sees compilations when there was no warm-up
-        assert compiles
+        assert compiles, f"seed {seed}"
     assert_all_pages_free(engine)
 
 
@@ -138,15 +142,16 @@ def run_staggered_mixed(engine, prompts, sampling):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(params):
-    rng = np.random.default_rng()
+    seed = 4
+    rng = np.random.default_rng(seed)
     prompts = random_prompts(rng, 4)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     engine = make_engine(params)
     alone = run_alone(engine, prompts, seeded)
     together = [r.token_ids for r in engine.generate(prompts, seeded)]
-    assert together == alone
+    assert together == alone, f"seed {seed}"
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
-    assert run_alone(engine, prompts, other_seed) != alone
+    assert run_alone(engine, prompts, other_seed) != alone, f"seed {seed}"
 
 
 def test_stops_on_eos_and_stop_token_ids(params):
@@ -275,3 +280,56 @@ def test_a_request_whose_inputs_cannot_be_packed_fails_alone(params):
     assert _tokens(outputs["good"]) == alone
     assert engine.num_step_failures == 0
     assert_all_pages_free(engine)
+
+
+def test_the_runner_works_from_a_scheduled_batch_alone(params):
+    """The runner needs nothing but the plain step data: batches written by hand (no scheduler, no
+    Request) give the engine's greedy tokens."""
+    from jaxserve.scheduled_batch import RowParams, ScheduledBatch, ScheduledRow
+    prompt = list(range(5, 15))  # 10 tokens: two pages of 8
+    expected = make_engine(params).generate([prompt], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                     ignore_eos=True))[0].token_ids
+    runner = make_engine(params).runner
+    pages = (3, 7)  # any pages: the runner writes and reads where the batch says
+    greedy = RowParams(SamplingParams(temperature=0.0))
+    out = runner.execute(ScheduledBatch(prefill=(ScheduledRow("a", tuple(prompt), 0, pages, greedy),)))
+    assert (out.bucket.num_decode, out.bucket.num_prefill_tokens) == (0, 32) and out.logprobs is None
+    got = [int(out.token_ids[0])]
+    for position in (10, 11):
+        row = ScheduledRow("a", (got[-1],), position, pages, greedy)
+        got.append(int(runner.execute(ScheduledBatch(decode=(row,))).token_ids[0]))
+    assert got == expected
+
+
+def test_each_step_leaves_one_record_of_its_shape_work_and_times(params, caplog):
+    from serve.metrics import ServerMetrics
+    engine = make_engine(params)
+    heard, metrics = [], ServerMetrics(engine.stats)
+    engine.add_step_listener(heard.append)
+    engine.add_step_listener(metrics.observe_step)
+    engine.add_step_listener(lambda record: 1 / 0)  # a failing listener is logged; the step goes on
+    engine.add_request("a", list(range(3, 13)), GREEDY)  # 10 tokens
+    engine.step()
+    engine.add_request("b", list(range(20, 40)), GREEDY)  # 20 tokens
+    with caplog.at_level("ERROR", logger="jaxserve.engine"):
+        outputs = engine.step()  # a decodes its first output token (position 10), b's prompt prefills
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    assert "a step listener failed" in caplog.text
+    prefill, mixed = engine.step_records
+    assert heard == [prefill, mixed]
+    assert (prefill.kind, prefill.num_decode_rows, prefill.num_prefill_rows, prefill.num_tokens) == ("prefill", 0, 1, 10)
+    assert (mixed.kind, mixed.bucket_decode_rows, mixed.bucket_prefill_tokens, mixed.bucket_pages) == ("mixed", 8, 32, 32)
+    assert (mixed.num_decode_rows, mixed.num_prefill_rows, mixed.num_prefill_tokens, mixed.num_tokens) == (1, 1, 20, 21)
+    assert mixed.num_attention_pairs == 11 + 20 * 21 // 2 and mixed.num_padded_tokens == 40
+    assert mixed.device_seconds > 0 and 0 < mixed.pack_seconds < mixed.host_seconds
+    assert mixed.seconds == mixed.device_seconds + mixed.host_seconds
+    assert engine.time_in_steps == prefill.device_seconds + mixed.device_seconds
+
+    text = metrics.render()[0].decode()
+    assert 'jaxserve_step_duration_seconds_count{kind="mixed"} 1.0' in text
+    assert 'jaxserve_step_duration_seconds_count{kind="prefill"} 1.0' in text
+    assert 'jaxserve_step_tokens_sum{kind="mixed"} 21.0' in text
+    assert "jaxserve_step_padded_tokens_total 72.0" in text  # 32 + 40
+    engine.remove_step_listener(heard.append)
+    _run_to_end(engine)
+    assert len(heard) == 2 and len(engine.step_records) > 2

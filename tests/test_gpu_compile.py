@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve import cli, gpu_compile, gpu_targets, memory
 from jaxserve.config import ModelConfig
+from jaxserve.engine import EngineConfig
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 
@@ -133,6 +134,8 @@ def test_plan_for_a_target_uses_its_memory_and_the_gpu_activation_formula(capsys
     assert cli.main(["jaxserve", "plan", "--model=smollm2", "--target=h200", "--max_model_len=2048"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["device_memory_bytes"] == int(0.75 * gpu_targets.target_memory_bytes("h200"))
-    gpu = memory.activation_bytes(SMOLLM2, max_num_batched_tokens=2048, max_num_seqs=256, max_context_len=2048,
-                                  max_prefill_seqs=2, backend="pallas")
+    engine = EngineConfig()  # the flags' defaults: the engine's
+    gpu = memory.activation_bytes(SMOLLM2, max_num_batched_tokens=engine.max_num_batched_tokens,
+                                  max_num_seqs=engine.max_num_seqs, max_context_len=2048,
+                                  max_prefill_seqs=engine.max_num_prefill_seqs, backend="pallas")
     assert plan["activation_bytes"] == gpu

@@ -8,7 +8,6 @@ every token, and that the server's log gained no traceback.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import resource

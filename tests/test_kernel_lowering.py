@@ -60,3 +60,30 @@ def test_reference_lowers_without_pallas_calls():
 
     text = compat.lower_for_cuda(decode, q, *page_specs(128, 16, jnp.bfloat16))
     assert not pallas_custom_calls(text)
+
+
+@pytest.mark.parametrize("kind", ["decode", "ragged"])
+def test_kernels_with_window_and_soft_cap_lower_for_cuda(kind):
+    """Gemma 2's options: the window an int32 operand (the loops start at a traced block), the
+    soft-cap's tanh and a custom scale inside the kernel."""
+    head_dim, group, page_size, dtype = SHAPES[0]
+    options = dict(scale=256**-0.5, logit_soft_cap=50.0)
+    window = jax.ShapeDtypeStruct((), jnp.int32)
+    pages = page_specs(head_dim, page_size, dtype)
+    if kind == "decode":
+        q = jax.ShapeDtypeStruct((NUM_SEQS, group * NUM_KV_HEADS, head_dim), dtype)
+
+        def attention(q, k, v, table, lens, window):
+            return dispatch.decode_attention("pallas", q, k, v, table, lens, sliding_window=window, **options)
+
+        text = compat.lower_for_cuda(attention, q, *pages, window)
+    else:
+        q = jax.ShapeDtypeStruct((NUM_TOKENS, group * NUM_KV_HEADS, head_dim), dtype)
+        starts = jax.ShapeDtypeStruct((NUM_SEQS + 1,), jnp.int32)
+
+        def attention(q, k, v, table, lens, starts, window):
+            return dispatch.ragged_attention(
+                "pallas", q, k, v, table, lens, starts, sliding_window=window, **options)
+
+        text = compat.lower_for_cuda(attention, q, *pages, starts, window)
+    assert pallas_custom_calls(text), "no Pallas GPU kernel call in the lowered module"

@@ -1,26 +1,32 @@
 """Paged attention kernels (interpret mode), the XLA CPU path and the references against a
-float64 numpy oracle.
+float64 numpy oracle: a dense softmax over a mask built from the query and key positions.
 
-Inputs are fresh random draws each run (the seed is in every failure message): permuted block
-tables, lengths around page boundaries, padding rows in random places, and NaN in every page
-slot no sequence owns (page 0, unused pages, tails of partly filled pages) and in padding
-queries. Outputs must be finite, padding must be exactly zero, and the error small.
+Inputs are random draws from generators seeded with SEED and the test's own numbers (the seed is
+in every failure message): permuted block tables, lengths around page boundaries, padding rows in
+random places, and NaN in every page slot no sequence owns (page 0, unused pages, tails of partly
+filled pages) and in padding queries; with a sliding window also in every slot before the window
+of a sequence's first query, and pages wholly before it replaced by the null page. Outputs must be
+finite, padding must be exactly zero, and the error small.
 """
 
+import ast
 import dataclasses
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch, paged_decode, ragged_prefill, reference, xla_paged
+import pallas_kernels
+from pallas_kernels import common, dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Interpret mode on CPU; on a GPU the kernels run natively (bench/gpu_check.sh).
 INTERPRET = jax.default_backend() != "gpu"
-SEED = np.random.SeedSequence().entropy % 2**32
+SEED = 20250611  # every generator here is seeded from it (and the test's own numbers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +88,22 @@ def in_dtype(array, dtype):
     return np.asarray(array).astype(jnp.dtype(dtype))
 
 
-def oracle(q, k_pages, v_pages, block_table, seq_lens, query_lens):
-    """float64 attention; q: [num_seqs, max_query_len, q_heads, d] -> same shape."""
+def visible_keys(query_pos, key_pos, window=None):
+    """The mask of transformers' sliding-window causal attention: k <= p and k > p - window
+    (window None or <= 0: causal only). Broadcasts over numpy arrays."""
+    visible = key_pos <= query_pos
+    if window is not None and window > 0:
+        visible = visible & (key_pos > query_pos - window)
+    return visible
+
+
+def oracle(q, k_pages, v_pages, block_table, seq_lens, query_lens, *, window=None, scale=None, cap=None):
+    """float64 attention; q: [num_seqs, max_query_len, q_heads, d] -> same shape.
+    Query i of sequence `row` sits at position seq_len - query_len + i; it soft-maxes
+    cap * tanh(scale * q.k / cap) (or scale * q.k) over the keys visible_keys allows."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     num_kv, head_dim = k_pages.shape[2], k_pages.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
     group = q.shape[2] // num_kv
     out = np.zeros_like(q)
     for row, (length, query_len) in enumerate(zip(seq_lens, query_lens)):
@@ -94,11 +112,13 @@ def oracle(q, k_pages, v_pages, block_table, seq_lens, query_lens):
         keys = k_pages[block_table[row]].reshape(-1, num_kv, head_dim)[:length]  # [len, kv, d]
         values = v_pages[block_table[row]].reshape(-1, num_kv, head_dim)[:length]
         for i in range(query_len):
-            position = length - query_len + i
+            mask = visible_keys(length - query_len + i, np.arange(length), window)  # [len]
             for head in range(q.shape[2]):
-                scores = keys[: position + 1, head // group] @ q[row, i, head] * head_dim**-0.5
+                scores = keys[mask, head // group] @ q[row, i, head] * scale
+                if cap is not None:
+                    scores = cap * np.tanh(scores / cap)
                 weights = np.exp(scores - scores.max())
-                out[row, i, head] = weights @ values[: position + 1, head // group] / weights.sum()
+                out[row, i, head] = weights @ values[mask, head // group] / weights.sum()
     return out
 
 
@@ -109,26 +129,95 @@ def assert_close(actual, expected, dtype, label):
     assert error < TOLERANCE[dtype], f"{label}: relative error {error:.2e} (seed {SEED})"
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_paged_decode_matches_oracle(case):
-    rng = np.random.default_rng([SEED, CASES.index(case), 0])
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Attention options of one run: window (None: no window argument at all), scale, cap."""
+    window: int | None = None
+    scale: float | None = None
+    cap: float | None = None
+
+    def static(self):
+        return dict(scale=self.scale, logit_soft_cap=self.cap)
+
+    def oracle(self):
+        return dict(window=self.window, scale=self.scale, cap=self.cap)
+
+    def operand(self):
+        """The window as the implementations get it: an int32 scalar array (or None)."""
+        return None if self.window is None else jnp.int32(self.window)
+
+
+def jitted(function, options, **tiles):
+    """`function` jitted with the static options and tiles bound and the window as an operand."""
+    return jax.jit(lambda *args, window: function(*args, sliding_window=window, **options.static(), **tiles))
+
+
+def garbage_before_window(k_pages, v_pages, block_table, seq_lens, query_lens, window):
+    """Copies of the pages with NaN in every slot before the window of each sequence's first
+    query, and a block table whose pages wholly before it are the null page (which is NaN): what
+    an allocator that frees the pages no query can see leaves. Nothing changes without a window."""
+    k_pages, v_pages, block_table = k_pages.copy(), v_pages.copy(), block_table.copy()
+    if window is None or window <= 0:
+        return k_pages, v_pages, block_table
+    page_size = k_pages.shape[1]
+    for row, (length, query_len) in enumerate(zip(seq_lens, query_lens)):
+        first_visible = max(0, int(length) - int(query_len) - window + 1)
+        for position in range(first_visible):
+            page, offset = block_table[row, position // page_size], position % page_size
+            k_pages[page, offset] = np.nan
+            v_pages[page, offset] = np.nan
+        block_table[row, : first_visible // page_size] = 0
+    return k_pages, v_pages, block_table
+
+
+def int8_cache(pages):
+    """An int8 cache (kv_quant) of float pages, and the float32 values it holds (NaN stays NaN)."""
+    num_pages, page_size, num_kv, head_dim = pages.shape
+    cache = kv_quant.write_rows(
+        kv_quant.zeros(pages.shape, jnp.int8),
+        jnp.asarray(np.asarray(pages, np.float32).reshape(-1, num_kv, head_dim)),
+        jnp.arange(num_pages * page_size, dtype=jnp.int32),
+    )
+    return cache, np.asarray(kv_quant.dequantize(*kv_quant.split(cache), jnp.float32))
+
+
+def decode_problem(case, rng, window=None, int8=False):
+    """Random decode inputs (one query per sequence) and the oracle's pages.
+
+    Returns args (q, k, v, block_table, seq_lens) for the implementations, the float pages and
+    block table the oracle reads, and seq_lens."""
     seq_lens = context_lengths(case.page_size, rng)
     k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
+    k_pages, v_pages, block_table = garbage_before_window(
+        k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int), window)
     q = rng.standard_normal((len(seq_lens), case.group * case.num_kv_heads, case.head_dim))
     q[seq_lens == 0] = np.nan  # padding rows may hold garbage
     q = in_dtype(q, case.dtype)
-    query_lens = (seq_lens > 0).astype(int)
-    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, query_lens)[:, 0]
-    args = tuple(map(jnp.asarray, (q, k_pages, v_pages, block_table, seq_lens)))
-    tiles = dict(case.tiles, num_splits=3) if case.tiles else {}
-    kernel_out = paged_decode.paged_decode_attention(*args, interpret=INTERPRET, **tiles)
-    reference_out = jax.jit(reference.paged_decode_attention)(*args)
+    k_cache, v_cache = k_pages, v_pages
+    if int8:
+        (k_cache, k_pages), (v_cache, v_pages) = int8_cache(k_pages), int8_cache(v_pages)
+    args = (jnp.asarray(q), k_cache, v_cache, jnp.asarray(block_table), jnp.asarray(seq_lens))
+    return args, (k_pages, v_pages, block_table), seq_lens
+
+
+def check_decode(case, rng, options=Options(), int8=False, label="decode"):
+    """Pallas kernel, XLA path and reference against the oracle on one random decode problem."""
+    args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, rng, options.window, int8)
+    q = np.asarray(args[0])
+    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int),
+                      **options.oracle())[:, 0]
+    kernel_tiles = dict(case.tiles, num_splits=3) if case.tiles else {}
     xla_blocks = case.tiles.get("pages_per_block", xla_paged.DECODE_PAGES_PER_BLOCK)
-    xla_out = jax.jit(functools.partial(xla_paged.paged_decode_attention, pages_per_block=xla_blocks))(*args)
-    for label, out in (("kernel", kernel_out), ("reference", reference_out), ("xla", xla_out)):
-        assert out.shape == q.shape and out.dtype == q.dtype, label
-        assert_close(out, expected, case.dtype, f"decode {label}")
-        assert np.all(np.asarray(out, np.float32)[seq_lens == 0] == 0), f"{label}: padding row not zero"
+    outputs = {
+        "kernel": jitted(paged_decode.paged_decode_attention, options, interpret=INTERPRET, **kernel_tiles),
+        "reference": jitted(reference.paged_decode_attention, options),
+        "xla": jitted(xla_paged.paged_decode_attention, options, pages_per_block=xla_blocks),
+    }
+    for name, function in outputs.items():
+        out = function(*args, window=options.operand())
+        assert out.shape == q.shape and out.dtype == q.dtype, name
+        assert_close(out, expected, case.dtype, f"{label} {name} {options}")
+        assert np.all(np.asarray(out, np.float32)[seq_lens == 0] == 0), f"{name}: padding row not zero (seed {SEED})"
 
 
 def ragged_batch(seq_lens, page_size, rng):
@@ -142,36 +231,207 @@ def ragged_batch(seq_lens, page_size, rng):
     return query_lens, query_start_loc, num_tokens
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_ragged_matches_oracle(case):
-    rng = np.random.default_rng([SEED, CASES.index(case), 1])
+def check_ragged(case, rng, options=Options(), int8=False, label="ragged"):
+    """Pallas kernel, XLA path and reference against the oracle on one random ragged batch
+    (decode tokens, whole prefills and chunks starting mid-sequence)."""
     seq_lens = context_lengths(case.page_size, rng)
     k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
     query_lens, query_start_loc, num_tokens = ragged_batch(seq_lens, case.page_size, rng)
+    k_pages, v_pages, block_table = garbage_before_window(
+        k_pages, v_pages, block_table, seq_lens, query_lens, options.window)
     num_heads = case.group * case.num_kv_heads
     q = np.full((num_tokens, num_heads, case.head_dim), np.nan)  # padding tokens stay NaN
     q[: query_start_loc[-1]] = rng.standard_normal((query_start_loc[-1], num_heads, case.head_dim))
     q = in_dtype(q, case.dtype)
+    k_cache, v_cache = k_pages, v_pages
+    if int8:
+        (k_cache, k_pages), (v_cache, v_pages) = int8_cache(k_pages), int8_cache(v_pages)
     max_query_len = int(query_lens.max())
     q_padded = np.zeros((len(seq_lens), max_query_len, num_heads, case.head_dim))
     for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
         q_padded[row, :count] = q[start : start + count].astype(np.float64)
-    padded_expected = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens)
+    padded_expected = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens, **options.oracle())
     expected = np.zeros((num_tokens, num_heads, case.head_dim))
     for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
         expected[start : start + count] = padded_expected[row, :count]
 
-    args = tuple(map(jnp.asarray, (q, k_pages, v_pages, block_table, seq_lens, query_start_loc)))
-    tiles = dict(case.tiles, block_q=2) if case.tiles else {}
-    kernel_out = ragged_prefill.ragged_paged_attention(*args, interpret=INTERPRET, **tiles)
-    reference_out = jax.jit(reference.ragged_paged_attention)(*args)
+    args = (jnp.asarray(q), k_cache, v_cache, jnp.asarray(block_table), jnp.asarray(seq_lens),
+            jnp.asarray(query_start_loc))
+    kernel_tiles = dict(case.tiles, block_q=2) if case.tiles else {}
     xla_blocks = case.tiles.get("pages_per_block", 3)  # several blocks, a width not dividing the table
-    xla_out = jax.jit(functools.partial(xla_paged.ragged_paged_attention, pages_per_block=xla_blocks))(*args)
-    for label, out in (("kernel", kernel_out), ("reference", reference_out), ("xla", xla_out)):
-        assert out.shape == q.shape and out.dtype == q.dtype, label
-        assert_close(out, expected, case.dtype, f"ragged {label}")
+    outputs = {
+        "kernel": jitted(ragged_prefill.ragged_paged_attention, options, interpret=INTERPRET, **kernel_tiles),
+        "reference": jitted(reference.ragged_paged_attention, options),
+        "xla": jitted(xla_paged.ragged_paged_attention, options, pages_per_block=xla_blocks),
+    }
+    for name, function in outputs.items():
+        out = function(*args, window=options.operand())
+        assert out.shape == q.shape and out.dtype == q.dtype, name
+        assert_close(out, expected, case.dtype, f"{label} {name} {options}")
         tail = np.asarray(out, np.float32)[query_start_loc[-1] :]
-        assert np.all(tail == 0), f"{label}: padding tokens not zero"
+        assert np.all(tail == 0), f"{name}: padding tokens not zero (seed {SEED})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_paged_decode_matches_oracle(case):
+    check_decode(case, np.random.default_rng([SEED, CASES.index(case), 0]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_ragged_matches_oracle(case):
+    check_ragged(case, np.random.default_rng([SEED, CASES.index(case), 1]))
+
+
+# Windows relative to the batch of context_lengths (1, page-1, page, page+1, a long one, padding),
+# each on a case with several context splits and key blocks (f32 MHA, bf16 GQA 3 in turn): one key;
+# a few pages, so pages before the window are skipped and the window crosses a page boundary;
+# exactly the long sequence; longer than every sequence; the no-window sentinel.
+WINDOWS = {
+    "one": (CASES[0], lambda page_size, longest: 1),
+    "pages": (CASES[3], lambda page_size, longest: 2 * page_size + 3),
+    "equal": (CASES[0], lambda page_size, longest: longest),
+    "larger": (CASES[3], lambda page_size, longest: longest + 5),
+    "sentinel": (CASES[0], lambda page_size, longest: common.NO_WINDOW),
+}
+
+
+def window_problem(kind, salt):
+    """(case, window, generator) for a window kind; the window is computed from the lengths the
+    generator's first draw (context_lengths) will give."""
+    case, window_of = WINDOWS[kind]
+    numbers = [SEED, CASES.index(case), salt]
+    longest = int(context_lengths(case.page_size, np.random.default_rng(numbers)).max())
+    return case, window_of(case.page_size, longest), np.random.default_rng(numbers)
+
+
+@pytest.mark.parametrize("kind", WINDOWS)
+def test_paged_decode_sliding_window_matches_oracle(kind):
+    case, window, rng = window_problem(kind, 2)
+    check_decode(case, rng, Options(window=window))
+
+
+@pytest.mark.parametrize("kind", WINDOWS)
+def test_ragged_sliding_window_matches_oracle(kind):
+    case, window, rng = window_problem(kind, 3)
+    check_ragged(case, rng, Options(window=window))
+
+
+@pytest.mark.parametrize("check", [check_decode, check_ragged], ids=["decode", "ragged"])
+def test_sliding_window_on_int8_pages(check):
+    """int8 pages with per-token scales (kv_quant), compared on the values they hold."""
+    case = CASES[2]  # production tiles
+    check(case, np.random.default_rng([SEED, 2, 4]), Options(window=case.page_size + 5), int8=True)
+
+
+SOFT_CAP_OPTIONS = [Options(scale=0.7, cap=2.0), Options(window=11, scale=0.3, cap=5.0)]
+
+
+@pytest.mark.parametrize("options", SOFT_CAP_OPTIONS, ids=str)
+@pytest.mark.parametrize("check", [check_decode, check_ragged], ids=["decode", "ragged"])
+def test_soft_cap_and_scale_match_oracle(check, options):
+    """Gemma 2 style: a custom softmax scale and tanh soft-capping (which saturates at these
+    scales: |scale * q.k| reaches several times the cap), with and without a window."""
+    case = CASES[4]
+    check(case, np.random.default_rng([SEED, 4, 5, SOFT_CAP_OPTIONS.index(options)]), options)
+
+
+def test_oracle_mask_is_transformers_sliding_window_mask():
+    """The oracle's mask is transformers' (Mistral, Gemma 2): sliding_window_overlay and'ed
+    with the causal mask; window 3 lets a query see itself and the two keys before it."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    query_pos, key_pos = np.arange(12)[:, None], np.arange(12)[None, :]
+    for window in (1, 2, 3, 5, 12, 20):
+        theirs = masking_utils.sliding_window_overlay(window)(0, 0, query_pos, key_pos)
+        theirs = theirs & masking_utils.causal_mask_function(0, 0, query_pos, key_pos)
+        assert np.array_equal(visible_keys(query_pos, key_pos, window), theirs), window
+    assert np.array_equal(visible_keys(query_pos, key_pos, 3)[4], [0, 0, 1, 1, 1] + [0] * 7)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_sliding_window_sees_exactly_the_last_window_keys(window):
+    """Zero queries weigh every visible key alike and V is one-hot in the key position, so each
+    output row is 1 / |visible| exactly on the visible keys: the mask read straight off."""
+    page_size, length, head_dim = 4, 13, 16
+    num_pages = 6
+    rng = np.random.default_rng([SEED, 6, window])
+    k_pages = rng.standard_normal((num_pages, page_size, 1, head_dim)).astype(np.float32)
+    v_pages = np.zeros((num_pages, page_size, 1, head_dim), np.float32)
+    block_table = np.array([[3, 1, 5, 2]], np.int32)  # position t in page block_table[t // 4]
+    for position in range(length):
+        v_pages[block_table[0, position // page_size], position % page_size, 0, position] = 1.0
+    seq_lens = np.array([length], np.int32)
+    query_start_loc = np.array([0, length], np.int32)
+    expected = visible_keys(np.arange(length)[:, None], np.arange(head_dim)[None, :], window)
+    expected = expected / expected.sum(axis=1, keepdims=True)  # [length, head_dim]
+
+    q = jnp.zeros((length, 2, head_dim), jnp.float32)
+    pages = (jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(block_table), jnp.asarray(seq_lens))
+    ragged = {
+        "kernel": functools.partial(ragged_prefill.ragged_paged_attention, interpret=INTERPRET,
+                                    block_q=2, pages_per_block=1),
+        "xla": functools.partial(xla_paged.ragged_paged_attention, pages_per_block=1),
+        "reference": reference.ragged_paged_attention,
+    }
+    for name, function in ragged.items():
+        out = function(q, *pages, jnp.asarray(query_start_loc), sliding_window=jnp.int32(window))
+        np.testing.assert_allclose(out[:, 0], expected, atol=1e-6, err_msg=f"ragged {name} (seed {SEED})")
+        np.testing.assert_allclose(out[:, 1], expected, atol=1e-6, err_msg=f"ragged {name} (seed {SEED})")
+    decode = {
+        "kernel": functools.partial(paged_decode.paged_decode_attention, interpret=INTERPRET,
+                                    pages_per_block=1, num_splits=2),
+        "xla": functools.partial(xla_paged.paged_decode_attention, pages_per_block=1),
+        "reference": reference.paged_decode_attention,
+    }
+    for name, function in decode.items():
+        out = function(q[:1], *pages, sliding_window=jnp.int32(window))
+        np.testing.assert_allclose(out[0, 0], expected[-1], atol=1e-6, err_msg=f"decode {name} (seed {SEED})")
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_sliding_window_is_an_operand_that_may_change_per_layer(backend):
+    """Gemma alternates local and global layers inside one lax.scan: the window is a traced
+    int32 operand, one value per layer, and <= 0 means no window."""
+    case = CASES[0]
+    rng = np.random.default_rng([SEED, 7])
+    args, _, _ = decode_problem(case, rng)
+    windows = np.array([0, 3, -1, 2 * case.page_size + 1], np.int32)
+
+    def layer(carry, window):
+        return carry, dispatch.decode_attention(backend, *args, sliding_window=window)
+
+    _, per_layer = jax.jit(lambda w: jax.lax.scan(layer, None, w))(jnp.asarray(windows))
+    for index, window in enumerate(windows):
+        alone = dispatch.decode_attention(backend, *args, sliding_window=int(window))
+        np.testing.assert_allclose(np.asarray(per_layer[index]), np.asarray(alone), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"layer {index}, window {window} (seed {SEED})")
+    no_window = dispatch.decode_attention(backend, *args)
+    np.testing.assert_allclose(np.asarray(per_layer[0]), np.asarray(no_window), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(per_layer[2]), np.asarray(no_window), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(per_layer[1]), np.asarray(no_window)), "window 3 changed nothing"
+
+
+def test_pallas_kernels_import_only_jax_numpy_the_standard_library_and_itself():
+    """The kernels stand alone; production modules do not load the test oracle at import."""
+    allowed = {"jax", "numpy", "pallas_kernels"} | set(sys.stdlib_module_names)
+    package = pathlib.Path(pallas_kernels.__file__).parent
+    files = sorted(package.glob("*.py"))
+    assert {path.name for path in files} >= {"dispatch.py", "paged_decode.py", "ragged_prefill.py"}
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [] if node.level else [node.module]  # relative: the package itself
+            else:
+                continue
+            for module in modules:
+                assert module.split(".")[0] in allowed, f"{path.name}:{node.lineno} imports {module}"
+        if path.name != "reference.py":
+            for node in tree.body:  # module level: what importing the module loads
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pallas_kernels"):
+                    names = {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+                    assert "pallas_kernels.reference" not in names, f"{path.name} imports the test oracle"
 
 
 def test_write_kv_scatters_rows_and_keeps_the_rest():
@@ -188,7 +448,7 @@ def test_write_kv_scatters_rows_and_keeps_the_rest():
     expected_k[slots] = np.asarray(jnp.asarray(k[:-2], jnp.bfloat16), np.float32)
     expected_v[slots] = np.asarray(jnp.asarray(v[:-2], jnp.bfloat16), np.float32)
 
-    write = jax.jit(reference.write_kv, donate_argnums=(0, 1))
+    write = jax.jit(common.write_kv, donate_argnums=(0, 1))
     new_k, new_v = write(k_pages, v_pages, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping))
     assert new_k.shape == k_pages.shape and new_k.dtype == jnp.bfloat16
     flat_k = np.asarray(new_k, np.float32).reshape(-1, num_kv, head_dim)
@@ -202,7 +462,7 @@ def test_write_kv_updates_donated_pages_in_place():
     pages = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
     rows = jax.ShapeDtypeStruct((8, 2, 64), jnp.float32)
     slots = jax.ShapeDtypeStruct((8,), jnp.int32)
-    write = jax.jit(reference.write_kv, donate_argnums=(0, 1))
+    write = jax.jit(common.write_kv, donate_argnums=(0, 1))
     compiled = write.lower(pages, pages, rows, rows, slots).compile()
     stats = compiled.memory_analysis()
     page_bytes = 64 * 16 * 2 * 64 * 4
@@ -236,28 +496,31 @@ def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
             monkeypatch.setattr(module, function, recorder(f"{module.__name__}.{kind}"), raising=False)
     decode_args = ("q", "k", "v", "table", "lens")
     ragged_args = decode_args + ("starts",)
-    decoded = dispatch.decode_attention(backend, *decode_args, scale=0.5)
-    ragged = dispatch.ragged_attention(backend, *ragged_args, scale=0.5)
+    options = dict(sliding_window="window", scale=0.5, logit_soft_cap=30.0)
+    decoded = dispatch.decode_attention(backend, *decode_args, **options)
+    ragged = dispatch.ragged_attention(backend, *ragged_args, **options)
     plain = {"reference": "pallas_kernels.reference", "xla": "pallas_kernels.xla_paged"}
     assert decoded == f"{plain.get(backend, 'pallas_kernels.paged_decode')}.decode"
     assert ragged == f"{plain.get(backend, 'pallas_kernels.ragged_prefill')}.ragged"
     assert [c[1] for c in calls] == [5, 6]
     for _, _, kwargs in calls:
-        assert kwargs["scale"] == 0.5
+        assert {name: kwargs[name] for name in options} == options
         assert kwargs.get("interpret", False) == (backend == "interpret")
     with pytest.raises(ValueError):
         dispatch.decode_attention("triton", *decode_args)
 
 
-def test_xla_path_results_do_not_depend_on_the_other_rows_or_the_table_width():
-    """The engine's CPU path loops to the longest sequence of the call: a row's result must be
-    bit-for-bit the same alone, next to longer rows, and with a wider block table."""
+@pytest.mark.parametrize("window", [None, 9])
+def test_xla_path_results_do_not_depend_on_the_other_rows_or_the_table_width(window):
+    """The engine's CPU path loops from the first block any row's window reaches to the longest
+    sequence of the call: a row's result must be bit-for-bit the same alone, next to other rows,
+    and with a wider block table."""
     case = Case(8, 64, 3, 2, jnp.float32, {})
     rng = np.random.default_rng([SEED, 99])
     seq_lens = np.array([5, 70, 17, 0, 33], np.int32)
     k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
     q = in_dtype(rng.standard_normal((len(seq_lens), 6, 64)), case.dtype)
-    decode = jax.jit(xla_paged.paged_decode_attention)
+    decode = jax.jit(functools.partial(xla_paged.paged_decode_attention, sliding_window=window))
     together = np.asarray(decode(q, k_pages, v_pages, block_table, seq_lens))
     wide_table = np.pad(block_table, ((0, 0), (0, 7)))
     wide = np.asarray(decode(q, k_pages, v_pages, wide_table, seq_lens))

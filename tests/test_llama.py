@@ -7,7 +7,7 @@ import pytest
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, weights
 from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch
 
 
@@ -57,7 +57,8 @@ def test_forward_matches_transformers(tmp_path, num_q_heads, num_kv_heads, tie, 
     assert config.tie_word_embeddings == tie
     assert (config.rope_scaling is not None) == (rope_scaling is not None)
     params = load_params(str(tmp_path / "converted"), jnp.float32)
-    rng = np.random.default_rng()
+    seed = 0
+    rng = np.random.default_rng(seed)
     page_size, max_pages = 8, 8
     lengths = [1, 7, 8, 9, 40]
     batch, token_ids, num_pages = prefill_batch(lengths, page_size, max_pages, config.vocab_size, rng)
@@ -69,14 +70,15 @@ def test_forward_matches_transformers(tmp_path, num_q_heads, num_kv_heads, tie, 
         expected = hf_logits(model, ids[None])[0]
         got = logits[start:start + n]
         start += n
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
+                                   err_msg=f"seed {seed}")
 
 
 def test_rope_scaling_changes_frequencies():
     base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_q_heads=4,
                 num_kv_heads=4, head_dim=16)
-    plain = llama.rope_inv_freq(ModelConfig(**base))
-    scaled = llama.rope_inv_freq(ModelConfig(**base, rope_scaling=LLAMA3_SCALING))
+    plain = ModelConfig(**base).rope_inv_freq()
+    scaled = ModelConfig(**base, rope_scaling=LLAMA3_SCALING).rope_inv_freq()
     assert scaled[0] == pytest.approx(plain[0])  # high frequencies untouched
     assert scaled[-1] == pytest.approx(plain[-1] / 8.0)  # low frequencies divided by the factor
 
@@ -84,6 +86,9 @@ def test_rope_scaling_changes_frequencies():
 def test_flax_module_declares_the_param_tree():
     config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3,
                          num_q_heads=4, num_kv_heads=2, head_dim=4, tie_word_embeddings=False)
-    params = llama.random_params(config)
+    params = weights.random_params(config)
     shapes = jax.tree.map(lambda x: tuple(x.shape), params)
-    assert shapes == config.param_shapes()
+    assert shapes == weights.param_shapes(config)
+    layers = shapes["layers"]
+    assert layers["wq"] == (3, 16, 16) and layers["wk"] == (3, 16, 8) and layers["wo"] == (3, 16, 16)
+    assert layers["w_down"] == (3, 24, 16) and shapes["lm_head"] == (16, 32) and shapes["embed"] == (32, 16)

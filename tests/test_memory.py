@@ -6,9 +6,12 @@ import sys
 import pytest
 from absl import flags
 
-from jaxserve import memory
+from jaxserve import cli, memory
+from jaxserve.commands import engine_flags
 from jaxserve.commands import plan as plan_command
 from jaxserve.config import ModelConfig
+from jaxserve.engine import EngineConfig
+from jaxserve.models import weights
 
 LLAMA2_7B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
@@ -35,7 +38,7 @@ def model(cfg):
     (LLAMA2_7B, 6_738_415_616), (LLAMA3_8B, 8_030_261_248), (SMOLLM2_135M, 134_515_008)])
 def test_param_counts_match_published_models(cfg, published):
     m = model(cfg)
-    assert sum(memory.count_params(m).values()) == published == m.num_params()
+    assert sum(memory.count_params(m).values()) == published == weights.num_params(m)
     for dtype, nbytes in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
         assert memory.weights_bytes(m, dtype) == published * nbytes
 
@@ -90,6 +93,33 @@ def test_tensor_parallel_head_split_rules():
     with pytest.raises(memory.MemoryPlanError, match="divisible"):
         memory.plan_memory(model(SMOLLM2_135M), device_memory_bytes=8 * memory.GiB,
                            tensor_parallel_size=2)
+
+
+def test_tensor_parallel_rules_are_shardings():
+    """The planner refuses exactly the splits jaxserve.sharding refuses, with its message."""
+    from jaxserve import sharding
+    for cfg in (LLAMA3_8B, SMOLLM2_135M, dict(LLAMA3_8B, intermediate_size=14000)):
+        m = model(cfg)
+        for tp in range(1, 33):
+            problem = sharding.tensor_parallel_problem(m, tp)
+            if problem is None:
+                assert memory.kv_heads_per_device(m, tp) >= 1
+            else:
+                with pytest.raises(memory.MemoryPlanError) as refused:
+                    memory.kv_heads_per_device(m, tp)
+                assert problem in str(refused.value)
+
+
+def test_quantized_weight_dtypes_are_the_quantization_formats():
+    from jaxserve import quantization
+    m = model(LLAMA3_8B)
+    assert memory.quant_format("int8_g32_zp") == quantization.parse_format("int8_g32_zp")
+    assert memory.quant_format("bfloat16") is None
+    assert memory.weights_bytes(m, "int4") == memory.weights_bytes(m, "int4_g32")
+    sizes = [memory.weights_bytes(m, name) for name in ("int4_g128_sym", "int4_g64", "int4", "int8", "int8_g32_zp")]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    with pytest.raises(memory.MemoryPlanError, match="int3"):
+        memory.weights_bytes(m, "int3")
 
 
 def test_kv_heads_replicated_when_fewer_than_devices():
@@ -202,14 +232,17 @@ def llama_config_file(tmp_path):
 
 
 def test_cli_json(llama_config_file, capsys):
-    rc, out, err = run_cli([f"--config={llama_config_file}", "--device_memory_gb=80",
+    rc, out, err = run_cli([f"--config={llama_config_file}", "--target=h100", "--device_memory_gb=80",
                             "--max_model_len=8192", "--max_num_seqs=128"], capsys)
     assert rc == 0, err
     result = json.loads(out)
-    expected = memory.plan_memory(model(LLAMA3_8B), device_memory_bytes=80 * memory.GiB,
-                                  max_model_len=8192, max_num_seqs=128, max_num_batched_tokens=2048,
-                                  max_prefill_seqs=2)  # the engine's max_num_prefill_seqs
+    engine = EngineConfig(max_model_len=8192, max_num_seqs=128)  # every other setting: the engine's default
+    expected = memory.plan_engine(model(LLAMA3_8B), engine, device_memory_bytes=80 * memory.GiB, on_gpu=True)
     assert result == expected.to_dict()
+    assert expected == memory.plan_memory(
+        model(LLAMA3_8B), device_memory_bytes=80 * memory.GiB, weight_dtype="bfloat16", max_model_len=8192,
+        max_num_seqs=128, max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_prefill_seqs=engine.max_num_prefill_seqs, backend="pallas")
     for key in ("weights_bytes", "kv_bytes_per_token", "activation_bytes", "num_pages", "max_concurrent_seqs"):
         assert key in result
     assert result["weights_bytes"] == 8_030_261_248 * 2
@@ -217,7 +250,7 @@ def test_cli_json(llama_config_file, capsys):
 
 def test_cli_table(llama_config_file, capsys):
     rc, out, err = run_cli([f"--config={llama_config_file}", "--device_memory_gb=80",
-                            "--format=table", "--tensor_parallel_size=2", "--dtype=int8"], capsys)
+                            "--format=table", "--tensor_parallel_size=2", "--quantization=int8"], capsys)
     assert rc == 0, err
     rows = dict(line.split(None, 1) for line in out.strip().splitlines())
     assert rows["tensor_parallel_size"] == "2" and rows["weight_dtype"] == "int8"
@@ -230,15 +263,34 @@ def test_cli_table(llama_config_file, capsys):
     lambda d: [f"--config={d}/config.json", "--device_memory_gb=4"],  # weights do not fit
     lambda d: [f"--config={d}/config.json", "--device_memory_gb=-1"],
     lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--page_size=0"],
-    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--gpu_memory_utilization=2"],
-    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--dtype=int3"],
+    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--memory_utilization=2"],
+    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--memory_utilization=0"],
+    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--dtype=int8"],
+    lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--quantization=int3"],
     lambda d: [f"--config={d}/config.json", "--device_memory_gb=80", "--tensor_parallel_size=3"],
-    lambda d: ["--device_memory_gb=80"],  # neither --config nor --model
     lambda d: [f"--config={d}/config.json", f"--model={d}", "--device_memory_gb=80"],
     lambda d: [f"--model={d}/no_such_checkpoint", "--device_memory_gb=80"],
 ])
 def test_cli_bad_input_exits_2(make_argv, llama_config_file, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
-    rc, out, err = run_cli(make_argv(str(tmp_path)), capsys)
+    rc = cli.main(["jaxserve", "plan", *make_argv(str(tmp_path))])
+    out, err = capsys.readouterr()
     assert rc == 2
     assert out == "" and err.startswith("jaxserve plan: ") and "Traceback" not in err
+
+
+def test_plan_and_serve_share_the_engine_flags():
+    """One set of engine flags, with EngineConfig's defaults, for plan, serve and generate."""
+    from jaxserve.commands import generate as generate_command
+    from jaxserve.commands import serve as serve_command
+
+    names = {}
+    for command in (plan_command, serve_command, generate_command):
+        fv = flags.FlagValues()
+        command.define_flags(fv)
+        fv(["jaxserve"])
+        names[command.__name__] = {name for name in engine_flags._ENGINE_FLAGS if name in fv}
+        assert engine_flags.engine_config(fv) == EngineConfig()
+        assert fv.model == "smollm2"
+    assert len({frozenset(v) for v in names.values()}) == 1
+    assert "memory_utilization" in names["jaxserve.commands.plan"]

@@ -16,11 +16,11 @@ from jaxserve import memory, quantization as qz
 from jaxserve.commands import convert as convert_command, engine_flags
 from jaxserve.config import ModelConfig
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, weights
 from jaxserve.outputs import EngineStats
 from jaxserve.request import SamplingParams
 from jaxserve.tokenization import encode_chat
-from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
+from pallas_kernels import common, dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf
 from tests.test_kernel_lowering import pallas_custom_calls
@@ -99,8 +99,8 @@ def test_planner_weight_bytes_match_the_quantized_params(name, tied):
     linear layers quantized by quantize_params, everything else in bfloat16."""
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_q_heads=4,
                          num_kv_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=tied)
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), llama.random_params(config))
-    quantized = qz.quantize_params(params, name)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights.random_params(config))
+    quantized = qz.quantize_params(params, name, config)
     assert set(qz.params_formats(quantized).values()) == {qz.parse_format(name).name}
     assert memory.weights_bytes(config, name) == qz.tree_bytes(quantized)
     assert memory.weights_bytes(config, "bfloat16") == qz.tree_bytes(params)
@@ -136,7 +136,7 @@ def test_gguf_conversion_without_float_round_trip(tmp_path, qtype, requested, st
     convert_checkpoint(path, str(tmp_path / "float"))
     convert_checkpoint(path, str(tmp_path / "q"), quantization=requested)
     marker = json.loads((tmp_path / "q" / "jaxserve.json").read_text())
-    assert marker["quantization"] == {leaf: stored for leaf in qz.LINEAR_LEAVES}
+    assert marker["quantization"] == {leaf: stored for leaf in weights.linear_leaves(load.load_config(str(tmp_path / "q")))}
     float_params = load.load_params(str(tmp_path / "float"), "float32")
     quant_params = load.load_params(str(tmp_path / "q"), "float32")
     assert qz.params_formats(quant_params) == marker["quantization"]
@@ -153,7 +153,7 @@ def test_conversion_from_floats_and_bad_formats(tmp_path, capsys):
     float_params = load.load_params(str(tmp_path / "float"), "float32")
     q8 = load.load_params(str(tmp_path / "q8"), "float32")
     assert set(qz.params_formats(q8).values()) == {"int8"}
-    for leaf in qz.LINEAR_LEAVES:
+    for leaf in weights.linear_leaves(load.load_config(str(tmp_path / "q8"))):
         np.testing.assert_array_equal(np.asarray(q8["layers"][leaf]["q"]),
                                       np.asarray(qz.quantize(float_params["layers"][leaf], qz.parse_format("int8"))["q"]))
     with pytest.raises(ConversionError, match="does not divide"):  # hidden size 64
@@ -174,7 +174,7 @@ def test_hugging_face_conversion_quantizes_each_layer(tmp_path):
     float_params = load.load_params(str(tmp_path / "float"), "float32")
     quant = load.load_params(str(tmp_path / "q"), "float32")
     fmt = qz.parse_format("int4_g32_sym")
-    for leaf in qz.LINEAR_LEAVES:
+    for leaf in weights.linear_leaves(load.load_config(str(tmp_path / "q"))):
         expected = qz.quantize(float_params["layers"][leaf], fmt)
         for key, value in quant["layers"][leaf].items():
             np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), f"{leaf}/{key}")
@@ -186,7 +186,7 @@ def convert_smollm2_bit_exactly(tmp_path, float_params, quantization, stored):
     convert_checkpoint(default_model.smollm2_gguf_path(), str(tmp_path / quantization), quantization=quantization)
     quant = load.load_params(str(tmp_path / quantization), jnp.float32)
     back = qz.dequantize_params(quant)
-    for leaf in qz.LINEAR_LEAVES:
+    for leaf in weights.linear_leaves(load.load_config(str(tmp_path / quantization))):
         assert qz.weight_format(quant["layers"][leaf]).name == stored
         np.testing.assert_array_equal(np.asarray(back["layers"][leaf]), np.asarray(float_params["layers"][leaf]), leaf)
     return quant
@@ -209,7 +209,7 @@ def test_write_kv_quantizes_rows(kind):
     rows[1, 1, :3] = [1e4, -1e4, 0.5]  # beyond the fp8 range: saturates, no NaN
     slots = jnp.asarray(rng.choice(np.arange(8, 48), 9, replace=False).astype(np.int32))
     cache = kv_quant.zeros(shape, kv_quant.KV_CACHE_DTYPES[kind])
-    k_cache, _ = jax.jit(reference.write_kv)(cache, cache, jnp.asarray(rows), jnp.asarray(rows), slots)
+    k_cache, _ = jax.jit(common.write_kv)(cache, cache, jnp.asarray(rows), jnp.asarray(rows), slots)
     pages, scales = kv_quant.split(k_cache)
     flat = np.asarray(kv_quant.dequantize(pages, scales, jnp.float32)).reshape(-1, 2, 64)
     stored = flat[np.asarray(slots)]
@@ -292,7 +292,7 @@ def test_quantized_cache_is_updated_in_place_by_the_step(kind):
     """A whole model step (int4 weights) donates the int8 / fp8 cache and writes into it in place."""
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
                                num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    params = qz.quantize_params(llama.random_params(config), "int4")
+    params = qz.quantize_params(weights.random_params(config), "int4", config)
     cache = jax.eval_shape(lambda: llama.init_kv_cache(config, llama.KVCacheSpec(1024, 16),
                                                        kv_quant.KV_CACHE_DTYPES[kind]))
     rows, tokens, pages = 8, 8, 4
@@ -410,14 +410,14 @@ def check_against_float(smollm2, float_run, label, params=None, kv_dtype=jnp.flo
 
 
 def test_smollm2_int8_weights_close_to_float(smollm2, float_run):
-    quantized = qz.quantize_params(smollm2[2], "int8")
+    quantized = qz.quantize_params(smollm2[2], "int8", smollm2[0])
     check_against_float(smollm2, float_run, "int8 weights", params=quantized, quantization="int8")
 
 
 def test_smollm2_int8_zero_point_weights_close_to_float(smollm2, float_run):
     """int8 groups of 32 with a zero point, quantized from the float weights at load time (their
     range is the Q4_1 block's range, so the grid lands close to the Q4_1 levels)."""
-    quantized = qz.quantize_params(smollm2[2], "int8_g32_zp")
+    quantized = qz.quantize_params(smollm2[2], "int8_g32_zp", smollm2[0])
     check_against_float(smollm2, float_run, "int8_g32_zp weights", params=quantized,
                         max_relative=0.01, quantization="int8_g32_zp")
 
@@ -438,7 +438,7 @@ def test_smollm2_int8_kv_cache_close_to_float(smollm2, float_run):
 
 def test_smollm2_int4_load_time_quantization_reproduces_the_q4_1_weights(smollm2, float_run):
     config, _, params = smollm2  # float weights dequantized from Q4_1: int4_g32 finds the same grid
-    quantized = qz.quantize_params(params, "int4")
+    quantized = qz.quantize_params(params, "int4", config)
     _, prompts, answers, reference_logits = float_run
     sequences = [p + out[:-1] for p, out in zip(prompts, answers)][:4]
     for q, r in zip(teacher_forced_logits(config, quantized, sequences), reference_logits):
@@ -447,7 +447,7 @@ def test_smollm2_int4_load_time_quantization_reproduces_the_q4_1_weights(smollm2
 
 def test_engine_reports_quantized_sizes_and_plans_with_them(smollm2, float_run):
     float_engine = float_run[0]
-    int4 = Engine(*smollm2[:1], qz.quantize_params(smollm2[2], "int4"), None,
+    int4 = Engine(*smollm2[:1], qz.quantize_params(smollm2[2], "int4", smollm2[0]), None,
                   EngineConfig(max_num_seqs=4, max_model_len=128, warmup=False, kv_cache_dtype="int8"))
     config = smollm2[0]
     stats = int4.stats()
@@ -460,7 +460,7 @@ def test_engine_reports_quantized_sizes_and_plans_with_them(smollm2, float_run):
     with pytest.raises(ValueError, match="unknown quantization"):
         Engine(config, smollm2[2], None, EngineConfig(num_pages=8, max_model_len=64, warmup=False, quantization="q4"))
     with pytest.raises(ValueError, match="already quantized as int4_g32"):
-        qz.quantize_params(int4.runner.params, "int8")
+        qz.quantize_params(int4.runner.params, "int8", smollm2[0])
 
 
 def test_metrics_and_flags_expose_quantization():

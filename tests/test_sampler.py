@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.request import SamplingParams
 from jaxserve.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties,
-                              build_sampling_inputs, row_key_data, sample)
+                              build_sampling_inputs, has_histories, row_key_data, sample)
 
 VOCAB = 1000  # not a multiple of any block size: exercises the -inf padding
 NUM_ROWS = 64
@@ -269,3 +269,24 @@ def test_builder_shapes_history_and_keys():
     with pytest.raises(RowInputError, match="OverflowError") as info:
         build_sampling_inputs([make_row(), make_row(top_k=2**31)], 2, 5)
     assert info.value.row_index == 1
+
+
+def test_histories_only_when_a_row_has_a_penalty():
+    """A step without penalties neither builds nor transfers the [rows, history] arrays; the variant
+    with them gives the same draws to rows without a penalty."""
+    rng = np.random.default_rng(8)
+    logits = random_logits(rng, 8, 1.0)
+    plain = [make_row(temperature=t, top_p=0.9, seed=i, num_logprobs=2, output_token_ids=[1, 2])
+             for i, t in enumerate([0.0, 0.8, 1.0, 1.2])] + [None]
+    without = build_sampling_inputs(plain, 8, HISTORY)
+    assert not has_histories(without) and "prompt_ids" not in without
+    forced = build_sampling_inputs(plain, 8, HISTORY, penalties=True)
+    assert has_histories(forced) and (forced["output_ids"] == -1).all()  # no row reads its history
+    run_without, run_forced = (jax.tree.map(np.asarray, _sample(logits, inputs)) for inputs in (without, forced))
+    for name in run_without:
+        np.testing.assert_array_equal(run_without[name], run_forced[name], err_msg=name)
+
+    penalized = plain[:4] + [make_row(temperature=0.0, presence_penalty=2.0, output_token_ids=[3])]
+    assert has_histories(build_sampling_inputs(penalized, 8, HISTORY))
+    with pytest.raises(ValueError, match="penalty"):
+        build_sampling_inputs(penalized, 8, HISTORY, penalties=False)

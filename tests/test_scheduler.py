@@ -1,9 +1,11 @@
+import dataclasses
 import random
 
 import pytest
 
 from jaxserve.page_allocator import NULL_PAGE, PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
+from jaxserve.scheduled_batch import RowParams, ScheduledBatch, ScheduledRow
 from jaxserve.scheduler import Scheduler, StepPlan
 
 
@@ -21,7 +23,8 @@ def reference_output(prompt, max_tokens):
 
 class FakeDevice:
     """Writes each computed token into its KV slot and samples from what it reads back through
-    the page table, so wrong page bookkeeping or a stale shared page changes the output."""
+    the page table, so wrong page bookkeeping or a stale shared page changes the output. Like the
+    runner, it sees only the plan's plain data (`StepPlan.to_batch()`), never a Request."""
 
     def __init__(self, allocator):
         self.allocator = allocator
@@ -29,21 +32,20 @@ class FakeDevice:
         self.slots = [None] * (allocator.num_pages * allocator.page_size)
         self.num_computed_tokens = 0
 
-    def slot(self, request, position):
-        return request.page_ids[position // self.page_size] * self.page_size + position % self.page_size
+    def slot(self, row, position):
+        return row.page_ids[position // self.page_size] * self.page_size + position % self.page_size
 
     def run(self, plan):
         sampled = []
-        for request, num_new in plan.scheduled:
-            start = request.num_computed_tokens
-            assert NULL_PAGE not in request.page_ids
-            assert len(request.page_ids) >= self.allocator.num_pages_for_tokens(start + num_new)
-            for position in range(start, start + num_new):
-                page = request.page_ids[position // self.page_size]
+        for row in plan.to_batch().rows:
+            assert NULL_PAGE not in row.page_ids
+            assert len(row.page_ids) >= self.allocator.num_pages_for_tokens(row.end)
+            for position, token_id in zip(range(row.start, row.end), row.token_ids):
+                page = row.page_ids[position // self.page_size]
                 assert self.allocator.refcount(page) == 1, "a step writes into a shared page"
-                self.slots[self.slot(request, position)] = request.token_id_at(position)
-            sampled.append(next_token([self.slots[self.slot(request, p)] for p in range(start + num_new)]))
-            self.num_computed_tokens += num_new
+                self.slots[self.slot(row, position)] = token_id
+            sampled.append(next_token([self.slots[self.slot(row, p)] for p in range(row.end)]))
+            self.num_computed_tokens += len(row.token_ids)
         return sampled
 
 
@@ -296,3 +298,51 @@ def test_recompute_running_sends_every_running_request_back_in_order_and_frees_i
     run_engine_loop(scheduler, device, [])  # they run again, from their prompt and the output they have
     for request in requests:
         assert request.output_token_ids == reference_output(request.prompt_token_ids, 10)
+
+
+def test_to_batch_is_a_plain_immutable_snapshot_of_the_plan():
+    scheduler = make_scheduler(num_pages=40, page_size=4, budget=10, max_num_seqs=8, max_prefill=2)
+    device = FakeDevice(scheduler.allocator)
+    decoding = Request("dec", [3, 4, 5], SamplingParams(max_tokens=5, temperature=0.7, seed=11))
+    penalized = Request("pen", [6, 7], SamplingParams(max_tokens=5, repetition_penalty=1.3, seed=12))
+    scheduler.add_request(decoding)
+    scheduler.add_request(penalized)
+    scheduler.update(plan := scheduler.schedule(), device.run(plan))
+    long = Request("long", list(range(10, 30)), greedy(2))
+    scheduler.add_request(long)
+    plan = scheduler.schedule()  # two decode rows, then 8 of long's 20 prompt tokens
+    batch = plan.to_batch()
+    dec, pen = batch.decode
+    (chunk,) = batch.prefill
+    assert dec == ScheduledRow("dec", (decoding.output_token_ids[0],), 3, tuple(decoding.page_ids),
+                               RowParams(decoding.params, seed=11, step=1))
+    assert pen.sampling.prompt_token_ids == (6, 7) and pen.sampling.output_token_ids == tuple(
+        penalized.output_token_ids)  # the history travels only for a row with a penalty
+    assert chunk == ScheduledRow("long", tuple(range(10, 18)), 0, tuple(long.page_ids), None)  # no sample kept
+    assert (batch.num_tokens, batch.num_prefill_tokens, batch.max_num_pages) == (10, 8, 2)
+    assert batch.num_attention_pairs == 4 + 3 + 8 * 9 // 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dec.start = 0
+
+    def values(value):  # every value reachable from the batch's fields
+        yield value
+        if isinstance(value, SamplingParams):
+            return  # the request's own parameters, shared and only read
+        if dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                yield from values(getattr(value, field.name))
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from values(item)
+    assert not any(isinstance(v, (Request, list, dict)) for v in values(batch))  # plain, immutable data
+    scheduler.update(plan, device.run(plan))
+    assert batch.decode == (dec, pen) and dec.start == 3 and chunk.token_ids == tuple(range(10, 18))
+    assert ScheduledBatch().is_empty and ScheduledBatch().max_num_pages == 0
+
+
+def test_step_data_and_output_side_modules_do_not_import_jax():
+    import subprocess
+    import sys
+    code = ("import sys, jaxserve.scheduled_batch, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,7 +2,6 @@
 import asyncio
 import threading
 
-import numpy as np
 import openai
 import pytest
 import requests
@@ -12,7 +11,7 @@ from checkpoints import default_model, load
 from jaxserve.config import ModelConfig
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.models import llama
+from jaxserve.models import weights
 from serve.app import ServerConfig, create_app
 from serve.server import start_server
 
@@ -57,7 +56,7 @@ def server():
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_layers=2,
                          num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
                          eos_token_ids=(tokenizer.eos_token_id,))
-    engine = Engine(config, llama.random_params(config, seed=3), tokenizer,
+    engine = Engine(config, weights.random_params(config, seed=3), tokenizer,
                     EngineConfig(max_num_seqs=32, max_num_batched_tokens=128, page_size=8, num_pages=600,
                                  max_model_len=256, warmup=True), model_name="tiny")
     live = LiveServer(engine)

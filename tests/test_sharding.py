@@ -71,8 +71,8 @@ def _tiny_runs() -> dict:
 
     from jaxserve import data_parallel
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.models import llama
-    params = llama.random_params(TINY, seed=3)
+    from jaxserve.models import weights
+    params = weights.random_params(TINY, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, TINY.vocab_size, n).tolist() for n in (5, 17, 30, 9)]
     runs = {}
@@ -111,8 +111,8 @@ def _tiny_quantized_runs() -> dict:
     from jaxserve import data_parallel
     from jaxserve import quantization as qz
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.models import llama
-    params = llama.random_params(TINY, seed=3)
+    from jaxserve.models import weights
+    params = weights.random_params(TINY, seed=3)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 9)]
     runs = {}
     for quantization, tp in [("int8", 1), ("int8", 2), ("int8", 4), ("int4", 2)]:
@@ -125,7 +125,7 @@ def _tiny_quantized_runs() -> dict:
             continue
         w_down = engine.runner.params["layers"]["w_down"]
         shardings = sharding.ModelShardings.create(TINY, sharding.make_mesh(TINY, tp))
-        quantized = qz.quantize_params(params, quantization)
+        quantized = qz.quantize_params(params, quantization, TINY)
         runs[f"{quantization}_tp{tp}_bytes"] = {  # planned per-device bytes vs what placing holds
             "planned": shardings.per_device_bytes(quantized),
             "placed": sum(sharding.per_device_bytes(a) for a in jax.tree.leaves(shardings.place(quantized)))}
@@ -292,7 +292,8 @@ def test_partition_specs_cover_every_weight():
     specs = sharding.param_partition_specs(TINY, 4)
     assert specs["embed"] == P("model", None) and "lm_head" not in specs
     assert specs["layers"]["wq"] == P(None, None, "model") and specs["layers"]["wo"] == P(None, "model", None)
-    assert specs["layers"]["attn_norm"] == P()
+    assert specs["layers"]["attn_norm"] == P(None, None) and specs["final_norm"] == P(None)  # replicated
+    assert specs["layers"]["w_gate"] == P(None, None, "model") and specs["layers"]["w_down"] == P(None, "model", None)
     odd_vocab = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=1,
                             num_q_heads=8, num_kv_heads=2, head_dim=16)
     assert sharding.param_partition_specs(odd_vocab, 4)["lm_head"] == P(None, None)  # replicated

@@ -28,6 +28,7 @@ def run(fv: flags.FlagValues) -> int:
         print("jaxserve convert: --source and --output are required", file=sys.stderr)
         return 2
     from checkpoints.convert import convert_checkpoint
+    from jaxserve.models import weights
 
     start = time.perf_counter()
     try:
@@ -37,5 +38,5 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve convert: {e}", file=sys.stderr)
         return 2
     print(f"converted {fv.source} -> {fv.output}: {config.architecture}, {config.num_layers} layers, "
-          f"{config.num_params() / 1e6:.1f}M parameters in {time.perf_counter() - start:.1f}s")
+          f"{weights.num_params(config) / 1e6:.1f}M parameters in {time.perf_counter() - start:.1f}s")
     return 0

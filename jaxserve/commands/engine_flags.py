@@ -1,47 +1,84 @@
-"""Engine and sampling flags shared by `generate` and `serve`."""
+"""Engine flags shared by `serve`, `generate` and `plan`, and the sampling flags of `generate`.
+
+The engine flags' defaults are EngineConfig's (jaxserve.engine): a flag left unset keeps the
+EngineConfig default, so the three commands run, and plan for, the same engine.
+"""
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
+
+from jaxserve.engine import EngineConfig
+
+_DEFAULTS = EngineConfig()
 
 _ENGINE_INT_FLAGS = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (decode tokens + prefill chunks)",
     "max_num_prefill_seqs": "most prefill chunks in one step",
     "page_size": "tokens per KV cache page",
-    "num_pages": "KV cache pages per layer, null page included (default: from the memory planner)",
-    "max_model_len": "longest prompt + completion, in tokens (default: min(model context, 2048))",
+    "num_pages": "KV cache pages per layer, null page included",
+    "max_model_len": "longest prompt + completion, in tokens",
     "max_waiting_requests": "bound of the waiting queue",
     "tensor_parallel_size": "devices each model replica is split over (attention heads, MLP, vocabulary)",
     "data_parallel_size": "model replicas, each on its own tensor_parallel_size devices",
 }
+# What an unset flag means where the EngineConfig default is None.
+_OPEN_DEFAULTS = {
+    "num_pages": "what the memory planner fits (`jaxserve plan` shows it)",
+    "max_model_len": "min(the model's context, 2048)",
+    "dtype": "float32 on CPU, bfloat16 on GPU",
+    "attention_backend": "pallas on GPU, xla on CPU",
+    "quantization": "as stored",
+}
+
+
+def _default(name: str) -> str:
+    value = getattr(_DEFAULTS, name)
+    return f"(default: {_OPEN_DEFAULTS[name] if value is None else value})"
 
 
 def define_engine_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("model", "smollm2", "a converted model directory, a .gguf file, a Hugging Face "
-                        "folder, or 'smollm2' (SmolLM2-135M-Instruct, fetched and converted on first use)",
+    """The --model flag and one flag per EngineConfig setting a user may change; each defaults
+    to None, which keeps the EngineConfig default (named in the help)."""
+    from checkpoints.default_model import DEFAULT_MODEL
+
+    flags.DEFINE_string("model", DEFAULT_MODEL, "a converted model directory, a .gguf file, a Hugging Face "
+                        f"folder, or '{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, fetched and converted on first use)",
                         flag_values=fv)
     for name, text in _ENGINE_INT_FLAGS.items():
-        flags.DEFINE_integer(name, None, f"{text} (default: the engine's)", lower_bound=1, flag_values=fv)
+        flags.DEFINE_integer(name, None, f"{text} {_default(name)}", lower_bound=1, flag_values=fv)
     flags.DEFINE_boolean("enable_prefix_caching", None, "share KV pages of common prompt prefixes "
-                         "(default: on)", flag_values=fv)
+                         f"{_default('enable_prefix_caching')}", flag_values=fv)
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
-                      "weights, activations and KV cache dtype (default: float32 on CPU, bfloat16 on GPU)",
-                      flag_values=fv)
+                      f"weights, activations and KV cache dtype {_default('dtype')}", flag_values=fv)
     flags.DEFINE_enum("attention_backend", None, ["pallas", "interpret", "xla", "reference"],
-                      "attention implementation (default: pallas on GPU, xla on CPU)", flag_values=fv)
+                      f"attention implementation {_default('attention_backend')}", flag_values=fv)
     flags.DEFINE_string("quantization", None, "quantize the linear layers after loading: int8 (per output "
                         "channel), int4 (groups of 32 with a zero point); also int8_g32|64|128, "
-                        "int4_g64|128, _zp for int8 with a zero point, _sym for symmetric int4 (default: as stored)", flag_values=fv)
+                        "int4_g64|128, _zp for int8 with a zero point, _sym for symmetric int4 "
+                        f"{_default('quantization')}", flag_values=fv)
     flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"], "KV cache storage: auto (the "
-                      "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn)",
-                      flag_values=fv)
+                      "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn) "
+                      f"{_default('kv_cache_dtype')}", flag_values=fv)
+    flags.DEFINE_float("memory_utilization", None, "fraction of the device's memory budget (on CPU: half the "
+                       "available RAM) the weights, activations and KV pages may use "
+                       f"{_default('memory_utilization')}", lower_bound=0.0, upper_bound=1.0, flag_values=fv)
+
+
+_ENGINE_FLAGS = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend", "quantization",
+                                           "kv_cache_dtype", "memory_utilization"]
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:
     """The engine flags the user set; the others keep the EngineConfig defaults."""
-    names = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend",
-                                       "quantization", "kv_cache_dtype"]
-    return {name: fv[name].value for name in names if fv[name].value is not None}
+    return {name: fv[name].value for name in _ENGINE_FLAGS if fv[name].value is not None}
+
+
+def engine_config(fv: flags.FlagValues, **overrides) -> EngineConfig:
+    """The EngineConfig the engine flags describe (with `overrides`, e.g. warmup=False)."""
+    return dataclasses.replace(EngineConfig(**engine_kwargs(fv)), **overrides)
 
 
 def define_sampling_flags(fv: flags.FlagValues) -> None:

@@ -121,10 +121,10 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
-    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.engine import Engine
     try:
         # Offline: compile each step shape when first used instead of all of them up front.
-        engine = Engine.from_model(fv.model, EngineConfig(**engine_flags.engine_kwargs(fv), warmup=False))
+        engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=False))
     except (ValueError, OSError) as e:
         print(f"jaxserve generate: cannot load {fv.model!r}: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
-"""`jaxserve plan`: how many KV pages and concurrent sequences fit on one device; with
-`--target=h100 --compile`, the GPU build compiled for that GPU without one (jaxserve.gpu_compile)."""
+"""`jaxserve plan`: the engine `jaxserve serve` (and `generate`) would build with the same flags,
+sized for one device: weights, KV bytes per token, activations, the KV pages (the pool the engine
+allocates) and the concurrency. With `--target=h100 --compile`, the GPU build compiled for that
+GPU without one (jaxserve.gpu_compile)."""
 from __future__ import annotations
 
 import json
@@ -8,65 +10,85 @@ import sys
 from absl import flags
 
 from jaxserve import memory
+from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("config", None, "Hugging Face config.json of the model.", flag_values=fv)
-    flags.DEFINE_string("model", None, "Converted checkpoint directory or a known model name "
-                        "(e.g. smollm2); alternative to --config.", flag_values=fv)
-    flags.DEFINE_string("dtype", "bfloat16", f"Weight dtype: {', '.join(memory.WEIGHT_DTYPES)}.",
+    engine_flags.define_engine_flags(fv)
+    flags.DEFINE_string("config", None, "Hugging Face config.json of the model, instead of --model.",
                         flag_values=fv)
-    flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache dtype; 'auto' follows the compute dtype.",
-                        flag_values=fv)
-    flags.DEFINE_integer("page_size", 16, "Tokens per KV page.", flag_values=fv)
-    flags.DEFINE_integer("max_model_len", None, "Longest sequence (prompt + output); default: the "
-                         "model's max_position_embeddings.", flag_values=fv)
-    flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens of the largest step bucket.",
-                         flag_values=fv)
-    flags.DEFINE_integer("max_num_seqs", 256, "Sequences of the largest step bucket.", flag_values=fv)
-    flags.DEFINE_float("device_memory_gb", None, "Memory of one device in GiB (2**30 bytes); "
-                       "default: read from the first jax device (host RAM on CPU).", flag_values=fv)
-    flags.DEFINE_float("gpu_memory_utilization", 0.9, "Fraction of the device memory to use.",
-                       flag_values=fv)
-    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the model is split over.", flag_values=fv)
+    flags.DEFINE_float("device_memory_gb", None, "Memory of one device in GiB (2**30 bytes); default: the "
+                       "--target's, else read from the first jax device as the engine does (on CPU: half the "
+                       "available RAM).", flag_values=fv)
     flags.DEFINE_enum("format", "json", ["json", "table"], "Output format.", flag_values=fv)
-    flags.DEFINE_enum("target", None, ["a100", "h100", "h200"], "Plan for this GPU (its memory) instead of "
-                      "the local device; with --compile, compile the GPU build for it.", flag_values=fv)
+    flags.DEFINE_enum("target", None, ["a100", "h100", "h200"], "Plan for this GPU (its memory and the GPU "
+                      "defaults: bfloat16, Pallas kernels) instead of the local device; with --compile, compile "
+                      "the GPU build for it.", flag_values=fv)
     flags.DEFINE_boolean("compile", False, "With --target: build the engine as `serve` would on that GPU "
                          "(bfloat16, Pallas kernels, the GPU buckets, --tensor_parallel_size GPUs) with abstract "
                          "weights and compile every step bucket and sampler shape; needs the gpu-compile extra.",
                          flag_values=fv)
     flags.DEFINE_enum("buckets", "all", ["all", "ends"], "With --compile: every bucket warm-up compiles, or "
                       "the smallest and largest of each kind.", flag_values=fv)
-    flags.DEFINE_integer("max_num_prefill_seqs", 2, "Prefill chunks per step (the engine's "
-                         "max_num_prefill_seqs).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_string("quantization", None, "With --compile: quantized linear weights (int8, int4, ...).",
-                        flag_values=fv)
 
 
-def _load_model_config(fv: flags.FlagValues) -> ModelConfig:
-    if (fv.config is None) == (fv.model is None):
-        raise ConfigError("give exactly one of --config=config.json or --model=DIR|NAME")
+def _open_model(fv: flags.FlagValues):
+    """(ModelConfig, the opened checkpoints.load.ModelSource or None with --config)."""
     if fv.config is not None:
-        return ModelConfig.from_json_file(fv.config)
-    try:
-        from checkpoints.default_model import resolve_model
-        from checkpoints.load import load_config
-    except ImportError as e:
-        raise ConfigError(f"--model is unavailable ({e}); use --config=config.json") from None
-    return load_config(resolve_model(fv.model))
+        if fv["model"].present:
+            raise ConfigError("give one of --config=config.json or --model=DIR|NAME, not both")
+        return ModelConfig.from_json_file(fv.config), None
+    from checkpoints.load import open_model
+    source = open_model(fv.model)
+    return source.config, source
 
 
 def _device_memory_bytes(fv: flags.FlagValues) -> int:
-    if fv.device_memory_gb is None and fv.target is not None:
+    if fv.device_memory_gb is not None:
+        if not fv.device_memory_gb > 0:
+            raise memory.MemoryPlanError(f"--device_memory_gb must be positive, got {fv.device_memory_gb}")
+        return int(fv.device_memory_gb * memory.GiB)
+    if fv.target is not None:
         from jaxserve.gpu_targets import target_memory_budget_bytes
         return target_memory_budget_bytes(fv.target)
-    if fv.device_memory_gb is None:
-        return memory.device_memory_budget_bytes()
-    if not fv.device_memory_gb > 0:
-        raise memory.MemoryPlanError(f"--device_memory_gb must be positive, got {fv.device_memory_gb}")
-    return int(fv.device_memory_gb * memory.GiB)
+    return memory.device_memory_budget_bytes()
+
+
+def _quantized_weights_bytes(source, cfg) -> int | None:
+    """For weights the engine would hold quantized (stored so, or --quantization), the bytes one
+    device holds of them, from the checkpoint's abstract arrays: what the engine measures on the
+    loaded ones. None otherwise (the planner's estimate)."""
+    if source is None or not (cfg.quantization or source.quantization):
+        return None
+    import jax
+    from jax.sharding import AbstractMesh
+
+    from jaxserve import device_setup, quantization, sharding
+    params = source.abstract_params(cfg.dtype)
+    if cfg.quantization:
+        params = jax.eval_shape(lambda p: quantization.quantize_params(p, cfg.quantization, source.config), params)
+    shardings = None
+    if cfg.tensor_parallel_size > 1:
+        mesh = AbstractMesh((1, cfg.tensor_parallel_size), sharding.AXES)
+        shardings = sharding.ModelShardings.create(source.config, mesh)
+    return device_setup.quantized_weights_bytes(params, shardings)
+
+
+def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> memory.MemoryPlan:
+    """memory.plan_engine for the engine the flags describe: on the --target GPU, else on this
+    machine with its defaults, as the engine resolves them (jaxserve.device_setup)."""
+    cfg = engine_flags.engine_config(fv)
+    if fv.target is not None:
+        on_gpu = True
+    else:
+        from jaxserve import device_setup
+        on_gpu = device_setup.on_gpu()
+        cfg = device_setup.platform_config(cfg)
+    cfg = cfg.for_platform(on_gpu)
+    memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
+    return memory.plan_engine(model, cfg, device_memory_bytes=_device_memory_bytes(fv), on_gpu=on_gpu,
+                              measured_weights_bytes=_quantized_weights_bytes(source, cfg))
 
 
 def format_table(plan: memory.MemoryPlan) -> str:
@@ -91,24 +113,11 @@ def run(fv: flags.FlagValues) -> int:
         print("jaxserve plan: --compile needs --target (one of a100, h100, h200)", file=sys.stderr)
         return 2
     try:
-        model = _load_model_config(fv)
+        model, source = _open_model(fv)
         if fv.compile:
             return _compile(fv, model)
-        plan = memory.plan_memory(
-            model,
-            device_memory_bytes=_device_memory_bytes(fv),
-            memory_utilization=fv.gpu_memory_utilization,
-            weight_dtype=fv.dtype,
-            kv_cache_dtype=fv.kv_cache_dtype,
-            page_size=fv.page_size,
-            max_model_len=fv.max_model_len,
-            max_num_batched_tokens=fv.max_num_batched_tokens,
-            max_num_seqs=fv.max_num_seqs,
-            tensor_parallel_size=fv.tensor_parallel_size,
-            max_prefill_seqs=fv.max_num_prefill_seqs,
-            backend="pallas" if fv.target else "reference",
-        )
-    except (ValueError, OSError) as e:  # ConfigError and MemoryPlanError are ValueErrors
+        plan = plan_for_flags(fv, model, source)
+    except (ValueError, OSError) as e:  # ConfigError, ConversionError and MemoryPlanError are ValueErrors
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
     if fv.format == "table":
@@ -120,13 +129,15 @@ def run(fv: flags.FlagValues) -> int:
 
 def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
     from jaxserve import gpu_compile
+    cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
         report = gpu_compile.compile_for_gpu(
-            model, target=fv.target, tensor_parallel_size=fv.tensor_parallel_size, dtype=fv.dtype,
-            quantization_format=fv.quantization, kv_cache_dtype=fv.kv_cache_dtype, page_size=fv.page_size,
-            max_model_len=fv.max_model_len, max_num_seqs=fv.max_num_seqs,
-            max_num_batched_tokens=fv.max_num_batched_tokens, max_num_prefill_seqs=fv.max_num_prefill_seqs,
-            memory_utilization=fv.gpu_memory_utilization, which_buckets=fv.buckets)
+            model, target=fv.target, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+            quantization_format=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
+            max_model_len=cfg.model_len(model), max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_prefill_seqs=cfg.max_num_prefill_seqs,
+            memory_utilization=cfg.memory_utilization, num_pages=cfg.num_pages, which_buckets=fv.buckets,
+            max_logprobs=cfg.max_logprobs)
     except gpu_compile.GpuCompileUnavailable as e:
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
-"""Flax (NNX) Llama over a paged KV cache.
+"""The step of a Llama-family decoder over a paged KV cache.
 
-The `Llama` module declares the weights (shapes, dtype, random init); the computation is the pure
-function `forward`, which the engine jits once per shape bucket. Layer weights are stacked on a
-leading layer axis and run under `jax.lax.scan`, so compile time stays flat as models get deeper.
+`forward` is the computation of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3: the
+differences are switches of `ModelConfig`); the weights it reads are declared once, in
+`jaxserve.models.weights`. The engine jits `forward` once per shape bucket. Layer weights are
+stacked on a leading layer axis and run under `jax.lax.scan`, so compile time stays flat as models
+get deeper.
 
 KV cache layout: per cache, `[num_layers * num_pages, page_size, num_kv_heads, head_dim]`; layer
 `l` owns pages `l * num_pages .. (l + 1) * num_pages - 1`, so a block table entry `p` of layer `l`
@@ -13,18 +15,17 @@ without copying) a layer out of it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.quantization import linear
-from pallas_kernels import dispatch, kv_quant, reference
+from pallas_kernels import dispatch, kv_quant
+from pallas_kernels.common import write_kv
 
 Params = dict[str, Any]
 
@@ -46,73 +47,35 @@ def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) 
     return {"k": make(), "v": make()}
 
 
-class Llama(nnx.Module):
-    """Llama / Mistral / Qwen2 decoder: weights as stacked `nnx.Param`s, compute in `forward`."""
-
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.config = config
-        shapes = config.param_shapes()
-
-        def make(name: str, shape: tuple[int, ...]) -> nnx.Param:
-            if name.endswith("norm"):
-                return nnx.Param(jnp.ones(shape, dtype))
-            if name.startswith("b"):
-                return nnx.Param(jnp.zeros(shape, dtype))
-            fan_in = shape[-2] if len(shape) >= 2 and name != "embed" else shape[-1]
-            std = 1.0 / math.sqrt(fan_in)
-            return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-        self.embed = make("embed", shapes["embed"])
-        self.final_norm = make("final_norm", shapes["final_norm"])
-        self.layers = nnx.Dict({name: make(name, shape) for name, shape in shapes["layers"].items()})
-        if "lm_head" in shapes:
-            self.lm_head = make("lm_head", shapes["lm_head"])
-
-    def params(self) -> Params:
-        """The weights as a plain nested dict of arrays (the checkpoint and step-function format)."""
-        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
-
-    def __call__(self, kv_cache, batch, *, backend: str = "reference"):
-        return forward(self.params(), kv_cache, batch, config=self.config, backend=backend)
-
-
-def random_params(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> Params:
-    """Random weights for tests and benchmarks (a random-weight model of any shape)."""
-    return Llama(config, dtype=dtype, rngs=nnx.Rngs(seed)).params()
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies [head_dim // 2], with Llama 3 scaling when the config asks for it."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling:
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = np.where(is_medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x: [num_tokens, num_heads, head_dim] (half-split rotary, as in HF Llama); positions: [num_tokens]."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [num_tokens, 1, head_dim // 2] of `positions` [num_tokens] (float32)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [num_tokens, num_heads, head_dim] (half-split rotary, as in HF Llama); cos, sin from rope_tables."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis. Llama scales the normalized x (cast back to x's dtype) by
+    `weight`; Gemma (offset 1) scales by (1 + weight) in float32, then casts, as transformers does."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array], *,
@@ -138,50 +101,77 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
     T, Hq, Hkv, hd = num_tokens, config.num_q_heads, config.num_kv_heads, config.head_dim
-    inv_freq = rope_inv_freq(config)
-    positions = batch["positions"]
+    eps, offset = config.rms_norm_eps, config.norm_weight_offset
+    activation = _ACTIVATIONS[config.hidden_act]
+    windows = config.layer_windows()  # per layer; 0: full attention
+    windowed = any(windows)
+    # Attention options: only what the family uses, so a plain Llama step is the one it always was.
+    options: dict[str, Any] = {}
+    if config.query_pre_attn_scalar is not None:
+        options["scale"] = config.attention_scale
+    if config.attn_logit_softcap is not None:
+        options["logit_soft_cap"] = config.attn_logit_softcap
+    # RoPE tables once per step; Gemma 3's sliding layers have their own base.
+    cos, sin = rope_tables(batch["positions"], config.rope_inv_freq())  # [T, 1, hd // 2] each
+    local_rope = config.rope_local_theta is not None
+    if local_rope:
+        local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
 
-    def attend(q, k, v, k_cache, v_cache, slot_mapping, decode_block_table, decode_seq_lens,
+    def attend(q, k, v, k_cache, v_cache, window, slot_mapping, decode_block_table, decode_seq_lens,
                prefill_block_table, prefill_seq_lens, prefill_query_start_loc):
-        k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+        layer_options = {**options, "sliding_window": window} if windowed else options
         parts = []
         if num_decode:
             parts.append(dispatch.decode_attention(
-                backend, q[:num_decode], k_cache, v_cache, decode_block_table, decode_seq_lens))
+                backend, q[:num_decode], k_cache, v_cache, decode_block_table, decode_seq_lens, **layer_options))
         if num_prefill_seqs:
             parts.append(dispatch.ragged_attention(
                 backend, q[num_decode:], k_cache, v_cache, prefill_block_table, prefill_seq_lens,
-                prefill_query_start_loc))
+                prefill_query_start_loc, **layer_options))
         attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, heads, hd]
         return attn, k_cache, v_cache
 
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
 
-    def layer(carry, lp):
+    def layer(carry, scanned):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
+        lp, window = scanned  # this layer's weights; its sliding window (int32 scalar, 0: none)
         page_offset = layer_idx * num_pages
-        h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+        h = rms_norm(x, lp["attn_norm"], eps, offset)
         q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
         if config.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(T, Hq, hd), positions, inv_freq)  # [T, Hq, hd]
-        k = apply_rope(k.reshape(T, Hkv, hd), positions, inv_freq)  # [T, Hkv, hd]
-        v = v.reshape(T, Hkv, hd)
+        q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
+        if config.qk_norm:
+            q, k = rms_norm(q, lp["q_norm"], eps, offset), rms_norm(k, lp["k_norm"], eps, offset)
+        layer_cos, layer_sin = cos, sin
+        if local_rope:
+            layer_cos, layer_sin = jnp.where(window > 0, local_cos, cos), jnp.where(window > 0, local_sin, sin)
+        q, k = apply_rope(q, layer_cos, layer_sin), apply_rope(k, layer_cos, layer_sin)  # [T, heads, hd]
         attn, k_cache, v_cache = attend(  # attn: [T, Hq, hd]
-            q, k, v, k_cache, v_cache, batch["slot_mapping"] + page_offset * page_size,
+            q, k, v, k_cache, v_cache, window, batch["slot_mapping"] + page_offset * page_size,
             batch["decode_block_table"] + page_offset, batch["decode_seq_lens"],
             batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
             batch["prefill_query_start_loc"])
-        x = x + linear(attn.reshape(T, Hq * hd), lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
-        return (x, k_cache, v_cache, layer_idx + 1), None
+        out = linear(attn.reshape(T, Hq * hd), lp["wo"])
+        if config.sandwich_norms:
+            out = rms_norm(out, lp["attn_post_norm"], eps, offset)
+        x = x + out
+        h = rms_norm(x, lp["mlp_norm"], eps, offset)
+        out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
+        if config.sandwich_norms:
+            out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
+        return (x + out, k_cache, v_cache, layer_idx + 1), None
 
     x = params["embed"][batch["token_ids"]]  # [T, D]
+    if config.embedding_multiplier != 1.0:
+        x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
     carry = (x, kv_cache["k"], kv_cache["v"], jnp.int32(0))
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, params["layers"])
-    x = rms_norm(x[batch["logits_indices"]], params["final_norm"], config.rms_norm_eps)  # [R, D]
+    scanned = (params["layers"], jnp.asarray(windows, jnp.int32))
+    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, scanned)
+    x = rms_norm(x[batch["logits_indices"]], params["final_norm"], eps, offset)  # [R, D]
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.dot(x, lm_head, preferred_element_type=jnp.float32)  # [R, V]
-    return logits, {"k": k_cache, "v": v_cache}
+    return soft_cap(logits, config.final_logit_softcap), {"k": k_cache, "v": v_cache}

@@ -1,0 +1,160 @@
+"""The one declaration of a model's weights, and everything that derives from it.
+
+`Weights` is an NNX module whose `nnx.Param`s are the model's weights. Each carries its metadata:
+
+  axes   logical axis of every dimension: "layers", "vocab", "embed" (hidden size), "q" (query
+         heads x head_dim), "kv" (KV heads x head_dim), "ffn" (intermediate size), "head_dim"
+  role   "embedding" (embed, lm_head), "linear" (a decoder matrix: the quantizable set), "norm",
+         "bias"
+  hf     the Hugging Face tensor name (per-layer weights: the part after "model.layers.{i}.")
+  gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files
+  transposed  stored for `x @ W`, i.e. transposed from the [out, in] of both file formats
+
+Per-layer weights are stacked on a leading "layers" axis (the step scans over it) and sit under
+`layers/`. From this one declaration come: the shapes (`param_shapes`), random weights
+(`random_params`), the tensor-parallel partition specs (`jaxserve.sharding` maps logical axes to
+mesh axes), the quantizable set (`linear_leaves`), the planner's per-device byte counts
+(`jaxserve.memory`) and the checkpoint names (`checkpoints/`). The computation is
+`jaxserve.models.llama.forward`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+
+Params = dict
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightInfo:
+    """One declared weight (see the module docstring for the fields)."""
+
+    path: str  # "embed", "final_norm", "lm_head" or "layers/<name>"
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    role: str
+    hf: str
+    gguf: str | None
+    transposed: bool
+
+    @property
+    def per_layer(self) -> bool:
+        return self.path.startswith("layers/")
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+class Weights(nnx.Module):
+    """The weights of a Llama-family decoder (Llama, Mistral, Qwen2/3, Gemma 2/3), declared once."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        L, D, F, V, hd = (config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
+                          config.head_dim)
+        q, kv = config.q_size, config.kv_size
+        # Gemma's norms scale by (1 + weight): their neutral value is 0.
+        norm_init = "zeros" if config.norm_weight_offset else "ones"
+
+        def param(shape, axes, role, hf, gguf, init=None, transposed=False):
+            init = init or {"norm": norm_init, "bias": "zeros"}.get(role, "normal")
+            return nnx.Param(_init(init, shape, transposed, dtype, rngs), axes=axes, role=role, hf=hf, gguf=gguf,
+                             transposed=transposed)
+
+        self.embed = param((V, D), ("vocab", "embed"), "embedding", "model.embed_tokens.weight", "token_embd.weight")
+        self.final_norm = param((D,), ("embed",), "norm", "model.norm.weight", "output_norm.weight")
+        if not config.tie_word_embeddings:
+            self.lm_head = param((D, V), ("embed", "vocab"), "embedding", "lm_head.weight", "output.weight",
+                                 transposed=True)
+
+        def matrix(shape, axes, hf, gguf):
+            return param((L, *shape), ("layers", *axes), "linear", hf, gguf, transposed=True)
+
+        def vector(size, axis, role, hf, gguf):
+            return param((L, size), ("layers", axis), role, hf, gguf)
+
+        layers = {
+            "attn_norm": vector(D, "embed", "norm", "input_layernorm.weight", "attn_norm.weight"),
+            "wq": matrix((D, q), ("embed", "q"), "self_attn.q_proj.weight", "attn_q.weight"),
+            "wk": matrix((D, kv), ("embed", "kv"), "self_attn.k_proj.weight", "attn_k.weight"),
+            "wv": matrix((D, kv), ("embed", "kv"), "self_attn.v_proj.weight", "attn_v.weight"),
+            "wo": matrix((q, D), ("q", "embed"), "self_attn.o_proj.weight", "attn_output.weight"),
+            "w_gate": matrix((D, F), ("embed", "ffn"), "mlp.gate_proj.weight", "ffn_gate.weight"),
+            "w_up": matrix((D, F), ("embed", "ffn"), "mlp.up_proj.weight", "ffn_up.weight"),
+            "w_down": matrix((F, D), ("ffn", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
+        }
+        if config.sandwich_norms:  # Gemma 2/3: a norm before and after both attention and the MLP
+            layers.update(
+                attn_post_norm=vector(D, "embed", "norm", "post_attention_layernorm.weight", None),
+                mlp_norm=vector(D, "embed", "norm", "pre_feedforward_layernorm.weight", None),
+                mlp_post_norm=vector(D, "embed", "norm", "post_feedforward_layernorm.weight", None))
+        else:
+            layers["mlp_norm"] = vector(D, "embed", "norm", "post_attention_layernorm.weight", "ffn_norm.weight")
+        if config.attention_bias:  # Qwen2
+            layers.update(bq=vector(q, "q", "bias", "self_attn.q_proj.bias", "attn_q.bias"),
+                          bk=vector(kv, "kv", "bias", "self_attn.k_proj.bias", "attn_k.bias"),
+                          bv=vector(kv, "kv", "bias", "self_attn.v_proj.bias", "attn_v.bias"))
+        if config.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head of q and k
+            layers.update(q_norm=vector(hd, "head_dim", "norm", "self_attn.q_norm.weight", "attn_q_norm.weight"),
+                          k_norm=vector(hd, "head_dim", "norm", "self_attn.k_norm.weight", "attn_k_norm.weight"))
+        self.layers = nnx.Dict(layers)
+
+    def params(self) -> Params:
+        """The weights as a plain nested dict of arrays (the checkpoint and step-function format)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+
+def _init(kind: str, shape: tuple[int, ...], transposed: bool, dtype, rngs: nnx.Rngs) -> jax.Array:
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    fan_in = shape[-2] if transposed else shape[-1]  # matrices [..., in, out]: in; embed [V, D]: D
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+
+def weight_infos(config: ModelConfig) -> dict[str, WeightInfo]:
+    """{path: WeightInfo} of every weight of `config`'s model, sorted by path (no arrays are
+    built: the module is traced abstractly)."""
+    module = nnx.eval_shape(lambda: Weights(config, rngs=nnx.Rngs(0)))
+    infos = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        meta = variable.get_metadata()
+        key = "/".join(str(p) for p in path)
+        infos[key] = WeightInfo(path=key, shape=tuple(variable.get_value().shape), axes=tuple(meta["axes"]),
+                                role=meta["role"], hf=meta["hf"], gguf=meta["gguf"], transposed=meta["transposed"])
+    return infos
+
+
+def tree_of(infos: dict[str, WeightInfo], leaf) -> dict:
+    """The parameter tree ({"embed": ..., "layers": {...}}) with `leaf(info)` at every weight."""
+    tree: dict = {}
+    for info in infos.values():
+        node = tree.setdefault("layers", {}) if info.per_layer else tree
+        node[info.name] = leaf(info)
+    return tree
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The parameter tree of shapes (tuples)."""
+    return tree_of(weight_infos(config), lambda info: info.shape)
+
+
+def linear_leaves(config: ModelConfig) -> tuple[str, ...]:
+    """Names (under layers/) of the decoder matrices: the weights that quantization applies to."""
+    return tuple(info.name for info in weight_infos(config).values() if info.role == "linear")
+
+
+def num_params(config: ModelConfig) -> int:
+    return sum(math.prod(info.shape) for info in weight_infos(config).values())
+
+
+def random_params(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> Params:
+    """Random weights for tests and benchmarks (a random-weight model of any shape)."""
+    return Weights(config, dtype=dtype, rngs=nnx.Rngs(seed)).params()

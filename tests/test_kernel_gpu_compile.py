@@ -1,0 +1,51 @@
+"""The kernels with Gemma 2's options (a sliding window operand, logit soft-capping, a custom
+scale) compiled for Hopper on this CPU machine, down to ptxas: the window's dynamic loop start
+and the soft-cap's tanh must not make the shipped tiles spill.
+
+Needs the gpu-compile extra: `.venv-gpu-compile/bin/python -m pytest tests/test_kernel_gpu_compile.py`."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxserve import gpu_compile
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.ragged_prefill import ragged_paged_attention
+
+pytestmark = pytest.mark.skipif(
+    not gpu_compile.is_available(),
+    reason=f"the gpu-compile extra is not in this environment (run it in .venv-gpu-compile; {gpu_compile.INSTALL_HINT})")
+
+GEMMA2_2B = (8, 4, 256)  # query heads, KV heads, head_dim
+OPTIONS = dict(scale=256**-0.5, logit_soft_cap=50.0)
+
+
+def test_windowed_soft_capped_kernels_do_not_spill_on_sm90a():
+    heads, kv_heads, head_dim = GEMMA2_2B
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    replicated = NamedSharding(mesh, P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    pages = spec((1024, 16, kv_heads, head_dim), jnp.bfloat16)
+    window = spec((), jnp.int32)
+    decode = [spec((64, heads, head_dim), jnp.bfloat16), pages, pages, spec((64, 64), jnp.int32),
+              spec((64,), jnp.int32), window]
+    ragged = [spec((512, heads, head_dim), jnp.bfloat16), pages, pages, spec((4, 64), jnp.int32),
+              spec((4,), jnp.int32), spec((5,), jnp.int32), window]
+
+    def windowed(function):
+        return jax.jit(lambda *args: function(*args[:-1], sliding_window=args[-1], **OPTIONS))
+
+    reports = (gpu_compile.kernel_reports(windowed(paged_decode_attention), decode, mesh, "h100")
+               + gpu_compile.kernel_reports(windowed(ragged_paged_attention), ragged, mesh, "h100"))
+    assert sorted(r.name for r in reports) == ["paged_decode_attention", "ragged_paged_attention"]
+    for r in reports:
+        assert r.gpu == "sm_90a" and 0 < r.shared_memory_bytes <= 232448, r
+    if jax.__version__.startswith("0.10."):  # later XLA dumps no PTX
+        for r in reports:
+            assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
+
+
