@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                               max_num_seqs=engine_cfg.max_num_seqs,
                               max_prefill_seqs=engine_cfg.max_num_prefill_seqs)
     report["memory"] = {"planned_weights_bytes": plan.weights_bytes, "planned_num_pages": plan.num_pages,
-                        "engine_num_pages": engine.allocator.num_total_pages + 1,
+                        "engine_num_pages": engine.allocator.num_usable_pages + 1,
                         "planned_total_bytes": plan.weights_bytes + plan.kv_cache_bytes + plan.activation_bytes,
                         "measured_bytes_in_use": stats.get("bytes_in_use"),
                         "measured_peak_bytes": stats.get("peak_bytes_in_use")}

@@ -1,7 +1,8 @@
 """Model and engine configuration.
 
 `ModelConfig` is read from a Hugging Face `config.json` dict (the converter writes one for every
-checkpoint, GGUF sources included). `EngineConfig` holds the serving knobs.
+checkpoint, GGUF sources included). `EngineConfig` holds the serving knobs and is the one source
+of their defaults.
 """
 from __future__ import annotations
 
@@ -22,6 +23,45 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _ROPE_TYPES = ("default", "llama3", "linear")
+
+
+DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """The engine's settings, and the one source of their defaults: `jaxserve serve`, `generate`
+    and `plan` define their engine flags from these (jaxserve/commands/engine_flags.py), and
+    `jaxserve.memory.plan_engine` sizes the KV pool from the whole config."""
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_num_prefill_seqs: int = 2
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized by the memory planner
+    max_model_len: int | None = None  # None: min(the model's context, 2048)
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    attention_backend: str | None = None  # None: Pallas on GPU, the blocked XLA path on CPU
+    max_waiting_requests: int = 1024
+    max_logprobs: int = 20
+    memory_utilization: float = 0.9
+    warmup: bool = True
+    tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
+    data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
+    quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
+    kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
+
+    def for_platform(self, on_gpu: bool) -> "EngineConfig":
+        """This config with the platform defaults filled in where it leaves them open: dtype
+        bfloat16 and the Pallas kernels on a GPU, float32 and the blocked XLA attention on the CPU."""
+        return dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
+                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"))
+
+    def model_len(self, model_config) -> int:
+        """The longest sequence served: max_model_len (default: DEFAULT_MAX_MODEL_LEN), at most
+        the model's context."""
+        context = model_config.max_position_embeddings
+        return min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context)
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import memory, quantization
-from jaxserve.config import ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from pallas_kernels import dispatch, kv_quant
 
 
@@ -29,7 +29,6 @@ def param_dtype(name: str | None):
     """The jnp dtype named (float32, bfloat16, float16); None: this platform's default
     (EngineConfig.for_platform: bfloat16 on GPU, float32 on CPU)."""
     if name is None:
-        from jaxserve.engine import EngineConfig
         name = EngineConfig().for_platform(on_gpu()).dtype
     try:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]

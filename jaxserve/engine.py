@@ -17,56 +17,17 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+from jaxserve.config import EngineConfig
 from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, StepRecord, TokenLogprob
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestLimits, RequestStatus, SamplingParams, check_request
-from jaxserve.scheduled_batch import ScheduledBatch
-from jaxserve.scheduler import Scheduler, StepPlan
+from jaxserve.scheduler import ScheduledBatch, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
 
 STEP_RECORDS_KEPT = 1024  # the most recent StepRecords an engine keeps
-
-
-DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    """The engine's settings, and the one source of their defaults: `jaxserve serve`, `generate`
-    and `plan` define their engine flags from these (jaxserve/commands/engine_flags.py), and
-    `jaxserve.memory.plan_engine` sizes the KV pool from the whole config."""
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_num_prefill_seqs: int = 2
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized by the memory planner
-    max_model_len: int | None = None  # None: min(the model's context, 2048)
-    enable_prefix_caching: bool = True
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    attention_backend: str | None = None  # None: Pallas on GPU, the blocked XLA path on CPU
-    max_waiting_requests: int = 1024
-    max_logprobs: int = 20
-    memory_utilization: float = 0.9
-    warmup: bool = True
-    tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
-    data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
-    quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
-    kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
-
-    def for_platform(self, on_gpu: bool) -> "EngineConfig":
-        """This config with the platform defaults filled in where it leaves them open: dtype
-        bfloat16 and the Pallas kernels on a GPU, float32 and the blocked XLA attention on the CPU."""
-        return dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
-                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"))
-
-    def model_len(self, model_config) -> int:
-        """The longest sequence served: max_model_len (default: DEFAULT_MAX_MODEL_LEN), at most
-        the model's context."""
-        context = model_config.max_position_embeddings
-        return min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context)
 
 
 @dataclasses.dataclass
@@ -116,18 +77,9 @@ class Engine:
         num_pages = cfg.num_pages or device_setup.plan_engine(
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes).num_pages
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_prefill_seqs=cfg.max_num_prefill_seqs,
-                                   max_model_len=self.max_model_len)
-        self.runner = runner_lib.ModelRunner(
-            model_config, params, num_pages=num_pages, page_size=cfg.page_size,
-            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_prefill_seqs=cfg.max_num_prefill_seqs,
-            backend=device_setup.attention_backend(cfg.attention_backend),
-            max_logprobs=cfg.max_logprobs, shardings=shardings,
-            kv_dtype=device_setup.kv_cache_dtype(cfg.kv_cache_dtype))
+        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
+        self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
+                                             max_model_len=self.max_model_len, shardings=shardings)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -202,7 +154,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_total_pages,
+            kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_usable_pages,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=self.allocator.num_prefix_queries_tokens,
             prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens,
@@ -280,7 +232,7 @@ class Engine:
         record = StepRecord(
             kind="mixed" if batch.decode and batch.prefill else "decode" if batch.decode else "prefill",
             bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
-            bucket_pages=bucket.num_pages, num_decode_rows=len(batch.decode), num_prefill_rows=len(batch.prefill),
+            bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode), num_prefill_rows=len(batch.prefill),
             num_prefill_tokens=batch.num_prefill_tokens, num_tokens=batch.num_tokens,
             num_attention_pairs=batch.num_attention_pairs, device_seconds=result.device_seconds,
             host_seconds=step_seconds - result.device_seconds, pack_seconds=result.host_seconds)

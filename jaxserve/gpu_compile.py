@@ -84,7 +84,7 @@ def gpu_mesh(target: str, tensor_parallel_size: int) -> jax.sharding.Mesh:
 @dataclasses.dataclass
 class CompiledShape:
     """One compiled program: a step bucket (or a sampler row count) and what XLA says of it."""
-    bucket: dict[str, int]  # num_decode, num_prefill_tokens, num_pages (sampler: num_rows)
+    bucket: dict[str, int]  # num_decode, num_prefill_tokens, pages_per_seq (sampler: num_rows, penalties)
     ok: bool
     error: str | None = None  # XLA's message when not ok
     pallas_kernels: int = 0  # Pallas kernel calls in the compiled program
@@ -217,7 +217,7 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
     return memory.activation_bytes(
         model_config, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
         max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
-        max_context_len=bucket.num_pages * page_size, tensor_parallel_size=tensor_parallel_size,
+        max_context_len=bucket.pages_per_seq * page_size, tensor_parallel_size=tensor_parallel_size,
         max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0, backend="pallas")
 
 

@@ -18,12 +18,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jaxserve.config import ModelConfig
-
-if TYPE_CHECKING:
-    from jaxserve.engine import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -365,7 +362,7 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
     """The one sizing of an engine: the plan `jaxserve plan` reports and the KV pool (`num_pages`)
     and context (`max_model_len`) the engine allocates for the same `cfg` on one device.
 
-    `cfg` is a `jaxserve.engine.EngineConfig`; the platform defaults it leaves open (dtype,
+    `cfg` is the engine's `EngineConfig`; the platform defaults it leaves open (dtype,
     attention backend) are a GPU's when `on_gpu`, else the CPU's. The weights are quantized
     when `cfg.quantization` names a format; `measured_weights_bytes` (the loaded weights' bytes
     on one device) replaces the estimate. A `cfg.num_pages` is taken as it is. On the CPU the

@@ -47,7 +47,8 @@ class PageAllocator:
 
     # ---- counts -------------------------------------------------------------------------------
     @property
-    def num_total_pages(self) -> int:
+    def num_usable_pages(self) -> int:
+        """Pages requests can hold: the pool (`num_pages`, as everywhere) less the null page."""
         return self.num_pages - 1
 
     @property
@@ -57,7 +58,7 @@ class PageAllocator:
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_total_pages - self.num_free_pages
+        return self.num_usable_pages - self.num_free_pages
 
     @property
     def num_cached_pages(self) -> int:
@@ -66,7 +67,7 @@ class PageAllocator:
 
     @property
     def usage(self) -> float:
-        return self.num_used_pages / self.num_total_pages
+        return self.num_used_pages / self.num_usable_pages
 
     def num_pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -1,4 +1,5 @@
-"""Host-side request state: sampling parameters, status and the token bookkeeping of one request.
+"""Host-side request state: sampling parameters, status and the token bookkeeping of one request,
+the one admission check (`check_request`), and prompt encoding (`encode_text`, `encode_chat`).
 
 No jax here: the scheduler and the allocator work on these plain objects and are unit-tested in
 milliseconds.
@@ -274,3 +275,26 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pages={len(self.page_ids)})"
         )
+
+
+# ---- prompt encoding (Hugging Face tokenizers), shared by the server and the CLI ----------------
+
+def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` under the model's chat template, generation prompt added."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain prompt, with the tokenizer's own special tokens (e.g. BOS)."""
+    return list(tokenizer.encode(text))
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token, as the tokenizer stores it.
+
+    For byte-level BPE a stored character is one byte of text, and every character of text is at
+    least one byte, so a text of N characters has at least N / max_token_chars tokens: a bound
+    that refuses an oversized prompt without tokenizing it."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(t) for t in tokens if t is not None)

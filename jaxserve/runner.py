@@ -1,6 +1,6 @@
 """ModelRunner: ScheduledBatch -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
 
-The runner works from the scheduler's plain step data (`jaxserve.scheduled_batch`) alone; it never
+The runner works from the scheduler's plain step data (`jaxserve.scheduler.ScheduledBatch`) alone; it never
 sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
 tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
 context present); every step pads to the smallest bucket that holds it, so after warm-up no step
@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler
-from jaxserve.config import ModelConfig
+from jaxserve import device_setup, sampler
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
-from jaxserve.scheduled_batch import ScheduledBatch
+from jaxserve.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Bucket:
     """One compiled step shape."""
     num_decode: int  # decode rows
     num_prefill_tokens: int  # prefill tokens (0: no prefill part)
-    num_pages: int  # block table width: pages per sequence the step may read
+    pages_per_seq: int  # block table width: pages per sequence the step may read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +81,15 @@ class BucketSet:
         return [Bucket(d, p, n) for d in ends(self.decode) for p in ends(self.prefill) for n in ends(self.pages)
                 if d or p]
 
-    def fit(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
+    def fit(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
         """The smallest bucket that holds a step."""
         return Bucket(next(b for b in self.decode if b >= num_decode),
                       next(b for b in self.prefill if b >= num_prefill_tokens),
-                      next(b for b in self.pages if b >= num_pages))
+                      next(b for b in self.pages if b >= pages_per_seq))
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
-        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.num_pages
+        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.pages_per_seq
         num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
         T = dec + pre
         return dict(
@@ -120,10 +120,16 @@ class StepOutput:
 class ModelRunner:
     """Owns the weights and the KV cache on device; runs one step per ScheduledBatch."""
 
-    def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int,
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_prefill_seqs: int, backend: str, max_logprobs: int = 20,
-                 kv_dtype=None, shardings=None):
+    def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, *, num_pages: int,
+                 max_model_len: int, shardings=None):
+        """The step of `config`'s model under `engine_config` (page size, limits, attention backend,
+        KV cache dtype, max_logprobs) over a pool of `num_pages` pages (null page included) for
+        sequences of at most `max_model_len`; on the mesh of `shardings` when given."""
+        page_size, max_num_seqs = engine_config.page_size, engine_config.max_num_seqs
+        max_num_batched_tokens, max_num_prefill_seqs = engine_config.max_num_batched_tokens, engine_config.max_num_prefill_seqs
+        max_logprobs = engine_config.max_logprobs
+        backend = device_setup.attention_backend(engine_config.attention_backend)
+        kv_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype)
         self.config = config
         # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
         # model, with KV heads replicated when tensor parallelism exceeds them).
@@ -163,8 +169,8 @@ class ModelRunner:
         self._compiled_sample: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (rows, penalties)
 
     # ---- shapes ---------------------------------------------------------------------------
-    def bucket_for(self, num_decode: int, num_prefill_tokens: int, num_pages: int) -> Bucket:
-        return self.buckets.fit(num_decode, num_prefill_tokens, num_pages)
+    def bucket_for(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
+        return self.buckets.fit(num_decode, num_prefill_tokens, pages_per_seq)
 
     def all_buckets(self) -> list[Bucket]:
         return self.buckets.all()
@@ -179,7 +185,7 @@ class ModelRunner:
     def build_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
         """Pads the batch into its bucket. Returns (bucket, step arrays, the ScheduledRow of each
         sampled row: decode rows at 0.., prefill chunks at bucket.num_decode..; None for padding)."""
-        bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_num_pages)
+        bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
         arrays = self.empty_batch(bucket)
         dec_bucket = bucket.num_decode
         token_ids, positions, slot_mapping = arrays["token_ids"], arrays["positions"], arrays["slot_mapping"]

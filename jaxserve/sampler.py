@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.scheduled_batch import RowParams
+from jaxserve.scheduler import RowParams
 
 GREEDY_TEMPERATURE = 1e-5
 NUM_CANDIDATES = 64

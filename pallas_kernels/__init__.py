@@ -6,13 +6,13 @@ KV pages per layer: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is th
 Attention options shared by every entry point (sliding_window, scale, logit_soft_cap): see
 pallas_kernels.common.
 
-Modules: dispatch (backend choice), paged_decode and ragged_prefill (Pallas kernels, sharing
-pallas_common), xla_paged (CPU path), common (KV write, masks, options), kv_quant (int8 / fp8
+Modules: dispatch (the KV write and the backend choice), paged_decode and ragged_prefill (Pallas kernels, sharing
+pallas_common), xla_paged (CPU path), common (masks, options, query layout), kv_quant (int8 / fp8
 pages), compat (jax-version shims), reference (test oracle).
 """
 
-from pallas_kernels.common import NO_WINDOW, write_kv
-from pallas_kernels.dispatch import attention_backend, decode_attention, ragged_attention
+from pallas_kernels.common import NO_WINDOW
+from pallas_kernels.dispatch import attention_backend, decode_attention, ragged_attention, write_kv
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 

@@ -1,5 +1,5 @@
-"""What the production attention paths share: the KV write, the attention options (softmax scale,
-logit soft-cap, sliding window) and the per-sequence query layout of the XLA path.
+"""What the production attention paths share: the attention options (softmax scale, logit
+soft-cap, sliding window) and the per-sequence query layout of the XLA path.
 
 Layout: k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] (or quantized caches,
 see kv_quant); page 0 is the null page. block_table: int32[num_seqs, max_pages_per_seq];
@@ -25,16 +25,6 @@ from pallas_kernels import kv_quant
 
 NO_WINDOW = 0  # any sliding_window <= 0: full causal attention
 _UNLIMITED = jnp.iinfo(jnp.int32).max  # a window no sequence reaches
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatters new K/V rows into their slots; in place under jit with donated pages.
-
-    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32[num_tokens] holding
-    page * page_size + offset (padding tokens point into page 0).
-    Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
-    """
-    return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)
 
 
 def check_heads(q, k_pages):

@@ -1,4 +1,5 @@
-"""The one place that decides which attention implementation runs.
+"""The model's one entry to this package: the KV cache write (`write_kv`) and the one place that
+decides which attention implementation runs.
 
 Backends:
   "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see pallas_kernels.compat);
@@ -19,7 +20,7 @@ import os
 
 import jax
 
-from pallas_kernels import compat, paged_decode, ragged_prefill, xla_paged
+from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_paged
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 BACKEND_ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
@@ -90,3 +91,13 @@ def ragged_attention(
     return _plain_module(backend).ragged_paged_attention(
         q, k_pages, v_pages, block_table, seq_lens, query_start_loc, **options
     )
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatters new K/V rows into their slots; in place under jit with donated pages.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: int32[num_tokens] holding
+    page * page_size + offset (padding tokens point into page 0).
+    Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
+    """
+    return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)

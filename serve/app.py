@@ -15,21 +15,18 @@ import hmac
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from jaxserve.outputs import QueueFullError
-from jaxserve.request import InvalidRequestError, SamplingParams
-from jaxserve.tokenization import max_token_chars
+from jaxserve.outputs import QueueFullError, RequestOutput
+from jaxserve.request import InvalidRequestError, SamplingParams, max_token_chars
 from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
-from serve.fanout import ChoiceFanout, ServerStopping
 from serve.metrics import ServerMetrics
-from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params,
-                            check_prompt_chars, error_body, parse_chat_request, parse_completion_request,
-                            prompt_token_ids)
-from serve.responses import SSE_DONE, ChoiceState, ResponseShaper, sse_event
+from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
+                            admission_error, build_sampling_params, check_prompt_chars, error_body,
+                            parse_chat_request, parse_completion_request, prompt_token_ids, sse_event)
 
 logger = logging.getLogger(__name__)
 
@@ -338,3 +335,116 @@ async def _stop_engine(app: web.Application) -> None:
 
 async def _stop_prepare_pool(app: web.Application) -> None:
     app[STATE].prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- the n choices behind one request -----------------------------------------------------------
+
+_END = object()  # a choice's generator ended
+
+
+async def _close_quietly(stream: Any) -> None:
+    try:
+        await stream.aclose()
+    except Exception:
+        logger.exception("closing an engine stream failed")
+
+
+class ServerStopping(Exception):
+    """The server gave up on this request while shutting down."""
+
+
+class ChoiceFanout:
+    """Runs the n engine requests behind one HTTP request and merges their deltas in arrival order.
+
+    `start()` admits every choice (the engine's synchronous `generate`: a refusal raises there, and
+    the choices already admitted are aborted), then waits for each choice's first event, so an early
+    failure surfaces before the HTTP response is committed. `close()` (always called) cancels what
+    is still running: the engine aborts those requests and frees their pages.
+    """
+
+    def __init__(self, engine: Any, request_id: str, prompt_token_ids: list[int], params: list[Any],
+                 on_output: Callable[[int, RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.request_ids = [f"{request_id}-{i}" if len(params) > 1 else request_id for i in range(len(params))]
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.on_output = on_output
+        self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._buffered: list[tuple[int, Any]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._stop_reason: str | None = None
+        self.num_admitted = 0  # choices the engine accepted (each ends with a finish reason)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    async def _pump(self, index: int, stream: Any) -> None:
+        try:
+            async for output in stream:
+                if self.on_output is not None:
+                    self.on_output(index, output)
+                self._events.put_nowait((index, output))
+            self._events.put_nowait((index, _END))
+        except Exception as e:  # handed to the consumer, which decides the HTTP outcome
+            self._events.put_nowait((index, e))
+        finally:
+            await _close_quietly(stream)
+
+    async def start(self) -> None:
+        """Admits every choice, then waits for each one's first event. Re-raises an engine refusal
+        (after aborting the choices already admitted) or an early failure."""
+        streams = []
+        try:
+            for index in range(self.num_choices):
+                streams.append(self.engine.generate(self.request_ids[index], self.prompt_token_ids,
+                                                    self.params[index]))
+                self.num_admitted += 1
+        except BaseException:
+            for stream in streams:
+                await _close_quietly(stream)
+            raise
+        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)]
+        started: set[int] = set()
+        while len(started) < self.num_choices:
+            index, event = await self._next_event()
+            if isinstance(event, Exception):
+                raise event
+            started.add(index)
+            self._buffered.append((index, event))
+
+    async def _next_event(self) -> tuple[int, Any]:
+        index, event = await self._events.get()
+        if index < 0:
+            raise ServerStopping(self._stop_reason)
+        return index, event
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields (choice index, delta) until every choice has finished.
+
+        Raises the engine's exception if one fails mid-way, ServerStopping after `stop()`.
+        A generator that ends without a finished delta counts as aborted.
+        """
+        num_open = self.num_choices
+        while num_open:
+            if self._stop_reason is not None:
+                raise ServerStopping(self._stop_reason)
+            index, event = self._buffered.pop(0) if self._buffered else await self._next_event()
+            if isinstance(event, Exception):
+                raise event
+            if event is _END:
+                num_open -= 1
+                continue
+            yield index, event
+
+    def stop(self, reason: str) -> None:
+        """Ends the iteration with ServerStopping (used at shutdown once the drain time is over)."""
+        self._stop_reason = reason
+        self._events.put_nowait((-1, None))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []

@@ -38,7 +38,7 @@ class _EngineStatsCollector:
         yield _gauge("jaxserve_num_requests_running", "Requests in the running batch.", s.num_running)
         yield _gauge("jaxserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield _gauge("jaxserve_kv_pages_used", "KV cache pages held by requests.", s.kv_pages_used)
-        yield _gauge("jaxserve_kv_pages_total", "KV cache pages in the pool.", s.kv_pages_total)
+        yield _gauge("jaxserve_kv_pages_total", "KV cache pages requests can use (the pool less its null page).", s.kv_pages_total)
         yield _gauge("jaxserve_weights_bytes", "Bytes of the model weights on the devices (quantized "
                      "sizes when quantized).", s.weights_bytes)
         yield _gauge("jaxserve_kv_cache_bytes", "Bytes of the KV page pool (int8 scales included).",

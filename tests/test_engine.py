@@ -285,7 +285,7 @@ def test_a_request_whose_inputs_cannot_be_packed_fails_alone(params):
 def test_the_runner_works_from_a_scheduled_batch_alone(params):
     """The runner needs nothing but the plain step data: batches written by hand (no scheduler, no
     Request) give the engine's greedy tokens."""
-    from jaxserve.scheduled_batch import RowParams, ScheduledBatch, ScheduledRow
+    from jaxserve.scheduler import RowParams, ScheduledBatch, ScheduledRow
     prompt = list(range(5, 15))  # 10 tokens: two pages of 8
     expected = make_engine(params).generate([prompt], SamplingParams(max_tokens=3, temperature=0.0,
                                                                      ignore_eos=True))[0].token_ids

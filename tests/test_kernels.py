@@ -448,7 +448,7 @@ def test_write_kv_scatters_rows_and_keeps_the_rest():
     expected_k[slots] = np.asarray(jnp.asarray(k[:-2], jnp.bfloat16), np.float32)
     expected_v[slots] = np.asarray(jnp.asarray(v[:-2], jnp.bfloat16), np.float32)
 
-    write = jax.jit(common.write_kv, donate_argnums=(0, 1))
+    write = jax.jit(dispatch.write_kv, donate_argnums=(0, 1))
     new_k, new_v = write(k_pages, v_pages, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slot_mapping))
     assert new_k.shape == k_pages.shape and new_k.dtype == jnp.bfloat16
     flat_k = np.asarray(new_k, np.float32).reshape(-1, num_kv, head_dim)
@@ -462,7 +462,7 @@ def test_write_kv_updates_donated_pages_in_place():
     pages = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
     rows = jax.ShapeDtypeStruct((8, 2, 64), jnp.float32)
     slots = jax.ShapeDtypeStruct((8,), jnp.int32)
-    write = jax.jit(common.write_kv, donate_argnums=(0, 1))
+    write = jax.jit(dispatch.write_kv, donate_argnums=(0, 1))
     compiled = write.lower(pages, pages, rows, rows, slots).compile()
     stats = compiled.memory_analysis()
     page_bytes = 64 * 16 * 2 * 64 * 4

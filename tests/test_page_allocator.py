@@ -16,7 +16,7 @@ def computed_request(allocator, request_id, token_ids):
 
 def test_free_list_and_null_page():
     allocator = PageAllocator(num_pages=5, page_size=4, enable_prefix_caching=False)
-    assert (allocator.num_total_pages, allocator.num_free_pages, allocator.num_used_pages) == (4, 4, 0)
+    assert (allocator.num_usable_pages, allocator.num_free_pages, allocator.num_used_pages) == (4, 4, 0)
     pages = allocator.allocate(4)
     assert sorted(pages) == [1, 2, 3, 4] and NULL_PAGE not in pages
     assert allocator.num_free_pages == 0 and allocator.num_used_pages == 4 and allocator.usage == 1.0

@@ -7,9 +7,9 @@ import pytest
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.request import InvalidRequestError, RequestLimits, check_request
-from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ProtocolError, admission_error, build_sampling_params,
-                            check_prompt_chars, parse_chat_request, parse_completion_request, prompt_token_ids)
-from serve.responses import ChoiceState, ResponseShaper, completion_logprobs
+from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChoiceState, ProtocolError, ResponseShaper, admission_error,
+                            build_sampling_params, check_prompt_chars, completion_logprobs, parse_chat_request,
+                            parse_completion_request, prompt_token_ids)
 
 MODEL = "tiny"
 

@@ -18,9 +18,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import llama, weights
 from jaxserve.outputs import EngineStats
-from jaxserve.request import SamplingParams
-from jaxserve.tokenization import encode_chat
-from pallas_kernels import common, dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
+from jaxserve.request import SamplingParams, encode_chat
+from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf
 from tests.test_kernel_lowering import pallas_custom_calls
@@ -209,7 +208,7 @@ def test_write_kv_quantizes_rows(kind):
     rows[1, 1, :3] = [1e4, -1e4, 0.5]  # beyond the fp8 range: saturates, no NaN
     slots = jnp.asarray(rng.choice(np.arange(8, 48), 9, replace=False).astype(np.int32))
     cache = kv_quant.zeros(shape, kv_quant.KV_CACHE_DTYPES[kind])
-    k_cache, _ = jax.jit(common.write_kv)(cache, cache, jnp.asarray(rows), jnp.asarray(rows), slots)
+    k_cache, _ = jax.jit(dispatch.write_kv)(cache, cache, jnp.asarray(rows), jnp.asarray(rows), slots)
     pages, scales = kv_quant.split(k_cache)
     flat = np.asarray(kv_quant.dequantize(pages, scales, jnp.float32)).reshape(-1, 2, 64)
     stored = flat[np.asarray(slots)]

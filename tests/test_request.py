@@ -119,6 +119,6 @@ def test_random_seed_drawn_per_request():
 def test_host_modules_do_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, jaxserve.request, jaxserve.page_allocator, jaxserve.scheduler, jaxserve.detokenizer; "
+    code = ("import sys, jaxserve.request, jaxserve.page_allocator, jaxserve.scheduler, jaxserve.output_processor; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

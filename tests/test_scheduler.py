@@ -3,10 +3,10 @@ import random
 
 import pytest
 
+from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import NULL_PAGE, PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
-from jaxserve.scheduled_batch import RowParams, ScheduledBatch, ScheduledRow
-from jaxserve.scheduler import Scheduler, StepPlan
+from jaxserve.scheduler import RowParams, ScheduledBatch, ScheduledRow, Scheduler, StepPlan
 
 
 def next_token(context):
@@ -88,8 +88,8 @@ def run_engine_loop(scheduler, device, requests, add_at=None, max_steps=5000):
 
 def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512):
     allocator = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix)
-    return Scheduler(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     max_num_prefill_seqs=max_prefill, max_model_len=max_len)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_num_prefill_seqs=max_prefill)
+    return Scheduler(allocator, config, max_model_len=max_len)
 
 
 def greedy(max_tokens):
@@ -319,7 +319,7 @@ def test_to_batch_is_a_plain_immutable_snapshot_of_the_plan():
     assert pen.sampling.prompt_token_ids == (6, 7) and pen.sampling.output_token_ids == tuple(
         penalized.output_token_ids)  # the history travels only for a row with a penalty
     assert chunk == ScheduledRow("long", tuple(range(10, 18)), 0, tuple(long.page_ids), None)  # no sample kept
-    assert (batch.num_tokens, batch.num_prefill_tokens, batch.max_num_pages) == (10, 8, 2)
+    assert (batch.num_tokens, batch.num_prefill_tokens, batch.max_pages_per_seq) == (10, 8, 2)
     assert batch.num_attention_pairs == 4 + 3 + 8 * 9 // 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         dec.start = 0
@@ -337,12 +337,12 @@ def test_to_batch_is_a_plain_immutable_snapshot_of_the_plan():
     assert not any(isinstance(v, (Request, list, dict)) for v in values(batch))  # plain, immutable data
     scheduler.update(plan, device.run(plan))
     assert batch.decode == (dec, pen) and dec.start == 3 and chunk.token_ids == tuple(range(10, 18))
-    assert ScheduledBatch().is_empty and ScheduledBatch().max_num_pages == 0
+    assert ScheduledBatch().is_empty and ScheduledBatch().max_pages_per_seq == 0
 
 
 def test_step_data_and_output_side_modules_do_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, jaxserve.scheduled_batch, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs; "
+    code = ("import sys, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -142,7 +142,7 @@ def _smollm2_runs(model_dir: str) -> dict:
     from checkpoints.convert import convert_checkpoint
     from checkpoints.default_model import smollm2_gguf_path
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.tokenization import encode_text
+    from jaxserve.request import encode_text
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:  # Q4_1 blocks copied into an int4 checkpoint
         int4_dir = os.path.join(tmp, "int4")

@@ -9,8 +9,7 @@ import pytest
 from checkpoints import default_model, load
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import llama
-from jaxserve.request import SamplingParams
-from jaxserve.tokenization import encode_chat
+from jaxserve.request import SamplingParams, encode_chat
 from tests.tiny_models import hf_logits, prefill_batch
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",

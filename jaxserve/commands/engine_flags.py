@@ -9,7 +9,7 @@ import dataclasses
 
 from absl import flags
 
-from jaxserve.engine import EngineConfig
+from jaxserve.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
 

@@ -25,7 +25,6 @@ from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.quantization import linear
 from pallas_kernels import dispatch, kv_quant
-from pallas_kernels.common import write_kv
 
 Params = dict[str, Any]
 
@@ -119,7 +118,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
 
     def attend(q, k, v, k_cache, v_cache, window, slot_mapping, decode_block_table, decode_seq_lens,
                prefill_block_table, prefill_seq_lens, prefill_query_start_loc):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+        k_cache, v_cache = dispatch.write_kv(k_cache, v_cache, k, v, slot_mapping)
         layer_options = {**options, "sliding_window": window} if windowed else options
         parts = []
         if num_decode:

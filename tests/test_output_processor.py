@@ -5,9 +5,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.detokenizer import (REPLACEMENT_CHAR, IncrementalDetokenizer, StopChecker, find_stop_string,
-                                  partial_stop_suffix_len)
-from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
+from jaxserve.output_processor import (REPLACEMENT_CHAR, CoreOutput, IncrementalDetokenizer, OutputProcessor,
+                                       RowLogprobs, StopChecker, find_stop_string, partial_stop_suffix_len)
 from jaxserve.request import SamplingParams
 
 TEXT = "héllo wörld, 日本語 😀 the café end"
