@@ -40,9 +40,10 @@ from bench import common, serving  # noqa: E402
 from bench.hostile import Hostile  # noqa: E402
 
 CHAT_PROMPT_TOKENS = 64  # more than any built-in chat prompt takes
-_METRIC_LINE = re.compile(r"^(jaxserve_[a-z_]+)\s+([-+0-9.eE]+|NaN)$", re.MULTILINE)
-_FINISHED_LINE = re.compile(r'^jaxserve_requests_finished(?:_total)?\{finish_reason="(\w+)"\}\s+([-+0-9.eE]+)$',
-                            re.MULTILINE)
+# Every sample carries the served model's name (model_name="..."); "unlabelled" means no other label.
+_METRIC_LINE = re.compile(r'^(jaxserve_[a-z_]+)(?:\{model_name="[^"]*"\})?\s+([-+0-9.eE]+|NaN)$', re.MULTILINE)
+_FINISHED_LINE = re.compile(r'^jaxserve_requests_finished(?:_total)?\{([^}]*)\}\s+([-+0-9.eE]+)$', re.MULTILINE)
+_REASON_LABEL = re.compile(r'finish_reason="(\w+)"')
 _HTTP_LINE = re.compile(r'^jaxserve_http_requests(?:_total)?\{([^}]*)\}\s+([-+0-9.eE]+)$', re.MULTILINE)
 _STATUS_LABEL = re.compile(r'status="(\d+)"')
 _LOG_LEVEL = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) (\S+): (.*)$")  # jaxserve serve's log format
@@ -71,7 +72,8 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url + "/metrics") as response:
         text = await response.text()
     gauges = {name: float(value) for name, value in _METRIC_LINE.findall(text)}
-    finished = {reason: float(value) for reason, value in _FINISHED_LINE.findall(text)}
+    finished = {_REASON_LABEL.search(labels).group(1): float(value) for labels, value in _FINISHED_LINE.findall(text)
+                if _REASON_LABEL.search(labels)}
     http_status: dict[str, float] = collections.Counter()
     for labels, value in _HTTP_LINE.findall(text):
         status = _STATUS_LABEL.search(labels)

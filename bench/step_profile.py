@@ -76,11 +76,50 @@ def median_seconds(run, repeats):
     return float(np.median(times))
 
 
+def interleaved_seconds(runs: dict, repeats: int, rounds: int) -> dict:
+    """{name: median seconds} of several step functions timed in turns (rounds of `repeats` calls
+    each), so that load from other processes falls on all of them alike."""
+    for run in runs.values():
+        run()  # compiled and warm
+    samples = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                samples[name].append(time.perf_counter() - start)
+    return {name: float(np.median(times)) for name, times in samples.items()}
+
+
 def copy_bandwidth(num_bytes=256 * 2**20, repeats=5):
     """Bytes per second read + written by a large numpy copy."""
     src = np.ones(num_bytes // 4, np.float32)
     dst = np.empty_like(src)
     return 2 * num_bytes / median_seconds(lambda: np.copyto(dst, src), repeats)
+
+
+def prefill_batch(num_tokens, bucket_tokens, num_prefill_seqs, page_size, max_pages, seed=0):
+    """A prefill-only step: one sequence's first `num_tokens` tokens in a `bucket_tokens` bucket
+    with `num_prefill_seqs` prefill rows (the others padding), as the engine packs it."""
+    rng = np.random.default_rng(seed)
+    used = -(-num_tokens // page_size)
+    block_table = np.zeros((num_prefill_seqs, max_pages), np.int32)
+    block_table[0, :used] = np.arange(1, used + 1)
+    positions = np.zeros(bucket_tokens, np.int32)
+    positions[:num_tokens] = np.arange(num_tokens)
+    slots = np.zeros(bucket_tokens, np.int32)
+    slots[:num_tokens] = block_table[0, positions[:num_tokens] // page_size] * page_size + positions[:num_tokens] % page_size
+    starts = np.full(num_prefill_seqs + 1, num_tokens, np.int32)
+    starts[0] = 0
+    lens = np.zeros(num_prefill_seqs, np.int32)
+    lens[0] = num_tokens
+    logits = np.zeros(num_prefill_seqs, np.int32)
+    logits[0] = num_tokens - 1
+    return dict(
+        token_ids=rng.integers(100, 20000, bucket_tokens).astype(np.int32), positions=positions, slot_mapping=slots,
+        decode_block_table=np.zeros((0, max_pages), np.int32), decode_seq_lens=np.zeros(0, np.int32),
+        prefill_block_table=block_table, prefill_seq_lens=lens, prefill_query_start_loc=starts,
+        logits_indices=logits)
 
 
 def main(argv=None) -> int:
@@ -91,7 +130,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max_context", type=int, default=256)
     parser.add_argument("--max_model_len", type=int, default=1024, help="block table width in tokens")
     parser.add_argument("--backends", default="xla,reference")
+    parser.add_argument("--quantization", default=None, help="int8, int4, ...: quantized linear weights")
+    parser.add_argument("--row_sweep", default="",
+                        help="comma list of decode row counts: their step times, interleaved (the CPU bucket choice)")
+    parser.add_argument("--prefill_tokens", type=int, default=0,
+                        help="also profile a prefill step of this many tokens of one sequence")
+    parser.add_argument("--prefill_bucket", type=int, default=512, help="the prefill step's token bucket")
+    parser.add_argument("--prefill_seqs", type=int, default=2, help="the prefill step's sequence rows")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the comparisons")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -99,26 +146,34 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from checkpoints import default_model, load
+    from jaxserve import quantization
     from jaxserve.models import llama
     from pallas_kernels import dispatch
 
     model_dir = default_model.resolve_model(args.model) if args.model == "smollm2" else args.model
     config = load.load_config(model_dir)
-    params = load.load_params(model_dir, jnp.float32)
+    stacked = load.load_params(model_dir, jnp.float32)
+    if args.quantization:
+        stacked = quantization.quantize_params(stacked, args.quantization, config)
+    params = llama.layer_views(stacked)  # the weights as the engine's step reads them
     page_size = 16
     max_pages = -(-args.max_model_len // page_size)
-    num_pages = args.rows * max_pages + 1
+    sweep = sorted({int(r) for r in args.row_sweep.split(",") if r.strip()})
+    num_pages = max([args.rows, *sweep]) * max_pages + 1
     batch = decode_batch(args.rows, args.min_context, args.max_context, page_size, num_pages, max_pages)
     cache = {"kv": llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, page_size), jnp.float32)}
 
-    def step_time(backend):
+    def step_run(backend, step_params=params, step_batch=batch):
         forward = jax.jit(functools.partial(llama.forward, config=config, backend=backend), donate_argnums=(1,))
-        compiled = forward.lower(params, cache["kv"], batch).compile()
+        compiled = forward.lower(step_params, cache["kv"], step_batch).compile()
 
         def run():
-            logits, cache["kv"] = compiled(params, cache["kv"], batch)
+            logits, cache["kv"] = compiled(step_params, cache["kv"], step_batch)
             logits.block_until_ready()
-        return median_seconds(run, args.repeats)
+        return run
+
+    def step_time(backend):
+        return median_seconds(step_run(backend), args.repeats)
 
     info = common.machine_info(with_jax=True)
     results = {name: step_time(name) for name in args.backends.split(",")}
@@ -128,8 +183,29 @@ def main(argv=None) -> int:
         results["no attention"] = step_time("xla")
     finally:
         dispatch.decode_attention = real_decode_attention
+    # The layer scan over the stacked weights (what the step ran before llama.layer_views), next to
+    # the per-layer weights, interleaved.
+    weights_layout = interleaved_seconds({"per-layer weights": step_run("xla"),
+                                          "stacked weights (layer scan)": step_run("xla", stacked)},
+                                         args.repeats, args.rounds)
+    row_sweep = {}
+    if sweep:
+        runs = {rows: step_run("xla", params, decode_batch(rows, args.min_context, args.max_context, page_size,
+                                                           num_pages, max_pages)) for rows in sweep}
+        row_sweep = interleaved_seconds(runs, args.repeats, args.rounds)
+    prefill = None
+    if args.prefill_tokens:
+        prefill_arrays = prefill_batch(args.prefill_tokens, args.prefill_bucket, args.prefill_seqs, page_size, max_pages)
+        real_ragged_attention = dispatch.ragged_attention
+        runs = {"step": step_run("xla", params, prefill_arrays)}
+        dispatch.ragged_attention = lambda backend, q, *rest, **kwargs: q
+        try:
+            runs["no attention"] = step_run("xla", params, prefill_arrays)
+        finally:
+            dispatch.ragged_attention = real_ragged_attention
+        prefill = interleaved_seconds(runs, max(1, args.repeats // 2), args.rounds)
 
-    records = engine_decode_steps(config, params, args, page_size, max_pages)
+    records = engine_decode_steps(config, stacked, args, page_size, max_pages)
     engine_step = None if not records else dict(
         num_steps=len(records), bucket_decode_rows=records[0].bucket_decode_rows,
         device_s=float(np.median([r.device_seconds for r in records])),
@@ -141,33 +217,49 @@ def main(argv=None) -> int:
     a = jnp.ones((rows, d), jnp.float32)
     b = jnp.ones((d, f), jnp.float32)
     matmul_rate = 2 * rows * d * f / median_seconds(lambda: matmul(a, b).block_until_ready(), 20)
-    params_matmul = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params["layers"]) if v.ndim == 3)
+    params_matmul = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(stacked["layers"]) if v.ndim == 3)
     lm_head = config.vocab_size * d
     step_flops = 2 * rows * (params_matmul + lm_head)
     matmul_s = step_flops / matmul_rate
     kv_bytes = 2 * config.num_layers * int(batch["decode_seq_lens"].sum()) * config.num_kv_heads * config.head_dim * 4
     bandwidth = copy_bandwidth()
     read_kv_s = kv_bytes / (bandwidth / 2)  # the copy's rate counts read and write
+    weight_bytes = quantization.tree_bytes(stacked["layers"]) + quantization.tree_bytes(
+        stacked.get("lm_head", stacked["embed"]))
+    read_weights_s = weight_bytes / (bandwidth / 2)
 
     print(common.machine_line(info))
     print(f"decode step: {rows} rows, contexts {args.min_context}-{args.max_context} "
-          f"(mean {batch['decode_seq_lens'].mean():.0f}), block table {max_pages} pages")
+          f"(mean {batch['decode_seq_lens'].mean():.0f}), block table {max_pages} pages, "
+          f"weights {args.quantization or 'float32'}")
     for name, seconds in results.items():
         print(f"  {name:>13}: {1e3 * seconds:7.1f} ms  ({step_flops / seconds / 1e9:5.1f} GFLOP/s, "
               f"{matmul_s / seconds:.2f} of the matmul rate)")
+    for name, seconds in weights_layout.items():
+        print(f"  xla, {name}: {1e3 * seconds:7.1f} ms (interleaved)")
     print(f"matmul [{rows}, {d}] x [{d}, {f}]: {matmul_rate / 1e9:.1f} GFLOP/s -> the step's "
           f"{step_flops / 1e9:.1f} GFLOP take {1e3 * matmul_s:.1f} ms at that rate")
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write) -> reading the step's "
-          f"{kv_bytes / 2**20:.0f} MiB of K/V once takes {1e3 * read_kv_s:.1f} ms")
+          f"{kv_bytes / 2**20:.0f} MiB of K/V once takes {1e3 * read_kv_s:.1f} ms, its "
+          f"{weight_bytes / 2**20:.0f} MiB of weights (layers + lm_head) {1e3 * read_weights_s:.1f} ms")
     best = matmul_s / (results["no attention"] + read_kv_s)
     print(f"bound: with attention costing one read of K/V on top of the step without attention, "
           f"the step reaches at most {best:.2f} of the matmul rate")
+    if row_sweep:
+        print("decode step by rows (interleaved): " + ", ".join(
+            f"{r} rows {1e3 * t:.1f} ms ({1e3 * t / r:.1f} ms/row)" for r, t in row_sweep.items()))
+    if prefill:
+        print(f"prefill step, {args.prefill_tokens} tokens in a {args.prefill_bucket}-token bucket "
+              f"({args.prefill_seqs} prefill rows): {1e3 * prefill['step']:.0f} ms, attention removed "
+              f"{1e3 * prefill['no attention']:.0f} ms ({args.prefill_tokens / prefill['step']:.0f} tokens/s)")
     if engine_step:
         print(f"engine decode step ({engine_step['num_steps']} StepRecords, {rows} rows in a "
               f"{engine_step['bucket_decode_rows']}-row bucket): {1e3 * engine_step['device_s']:.1f} ms device + "
               f"{1e3 * engine_step['host_s']:.1f} ms host ({1e3 * engine_step['pack_s']:.1f} ms packing the arrays)")
     common.write_json(args.out, dict(machine=info, args=vars(args), step_s=results, matmul_flops_per_s=matmul_rate,
                                      step_flops=step_flops, kv_bytes=kv_bytes, copy_bytes_per_s=bandwidth,
+                                     weight_bytes=weight_bytes, read_weights_s=read_weights_s,
+                                     weights_layout_s=weights_layout, row_sweep_s=row_sweep, prefill_s=prefill,
                                      matmul_fraction_bound=best, engine_decode_step=engine_step))
     return 0
 

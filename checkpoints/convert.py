@@ -90,6 +90,7 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
             "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
             "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,
             **({"quantization": formats} if formats else {}),
+            **({"source_quantization": source.published.describe()} if getattr(source, "published", None) else {}),
         })
         _move_into_place(staging, output_dir)
     except BaseException as e:
@@ -104,7 +105,17 @@ def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str, fmt
     """Writes the parameters; returns {linear leaf: quantization format name} ({} when float)."""
     import orbax.checkpoint as ocp
 
-    if fmt is None:
+    if getattr(source, "published", None) is not None:  # published quantized: kept as stored
+        from checkpoints.prequantized import leaf_formats as published_formats
+        from checkpoints.quantized import QuantizedParamBuffers
+        if fmt is not None:
+            raise ConversionError(f"{source_path}: the checkpoint is already quantized "
+                                  f"({source.published.describe()}); convert it without --quantization "
+                                  f"to keep its weights as published")
+        leaf_fmts, _ = published_formats(source)
+        buffers = QuantizedParamBuffers(source.config, dtype, source_path, leaf_fmts)
+        tensors, formats = source.tensors(), {leaf: f.name for leaf, f in leaf_fmts.items()}
+    elif fmt is None:
         buffers, tensors, formats = ParamBuffers(source.config, dtype, source_path), source.tensors(), {}
     else:
         from checkpoints.quantized import QuantizedParamBuffers, leaf_formats

@@ -60,6 +60,39 @@ class HFSource:
                 if name in self._owner:
                     raise ConversionError(f"{file.path}: tensor {name!r} also appears in {self._owner[name].path}")
                 self._owner[name] = file
+        # a checkpoint published quantized (compressed-tensors, GPTQ, AWQ): checkpoints.prequantized
+        self.published, self._published_codes, self._published_skip = None, {}, set()
+        if hf_config.get("quantization_config"):
+            from checkpoints.prequantized import PublishedQuantization
+            self.published = PublishedQuantization(hf_config["quantization_config"], config_path)
+            self._find_published_weights()
+
+    def _find_published_weights(self) -> None:
+        """Which weights are stored quantized: their code tensor's name -> (weight name, PublishedWeight);
+        the names of their other tensors (read with the codes) in _published_skip."""
+        names = set(self._owner)
+        known = {name: transposed for name, (_, transposed) in self._whole_names.items()}
+        for layer in range(self.config.num_layers):
+            prefix = _LAYER_PREFIX.format(layer=layer)
+            known.update({prefix + name: transposed for name, (_, transposed) in self._layer_names.items()})
+        for name, is_linear in known.items():  # the linear layers are the transposed weights
+            if not name.endswith(".weight"):
+                continue
+            module = name.removesuffix(".weight")
+            weight = self.published.module_weight(module, is_linear, names, self._owner)
+            self._published_skip.update(f"{module}.{part}" for part in self.published.aux_parts(weight)
+                                        if f"{module}.{part}" in names)
+            if weight is None:
+                continue
+            codes = f"{module}.{next(iter(weight.parts))}"
+            self._published_codes[codes] = (name, weight)
+            bias = f"{module}.bias"  # GPTQ writers may save an all-zero bias the model does not have
+            if bias in names and bias not in known and not np.any(self._owner[bias].read(bias)):
+                self._published_skip.add(bias)
+
+    def published_weights(self) -> dict:
+        """{weight name: PublishedWeight} of the weights stored quantized ({} for a float checkpoint)."""
+        return dict(self._published_codes.values())
 
     def _shard_paths(self) -> list[str]:
         index_path = os.path.join(self.folder, "model.safetensors.index.json")
@@ -91,6 +124,11 @@ class HFSource:
         """(file, source name, slot, layer, tensor, transpose) for every weight, file by file."""
         for file in self.files:
             for name in file.names():
+                tensor = None
+                if name in self._published_skip:
+                    continue
+                if name in self._published_codes:
+                    name, tensor = self._published_codes[name]
                 if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
                 match = _LAYER_NAME.fullmatch(name)
@@ -100,7 +138,7 @@ class HFSource:
                     layer, (slot, transpose) = None, self._whole_names[name]
                 else:
                     raise ConversionError(f"{file.path}: unexpected tensor {name!r}")
-                yield file.path, name, slot, layer, file.read(name), transpose
+                yield file.path, name, slot, layer, file.read(name) if tensor is None else tensor, transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)

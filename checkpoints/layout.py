@@ -66,6 +66,8 @@ class ParamBuffers:
 
     def store(self, name: str, layer: int | None, tensor: np.ndarray, transpose: bool) -> None:
         """Writes a checked tensor into its slot (subclasses may store it another way)."""
+        if hasattr(tensor, "dequantize"):  # a published quantized weight kept float (checkpoints.prequantized)
+            tensor = tensor.dequantize()
         value = tensor.T if transpose else tensor
         if layer is None:
             self.arrays[name][...] = value

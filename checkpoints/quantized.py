@@ -132,6 +132,8 @@ class QuantizedParamBuffers(ParamBuffers):
                 raise ConversionError(f"{self.source_file}: layer {layer} of {name} is {tensor.kind}, "
                                       f"but the leaf is stored as {fmt.name}")
             weight = tensor.to_weight(fmt.bits)
+        elif hasattr(tensor, "to_weight"):  # checkpoints.prequantized.PublishedWeight: its own codes
+            weight = tensor.to_weight(fmt)
         else:
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)

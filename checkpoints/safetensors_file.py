@@ -13,6 +13,9 @@ from checkpoints import ConversionError
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    # the codes, zero points and shapes of quantized checkpoints (checkpoints.prequantized)
+    "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "I16": np.dtype(np.int16), "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -63,6 +66,10 @@ class SafetensorsFile:
             raise ConversionError(
                 f"{self.path}: tensor {name!r} has dtype {kind}; supported: {', '.join(_DTYPES)}")
         return _DTYPES[kind]
+
+    def raw_dtype(self, name: str) -> str:
+        """The safetensors dtype name ("F32", "I32", "F8_E4M3", ...), supported or not."""
+        return self._entries[name]["dtype"]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name]["shape"])

@@ -62,6 +62,11 @@ class AsyncEngine:
         """What /health reports beyond liveness: failed steps and the last one's error."""
         return {"num_step_failures": self.engine.num_step_failures, "last_step_error": self.engine.last_step_error}
 
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be
+        used); thread-safe, for the server's thread pool: admission then finds it compiled."""
+        self.engine.compile_structured_output(params)
+
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
         """Admits one request and returns the stream of its deltas.
 

@@ -134,6 +134,10 @@ class DataParallelAsyncEngine:
         return {"num_step_failures": sum(h["num_step_failures"] for h in reports),
                 "last_step_error": errors[-1] if errors else None}
 
+    def compile_structured_output(self, params) -> None:
+        """AsyncEngine.compile_structured_output (the replicas share the tokenizer: one compile serves all)."""
+        self.replicas[0].compile_structured_output(params)
+
     def generate(self, request_id: str, prompt_token_ids: list[int], params):
         """AsyncEngine.generate (admission now, then a RequestStream) on the replica with the
         fewest requests in flight."""

@@ -21,8 +21,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, StepRecord, TokenLogprob
 from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request, RequestLimits, RequestStatus, SamplingParams, check_request
-from jaxserve.scheduler import ScheduledBatch, Scheduler, StepPlan
+from jaxserve.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
+from jaxserve.scheduler import PromptLogprobRows, ScheduledBatch, Scheduler, StepPlan
+from jaxserve.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class FinishedRequest:
     ttft: float | None  # seconds from arrival to the first token
     e2e: float  # seconds from arrival to the end
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs: prompt tokens 2..
 
     @property
     def tpot(self) -> float | None:
@@ -78,14 +80,18 @@ class Engine:
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes).num_pages
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
-        self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
-                                             max_model_len=self.max_model_len, shardings=shardings)
-        self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
+                                             max_model_len=self.max_model_len, shardings=shardings,
+                                             eos_token_ids=self.eos_token_ids)
+        self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         self.output_processor = OutputProcessor(tokenizer)
+        # Structured output compiles grammars against the tokenizer (none without one).
+        self.grammar_compiler = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+                                 if tokenizer is not None else None)
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
         self._step_listeners: tuple[Callable[[StepRecord], None], ...] = ()
         self.num_steps = 0
@@ -122,13 +128,36 @@ class Engine:
                              max_model_len=self.max_model_len, max_logprobs=self.config.max_logprobs)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError (a ValueError) when the request can never be served."""
+        """Raises InvalidRequestError (a ValueError) when the request can never be served. A
+        structured-output grammar is compiled here unless it already was (`compile_structured_output`)."""
         check_request(prompt_token_ids, params, self.limits)
+        if params.structured_output is not None:
+            self.compile_structured_output(params)
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compiles `params.structured_output` against the tokenizer (kept on it: done once, and
+        shared by the requests made from these params). The server calls this in its thread pool
+        before admission. InvalidRequestError naming the client's field if it cannot be used."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        try:
+            check_structured_output(spec)
+            if self.grammar_compiler is None:
+                raise StructuredOutputError("structured output needs the model's tokenizer", spec.param)
+            self.grammar_compiler.compile(spec)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
-        """Admission: checks the request completely and returns it ready for `add`."""
+        """Admission: checks the request completely and returns it ready for `add` (with its own
+        grammar state when it has structured output)."""
         self.check_request(prompt_token_ids, params)
-        return Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params)
+        if params.structured_output is not None:
+            request.grammar = self.grammar_compiler.new_state(params.structured_output)
+            request.grammar.executor = self.grammar_compiler.executor()
+        return request
 
     def add(self, request: Request) -> None:
         """Queues a request made by `make_request` (already checked; not checked again)."""
@@ -188,9 +217,19 @@ class Engine:
         self.num_computed_tokens += batch.num_tokens
         self.time_in_steps += result.device_seconds
         rows = {row.request_id: i for i, row in enumerate(batch.rows)}
+        if result.prompt_logprobs is not None:  # before update: a request may finish in it (max_tokens 0)
+            for row, (request, _), out in zip(batch.rows, plan.scheduled, result.prompt_logprobs):
+                if out is not None and request.status == RequestStatus.RUNNING:
+                    request.prompt_logprobs.extend(_prompt_logprob_entries(row.prompt_logprobs, out))
         appended = self.scheduler.update(plan, result.token_ids.tolist())
-        core_outputs = []
+        core_outputs, failed = [], []
         for request in appended:
+            if not request.num_output_tokens:  # max_tokens 0: the prompt (and its logprobs) is all
+                core_outputs.append(self._core_output(request, new_token=False))
+                continue
+            if request.grammar is not None and not request.grammar.accept(request.output_token_ids[-1]):
+                failed.append(request)  # cannot happen with the mask applied; fails this request only
+                continue
             self._check_stop_token(request)
             i = rows[request.request_id]
             logprobs = None
@@ -201,21 +240,30 @@ class Engine:
         for request in appended:
             if request.request_id in stopped:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        for request in failed:
+            log.error("request %s sampled a token its grammar does not allow: %s", request.request_id,
+                      request.grammar.error)
+            outputs.append(self._fail(request, f"structured output failed: {request.grammar.error}"))
         self._record_step(batch, result, time.perf_counter() - start)
         return outputs
 
     def _check_stop_token(self, request: Request) -> None:
-        """Finishes a request whose new token is one of its stop tokens (or EOS, unless ignored)."""
+        """Finishes a request whose new token is one of its stop tokens (or EOS, unless ignored).
+        With a grammar EOS always stops: the grammar allows it only where its output is complete."""
         token_id = request.output_token_ids[-1]
         params = request.params
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids
+                                                 and (not params.ignore_eos or request.grammar is not None)):
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _core_output(request: Request, logprobs: RowLogprobs | None = None, new_token: bool = True) -> CoreOutput:
-        """The request's state after a step (its last token is new) or, with new_token=False, at its end."""
+        """The request's state after a step (its last token is new) or, with new_token=False, at its end.
+        The prompt logprobs go with the first token (or the end of a max_tokens 0 request)."""
+        first = (request.num_output_tokens == 1 if new_token
+                 else request.num_output_tokens == 0 and request.finish_reason == "length")
         return CoreOutput(
-            request_id=request.request_id,
+            request_id=request.request_id, prompt_logprobs=request.prompt_logprobs if first else None,
             new_token_ids=(request.output_token_ids[-1],) if new_token else (),
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
@@ -299,7 +347,18 @@ class Engine:
                         "".join(texts[out.request_id]), out.finish_reason, req.num_cached_tokens,
                         None if req.first_token_time is None else req.first_token_time - req.arrival_time,
                         (req.finish_time or time.monotonic()) - req.arrival_time,
-                        logprobs[out.request_id] if req.params.logprobs is not None else None)
+                        logprobs[out.request_id] if req.params.logprobs is not None else None,
+                        req.prompt_logprobs)
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
+
+
+def _prompt_logprob_entries(rows: PromptLogprobRows, out: dict) -> list[TokenLogprob]:
+    """The step's prompt-logprob rows of one chunk as TokenLogprobs (the target token, its logprob,
+    the top-k alternatives and its rank)."""
+    k = rows.num_logprobs
+    return [TokenLogprob(token_id, float(logprob), [(int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k])],
+                         int(rank))
+            for token_id, logprob, rank, top_ids, top_lps in zip(
+                rows.targets, out["logprobs"], out["ranks"], out["top_ids"], out["top_logprobs"])]

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import itertools
 import os
 import re
 import shutil
@@ -84,7 +85,7 @@ def gpu_mesh(target: str, tensor_parallel_size: int) -> jax.sharding.Mesh:
 @dataclasses.dataclass
 class CompiledShape:
     """One compiled program: a step bucket (or a sampler row count) and what XLA says of it."""
-    bucket: dict[str, int]  # num_decode, num_prefill_tokens, pages_per_seq (sampler: num_rows, penalties)
+    bucket: dict[str, int]  # num_decode, num_prefill_tokens, pages_per_seq (sampler: num_rows, penalties, bias)
     ok: bool
     error: str | None = None  # XLA's message when not ok
     pallas_kernels: int = 0  # Pallas kernel calls in the compiled program
@@ -178,8 +179,10 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     replicated = shardings.replicated
     # As ModelRunner: without tensor parallelism the step runs no shard_map.
     step_mesh = mesh if tensor_parallel_size > 1 else None
-    forward = jax.jit(functools.partial(llama.forward, config=run_config, backend="pallas", mesh=step_mesh),
-                      donate_argnums=(1,), out_shardings=(replicated, kv_shardings))
+    # As ModelRunner: the step also returns its prefill rows for prompt logprobs.
+    forward = jax.jit(functools.partial(llama.forward, config=run_config, backend="pallas", mesh=step_mesh,
+                                        prefill_hidden_rows=max_num_batched_tokens),
+                      donate_argnums=(1,), out_shardings=(replicated, kv_shardings, replicated))
     buckets = BucketSet.create(backend="pallas", max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len,
@@ -197,11 +200,13 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     samplers = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
-        for penalties in (False, True):  # the two variants the engine warms up
+        for penalties, bias in itertools.product((False, True), (False, True)):  # the variants the engine warms up
             inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
-                      sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties).items()}
-            samplers.append(_report({"num_rows": num_rows, "penalties": penalties}, sample, (logits, inputs), mesh,
-                                    None))
+                      sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
+                                                    model_config.eos_token_ids,
+                                                    vocab_size=model_config.vocab_size).items()}
+            samplers.append(_report({"num_rows": num_rows, "penalties": penalties, "bias": bias}, sample,
+                                    (logits, inputs), mesh, None))
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
         plan_dict["num_pages_compiled"] = num_pages

@@ -9,8 +9,11 @@ the shaping of the step's raw logprob rows into `TokenLogprob`s.
 `IncrementalDetokenizer` turns one new token id at a time into a text delta. It decodes a short
 window of recent tokens twice (with and without the new tokens) and emits the difference, holding
 the text back while it ends with U+FFFD (a multi-byte character split across tokens).
-`StopChecker` cuts the streamed text before the first stop string and holds back any suffix that
-could still grow into one, releasing it once it turns out not to match.
+`StopChecker` cuts the streamed text before the first stop string (after it, with
+`include_stop_str_in_output`) and holds back any suffix that could still grow into one, releasing
+it once it turns out not to match. As in vLLM, stop strings are looked for only once a request has
+more than `min_tokens` output tokens (its stop tokens are masked in the sampler until then), and
+a finished delta names what stopped it (`stop_reason`: the stop string, the stop token id, or None).
 """
 from __future__ import annotations
 
@@ -101,12 +104,14 @@ class StopChecker:
     the end of a request without a stop match, `flush` releases the held-back tail.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""  # everything seen (up to the stop string once one matched)
         self.num_emitted_chars = 0
         self.matched_stop: str | None = None
+        self._search_floor = 0  # stop strings start at or after this (text added with search=False is not searched)
 
     @property
     def stopped(self) -> bool:
@@ -117,17 +122,24 @@ class StopChecker:
         """The text so far, without the stop string and what followed it."""
         return self.text
 
-    def add(self, delta: str) -> tuple[str, bool]:
+    def add(self, delta: str, search: bool = True) -> tuple[str, bool]:
+        """`search=False` (a request short of its min_tokens): the delta is emitted whole and never
+        searched, later matches start after it."""
         if self.stopped:
             return "", True
-        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        if not search:
+            self.text += delta
+            self._search_floor = len(self.text)
+            return self._emit(len(self.text)), False
+        search_from = max(self._search_floor, len(self.text) - self._max_stop_len + 1)
         self.text += delta
         match = find_stop_string(self.text, self.stop, search_from)
         if match is not None:
             index, self.matched_stop = match
-            self.text = self.text[:index]
-            return self._emit(index), True
-        safe_end = len(self.text) - partial_stop_suffix_len(self.text, self.stop)
+            end = index + len(self.matched_stop) if self.include_stop_str_in_output else index
+            self.text = self.text[:end]
+            return self._emit(end), True
+        safe_end = len(self.text) - partial_stop_suffix_len(self.text[self._search_floor:], self.stop)
         return self._emit(safe_end), False
 
     def flush(self) -> str:
@@ -161,15 +173,18 @@ class CoreOutput:
     num_cached_tokens: int = 0
     logprobs: RowLogprobs | None = None  # only for a request that asked for logprobs
     error: str | None = None  # message when finish_reason == "error"
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: the prompt's (tokens 2..)
 
 
 class _RequestState:
     """Text state of one request: its detokenizer and stop strings."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
-        self.stop_checker = StopChecker(params.stop)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                            if tokenizer is not None else None)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         self.num_logprobs = params.logprobs
+        self.params = params
 
 
 class OutputProcessor:
@@ -205,14 +220,22 @@ class OutputProcessor:
         text = ""
         stop_string_matched = False
         logprobs = None
+        stop_reason = None
         if state is not None and core.new_token_ids:
             token_id = core.new_token_ids[-1]
-            detokenizer, stop_checker = state.detokenizer, state.stop_checker
-            # A stop token ("stop" from the core) is not text; it still ends the request.
-            if detokenizer is not None and core.finish_reason != "stop":
-                text, stop_string_matched = stop_checker.add(detokenizer.add(token_id))
+            detokenizer, stop_checker, params = state.detokenizer, state.stop_checker, state.params
+            search = core.num_output_tokens > params.min_tokens  # stop strings only past min_tokens (vLLM)
+            # A stop token ("stop" from the core) is not text unless include_stop_str_in_output; it still
+            # ends the request.
+            if detokenizer is not None and (core.finish_reason != "stop" or params.include_stop_str_in_output):
+                text, stop_string_matched = stop_checker.add(detokenizer.add(token_id), search)
             if core.finish_reason is not None and not stop_string_matched and detokenizer is not None:
-                text += stop_checker.add(detokenizer.flush())[0] + stop_checker.flush()  # the held-back tail
+                tail, stop_string_matched = stop_checker.add(detokenizer.flush(), search)
+                text += tail + ("" if stop_string_matched else stop_checker.flush())  # the held-back tail
+            if stop_string_matched:
+                stop_reason = stop_checker.matched_stop
+            elif core.finish_reason == "stop" and token_id in params.stop_token_ids:
+                stop_reason = token_id
             if core.logprobs is not None and state.num_logprobs is not None:
                 logprobs = [_token_logprob(token_id, core.logprobs, state.num_logprobs)]
         finish_reason = "stop" if stop_string_matched else core.finish_reason
@@ -222,7 +245,8 @@ class OutputProcessor:
             request_id=core.request_id, new_token_ids=list(core.new_token_ids), new_text=text,
             finished=finish_reason is not None, finish_reason=finish_reason,
             num_prompt_tokens=core.num_prompt_tokens, num_output_tokens=core.num_output_tokens,
-            num_cached_tokens=core.num_cached_tokens, new_logprobs=logprobs, error=core.error), stop_string_matched
+            num_cached_tokens=core.num_cached_tokens, new_logprobs=logprobs, error=core.error,
+            stop_reason=stop_reason, prompt_logprobs=core.prompt_logprobs), stop_string_matched
 
 
 def _token_logprob(token_id: int, row: RowLogprobs, k: int) -> TokenLogprob:

@@ -21,6 +21,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N (token_id, logprob) pairs, best first
+    rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1 = the most likely)
 
 
 @dataclasses.dataclass
@@ -36,6 +37,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
     error: str | None = None  # message when finish_reason == "error"
+    stop_reason: str | int | None = None  # finish_reason "stop": the stop string or stop token id; None for EOS
+    # With prompt_logprobs, in the request's first delta: one entry per prompt token from the second
+    # (the first token has no logprob: nothing precedes it).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass

@@ -12,15 +12,28 @@ scan still slices it layer by layer:
            with a zero point:     w = u * scale + zero      (zero = the group's minimum, as Q4_1)
     scale, zero: float16 [L, groups, out]; groups = in // group_size, or 1 (per output channel).
 
-The format is self-describing (dtype of q, shapes of scale, presence of zero), so `linear` needs
-no side information. Format names: "int8" (per output channel), "int8_g32|64|128" (groups along
-the input), "_zp" for int8 with a zero point (e.g. "int8_g32_zp": the 16 levels of a GGUF Q4_1
-block are 16 of its codes, so those blocks copy over exactly), "int4" = "int4_g32" (zero point),
-"int4_g64|128", and "_sym" for symmetric int4. Embeddings, lm_head, norms and biases stay float.
+Published checkpoints (compressed-tensors, GPTQ, AWQ; checkpoints/prequantized.py) keep their
+own numbers, which adds a few stored-only variants (not choices of --quantization):
+
+    _izp   integer zero point (uint8 for int4, int8 for int8) [L, groups, out]:
+           w = (u - zero) * scale (int4),  w = (q - zero) * scale (int8)
+    _actorder  perm int32 [L, in]: the rows are stored in the order perm gives the inputs
+           (GPTQ act-order, sorted by group), and `linear` gathers x[..., perm] first
+    fp8    q float8_e4m3fn [L, in, out], scale [L, 1, out]: w = q * scale
+    _bf16, _f32  the scales' (and a float zero's) dtype, when not float16
+
+(`dequantize` gives the rows in their stored order.) The format is self-describing (dtype of q,
+scale and zero, shapes of scale, presence of zero and perm), so `linear` needs no side
+information. Format names: "int8" (per output channel), "int8_g32|64|128" (groups along the
+input), "_zp" for int8 with a zero point (e.g. "int8_g32_zp": the 16 levels of a GGUF Q4_1
+block are 16 of its codes, so those blocks copy over exactly), "int4" = "int4_g32" (zero
+point), "int4_g64|128", and "_sym" for symmetric int4. Embeddings, lm_head, norms and biases stay float
+(`quantize_embedding`: the embedding and lm_head in int8, an option).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -33,7 +46,9 @@ from jaxserve.models import weights
 
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPE = jnp.float16
-_FORMAT_NAME = re.compile(r"int(?P<bits>[48])(?:_g(?P<group>\d+))?(?P<suffix>_sym|_zp)?")
+_FORMAT_NAME = re.compile(r"(?:int(?P<bits>[48])|(?P<fp8>fp8))(?:_g(?P<group>\d+))?(?P<suffix>_sym|_zp|_izp)?"
+                          r"(?P<act_order>_actorder)?(?P<scale_dtype>_bf16|_f32)?")
+_SCALE_SUFFIXES = {"float16": "", "bfloat16": "_bf16", "float32": "_f32"}
 INT8_ZERO_OFFSET = 128  # int8 with a zero point: code q in [-128, 127] stands for level q + 128
 
 
@@ -42,32 +57,54 @@ class QuantFormat:
     bits: int  # 8 or 4
     group_size: int | None  # inputs per scale; None: one scale per output channel (int8 only)
     zero_point: bool = False  # w = level * scale + zero (level: u for int4, q + 128 for int8)
+    # Stored-only variants of published checkpoints (see the module doc):
+    integer_zero: bool = False  # with zero_point: zero is an integer code, w = (level - zero) * scale
+    act_order: bool = False  # a perm array: rows stored in the inputs' order perm gives
+    float8: bool = False  # q float8_e4m3fn, w = q * scale (bits 8, per output channel)
+    scale_dtype: str = "float16"  # of scale (and of a float zero)
 
     @property
     def name(self) -> str:
         group = "" if self.group_size is None else f"_g{self.group_size}"
+        tail = ("_actorder" if self.act_order else "") + _SCALE_SUFFIXES[self.scale_dtype]
+        if self.float8:
+            return f"fp8{group}{tail}"
+        if self.integer_zero:
+            return f"int{self.bits}{group}_izp{tail}"
         if self.bits == 4:
-            return f"int4{group}{'' if self.zero_point else '_sym'}"
-        return f"int8{group}{'_zp' if self.zero_point else ''}"
+            return f"int4{group}{'' if self.zero_point else '_sym'}{tail}"
+        return f"int8{group}{'_zp' if self.zero_point else ''}{tail}"
 
 
-def parse_format(name: str) -> QuantFormat:
-    """'int8', 'int8_g32', 'int8_g32_zp', 'int4', 'int4_g64_sym', ... -> QuantFormat; ValueError otherwise."""
+def parse_format(name: str, stored: bool = False) -> QuantFormat:
+    """'int8', 'int8_g32', 'int8_g32_zp', 'int4', 'int4_g64_sym', ... -> QuantFormat; ValueError otherwise.
+    `stored`: also the stored-only variants of published checkpoints (_izp, _actorder, fp8, _bf16, _f32)."""
     match = _FORMAT_NAME.fullmatch(name.strip().lower())
     group = None if match is None or match["group"] is None else int(match["group"])
     suffix = None if match is None else match["suffix"]
-    if (match is None or (group is not None and group not in GROUP_SIZES)
-            or suffix == ("_sym" if match["bits"] == "8" else "_zp")):
+    if match is not None and match["fp8"]:
+        valid = not (suffix or match["act_order"] or group)
+    else:
+        valid = (match is not None and (group is None or group in GROUP_SIZES)
+                 and suffix != ("_sym" if match["bits"] == "8" else "_zp"))
+    if not valid:
         raise ValueError(f"unknown quantization {name!r}; use int8 or int4, optionally with a group "
                          f"size _g32, _g64 or _g128 (and _zp for int8 with a zero point, _sym for "
                          f"symmetric int4), e.g. int4_g64")
-    if match["bits"] == "8":
-        return QuantFormat(8, group, zero_point=suffix == "_zp")
-    return QuantFormat(4, group or 32, zero_point=suffix != "_sym")
+    if not stored and (match["fp8"] or suffix == "_izp" or match["act_order"] or match["scale_dtype"]):
+        raise ValueError(f"unknown quantization {name!r}: a format published quantized checkpoints are "
+                         f"stored in, not one to quantize into; use int8 or int4 (e.g. int4_g64, int8_g32_zp)")
+    scale_dtype = {v: k for k, v in _SCALE_SUFFIXES.items()}[match["scale_dtype"] or ""]
+    if match["fp8"]:
+        return QuantFormat(8, None, float8=True, scale_dtype=scale_dtype)
+    bits = int(match["bits"])
+    return QuantFormat(bits, group if bits == 8 else group or 32,
+                       zero_point=suffix in ("_zp", "_izp") or (bits == 4 and suffix is None),
+                       integer_zero=suffix == "_izp", act_order=bool(match["act_order"]), scale_dtype=scale_dtype)
 
 
 def is_quantized(weight: Any) -> bool:
-    return isinstance(weight, dict) and "q" in weight
+    return isinstance(weight, dict) and ("q" in weight or "q_t" in weight)
 
 
 def weight_format(weight: dict) -> QuantFormat:
@@ -76,7 +113,11 @@ def weight_format(weight: dict) -> QuantFormat:
     in_features = weight["q"].shape[-2] * (2 if bits == 4 else 1)
     groups = weight["scale"].shape[-2]
     group = None if groups == 1 and bits == 8 else in_features // groups
-    return QuantFormat(bits, group, zero_point="zero" in weight)
+    zero = weight.get("zero")
+    return QuantFormat(bits, group, zero_point=zero is not None,
+                       integer_zero=zero is not None and jnp.issubdtype(zero.dtype, jnp.integer),
+                       act_order="perm" in weight, float8=weight["q"].dtype == jnp.float8_e4m3fn,
+                       scale_dtype=jnp.dtype(weight["scale"].dtype).name)
 
 
 def quantized_shapes(shape: tuple[int, ...], fmt: QuantFormat, name: str = "weight") -> dict[str, tuple]:
@@ -91,13 +132,19 @@ def quantized_shapes(shape: tuple[int, ...], fmt: QuantFormat, name: str = "weig
     shapes = {"q": (*lead, rows, out_features), "scale": (*lead, in_features // group, out_features)}
     if fmt.zero_point:
         shapes["zero"] = shapes["scale"]
+    if fmt.act_order:
+        shapes["perm"] = (*lead, in_features)
     return shapes
 
 
 def quantized_dtypes(fmt: QuantFormat) -> dict[str, Any]:
-    dtypes = {"q": jnp.dtype(jnp.uint8 if fmt.bits == 4 else jnp.int8), "scale": jnp.dtype(SCALE_DTYPE)}
+    q = jnp.uint8 if fmt.bits == 4 else (jnp.float8_e4m3fn if fmt.float8 else jnp.int8)
+    dtypes = {"q": jnp.dtype(q), "scale": jnp.dtype(fmt.scale_dtype)}
     if fmt.zero_point:
-        dtypes["zero"] = jnp.dtype(SCALE_DTYPE)
+        integer = jnp.uint8 if fmt.bits == 4 else jnp.int8
+        dtypes["zero"] = jnp.dtype(integer if fmt.integer_zero else fmt.scale_dtype)
+    if fmt.act_order:
+        dtypes["perm"] = jnp.dtype(jnp.int32)
     return dtypes
 
 
@@ -119,7 +166,9 @@ def int4_halves(weight: dict) -> tuple[jax.Array, jax.Array]:
     halves = []
     for codes in (packed & 0xF, packed >> 4):
         codes = codes.astype(jnp.float32)
-        if "zero" in weight:
+        if "zero" in weight and jnp.issubdtype(weight["zero"].dtype, jnp.integer):  # (u - zero) * scale
+            halves.append((codes - weight["zero"].astype(jnp.float32)[..., None, :]) * scale)
+        elif "zero" in weight:
             halves.append(codes * scale + weight["zero"].astype(jnp.float32)[..., None, :])
         else:
             halves.append((codes - 8.0) * scale)
@@ -171,7 +220,10 @@ def dequantize(weight: dict, dtype=jnp.float32) -> jax.Array:
     else:
         *lead, rows, out = q.shape
         values = q.reshape(*lead, num_groups, rows // num_groups, out).astype(jnp.float32)
-        if "zero" in weight:
+        if "zero" in weight and jnp.issubdtype(weight["zero"].dtype, jnp.integer):  # (q - zero) * scale
+            values = (values - weight["zero"].astype(jnp.float32)[..., None, :])
+            values = values * weight["scale"].astype(jnp.float32)[..., None, :]
+        elif "zero" in weight:
             values = (values + INT8_ZERO_OFFSET) * weight["scale"].astype(jnp.float32)[..., None, :]
             values = values + weight["zero"].astype(jnp.float32)[..., None, :]
         else:
@@ -188,6 +240,10 @@ def linear(x: jax.Array, weight) -> jax.Array:
     which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""
     if not is_quantized(weight):
         return x @ weight
+    if "perm" in weight:  # act-order: the rows are stored in this order of the inputs
+        x = jnp.take(x, weight["perm"], axis=-1)
+    if "q_t" in weight and math.prod(x.shape[:-1]) == 1:  # one row: see `transposed`
+        return _linear_transposed(x, weight)
     if weight["q"].dtype != jnp.uint8:
         return x @ dequantize(weight, x.dtype)
     first, second = int4_halves(weight)  # [G, g/2, out] each
@@ -198,6 +254,113 @@ def linear(x: jax.Array, weight) -> jax.Array:
     x_second = x_halves[..., 1, :].reshape(*lead, num_groups * half)
     return (x_first @ first.reshape(num_groups * half, out).astype(x.dtype)
             + x_second @ second.reshape(num_groups * half, out).astype(x.dtype))
+
+
+def transposable(weight) -> bool:
+    """Whether `transposed` applies: a quantized weight in its stored layout."""
+    return is_quantized(weight) and "q" in weight
+
+
+def transposed(weight: dict) -> dict:
+    """A quantized weight in the layout whose dequantization XLA:CPU fuses into a matrix-vector
+    product: q_t [..., out, in] (int8 / fp8 codes, or int4 codes unpacked to one uint8 each),
+    scale_t (and zero_t) [..., out, groups] (float scales and zeros as float32; perm unchanged).
+    `linear` reads it.
+
+    XLA:CPU never fuses a producer into a matrix-matrix dot, so `linear` on the stored [in, out]
+    layout writes the weight out in float32 and multiplies that (4 bytes written and read again
+    per weight, on top of the 1 read). For a single row, though, XLA emits `x @ w.T` with w
+    [out, in] as one loop over the output (a dot per contiguous row of w) and fuses w's
+    elementwise producers into it: the codes are read once and converted in registers
+    (tests/test_quantization.py checks the compiled HLO). Packed int4 codes in that loop run
+    slower than the stored layout's two dots (the nibble unpacking does not vectorize there),
+    so int4 codes are unpacked here: the step reads a byte per int4 weight, as for int8.
+    With several rows the stored layout is as fast or faster (2, 4, 8 rows measured), so the
+    CPU step keeps both (`llama.layer_views`) and `linear` reads this one for a single row."""
+    swap = lambda a: jnp.swapaxes(a, -1, -2)
+    floats = lambda a: a if jnp.issubdtype(a.dtype, jnp.integer) else a.astype(jnp.float32)
+    q = weight["q"]
+    if q.dtype == jnp.uint8:  # [..., in / 2, out] -> codes [..., in, out] in the inputs' order
+        *lead, rows, out = q.shape
+        num_groups = weight["scale"].shape[-2]
+        packed = q.reshape(*lead, num_groups, rows // num_groups, out)
+        q = jnp.concatenate([packed & 0xF, packed >> 4], axis=-2).reshape(*lead, 2 * rows, out)
+    result = {"q_t": swap(q), "scale_t": floats(swap(weight["scale"]))}
+    if "zero" in weight:
+        result["zero_t"] = floats(swap(weight["zero"]))
+    if "perm" in weight:
+        result["perm"] = weight["perm"]
+    return result
+
+
+def _linear_transposed(x: jax.Array, weight: dict) -> jax.Array:
+    """x [..., in] @ a `transposed` weight: x @ (dequantized q_t).T."""
+    q, scale = weight["q_t"], weight["scale_t"].astype(jnp.float32)  # [out, in], [out, G]
+    out, in_features = q.shape
+    num_groups = scale.shape[-1]
+    values = q.reshape(out, num_groups, in_features // num_groups).astype(jnp.float32)
+    zero = weight.get("zero_t")
+    int4 = q.dtype == jnp.uint8  # unpacked int4 codes u in [0, 15]
+    if zero is not None and jnp.issubdtype(zero.dtype, jnp.integer):  # (code - zero) * scale
+        values = (values - zero.astype(jnp.float32)[..., None]) * scale[..., None]
+    elif zero is not None:  # level * scale + zero; the level of an int8 code q is q + 128
+        values = (values if int4 else values + INT8_ZERO_OFFSET) * scale[..., None] + zero.astype(jnp.float32)[..., None]
+    else:
+        values = (values - 8.0 if int4 else values) * scale[..., None]
+    return (x @ values.reshape(out, in_features).T.astype(x.dtype)).astype(x.dtype)
+
+
+# ---- the token embedding (and the lm_head tied to it) -------------------------------------------
+
+EMBEDDING_CHUNK_ROWS = 4096  # vocabulary rows dequantized at a time for logits of several rows
+
+
+def quantize_embedding(params: dict) -> dict:
+    """`params` with the token embedding [V, D] in int8, one float32 scale per vocabulary row
+    ({"q": int8 [V, D], "scale": float32 [V, 1]}, symmetric) and an untied lm_head [D, V] in
+    per-output-channel int8: an option next to the linear layers' formats, for a model whose
+    embedding is a large part of its bytes (SmolLM2-135M: 113 MiB of 513 in float32, read whole
+    by every step through the tied lm_head). Unsharded weights only."""
+    params = dict(params)
+    params["embed"] = _quantize_rows_jit(params["embed"])
+    if "lm_head" in params and not is_quantized(params["lm_head"]):
+        params["lm_head"] = _quantize_jit(params["lm_head"], QuantFormat(8, None), "lm_head")
+    return params
+
+
+@jax.jit
+def _quantize_rows_jit(embed):
+    w = embed.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=-1, keepdims=True) / 127
+    q = jnp.clip(jnp.round(w / jnp.where(scale > 0, scale, 1.0)), -127, 127).astype(jnp.int8)
+    return {"q": q, "scale": scale}
+
+
+def embedding_rows(embed: dict, token_ids: jax.Array) -> jax.Array:
+    """Rows [T, D] float32 of a quantize_embedding embedding."""
+    return embed["q"][token_ids].astype(jnp.float32) * embed["scale"][token_ids]
+
+
+def embedding_logits(x: jax.Array, embed: dict) -> jax.Array:
+    """x [R, D] @ embedding.T -> logits [R, V] float32 for a quantize_embedding embedding.
+
+    One row (a decode step of one sequence): `x @ q.T` with the conversion fused into XLA:CPU's
+    matrix-vector loop, which reads the int8 codes once (see `transposed`). Several rows: the
+    dequantized float32 embedding would be V x D x 4 bytes written and read again, so it is
+    dequantized EMBEDDING_CHUNK_ROWS vocabulary rows at a time under a loop, each chunk
+    multiplied while it is in the cache."""
+    q, scale = embed["q"], embed["scale"]
+    x = x.astype(jnp.float32)
+    if x.shape[0] == 1:
+        return (x @ q.T.astype(jnp.float32)) * scale[:, 0]
+    vocab, dim = q.shape
+    chunk = min(EMBEDDING_CHUNK_ROWS, vocab)
+    num_chunks = -(-vocab // chunk)
+    pad = num_chunks * chunk - vocab  # zero rows: logits 0, cut off below
+    q, scale = (jnp.pad(q, ((0, pad), (0, 0))), jnp.pad(scale, ((0, pad), (0, 0)))) if pad else (q, scale)
+    chunks = jax.lax.map(lambda qs: (x @ qs[0].astype(jnp.float32).T) * qs[1][:, 0],
+                         (q.reshape(num_chunks, chunk, dim), scale.reshape(num_chunks, chunk, 1)))
+    return chunks.transpose(1, 0, 2).reshape(x.shape[0], num_chunks * chunk)[:, :vocab]  # [R, V]
 
 
 # ---- whole parameter trees ---------------------------------------------------------------------
@@ -263,7 +426,7 @@ def checkpoint_structs(float_shapes: dict, dtype, formats: dict[str, str], shard
     layers = {}
     for name, shape in float_shapes["layers"].items():
         if name in formats:
-            fmt = parse_format(formats[name])
+            fmt = parse_format(formats[name], stored=True)
             dtypes = quantized_dtypes(fmt)
             layers[name] = {k: struct(s, dtypes[k]) for k, s in quantized_shapes(shape, fmt, name).items()}
         else:

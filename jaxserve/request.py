@@ -13,11 +13,15 @@ import random
 import time
 from typing import Any
 
+from jaxserve.structured_output import StructuredOutputError, StructuredOutputParams, check_structured_output
+
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the engine may allow fewer)
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back that much text per token
 MAX_STOP_TOKEN_IDS = 256  # checked per generated token
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's bound)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a bias
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # useful values are 1-2; outside, float32 logits vanish or overflow
 _INT32_MAX = 2**31 - 1  # top_k travels to the device as int32
 _MAX_SEED = 2**63
@@ -88,6 +92,14 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: sampled token logprob + top-k alternatives
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    min_tokens: int = 0  # EOS and stop tokens are masked (and stop strings ignored) until this many
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token text)
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    # Prompt logprobs (vLLM's prompt_logprobs; completions' echo): None, or k: each prompt token's
+    # logprob (the first has none) and its top-k alternatives. max_tokens may then be 0 (no output).
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,7 +140,10 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits | None =
     """The sampling half of `check_request`. Without `limits` (no engine yet, e.g. the CLI reading
     its input before loading a model) the bounds that depend on the engine are left out."""
     vocab = limits.vocab_size if limits is not None else None
-    _check_int("max_tokens", params.max_tokens, low=1)
+    if params.prompt_logprobs is not None:
+        _check_int("prompt_logprobs", params.prompt_logprobs, low=0,
+                   high=limits.max_logprobs if limits else MAX_LOGPROBS)
+    _check_int("max_tokens", params.max_tokens, low=0 if params.prompt_logprobs is not None else 1)
     _check_number("temperature", params.temperature, 0.0, MAX_TEMPERATURE)
     _check_number("top_p", params.top_p, 0.0, 1.0, low_open=True)
     _check_int("top_k", params.top_k, low=-1, high=_INT32_MAX,
@@ -162,6 +177,37 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits | None =
         raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}", param="ignore_eos")
     if params.logprobs is not None:
         _check_int("logprobs", params.logprobs, low=0, high=limits.max_logprobs if limits else MAX_LOGPROBS)
+    _check_int("min_tokens", params.min_tokens, low=0, high=params.max_tokens if _is_int(params.max_tokens) else None,
+               hint=" (at most max_tokens)")
+    for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(getattr(params, name), bool):
+            raise InvalidRequestError(f"{name} must be a boolean, got {getattr(params, name)!r}", param=name)
+    if params.logit_bias is not None:
+        _check_logit_bias(params.logit_bias, vocab)
+    if params.structured_output is not None:
+        try:
+            check_structured_output(params.structured_output)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
+        if params.min_tokens:  # the grammar may be complete (only EOS allowed) before min_tokens
+            raise InvalidRequestError("min_tokens cannot be combined with structured output",
+                                      param="min_tokens")
+
+
+def _check_logit_bias(logit_bias: Any, vocab: int | None) -> None:
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias allows at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}",
+                                  param="logit_bias")
+    low, high = LOGIT_BIAS_RANGE
+    for token_id, bias in logit_bias.items():
+        if not _is_int(token_id) or not 0 <= token_id < (vocab or _INT32_MAX):
+            raise InvalidRequestError(f"logit_bias token id {token_id!r} is not a token id in "
+                                      f"[0, {vocab or 'vocabulary size'})", param="logit_bias")
+        if not _is_number(bias) or not math.isfinite(bias) or not low <= bias <= high:
+            raise InvalidRequestError(f"logit_bias of token {token_id} must be a number in [{low:g}, {high:g}], "
+                                      f"got {bias!r}", param="logit_bias")
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None, hint: str = "") -> None:
@@ -239,6 +285,17 @@ class Request:
         # Content hashes of this request's full pages whose registration was already attempted,
         # in page order; maintained by the PageAllocator.
         self.page_hashes: list[bytes] = []
+        # With params.prompt_logprobs: the entries computed so far, one per prompt token from the
+        # second (the engine fills it chunk by chunk; kept across preemption, never recomputed).
+        self.prompt_logprobs: list | None = [] if self.params.prompt_logprobs is not None else None
+        self.grammar = None  # a structured_output.GrammarState, set by the engine at admission
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprob is still to be computed (0 without prompt_logprobs)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(len(self.prompt_token_ids) - 1 - len(self.prompt_logprobs), 0)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -279,15 +336,40 @@ class Request:
 
 # ---- prompt encoding (Hugging Face tokenizers), shared by the server and the CLI ----------------
 
-def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the model's chat template, generation prompt added."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def encode_chat(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` under the model's chat template, generation prompt added (the
+    template writes the special tokens itself, so the tokenizer adds none by default: vLLM's).
+    `tools` (OpenAI's function tools) go to the template, which describes them as it defines."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a plain prompt, with the tokenizer's own special tokens (e.g. BOS)."""
-    return list(tokenizer.encode(text))
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a plain prompt, with the tokenizer's own special tokens (e.g. BOS) by default."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+# ---- server-wide sampling defaults ---------------------------------------------------------------
+
+# The SamplingParams fields a server may default (from the model's generation_config.json or
+# --default_sampling); a request's own value always wins.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty", "max_tokens")
+
+
+def check_sampling_defaults(defaults: Any) -> dict[str, Any]:
+    """`defaults` checked as SamplingParams values: a dict of SAMPLING_DEFAULT_FIELDS. Raises
+    InvalidRequestError naming the first key that is unknown or out of range."""
+    if not isinstance(defaults, dict):
+        raise InvalidRequestError("sampling defaults must be a JSON object")
+    for name in defaults:
+        if name not in SAMPLING_DEFAULT_FIELDS:
+            raise InvalidRequestError(f"{name!r} cannot be a sampling default (allowed: "
+                                      f"{', '.join(SAMPLING_DEFAULT_FIELDS)})", param=name)
+    check_sampling_params(SamplingParams(**defaults))
+    return dict(defaults)
 
 
 def max_token_chars(tokenizer: Any) -> int:

@@ -5,6 +5,14 @@ sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode 
 tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
 context present); every step pads to the smallest bucket that holds it, so after warm-up no step
 compiles again. The KV cache is donated to the step and updated in place.
+
+Two extras ride on the step without new shapes. Structured output: the sampler's `token_bitmask`
+input is always there (all ones), and the rows of requests with a grammar get their allowed
+tokens written in on the host (`structured_output.fill_bitmasks`) after the forward is dispatched,
+so that work overlaps the device's. Prompt logprobs: the forward also returns the residual rows
+of its prefill tokens, and a third jitted function (`prompt_logprobs.compute`, compiled per
+bucket of rows) turns the wanted ones into logprobs, ranks and top-k on device; only those
+[rows] / [rows, k] arrays cross to the host, in the step's one `device_get`.
 """
 from __future__ import annotations
 
@@ -20,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import device_setup, sampler
+from jaxserve import device_setup, prompt_logprobs, sampler, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
-from jaxserve.scheduler import ScheduledBatch
+from jaxserve.scheduler import ScheduledBatch, prompt_logprob_rows_limit
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,11 @@ class Bucket:
     pages_per_seq: int  # block table width: pages per sequence the step may read
 
 
+# Decode-only buckets of the CPU (XLA) path below the smallest decode bucket, from
+# bench/step_profile.py --row_sweep (see BucketSet).
+CPU_SMALL_DECODE_BUCKETS = (1, 2, 4)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketSet:
     """The step shapes an engine compiles: every combination of its decode rows, prefill tokens
@@ -55,11 +68,18 @@ class BucketSet:
     Rows and tokens double from bucket to bucket, so a step pays for at most twice its work (on
     CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row bucket took
     twice as long); context buckets are coarser (x4), as few steps need them. The XLA CPU path
-    has one table width, since its cost follows the longest context present, not the width."""
+    has one table width, since its cost follows the longest context present, not the width.
+
+    On the CPU, decode-only steps also get `decode_only` buckets below the smallest decode bucket
+    (CPU_SMALL_DECODE_BUCKETS): a decode step's cost there is its weight and K/V bytes plus work
+    per row, so one or two streams in an 8-row bucket would pay for six idle rows (SmolLM2,
+    ~500-token contexts, bench/step_profile.py --row_sweep in bench/RESULTS.md). They are not
+    combined with prefill buckets, whose tokens outweigh a few padded decode rows."""
     decode: tuple[int, ...]
     prefill: tuple[int, ...]
     pages: tuple[int, ...]
     max_num_prefill_seqs: int
+    decode_only: tuple[int, ...] = ()  # decode rows of decode-only steps, below min(decode[1:])
 
     @classmethod
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
@@ -67,11 +87,14 @@ class BucketSet:
         max_pages_per_seq = -(-max_model_len // page_size)
         pages = ((max_pages_per_seq,) if backend == "xla" else
                  geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
-        return cls((0,) + geometric_buckets(8, max_num_seqs, 2),
-                   (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages, max_num_prefill_seqs)
+        decode = geometric_buckets(8, max_num_seqs, 2)
+        small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
+        return cls((0,) + decode, (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages,
+                   max_num_prefill_seqs, small)
 
     def all(self) -> list[Bucket]:
-        return [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p]
+        return ([Bucket(d, 0, n) for d in self.decode_only for n in self.pages]
+                + [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p])
 
     def smallest_and_largest(self) -> list[Bucket]:
         """The corner shapes: smallest and largest of each kind (a compile check CI can afford)."""
@@ -83,6 +106,9 @@ class BucketSet:
 
     def fit(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
         """The smallest bucket that holds a step."""
+        if num_prefill_tokens == 0 and num_decode <= max(self.decode_only, default=0):
+            return Bucket(next(b for b in self.decode_only if b >= num_decode), 0,
+                          next(b for b in self.pages if b >= pages_per_seq))
         return Bucket(next(b for b in self.decode if b >= num_decode),
                       next(b for b in self.prefill if b >= num_prefill_tokens),
                       next(b for b in self.pages if b >= pages_per_seq))
@@ -115,16 +141,20 @@ class StepOutput:
     bucket: Bucket  # the compiled shape the step ran in
     device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
     host_seconds: float  # the runner's host work: packing the arrays, slicing the results
+    # Per row of the batch: None, or for a prefill chunk with prompt-logprob rows the arrays of
+    # `prompt_logprobs.compute` for them (logprobs, ranks [n]; top_ids, top_logprobs [n, max_logprobs]).
+    prompt_logprobs: list[dict[str, np.ndarray] | None] | None = None
 
 
 class ModelRunner:
     """Owns the weights and the KV cache on device; runs one step per ScheduledBatch."""
 
     def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, *, num_pages: int,
-                 max_model_len: int, shardings=None):
+                 max_model_len: int, shardings=None, eos_token_ids: Sequence[int] | None = None):
         """The step of `config`'s model under `engine_config` (page size, limits, attention backend,
         KV cache dtype, max_logprobs) over a pool of `num_pages` pages (null page included) for
-        sequences of at most `max_model_len`; on the mesh of `shardings` when given."""
+        sequences of at most `max_model_len`; on the mesh of `shardings` when given.
+        `eos_token_ids` (default: the config's) are masked for rows short of their min_tokens."""
         page_size, max_num_seqs = engine_config.page_size, engine_config.max_num_seqs
         max_num_batched_tokens, max_num_prefill_seqs = engine_config.max_num_batched_tokens, engine_config.max_num_prefill_seqs
         max_logprobs = engine_config.max_logprobs
@@ -134,6 +164,9 @@ class ModelRunner:
         # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
         # model, with KV heads replicated when tensor parallelism exceeds them).
         self.params = params if shardings is None else shardings.place(params)
+        # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
+        # copy a layer's slice of the stacked weights in every step), else self.params.
+        self._step_params = llama.layer_views(self.params)
         step_config = config if shardings is None else shardings.model_config
         self.page_size = page_size
         self.num_pages = num_pages
@@ -141,19 +174,27 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.max_logprobs = max_logprobs
+        self.eos_token_ids = tuple(sorted(config.eos_token_ids if eos_token_ids is None else eos_token_ids))
         self.backend = backend
         self.buckets = BucketSet.create(
             backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size)
+        # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
+        # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
+        # rows, at most the scheduler's per-step limit) into logprobs, on device.
+        self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
+        self._prefill_hidden_rows = max(self.buckets.prefill)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
         cache_sharding = None if shardings is None else shardings.kv_cache
         self._new_kv_cache = functools.partial(
             llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
         self.kv_cache = self._new_kv_cache()
-        # Two jitted functions per step, both on device (logits never reach the host): the
-        # sampler's shapes depend only on the number of rows, so it compiles far fewer times.
+        # Two jitted functions per step (three with prompt logprobs), all on device (logits never
+        # reach the host): the sampler's shapes depend only on the number of rows, so it compiles
+        # far fewer times.
         forward = functools.partial(llama.forward, config=step_config, backend=backend,
-                                    mesh=None if shardings is None else shardings.mesh)
+                                    mesh=None if shardings is None else shardings.mesh,
+                                    prefill_hidden_rows=self._prefill_hidden_rows)
         if shardings is None:
             self._forward = jax.jit(forward, donate_argnums=(1,))
         else:  # one step for the whole mesh; logits gathered (replicated) for the sampler
@@ -161,12 +202,16 @@ class ModelRunner:
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)  # quantized leaves: per array
             self._forward = jax.jit(forward, donate_argnums=(1,),
                                     in_shardings=(param_shardings, kv, shardings.replicated),
-                                    out_shardings=(shardings.replicated, kv))
+                                    out_shardings=(shardings.replicated, kv, shardings.replicated))
         sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
         self._sample = jax.jit(sample) if shardings is None else jax.jit(
             sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
+        self._head = prompt_logprobs.head_params(self.params)
+        self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs.compute, config=step_config,
+                                                          max_logprobs=max_logprobs))
+        self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
-        self._compiled_sample: dict[tuple[int, bool], jax.stages.Compiled] = {}  # (rows, penalties)
+        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, bias)
 
     # ---- shapes ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
@@ -224,9 +269,33 @@ class ModelRunner:
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         try:
             return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
-                                                 len(rows), self.max_model_len)
+                                                 len(rows), self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                                 vocab_size=self.config.vocab_size)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
+
+    def _prompt_logprob_inputs(self, batch: ScheduledBatch) -> tuple[dict[str, np.ndarray], list] | None:
+        """The prompt-logprob rows of a step: `indices` (into the prefill tokens) and `targets`,
+        int32[a prompt-logprob bucket] (padding: row 0, token 0), and per prefill chunk its
+        (first, count) of them or None. None when no chunk wants prompt logprobs."""
+        indices, targets, spans, offset = [], [], [], 0
+        for row in batch.prefill:
+            wanted = row.prompt_logprobs
+            spans.append(None if wanted is None else (len(indices), len(wanted.targets)))
+            if wanted is not None:
+                first = offset + wanted.first - row.start
+                indices.extend(range(first, first + len(wanted.targets)))
+                targets.extend(wanted.targets)
+            offset += len(row.token_ids)
+        if not indices:
+            return None
+        size = next((b for b in self.prompt_logprob_buckets if b >= len(indices)), None)
+        if size is None:
+            raise ValueError(f"{len(indices)} prompt-logprob rows exceed the step's {self.prompt_logprob_buckets[-1]}")
+        arrays = {"indices": np.zeros(size, np.int32), "targets": np.zeros(size, np.int32)}
+        arrays["indices"][:len(indices)] = indices
+        arrays["targets"][:len(targets)] = targets
+        return arrays, spans
 
     # ---- device ---------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -237,9 +306,18 @@ class ModelRunner:
         start = time.perf_counter()
         bucket, arrays, rows = self.build_batch(batch)
         sampling = self._sampling_inputs(rows)
+        prompt_rows = self._prompt_logprob_inputs(batch)
+        grammars = [(i, row.sampling.grammar) for i, row in enumerate(rows)
+                    if row is not None and row.sampling is not None and row.sampling.grammar is not None]
         device_start = time.perf_counter()
-        out = jax.device_get(self._run_step(bucket, arrays, sampling))
+        out, prompt_out = jax.device_get(self._run_step(bucket, arrays, sampling, grammars,
+                                                        None if prompt_rows is None else prompt_rows[0]))
         device_seconds = time.perf_counter() - device_start
+        prompt = None
+        if prompt_rows is not None:
+            spans = [None] * len(batch.decode) + prompt_rows[1]
+            prompt = [None if span is None else {name: np.asarray(a)[span[0]:span[0] + span[1]]
+                                                 for name, a in prompt_out.items()} for span in spans]
         keep = list(range(len(batch.decode))) + [bucket.num_decode + j for j in range(len(batch.prefill))]
         want_logprobs = any(row.sampling is not None and row.sampling.params.logprobs is not None
                             for row in batch.rows)
@@ -247,7 +325,7 @@ class ModelRunner:
         kept = {name: np.asarray(out[name])[keep] for name in names}
         return StepOutput(token_ids=kept["token_ids"], logprobs=kept.get("logprobs"), top_ids=kept.get("top_ids"),
                           top_logprobs=kept.get("top_logprobs"), bucket=bucket, device_seconds=device_seconds,
-                          host_seconds=time.perf_counter() - start - device_seconds)
+                          host_seconds=time.perf_counter() - start - device_seconds, prompt_logprobs=prompt)
 
     def recover(self) -> bool:
         """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers
@@ -266,28 +344,51 @@ class ModelRunner:
         start = time.perf_counter()
         buckets = self.all_buckets()
 
+        hidden_info = []  # the forward's prefill rows (shape, dtype), for the prompt-logprob function
+
         def compile_bucket(bucket):
             batch = self.empty_batch(bucket)
-            self._compiled_forward[bucket] = self._forward.lower(self.params, self.kv_cache, batch).compile()
+            lowered = self._forward.lower(self._step_params, self.kv_cache, batch)
+            if bucket.num_prefill_tokens:
+                hidden_info.append(lowered.out_info[2])
+            self._compiled_forward[bucket] = lowered.compile()
 
-        def compile_sampler(num_rows, penalties):
+        def compile_prompt_logprobs(num_rows):
+            hidden = jax.ShapeDtypeStruct(hidden_info[0].shape, hidden_info[0].dtype)
+            rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+            self._compiled_prompt_logprobs[num_rows] = self._prompt_logprobs.lower(
+                self._head, hidden, rows, rows).compile()
+
+        def compile_sampler(num_rows, penalties, bias):
             logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
-            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties)
-            self._compiled_sample[num_rows, penalties] = self._sample.lower(logits, sampling).compile()
+            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties,
+                                                     bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
+            self._compiled_sample[num_rows, penalties, bias] = self._sample.lower(logits, sampling).compile()
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
-        samplers = [(n, penalties) for n in row_counts for penalties in (False, True)]
+        samplers = [(n, penalties, bias) for n in row_counts for penalties in (False, True) for bias in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             jobs = [pool.submit(compile_bucket, b) for b in buckets]
-            jobs += [pool.submit(compile_sampler, n, penalties) for n, penalties in samplers]
+            jobs += [pool.submit(compile_sampler, *variant) for variant in samplers]
             for job in jobs:
                 job.result()
-        log.info("warm-up compiled %d step shapes and %d sampler shapes (with and without penalties) in "
-                 "%.1fs", len(buckets), len(samplers), time.perf_counter() - start)
+            for job in [pool.submit(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets]:
+                job.result()
+        log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties, logit "
+                 "biases) and %d prompt-logprob shapes in %.1fs", len(buckets), len(samplers),
+                 len(self.prompt_logprob_buckets), time.perf_counter() - start)
         return len(buckets)
 
-    def _run_step(self, bucket: Bucket, arrays, sampling) -> dict[str, jax.Array]:
+    def _run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
+        """Dispatches the step's jitted functions (forward, sampler, prompt logprobs when
+        `prompt_rows` is given); returns their device outputs (sampler's, prompt logprobs' or None).
+        The grammar rows' bitmasks are filled on the host while the forward runs."""
         forward = self._compiled_forward.get(bucket, self._forward)
-        logits, self.kv_cache = forward(self.params, self.kv_cache, arrays)
-        key = (logits.shape[0], sampler.has_histories(sampling))
-        return self._compiled_sample.get(key, self._sample)(logits, sampling)
+        logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
+        structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
+        key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
+        sampled = self._compiled_sample.get(key, self._sample)(logits, sampling)
+        if prompt_rows is None:
+            return sampled, None
+        compute = self._compiled_prompt_logprobs.get(len(prompt_rows["indices"]), self._prompt_logprobs)
+        return sampled, compute(self._head, hidden, prompt_rows["indices"], prompt_rows["targets"])

@@ -19,12 +19,26 @@ Penalties need each row's token history, two `[rows, history_len]` arrays. They 
 the inputs of a step where some row has a penalty, and their presence is static (the inputs'
 structure): the common step without penalties neither builds nor transfers them, and runs a
 compiled variant without the penalty stage.
+
+Logit biases work the same way: `bias_ids` / `bias_values` (`[rows, bias_width]`, a row's
+`logit_bias` entries, plus its EOS and stop tokens at -inf while it has fewer than `min_tokens`
+output tokens) exist only in a step where some row has one, and are added to the logits first
+(before the penalties, as vLLM's logits processors). A step without them runs a variant without
+that stage.
+
+Structured output: `token_bitmask` (int32[rows, ceil(vocab / 32)], one bit per token) is always
+present in the engine's inputs, all ones except on the rows of requests with a grammar, whose
+allowed tokens the runner writes in; the sampler sets the other tokens to -inf before drawing (the
+greedy pick included), a stage skipped at run time (`lax.cond`) when every bit is set. So one
+compiled variant serves steps with and without grammar rows. Logprobs stay those of the raw
+logits, as without a grammar.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.request import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxserve.scheduler import RowParams
 
 GREEDY_TEMPERATURE = 1e-5
@@ -33,6 +47,7 @@ _CANDIDATE_BLOCK = 16
 _SAMPLE_BLOCK = 256
 _LOGPROB_BLOCK = 64
 _MASK64 = (1 << 64) - 1
+_NO_BIAS_ID = np.iinfo(np.int32).max  # padding of bias_ids: out of range, dropped by the scatter
 _ROW_FIELDS = (  # SamplingParams field, dtype, value of padding rows
     ("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
     ("min_p", np.float32, 0.0), ("repetition_penalty", np.float32, 1.0),
@@ -60,8 +75,26 @@ class RowInputError(ValueError):
         self.row_index = row_index
 
 
+def bias_width(num_eos_token_ids: int) -> int:
+    """Columns of `bias_ids` / `bias_values`: what admission lets one row need (its logit_bias,
+    and while min_tokens holds, its stop token ids and the engine's EOS ids)."""
+    return MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + num_eos_token_ids
+
+
+def bias_entries(row: RowParams, eos_token_ids=()) -> list[tuple[int, float]]:
+    """(token id, added logit) of one row this step: its logit_bias, and -inf on its stop tokens
+    (EOS unless ignore_eos, and stop_token_ids) while it has fewer than min_tokens outputs."""
+    params = row.params
+    entries = list((params.logit_bias or {}).items())
+    if row.step < params.min_tokens:
+        masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        entries += [(token_id, -np.inf) for token_id in sorted(masked)]
+    return entries
+
+
 def build_sampling_inputs(rows: list[RowParams | None], num_rows: int, history_len: int,
-                          penalties: bool | None = None) -> dict[str, np.ndarray]:
+                          penalties: bool | None = None, bias: bool | None = None,
+                          eos_token_ids=(), vocab_size: int | None = None) -> dict[str, np.ndarray]:
     """Pack per-row parameters into fixed-shape arrays; None rows (and rows past len(rows)) pad.
 
     The values were checked at admission (`request.check_request`); should one still not fit its
@@ -70,9 +103,20 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int, history_l
     included when `penalties` is True, or when it is None and some row has a penalty; only rows
     with a penalty fill theirs (nothing reads the others).
     `num_logprobs` is -1 where the row wants no logprobs.
+    The logit biases `bias_ids` / `bias_values` (`[num_rows, bias_width(len(eos_token_ids))]`)
+    are included likewise: when `bias` is True, or when it is None and some row has an entry
+    (`bias_entries`, which masks `eos_token_ids` for rows short of min_tokens).
+    With `vocab_size`, `token_bitmask` (int32[num_rows, ceil(vocab_size / 32)]) allows every
+    token; the runner writes the allowed tokens of each structured-output row into it.
     """
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows do not fit in num_rows={num_rows}")
+    entries = [[] if row is None else bias_entries(row, eos_token_ids) for row in rows]
+    any_bias = any(entries)
+    if bias is None:
+        bias = any_bias
+    elif any_bias and not bias:
+        raise ValueError("a row has a logit bias or min_tokens: its inputs need the bias arrays (bias=True)")
     any_penalties = any(row is not None and row.has_penalties for row in rows)
     if penalties is None:
         penalties = any_penalties
@@ -84,10 +128,18 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int, history_l
     if penalties:
         inputs["prompt_ids"] = np.full((num_rows, history_len), -1, np.int32)  # [num_rows, history_len]
         inputs["output_ids"] = np.full((num_rows, history_len), -1, np.int32)  # [num_rows, history_len]
+    if bias:
+        width = bias_width(len(eos_token_ids))
+        inputs["bias_ids"] = np.full((num_rows, width), _NO_BIAS_ID, np.int32)  # [num_rows, width]
+        inputs["bias_values"] = np.zeros((num_rows, width), np.float32)  # [num_rows, width]
+    if vocab_size is not None:  # every token allowed; the runner fills the rows of grammar requests
+        inputs["token_bitmask"] = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)  # [num_rows, words]
     for row_index, row in enumerate(rows):
         if row is not None:
             try:
                 _pack_row(inputs, row_index, row, history_len)
+                if entries[row_index]:
+                    _pack_bias(inputs, row_index, entries[row_index])
             except (ValueError, TypeError, OverflowError) as e:
                 raise RowInputError(row_index, f"{type(e).__name__}: {e}") from e
     return inputs
@@ -96,6 +148,20 @@ def build_sampling_inputs(rows: list[RowParams | None], num_rows: int, history_l
 def has_histories(inputs: dict) -> bool:
     """Whether sampling inputs carry token histories (static: the compiled variant with penalties)."""
     return "output_ids" in inputs
+
+
+def has_bias(inputs: dict) -> bool:
+    """Whether sampling inputs carry logit biases (static: the compiled variant with the bias stage)."""
+    return "bias_ids" in inputs
+
+
+def _pack_bias(inputs: dict[str, np.ndarray], row_index: int, entries: list[tuple[int, float]]) -> None:
+    width = inputs["bias_ids"].shape[1]
+    if len(entries) > width:
+        raise ValueError(f"{len(entries)} logit bias entries exceed bias_width={width}")
+    ids, values = zip(*entries)
+    inputs["bias_ids"][row_index, :len(entries)] = ids
+    inputs["bias_values"][row_index, :len(entries)] = values
 
 
 def _pack_row(inputs: dict[str, np.ndarray], row_index: int, row: RowParams, history_len: int) -> None:
@@ -201,9 +267,34 @@ def apply_penalties(logits, inputs):
     return logits - inputs["presence_penalty"][:, None] * (output_counts > 0)
 
 
+def apply_bias(logits, inputs):
+    """Adds each row's bias entries to its logits (padding ids fall outside and are dropped)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, inputs["bias_ids"]].add(inputs["bias_values"], mode="drop")
+
+
 def _penalized_logits(logits, inputs):
-    """Penalties where the inputs carry histories (some row has one; identity for the others)."""
+    """Logit biases, then penalties, where the inputs carry them (identity for rows without)."""
+    if has_bias(inputs):
+        logits = apply_bias(logits, inputs)
     return apply_penalties(logits, inputs) if has_histories(inputs) else logits
+
+
+def apply_token_bitmask(logits, bitmask):
+    """-inf where a row's bitmask (int32[rows, words]; bit t % 32 of word t // 32: token t) is 0."""
+    num_rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [rows, words, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _allowed_logits(logits, inputs):
+    """Structured output: the grammar rows' bitmasks applied, skipped when every bit is set (no
+    row of the step has a grammar)."""
+    if "token_bitmask" not in inputs:
+        return logits
+    bitmask = inputs["token_bitmask"]
+    return jax.lax.cond(jnp.any(bitmask != -1), lambda: apply_token_bitmask(logits, bitmask), lambda: logits)
 
 
 def _is_sampling(inputs):
@@ -300,8 +391,8 @@ def _logprobs(logits, token_ids, max_logprobs):
 def sample(logits, inputs: dict[str, jax.Array], *, max_logprobs: int) -> dict[str, jax.Array]:
     """Sample one token per row. Pure and jit-able; `max_logprobs` is static.
 
-    logits: float32[rows, vocab]; inputs: the arrays of `build_sampling_inputs` (the penalty
-    stage is compiled in only when they carry token histories).
+    logits: float32[rows, vocab]; inputs: the arrays of `build_sampling_inputs` (the bias and
+    penalty stages are compiled in only when they carry biases and token histories).
     Returns token_ids i32[rows]; logprobs f32[rows] (raw log_softmax of the sampled token);
     top_ids i32[rows, max_logprobs] and top_logprobs f32[rows, max_logprobs] (raw, best first).
     The logprob outputs are zeros when no row of the batch has num_logprobs >= 0.
@@ -310,7 +401,7 @@ def sample(logits, inputs: dict[str, jax.Array], *, max_logprobs: int) -> dict[s
     if not 0 <= max_logprobs <= vocab:
         raise ValueError(f"max_logprobs={max_logprobs} must be in [0, vocab={vocab}]")
     logits = logits.astype(jnp.float32)
-    penalized = _penalized_logits(logits, inputs)
+    penalized = _allowed_logits(_penalized_logits(logits, inputs), inputs)
     is_sampling = _is_sampling(inputs)
     greedy_ids = _argmax(penalized)
     token_ids = jax.lax.cond(

@@ -10,18 +10,32 @@ The `StepPlan` names live requests (the scheduler's and the engine's bookkeeping
 its `to_batch()` snapshot, a `ScheduledBatch`: plain, immutable data (token ids, positions,
 block-table rows and sampling rows per row) that `ModelRunner.execute` packs into the bucketed
 device arrays. The runner never sees a `Request`, so nothing on the device side can read or change
-host bookkeeping. No jax here.
+host bookkeeping (a row's `RowParams.grammar`, the request's structured-output state, is only
+read there: the engine advances it). No jax here.
+
+Prompt logprobs: a prefill chunk of a request that asked for them names its prompt positions
+whose logprobs the step computes (`PromptLogprobRows`); a step computes at most
+`prompt_logprob_rows_limit` of them (the chunk is cut to fit), and such a request does not take
+prefix-cache pages until its prompt's logprobs are all computed (a cached page has no logits).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
+
+# The most prompt-logprob rows one step computes (each is a [vocab] row of logits on the device;
+# the runner compiles that function for row counts up to this, or max_num_batched_tokens if lower).
+MAX_PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_logprob_rows_limit(config: EngineConfig) -> int:
+    return min(MAX_PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +48,9 @@ class RowParams:
     step: int = 0  # number of output tokens so far
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # The request's structured_output.GrammarState (read only here: the runner writes its allowed
+    # tokens into the row's bitmask; the engine advances it after the step).
+    grammar: Any = None
 
     @property
     def has_penalties(self) -> bool:
@@ -46,6 +63,17 @@ def uses_penalties(params: SamplingParams) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """Prompt logprobs computed in a prefill chunk: positions `first .. first + len(targets) - 1`
+    each predict the prompt token after it, `targets[i]` (whose logprob and rank are returned,
+    with the top `num_logprobs`)."""
+
+    first: int
+    targets: tuple[int, ...]
+    num_logprobs: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRow:
     """One sequence's part of a step: `token_ids` at positions `start ..` of the sequence whose
     K/V pages are `page_ids` (positions before `start` are already in the cache)."""
@@ -55,6 +83,7 @@ class ScheduledRow:
     start: int  # position of token_ids[0]
     page_ids: tuple[int, ...]  # the sequence's block-table row; holds positions up to `end`
     sampling: RowParams | None  # None: a prefill chunk short of the sequence's end (its sample is dropped)
+    prompt_logprobs: PromptLogprobRows | None = None  # prompt positions of the chunk whose logprobs are wanted
 
     @property
     def end(self) -> int:
@@ -135,11 +164,34 @@ def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
     else:
         token_ids = tuple(request.all_token_ids[start:end])
     sampling = None
-    if end == request.num_tokens:  # the row's sample becomes the next output token
+    if end == request.num_tokens and request.params.max_tokens > 0:  # the sample is the next output token
         history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
                    if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
-        sampling = RowParams(request.params, request.seed, request.num_output_tokens, *history)
-    return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling)
+        sampling = RowParams(request.params, request.seed, request.num_output_tokens, *history,
+                             grammar=request.grammar)
+    prompt_logprobs = None
+    if _num_prompt_logprob_rows(request, num_new):
+        first = max(start, len(request.prompt_logprobs))
+        last = min(end, request.num_prompt_tokens - 1)
+        prompt_logprobs = PromptLogprobRows(first, tuple(request.prompt_token_ids[first + 1:last + 1]),
+                                            request.params.prompt_logprobs)
+    return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling, prompt_logprobs)
+
+
+def _num_prompt_logprob_rows(request: Request, num_new: int) -> int:
+    """Prompt-logprob rows a chunk of `num_new` tokens from the request's next position computes."""
+    if not request.num_prompt_logprobs_missing:
+        return 0
+    start = request.num_computed_tokens
+    return max(min(start + num_new, request.num_prompt_tokens - 1) - max(start, len(request.prompt_logprobs)), 0)
+
+
+def _cap_prompt_logprob_chunk(request: Request, num_new: int, rows_left: int) -> int:
+    """The longest chunk (at most `num_new` tokens) whose prompt-logprob rows fit in `rows_left`."""
+    if not request.num_prompt_logprobs_missing:
+        return num_new
+    start = request.num_computed_tokens
+    return min(num_new, max(start, len(request.prompt_logprobs)) - start + rows_left)
 
 
 class Scheduler:
@@ -160,6 +212,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
+        self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
@@ -242,33 +295,40 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= 1
 
+        rows_left = self.max_prompt_logprob_rows  # prompt-logprob rows this step may still compute
         for request in [r for r in self.running if not self._is_decoding(r)]:
             if budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - request.num_computed_tokens, budget),
+                                                rows_left)
+            if num_new < 1:
+                continue
             if self._reserve_pages(request, num_new, scheduled, plan):
                 plan.prefill.append((request, num_new))
                 scheduled.add(request.request_id)
                 budget -= num_new
+                rows_left -= _num_prompt_logprob_rows(request, num_new)
 
         if not plan.preempted:  # a request preempted now is not re-admitted in the same step
-            self._admit_waiting(plan, budget)
+            self._admit_waiting(plan, budget, rows_left)
         return plan
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, rows_left: int) -> None:
         allocator = self.allocator
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.prefill) < self.max_num_prefill_seqs):
             request = self.waiting[0]
-            # The last token is always recomputed (its logits are needed), so match before it.
-            prefix_tokens = request.all_token_ids[:-1]
+            # The last token is always recomputed (its logits are needed), so match before it. A
+            # request still owed prompt logprobs computes its whole prompt: cached pages have no logits.
+            prefix_tokens = request.all_token_ids[:-1] if not request.num_prompt_logprobs_missing else []
             cached_pages = allocator.find_cached_prefix(prefix_tokens)
             num_computed = len(cached_pages) * allocator.page_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            # (a request owed prompt logprobs starts from 0, what the cap counts from)
+            num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
-            if num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
+            if num_new < 1 or num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
                 break
             self.waiting.popleft()
             request.page_ids = allocator.match_prefix(prefix_tokens) + allocator.allocate(num_needed)
@@ -278,6 +338,7 @@ class Scheduler:
             self.running.append(request)
             plan.prefill.append((request, num_new))
             budget -= num_new
+            rows_left -= _num_prompt_logprob_rows(request, num_new)
 
     @staticmethod
     def _is_decoding(request: Request) -> bool:
@@ -321,7 +382,8 @@ class Scheduler:
 
         `sampled_token_ids` holds one id per decode request, then one per prefill entry. Returns
         the requests that got a new output token (a prefill chunk only when it reached the end of
-        the sequence). Requests that hit max_tokens or the length limit come back already finished
+        the sequence; with max_tokens 0, the chunk that ended the prompt: no token, finished with
+        FINISHED_LENGTH). Requests that hit max_tokens or the length limit come back already finished
         with FINISHED_LENGTH; the engine checks stop tokens and stop strings on all of them and
         calls `finish` (which only changes the status of one already finished).
         Requests finished (aborted) while the step ran are skipped.
@@ -336,9 +398,10 @@ class Scheduler:
             request.num_computed_tokens += num_new
             self.allocator.register_full_pages(request)
             if request.num_computed_tokens == request.num_tokens:
-                request.output_token_ids.append(int(token_id))
-                if request.first_token_time is None:
-                    request.first_token_time = now
+                if request.params.max_tokens > 0:  # max_tokens 0 (prompt logprobs only): no output token
+                    request.output_token_ids.append(int(token_id))
+                    if request.first_token_time is None:
+                        request.first_token_time = now
                 appended.append(request)
         for request in appended:
             self.check_length(request)

@@ -183,8 +183,9 @@ class ModelShardings:
                 total += leaf_bytes(weight, targets[name])
         for name, weight in params["layers"].items():
             replicas = self.kv_head_replicas if self._expands(name, weight) else 1
-            total += sum(jax.tree.leaves(jax.tree.map(
-                lambda a, t: leaf_bytes(a, t, replicas), weight, targets["layers"][name])))
+            total += sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(  # perm: over inputs, not repeated
+                lambda path, a, t: leaf_bytes(a, t, 1 if _is_perm(path) else replicas),
+                weight, targets["layers"][name])))
         return int(total)
 
     def place(self, params: dict) -> dict:
@@ -195,13 +196,19 @@ class ModelShardings:
         for name, weight in params["layers"].items():
             target = leaf_shardings(self.params["layers"][name], weight, name)
             if self._expands(name, weight):
-                weight = jax.tree.map(
-                    lambda w, t: _repeat_heads(jax.device_put(w, self.replicated), self.kv_head_replicas,
-                                               self.model_config.head_dim, t), weight, target)
+                weight = jax.tree_util.tree_map_with_path(
+                    lambda path, w, t: w if _is_perm(path) else _repeat_heads(
+                        jax.device_put(w, self.replicated), self.kv_head_replicas, self.model_config.head_dim, t),
+                    weight, target)
             layers[name] = jax.device_put(weight, target)
         placed = {name: jax.device_put(weight, self.params[name])
                   for name, weight in params.items() if name != "layers"}
         return {**placed, "layers": layers}
+
+
+def _is_perm(path) -> bool:
+    """Whether a tree path ends at the `perm` of a quantized weight (act-order: an input order)."""
+    return bool(path) and getattr(path[-1], "key", None) == "perm"
 
 
 def _out_features(weight) -> int:
@@ -216,7 +223,8 @@ def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
     q is split like the float weight. scale / zero [L, groups, out] follow it on the output axis;
     on the input axis (row-parallel weights) they are split with the input when there are several
     groups (which must divide evenly over the devices), and replicated when there is one (per
-    output channel: every device applies the same scales to its partial sums)."""
+    output channel: every device applies the same scales to its partial sums). An act-order
+    `perm` [L, in] is replicated: the input is gathered in its order before the matmul."""
     if not isinstance(weight, dict):
         return float_sharding
     spec = tuple(float_sharding.spec) + (None,) * (3 - len(float_sharding.spec))
@@ -224,7 +232,9 @@ def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
     shardings = {}
     for key, array in weight.items():
         array_spec = spec
-        if key != "q" and spec[1] == MODEL_AXIS:
+        if key == "perm":
+            array_spec = (spec[0], None)
+        elif key != "q" and spec[1] == MODEL_AXIS:
             groups = array.shape[1]
             if groups == 1:
                 array_spec = (spec[0], None, spec[2])

@@ -3,22 +3,29 @@
 Same signatures, layout and results as the Pallas kernels and the test oracle reference.py
 (options: pallas_kernels.common), computed differently:
 `reference` gathers every sequence's whole block table into one [seqs, max_pages * page_size, ...]
-context and soft-maxes it; here a `lax.while_loop` walks the block table `pages_per_block` pages
-at a time with an online softmax (running max, running sum, rescaled accumulator) and stops after
-the block holding the longest sequence of the call. So:
+context and soft-maxes it; here `lax` loops walk the block table `pages_per_block` pages at a time
+with an online softmax (running max, running sum, rescaled accumulator) and stop after the block
+holding the longest sequence (decode) or each chunk's last query (prefill). So:
 
-  * cost follows the longest sequence actually present, not the block table's width: the engine
-    can pass one full-width block table and compile one shape for all context lengths; with a
-    sliding window the loop also starts at the first block any query of the call sees;
-  * each block's gathered K/V ([seqs, block tokens, kv, d]) stays in the CPU caches between its
-    gather and its two dots, instead of a round trip through memory for the whole padded context
-    (bench/step_profile.py in bench/RESULTS.md: a 64-row SmolLM2 decode step in 225 ms instead of
-    642 ms with the reference over the same 64-page table).
+  * cost follows the context actually present, not the block table's width: the engine can pass
+    one full-width block table and compile one shape for all context lengths; with a sliding
+    window the loop also starts at the first block any query sees;
+  * each block's gathered K/V stays in the CPU caches between its gather and its two dots,
+    instead of a round trip through memory for the whole padded context;
+  * decode: the block size follows the number of rows (`decode_pages_per_block`): on XLA:CPU a
+    loop iteration costs a dozen ops on top of its bytes, so one row takes 16 pages per
+    iteration; many rows take 2, so that a block of every row stays in the cache. The gathered
+    block is used as it lies (no transpose), see `paged_decode_attention`;
+  * prefill: the work follows the causal triangle of the sequences present: chunks of one
+    sequence's queries, each over the key blocks its queries see; a padding sequence costs
+    nothing (bench/step_profile.py --prefill_tokens in bench/RESULTS.md).
 
 A sequence's result does not depend on the other sequences: blocks past its length (or before
 its window) are fully masked, which leaves its running max, sum and accumulator bit-for-bit
 unchanged (the rescale factor is exp(0) = 1, or 0 times an empty state, and the added terms are
-zeros). Softmax in float32; output in q's dtype.
+zeros); decode sums run in dots, whose order does not depend on the number of rows (tested).
+The decode block size follows the number of rows and the prefill query chunk the step's tokens,
+so a step of another bucket may round differently. Softmax in float32; output in q's dtype.
 """
 
 import jax
@@ -26,13 +33,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
 from pallas_kernels.common import (
-    check_heads, first_visible_key, in_window, queries_per_sequence, soft_cap, softmax_scale,
-    to_ragged, window_size,
+    check_heads, first_visible_key, in_window, soft_cap, softmax_scale, window_size,
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-DECODE_PAGES_PER_BLOCK = 2  # 32 tokens at page size 16: the fastest of 1, 2, 4, 8, 16 measured
+DECODE_PAGES_PER_BLOCK = None  # None: decode_pages_per_block(rows), see there
+DECODE_BLOCK_BYTES = 2**20  # K (or V) bytes a decode block gathers for all rows: stays in the L2 cache
+DECODE_MAX_PAGES_PER_BLOCK = 16
 PREFILL_PAGES_PER_BLOCK = 8  # a prefill block serves many queries: larger blocks, fewer loop steps
+PREFILL_QUERY_CHUNK = 128  # queries of one sequence per outer step of the prefill attention
 
 
 def _padded_table(block_table, pages_per_block):
@@ -82,48 +91,93 @@ def _first_block(first_keys, active, block_tokens):
     return jnp.min(jnp.where(active, first_keys, never), initial=never) // block_tokens
 
 
+def decode_pages_per_block(num_seqs, page_size, num_kv_heads, head_dim):
+    """Pages per loop iteration of a decode call: as many as keep one block's K of every row
+    within DECODE_BLOCK_BYTES (float32), a power of two from 2 to DECODE_MAX_PAGES_PER_BLOCK.
+
+    Each iteration costs a fixed dozen XLA ops on top of its bytes, so few rows take large blocks
+    (SmolLM2, 30 layers, ~500-token contexts, bench/step_profile.py: 1 row 16 pages, 8 rows 8, 64
+    rows 2); many rows take small ones, so that the gathered block stays in the cache between its
+    gather and its two dots."""
+    row_page_bytes = page_size * num_kv_heads * head_dim * 4
+    pages = max(1, DECODE_BLOCK_BYTES // max(1, num_seqs * row_page_bytes))
+    pages = 1 << (pages.bit_length() - 1)  # a power of two
+    return int(min(max(pages, 2), DECODE_MAX_PAGES_PER_BLOCK))
+
+
 def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, sliding_window=None,
                            scale=None, logit_soft_cap=None, pages_per_block=DECODE_PAGES_PER_BLOCK):
     """One query token per sequence (its last token, K/V already written).
 
     q: [num_seqs, num_q_heads, head_dim] -> [num_seqs, num_q_heads, head_dim] (dtype of q);
     block_table: int32[num_seqs, max_pages]; seq_lens: int32[num_seqs] (0: padding row, zeros).
-    sliding_window (int32 scalar or None), scale, logit_soft_cap: see pallas_kernels.common."""
+    sliding_window (int32 scalar or None), scale, logit_soft_cap: see pallas_kernels.common.
+    pages_per_block: pages per loop iteration (None: decode_pages_per_block).
+
+    A block's gathered pages are used as they lie, [rows, tokens * kv_heads, head_dim] (column j:
+    token j // kv_heads, KV head j % kv_heads), so both dots are plain batched matmuls over the
+    rows with no transpose of the block: every query head scores every column and the columns of
+    other KV heads are masked out of the softmax. That is kv_heads times the dot FLOPs of a
+    grouped formulation, which costs less than transposing each gathered block ([rows, tokens,
+    kv, d] -> [rows, kv, tokens, d]) on XLA:CPU, where the gather is the expensive part."""
     check_heads(q, k_pages)
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_quant.values(k_pages).shape[1:3]
     scale = softmax_scale(scale, head_dim)
-    pages_per_block = min(pages_per_block, block_table.shape[1])
+    if pages_per_block is None:  # (not capped by the table's width, which must not change results)
+        pages_per_block = decode_pages_per_block(num_seqs, page_size, num_kv_heads, head_dim)
     block_table = _padded_table(block_table, pages_per_block)
     group = num_q_heads // num_kv_heads
     block_tokens = pages_per_block * page_size
-    q_grouped = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, 1, head_dim)
+    width = block_tokens * num_kv_heads  # columns of a block: (token, KV head)
+    # The columns in two halves, a batch dimension of the dots besides the rows: XLA drops a batch
+    # dimension of size 1 and would pick another dot algorithm for a single row, whose result
+    # must be the same bits as next to other rows.
+    parts = 2 if width % 2 == 0 else 1
+    column = jnp.arange(width).reshape(parts, 1, width // parts)  # [p, 1, j]
+    column_token = column // num_kv_heads
+    own_head = column % num_kv_heads == (jnp.arange(num_q_heads) // group)[None, :, None]  # [p, h, j]
+    q_scaled = jnp.broadcast_to((q.astype(jnp.float32) * scale)[:, None], (num_seqs, parts, num_q_heads, head_dim))
     first_block, first_key = 0, None
     if sliding_window is not None:  # the query sits at seq_len - 1
         first_key = first_visible_key(seq_lens - 1, window_size(sliding_window))  # [s]
         first_block = _first_block(first_key, seq_lens > 0, block_tokens)
 
-    def body(block, state):
-        k = _gather_block(k_pages, block_table, block, pages_per_block)  # [s, t, kv, d]
-        v = _gather_block(v_pages, block_table, block, pages_per_block)
-        scores = scale * jnp.einsum("skgqd,stkd->skgqt", q_grouped, k, precision=_HIGHEST)
-        scores = soft_cap(scores, logit_soft_cap)
-        key_pos = block * block_tokens + jnp.arange(block_tokens)[None, :]  # [1, t]
-        valid = key_pos < seq_lens[:, None]  # [s, t]
-        if first_key is not None:
-            valid = valid & (key_pos >= first_key[:, None])
-        v = jnp.where(valid[:, :, None, None], v, 0.0)  # garbage (NaN included) never reaches acc
-        return _online_softmax_step(state, scores, valid[:, None, None, None, :], v)
+    def gather(pages, block):  # [s, p, j, d]
+        blk = _gather_block(pages, block_table, block, pages_per_block)
+        return blk.reshape(num_seqs, parts, width // parts, head_dim)
 
-    shape = (num_seqs, num_kv_heads, group, 1)
+    def body(block, state):
+        m, l, acc = state  # [s, h], [s, h], [s, h, d]
+        k, v = gather(k_pages, block), gather(v_pages, block)
+        scores = soft_cap(jnp.einsum("sphd,spjd->sphj", q_scaled, k, precision=_HIGHEST), logit_soft_cap)
+        key_pos = block * block_tokens + column_token  # [p, 1, j]
+        readable = key_pos[None] < seq_lens[:, None, None, None]  # [s, p, 1, j]
+        if first_key is not None:
+            readable = readable & (key_pos[None] >= first_key[:, None, None, None])
+        valid = readable & own_head[None]  # [s, p, h, j]
+        # V with a column of ones, so that the dot also sums the weights: XLA's reductions order
+        # their sums by the array's shape, the dot's are the same for every row count.
+        v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+        v = jnp.where(readable[:, :, 0, :, None], v, 0.0)  # garbage (NaN included) never reaches acc
+        scores = jnp.where(valid, scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=(1, 3)))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        weights = jnp.where(valid, jnp.exp(scores - m_safe[:, None, :, None]), 0.0)
+        rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        update = jnp.einsum("sphj,spjd->sphd", weights, v, precision=_HIGHEST)  # [s, p, h, d + 1]
+        update = update[:, 0] + update[:, 1] if parts == 2 else update[:, 0]
+        return m_new, l * rescale + update[..., -1], acc * rescale[..., None] + update[..., :-1]
+
+    shape = (num_seqs, num_q_heads)
     state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
     state = jax.lax.fori_loop(first_block, _num_blocks(seq_lens, block_tokens), body, state)
-    return _finish(state).reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+    return _finish(state).astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
                            sliding_window=None, scale=None, logit_soft_cap=None,
-                           pages_per_block=PREFILL_PAGES_PER_BLOCK):
+                           pages_per_block=PREFILL_PAGES_PER_BLOCK, query_chunk=PREFILL_QUERY_CHUNK):
     """Causal attention of a ragged batch of query tokens against their sequences' pages.
 
     q: [num_tokens, num_q_heads, head_dim] -> same shape. The tokens of sequence i are
@@ -131,8 +185,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     seq_lens[i]; query_start_loc (int32[num_seqs + 1]) is non-decreasing (padding rows repeat the
     last value). Tokens past query_start_loc[num_seqs] and rows with seq_lens 0 give zeros.
     sliding_window (int32 scalar or None), scale, logit_soft_cap: see pallas_kernels.common.
-    Queries are padded per sequence to [num_seqs, num_tokens] (cheap for the few prefill
-    sequences of a step)."""
+
+    The work follows the causal triangle of the sequences present: an outer loop over chunks of
+    `query_chunk` queries of one sequence (as many as the call's sequences need, a trip count
+    known at run time: a padding sequence costs nothing), an inner loop over the key blocks of
+    `pages_per_block` pages that the chunk's queries see (from its window's first key to its
+    last query), each folded into the chunk's online softmax."""
     check_heads(q, k_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
@@ -142,32 +200,59 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     pages_per_block = min(pages_per_block, block_table.shape[1])
     block_table = _padded_table(block_table, pages_per_block)
     block_tokens = pages_per_block * page_size
+    chunk = max(1, min(query_chunk, num_tokens))
+    window = None if sliding_window is None else window_size(sliding_window)
 
-    q_padded, query_pos, query_valid = queries_per_sequence(
-        q, seq_lens, query_start_loc, num_seqs, num_kv_heads)  # [s, q, kv, g, d], [s, q], [s, q]
-    first_block, window = 0, None
-    if sliding_window is not None:
-        window = window_size(sliding_window)
-        first_block = _first_block(first_visible_key(query_pos, window), query_valid, block_tokens)
+    starts = query_start_loc[:num_seqs]
+    ends = query_start_loc[1:num_seqs + 1]
+    query_lens = jnp.where(seq_lens > 0, ends - starts, 0)  # [s]
+    chunks = (query_lens + chunk - 1) // chunk  # [s]
+    chunk_ends = jnp.cumsum(chunks)  # chunk j belongs to the first sequence i with j < chunk_ends[i]
+    q_scaled = q.astype(jnp.float32) * scale
 
-    def body(block, state):
-        k = _gather_block(k_pages, block_table, block, pages_per_block)  # [s, t, kv, d]
-        v = _gather_block(v_pages, block_table, block, pages_per_block)
-        scores = scale * jnp.einsum("sqkgd,stkd->skgqt", q_padded, k, precision=_HIGHEST)
-        scores = soft_cap(scores, logit_soft_cap)
-        key_pos = block * block_tokens + jnp.arange(block_tokens)  # [t]
-        if window is None:
-            visible = key_pos[None, None, :] <= query_pos[:, :, None]
-        else:
-            visible = in_window(query_pos[:, :, None], key_pos[None, None, :], window)
-        valid = visible & query_valid[:, :, None]  # [s, q, t]
-        readable = jnp.any(valid, axis=1)  # [s, t]
-        v = jnp.where(readable[:, :, None, None], v, 0.0)
-        return _online_softmax_step(state, scores, valid[:, None, None, :, :], v)
+    def chunk_body(j, out):
+        i = jnp.minimum(jnp.searchsorted(chunk_ends, j, side="right"), num_seqs - 1)
+        first_query = starts[i] + (j - (chunk_ends[i] - chunks[i])) * chunk  # token index
+        last_query = jnp.minimum(first_query + chunk, starts[i] + query_lens[i])  # exclusive
+        origin = jnp.clip(first_query, 0, num_tokens - chunk)  # where the [chunk] rows start
+        tokens = origin + jnp.arange(chunk)
+        query_valid = (tokens >= first_query) & (tokens < last_query)  # [c]
+        query_pos = seq_lens[i] - (starts[i] + query_lens[i]) + tokens  # [c]
+        qc = jax.lax.dynamic_slice_in_dim(q_scaled, origin, chunk).reshape(chunk, num_kv_heads, group, head_dim)
+        table = jax.lax.dynamic_index_in_dim(block_table, i, keepdims=True)  # [1, pages]
+        last_pos = seq_lens[i] - (starts[i] + query_lens[i]) + last_query - 1
+        first_block = 0
+        if window is not None:
+            first_pos = seq_lens[i] - (starts[i] + query_lens[i]) + first_query
+            first_block = first_visible_key(first_pos, window) // block_tokens
 
-    shape = (num_seqs, num_kv_heads, group, num_tokens)
-    state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
-    state = jax.lax.fori_loop(first_block, _num_blocks(seq_lens, block_tokens), body, state)
-    out = _finish(state)  # [s, kv, g, q, d]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)
-    return to_ragged(out, query_start_loc).astype(q.dtype)
+        def block_body(block, state):
+            k = _gather_block(k_pages, table, block, pages_per_block)[0]  # [t, kv, d]
+            v = _gather_block(v_pages, table, block, pages_per_block)[0]
+            scores = soft_cap(jnp.einsum("qkgd,tkd->kgqt", qc, k, precision=_HIGHEST), logit_soft_cap)
+            key_pos = block * block_tokens + jnp.arange(block_tokens)  # [t]
+            if window is None:
+                visible = key_pos[None, :] <= query_pos[:, None]
+            else:
+                visible = in_window(query_pos[:, None], key_pos[None, :], window)
+            valid = visible & query_valid[:, None]  # [c, t]
+            v = jnp.where(jnp.any(valid, axis=0)[:, None, None], v, 0.0)
+            m, l, acc = state
+            scores = jnp.where(valid, scores, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            weights = jnp.where(valid, jnp.exp(scores - m_safe[..., None]), 0.0)
+            rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            update = jnp.einsum("kgqt,tkd->kgqd", weights, v, precision=_HIGHEST)
+            return m_new, l * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + update
+
+        shape = (num_kv_heads, group, chunk)
+        state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
+        state = jax.lax.fori_loop(first_block, last_pos // block_tokens + 1, block_body, state)
+        rows = _finish(state).transpose(2, 0, 1, 3).reshape(chunk, num_q_heads, head_dim)  # [c, h, d]
+        old = jax.lax.dynamic_slice_in_dim(out, origin, chunk)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(query_valid[:, None, None], rows, old), origin, 0)
+
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    out = jax.lax.fori_loop(0, chunk_ends[-1] if num_seqs else 0, chunk_body, out)
+    return out.astype(q.dtype)

@@ -24,9 +24,11 @@ from jaxserve.request import InvalidRequestError, SamplingParams, max_token_char
 from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
+from serve.structured import ToolCallParser, template_tool_format
 from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
                             admission_error, build_sampling_params, check_prompt_chars, error_body,
-                            parse_chat_request, parse_completion_request, prompt_token_ids, sse_event)
+                            parse_chat_request, parse_completion_request, parse_detokenize_request,
+                            parse_tokenize_request, prompt_token_ids, select_best, sse_event, total_usage)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ class ServerConfig:
     num_prepare_threads: int = 2  # JSON parsing and tokenizing run here, never on the event loop
     web_ui: bool = True  # the chat page at / (serve/web_ui.py); open without the API key
     allowed_origins: tuple[str, ...] = ()  # CORS on the /v1 routes for these origins; () = same-origin only
+    # Sampling values for fields a request omits (jaxserve.request.SAMPLING_DEFAULT_FIELDS, checked
+    # by the caller): the model's generation_config.json and --default_sampling.
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ServerState:
@@ -52,7 +57,7 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.model_names = tuple(config.served_model_names) or (engine.model_name,)
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, self.model_names[0])
         if hasattr(engine, "add_step_listener"):  # step time and tokens per step (serve/metrics.py)
             engine.add_step_listener(self.metrics.observe_step)
         self.active: set[ChoiceFanout] = set()
@@ -60,18 +65,47 @@ class ServerState:
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=65536)(lambda token_id: engine.tokenizer.decode([token_id]))
         self.max_token_chars = max_token_chars(engine.tokenizer)
+        self.tool_format = template_tool_format(getattr(engine.tokenizer, "chat_template", None))  # "auto" parsing
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
                                                                   thread_name_prefix="jaxserve-prepare")
 
-    def prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[int], SamplingParams]:
-        """Body bytes -> (request, prompt token ids, sampling parameters); ProtocolError on bad
-        input. Cheap checks first: no text is tokenized that could not fit in the context."""
+    def prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+        """Body bytes -> (request, [(prompt token ids, sampling parameters)] one per prompt);
+        ProtocolError on bad input. Cheap checks first: no text is tokenized that could not fit in
+        the context."""
         body = _parse_json(raw)
         request = (parse_chat_request if is_chat else parse_completion_request)(body, self.model_names)
         max_seq_len = self.engine.max_model_len
         check_prompt_chars(request, max_seq_len, self.max_token_chars)
-        prompt_ids = prompt_token_ids(self.engine.tokenizer, request)
-        return request, prompt_ids, build_sampling_params(request, len(prompt_ids), max_seq_len)
+        prepared = []
+        for index in range(request.num_prompts):
+            prompt_ids = prompt_token_ids(self.engine.tokenizer, request, index)
+            params = build_sampling_params(request, len(prompt_ids), max_seq_len, self.config.sampling_defaults)
+            prepared.append((prompt_ids, params))
+        if prepared and prepared[0][1].structured_output is not None:  # one grammar for every prompt
+            try:  # compiled here, in the pool: admission on the event loop then finds it compiled
+                self.engine.compile_structured_output(prepared[0][1])
+            except InvalidRequestError as e:
+                raise admission_error(e, request) from None
+        return request, prepared
+
+    def tokenize(self, raw: bytes) -> dict[str, Any]:
+        """A /tokenize body -> vLLM's response: the ids generation would use for that prompt."""
+        request, return_token_strs = parse_tokenize_request(_parse_json(raw), self.model_names)
+        check_prompt_chars(request, self.engine.max_model_len, self.max_token_chars)
+        tokenizer = self.engine.tokenizer
+        token_ids = prompt_token_ids(tokenizer, request)
+        return {"count": len(token_ids), "max_model_len": self.engine.max_model_len, "tokens": token_ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(token_ids) if return_token_strs else None}
+
+    def detokenize(self, raw: bytes) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer
+        token_ids = parse_detokenize_request(_parse_json(raw), self.model_names, len(tokenizer))
+        return {"prompt": tokenizer.decode(token_ids)}
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+                "max_model_len": self.engine.max_model_len, "sampling_defaults": dict(self.config.sampling_defaults)}
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -88,6 +122,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model_id:.+}", handle_model)
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     app.on_startup.append(_start_engine)
@@ -152,9 +189,29 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 async def handle_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    models = [{"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-               "max_model_len": state.engine.max_model_len} for name in state.model_names]
-    return web.json_response({"object": "list", "data": models})
+    return web.json_response({"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model_id = request.match_info["model_id"]
+    if model_id not in state.model_names:
+        raise ProtocolError(f"The model `{model_id[:100]}` does not exist", status=404, param="model",
+                            code="model_not_found")
+    return web.json_response(state.model_card(model_id))
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _read_body(request)
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(state.prepare_pool, state.tokenize, raw))
+
+
+async def handle_detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    raw = await _read_body(request)
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(state.prepare_pool, state.detokenize,
+                                                                              raw))
 
 
 def engine_is_alive(engine: Any) -> bool:
@@ -220,15 +277,24 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
         raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
     raw = await _read_body(request)
     loop = asyncio.get_running_loop()
-    req, prompt_ids, params = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat)
-    choice_params = [params] + [
-        dataclasses.replace(params, seed=(params.seed + i) % _SEED_LIMIT) if params.seed is not None else params
-        for i in range(1, req.n)
-    ]
+    req, prepared = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat)
+    # Prompt p's candidates are sequences p * best_of .. (p + 1) * best_of - 1; candidate j's seed is seed + j.
+    sequences = []
+    for prompt_ids, params in prepared:
+        if req.best_of > req.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # best_of ranks by the sampled tokens' logprobs
+        sequences += [(prompt_ids, dataclasses.replace(params, seed=(params.seed + j) % _SEED_LIMIT)
+                       if params.seed is not None and j else params) for j in range(req.best_of)]
+    echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids)
+              for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
     shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
-                            want_logprobs=req.logprobs is not None, include_usage=req.include_usage)
-    trackers = [state.metrics.tracker(arrival_time, len(prompt_ids)) for _ in range(req.n)]
-    fanout = ChoiceFanout(engine, shaper.response_id, prompt_ids, choice_params,
+                            want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+                            prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
+                            want_prompt_logprobs=req.prompt_logprobs is not None,
+                            tool_parser=lambda: ToolCallParser.for_request(req.tools, state.tool_format))
+    trackers = [state.metrics.tracker(arrival_time, len(prompt_ids), count_prompt=k % req.best_of == 0)
+                for k, (prompt_ids, _) in enumerate(sequences)]
+    fanout = ChoiceFanout(engine, shaper.response_id, sequences,
                           on_output=lambda i, output: trackers[i].observe(output))
     state.active.add(fanout)
     try:
@@ -239,14 +305,17 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
                                 error_type="rate_limit_error", code="queue_full",
                                 headers={"Retry-After": str(state.config.retry_after_s)}) from None
         except InvalidRequestError as e:  # the engine's admission check
-            raise admission_error(e, req) from None
+            error = admission_error(e, req)
+            if req.num_prompts > 1:  # name the prompt of a batch
+                error.message = f"prompt {fanout.num_admitted // req.best_of}: {error.message}"
+            raise error from None
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         except ServerStopping as e:
             raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
         if req.stream:
-            return await _stream(request, fanout, shaper, req.n)
-        return await _collect(fanout, shaper, req.n)
+            return await _stream(request, fanout, shaper, req)
+        return await _collect(fanout, shaper, req)
     finally:
         state.active.discard(fanout)
         await fanout.close()
@@ -254,8 +323,8 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
             tracker.finish("abort")  # counts only the admitted choices that did not finish
 
 
-async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.Response:
-    choices = [ChoiceState() for _ in range(n)]
+async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, req: GenerationRequest) -> web.Response:
+    choices = [ChoiceState() for _ in range(fanout.num_choices)]
     try:
         async for index, output in fanout.outputs():
             choices[index].add(output)
@@ -268,17 +337,22 @@ async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.
                                 code="generation_error")
         if choice.finish_reason in (None, "abort"):
             raise ProtocolError("the request was aborted", status=503, error_type="server_error", code="aborted")
-    return web.json_response(shaper.full_response(choices))
+    usage = total_usage(choices, req.best_of)  # every candidate's tokens count, as OpenAI bills best_of
+    if req.best_of > req.n:
+        choices = select_best(choices, req.best_of, req.n)
+    return web.json_response(shaper.full_response(choices, usage))
 
 
-async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseShaper, n: int) -> web.StreamResponse:
+async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseShaper,
+                  req: GenerationRequest) -> web.StreamResponse:
+    """Streams every choice (best_of equals n here), choice index = sequence index (p * n + j)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
     await response.prepare(request)
-    choices = [ChoiceState() for _ in range(n)]
+    choices = [ChoiceState() for _ in range(fanout.num_choices)]
     try:
         if shaper.is_chat:
-            for index in range(n):
+            for index in range(fanout.num_choices):
                 await response.write(sse_event(shaper.role_chunk(index)))
         failure = None
         async for index, output in fanout.outputs():
@@ -287,12 +361,12 @@ async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseSh
                 failure = error_body(f"generation ended: {output.error or output.finish_reason}", "server_error",
                                      code=output.finish_reason)
                 break
-            if output.new_text or output.new_logprobs or output.finished:
+            if output.new_text or output.new_logprobs or output.finished or output.prompt_logprobs is not None:
                 await response.write(sse_event(shaper.delta_chunk(index, output)))
         if failure is None and any(c.finish_reason is None for c in choices):
             failure = error_body("the request was aborted", "server_error", code="aborted")
         if failure is None and shaper.include_usage:
-            await response.write(sse_event(shaper.usage_chunk(choices)))
+            await response.write(sse_event(shaper.usage_chunk(choices, req.n)))
     except ConnectionError:
         return response  # the client went away; the caller's close() aborts the engine requests
     except ServerStopping as e:
@@ -354,7 +428,8 @@ class ServerStopping(Exception):
 
 
 class ChoiceFanout:
-    """Runs the n engine requests behind one HTTP request and merges their deltas in arrival order.
+    """Runs the engine requests behind one HTTP request (prompts x choices) and merges their deltas
+    in arrival order.
 
     `start()` admits every choice (the engine's synchronous `generate`: a refusal raises there, and
     the choices already admitted are aborted), then waits for each choice's first event, so an early
@@ -362,12 +437,12 @@ class ChoiceFanout:
     is still running: the engine aborts those requests and frees their pages.
     """
 
-    def __init__(self, engine: Any, request_id: str, prompt_token_ids: list[int], params: list[Any],
+    def __init__(self, engine: Any, request_id: str, sequences: list[tuple[list[int], Any]],
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> None:
+        """`sequences`: (prompt token ids, sampling parameters) of each engine request, in choice order."""
         self.engine = engine
-        self.request_ids = [f"{request_id}-{i}" if len(params) > 1 else request_id for i in range(len(params))]
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.request_ids = [f"{request_id}-{i}" if len(sequences) > 1 else request_id for i in range(len(sequences))]
+        self.sequences = sequences
         self.on_output = on_output
         self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._buffered: list[tuple[int, Any]] = []
@@ -377,7 +452,7 @@ class ChoiceFanout:
 
     @property
     def num_choices(self) -> int:
-        return len(self.params)
+        return len(self.sequences)
 
     async def _pump(self, index: int, stream: Any) -> None:
         try:
@@ -396,9 +471,8 @@ class ChoiceFanout:
         (after aborting the choices already admitted) or an early failure."""
         streams = []
         try:
-            for index in range(self.num_choices):
-                streams.append(self.engine.generate(self.request_ids[index], self.prompt_token_ids,
-                                                    self.params[index]))
+            for index, (token_ids, params) in enumerate(self.sequences):
+                streams.append(self.engine.generate(self.request_ids[index], token_ids, params))
                 self.num_admitted += 1
         except BaseException:
             for stream in streams:

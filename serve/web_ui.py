@@ -43,7 +43,7 @@ _PAGE_HEADERS = {
 }
 _ORIGIN = re.compile(r"^https?://(\[[0-9a-f:.]+\]|[^\s/?#@:\[\]]+)(:\d{1,5})?$", re.IGNORECASE)
 _HEADER_LIST = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*$")
-_CORS_PREFIX = "/v1/"
+_CORS_PREFIX = ("/v1/", "/tokenize", "/detokenize")  # the API routes (str.startswith takes a tuple)
 
 
 def setup(app: web.Application, *, page: bool, allowed_origins: Iterable[str]) -> None:

@@ -154,3 +154,18 @@ def test_summaries_match_numpy():
     assert math.isclose(stats["p50"], 1000 * np.percentile(values, 50))
     assert math.isclose(stats["p99"], 1000 * np.percentile(values, 99))
     assert common.summarize([])["count"] == 0
+
+
+def test_single_stream_quick(tiny_model, tmp_path):
+    out = tmp_path / "single.json"
+    result = run_script(["bench/single_stream.py", f"--model={tiny_model}", "--variants=float,int8+embed",
+                         "--prompt_len=20", "--output_len=4", "--repeats=2", "--max_model_len=64", "--skip_hf",
+                         f"--out={out}"], 300)
+    assert result.returncode == 0, failure(result)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"jaxserve float", "jaxserve int8+embed"}
+    for row in results.values():
+        assert row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and len(row["ttft_ms_all"]) == 2
+        assert row["decode_bucket_rows"] == [1]  # one stream decodes in the CPU's 1-row bucket
+    assert results["jaxserve int8+embed"]["weights_bytes"] < results["jaxserve float"]["weights_bytes"]
+    assert "TPOT ms" in result.stdout

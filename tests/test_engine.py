@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from jaxserve import sampler
 from jaxserve.config import ModelConfig
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import weights
@@ -112,19 +113,91 @@ def test_no_compilation_after_warmup(params, warmup):
     try:
         rng = np.random.default_rng(seed)
         prompts = random_prompts(rng, 50, 1, 120)
-        sampling = [SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0.0, 0.8])),
-                                   top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
-                                   logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None,
-                                   repetition_penalty=float(rng.choice([1.0, 1.2])), ignore_eos=True)
-                    for _ in prompts]
+        sampling = []
+        for _ in prompts:  # every sampler variant: with and without penalties, logit biases, min_tokens masks
+            max_tokens = int(rng.integers(1, 40))
+            sampling.append(SamplingParams(
+                max_tokens=max_tokens, temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
+                top_p=float(rng.choice([1.0, 0.9])), logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None,
+                repetition_penalty=1.2 if rng.random() < 0.2 else 1.0, ignore_eos=bool(rng.random() < 0.7),
+                logit_bias={int(rng.integers(3, 256)): float(rng.choice([-5.0, 5.0]))} if rng.random() < 0.2 else None,
+                min_tokens=int(rng.integers(0, min(max_tokens, 4)))))
+        run_step, variants = engine.runner._run_step, set()
+
+        def recording_run_step(bucket, arrays, inputs, *args, **kwargs):
+            variants.add((sampler.has_histories(inputs), sampler.has_bias(inputs)))
+            return run_step(bucket, arrays, inputs, *args, **kwargs)
+        engine.runner._run_step = recording_run_step
         results = run_staggered_mixed(engine, prompts, sampling)
     finally:
         monitoring.unregister_event_duration_listener(listener)
     assert all(r for r in results), f"seed {seed}"
+    assert variants == {(False, False), (False, True), (True, False), (True, True)}, f"seed {seed}"
     if warmup:
         assert compiles == [], f"seed {seed}"
     else:  # the counter sees compilations when there was no warm-up
         assert compiles, f"seed {seed}"
+    assert_all_pages_free(engine)
+
+
+def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
+    """Structured-output rows (their bitmasks), prompt-logprob rows (any count up to the step's
+    limit), logprobs and penalties in every mix: all served by the warmed-up shapes."""
+    from checkpoints import default_model, load
+    from jaxserve.structured_output import StructuredOutputParams
+    tokenizer = load.load_tokenizer(default_model.resolve_model("smollm2"))
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_layers=1,
+                         num_q_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256,
+                         eos_token_ids=(tokenizer.eos_token_id,))
+    engine = Engine(config, weights.random_params(config, seed=2), tokenizer, EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2, page_size=8, num_pages=64,
+        max_model_len=128, warmup=True))
+    constraints = [StructuredOutputParams("regex", "[a-z]{1,12}", "guided_regex"),
+                   StructuredOutputParams("choice", ["red", "green"], "guided_choice"),
+                   StructuredOutputParams("json_schema", {"type": "array", "items": {"type": "integer"},
+                                                          "maxItems": 3}, "guided_json")]
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            compiles.append(event)
+
+    seed = 13
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 1000, rng.integers(1, 100)).tolist() for _ in range(30)]
+    sampling = [SamplingParams(
+        max_tokens=int(rng.integers(0 if i % 5 == 0 else 1, 20)), temperature=float(rng.choice([0.0, 1.0])),
+        structured_output=constraints[i % 4] if i % 4 < 3 and i % 5 else None,
+        prompt_logprobs=int(rng.choice([0, 3])) if i % 5 == 0 or rng.random() < 0.3 else None,
+        logprobs=int(rng.choice([0, 2])) if rng.random() < 0.3 else None,
+        repetition_penalty=float(rng.choice([1.0, 1.1])), ignore_eos=True) for i in range(len(prompts))]
+    outputs = {i: {"tokens": [], "prompt_logprobs": None} for i in range(len(prompts))}
+    pending = list(enumerate(zip(prompts, sampling)))
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        while pending or engine.has_unfinished():
+            for _ in range(3):
+                if pending:
+                    i, (p, sp) = pending.pop(0)
+                    engine.add_request(str(i), p, sp)
+            for out in engine.step():
+                outputs[int(out.request_id)]["tokens"] += out.new_token_ids
+                if out.prompt_logprobs is not None:
+                    outputs[int(out.request_id)]["prompt_logprobs"] = out.prompt_logprobs
+                if out.finished:
+                    outputs[int(out.request_id)]["finish_reason"] = out.finish_reason
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [], f"seed {seed}"
+    for i, (prompt, params) in enumerate(zip(prompts, sampling)):  # the mix did happen
+        out = outputs[i]
+        assert out["finish_reason"] in ("stop", "length"), (i, seed)
+        if params.prompt_logprobs is not None:
+            assert len(out["prompt_logprobs"]) == len(prompt) - 1, (i, seed)
+        if params.structured_output is not None and params.structured_output.kind == "regex":
+            assert re.fullmatch("[a-z]{0,12}", tokenizer.decode(out["tokens"], skip_special_tokens=True)), (i, seed)
+    assert sum(p.structured_output is not None for p in sampling) >= 10
+    assert sum(p.prompt_logprobs is not None for p in sampling) >= 6
     assert_all_pages_free(engine)
 
 
@@ -326,10 +399,10 @@ def test_each_step_leaves_one_record_of_its_shape_work_and_times(params, caplog)
     assert engine.time_in_steps == prefill.device_seconds + mixed.device_seconds
 
     text = metrics.render()[0].decode()
-    assert 'jaxserve_step_duration_seconds_count{kind="mixed"} 1.0' in text
-    assert 'jaxserve_step_duration_seconds_count{kind="prefill"} 1.0' in text
-    assert 'jaxserve_step_tokens_sum{kind="mixed"} 21.0' in text
-    assert "jaxserve_step_padded_tokens_total 72.0" in text  # 32 + 40
+    assert 'jaxserve_step_duration_seconds_count{kind="mixed",model_name="model"} 1.0' in text
+    assert 'jaxserve_step_duration_seconds_count{kind="prefill",model_name="model"} 1.0' in text
+    assert 'jaxserve_step_tokens_sum{kind="mixed",model_name="model"} 21.0' in text
+    assert 'jaxserve_step_padded_tokens_total{model_name="model"} 72.0' in text  # 32 + 40
     engine.remove_step_listener(heard.append)
     _run_to_end(engine)
     assert len(heard) == 2 and len(engine.step_records) > 2

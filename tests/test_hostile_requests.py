@@ -61,9 +61,14 @@ class ServeProcess:
         return "".join(self.lines[mark:])
 
     def metric(self, name: str, labels: str = "") -> float:
+        """The sample `name` whose labels include `labels` ('{a="b"}'; every sample also has model_name)."""
         text = requests.get(self.url + "/metrics", timeout=10).text
-        match = re.search(rf"^{re.escape(name + labels)} ([-+0-9.eE]+)$", text, re.MULTILINE)
-        return float(match.group(1)) if match else 0.0
+        wanted = re.findall(r'(\w+)="([^"]*)"', labels)
+        for line in text.splitlines():
+            match = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? ([-+0-9.eE]+)", line)
+            if match and all(f'{key}="{value}"' in (match.group(1) or "") for key, value in wanted):
+                return float(match.group(2))
+        return 0.0
 
     def close(self) -> None:
         self.process.send_signal(signal.SIGTERM)

@@ -528,3 +528,96 @@ def test_xla_path_results_do_not_depend_on_the_other_rows_or_the_table_width(win
         alone = np.asarray(decode(q[row:row + 1], k_pages, v_pages, block_table[row:row + 1], seq_lens[row:row + 1]))
         assert np.array_equal(alone[0], together[row]), f"row {row} (seed {SEED})"
     assert np.array_equal(wide, together)
+
+
+def xla_against_oracle(case, rng, options, *, decode, label, **tiles):
+    """The XLA path alone (with `tiles`) against the float64 oracle on one random problem: decode
+    (one query per sequence) or a ragged batch of decode tokens, prefills and chunks."""
+    seq_lens = context_lengths(case.page_size, rng)
+    k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
+    if decode:
+        query_lens = (seq_lens > 0).astype(np.int32)
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        num_tokens = len(seq_lens)
+    else:
+        query_lens, query_start_loc, num_tokens = ragged_batch(seq_lens, case.page_size, rng)
+    k_pages, v_pages, block_table = garbage_before_window(k_pages, v_pages, block_table, seq_lens, query_lens,
+                                                          options.window)
+    num_heads = case.group * case.num_kv_heads
+    q_padded = np.zeros((len(seq_lens), max(int(query_lens.max()), 1), num_heads, case.head_dim))
+    if decode:
+        q = in_dtype(rng.standard_normal((len(seq_lens), num_heads, case.head_dim)), case.dtype)
+        q_padded[:, 0] = np.asarray(q, np.float64)
+        expected = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens, **options.oracle())[:, 0]
+        expected[seq_lens == 0] = 0
+        function = jitted(xla_paged.paged_decode_attention, options, **tiles)
+        out = function(jnp.asarray(q), k_pages, v_pages, jnp.asarray(block_table), jnp.asarray(seq_lens),
+                       window=options.operand())
+    else:
+        q = np.full((num_tokens, num_heads, case.head_dim), np.nan)
+        q[: query_start_loc[-1]] = rng.standard_normal((query_start_loc[-1], num_heads, case.head_dim))
+        q = in_dtype(q, case.dtype)
+        for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
+            q_padded[row, :count] = q[start : start + count].astype(np.float64)
+        padded = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens, **options.oracle())
+        expected = np.zeros((num_tokens, num_heads, case.head_dim))
+        for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
+            expected[start : start + count] = padded[row, :count]
+        function = jitted(xla_paged.ragged_paged_attention, options, **tiles)
+        out = function(jnp.asarray(q), k_pages, v_pages, jnp.asarray(block_table), jnp.asarray(seq_lens),
+                       jnp.asarray(query_start_loc), window=options.operand())
+    assert out.shape == q.shape and out.dtype == q.dtype, label
+    assert_close(out, expected, case.dtype, f"{label} {options} {tiles}")
+    if not decode:
+        assert np.all(np.asarray(out, np.float32)[query_start_loc[-1] :] == 0), f"{label}: padding tokens not zero"
+
+
+def test_xla_decode_block_size_follows_the_rows():
+    """Few rows take large blocks (fewer loop steps), many rows small ones (a block of every row
+    stays in the cache): SmolLM2's KV heads (3 x 64) at page size 16."""
+    pages = {rows: xla_paged.decode_pages_per_block(rows, 16, 3, 64) for rows in (1, 2, 4, 8, 16, 32, 64)}
+    assert pages == {1: 16, 2: 16, 4: 16, 8: 8, 16: 4, 32: 2, 64: 2}
+
+
+@pytest.mark.parametrize("pages_per_block", [None, 1, 3, 16])
+def test_xla_decode_every_block_size_matches_the_oracle(pages_per_block):
+    """Blocks wider than the table (padded with null pages), one page, a width not dividing the
+    table, the automatic choice; with a window and a soft cap on one case each."""
+    for index, (case, options) in enumerate([
+            (CASES[0], Options()), (CASES[2], Options(window=2 * CASES[2].page_size + 3)),
+            (CASES[4], Options(scale=0.3, cap=20.0)), (CASES[1], Options(window=5, cap=30.0))]):
+        rng = np.random.default_rng([SEED, 1600, index])
+        xla_against_oracle(case, rng, options, decode=True, label=f"decode case {index}",
+                           pages_per_block=pages_per_block)
+
+
+@pytest.mark.parametrize("query_chunk", [1, 3, 8])
+def test_xla_ragged_query_chunks_match_the_oracle(query_chunk):
+    """The CPU prefill path walks each sequence's queries in chunks over the key blocks of its
+    causal triangle: chunks that split sequences at any offset, with windows, a soft cap and GQA."""
+    for index, (case, options) in enumerate([
+            (CASES[0], Options()), (CASES[2], Options(window=2 * CASES[2].page_size + 3)),
+            (CASES[4], Options(scale=0.3, cap=20.0)), (CASES[1], Options(window=1))]):
+        rng = np.random.default_rng([SEED, 1700, index])
+        xla_against_oracle(case, rng, options, decode=False, label=f"ragged case {index}",
+                           query_chunk=query_chunk, pages_per_block=2)
+
+
+def test_xla_ragged_results_do_not_depend_on_the_other_sequences():
+    """A prefill chunk's result is bit-for-bit the same alone and next to other sequences, padding
+    rows included (whose chunks the loop skips)."""
+    case = Case(8, 64, 3, 2, jnp.float32, {})
+    rng = np.random.default_rng([SEED, 1800])
+    seq_lens = np.array([21, 40, 0], np.int32)
+    query_lens = np.array([21, 13, 0], np.int32)
+    k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
+    starts = np.array([0, 21, 34, 34], np.int32)
+    q = in_dtype(rng.standard_normal((40, 6, 64)), case.dtype)
+    ragged = jax.jit(functools.partial(xla_paged.ragged_paged_attention, query_chunk=8))
+    together = np.asarray(ragged(q, k_pages, v_pages, block_table, seq_lens, starts))
+    for row in (0, 1):
+        start, count = starts[row], query_lens[row]
+        alone = np.asarray(ragged(q[start:start + count], k_pages, v_pages, block_table[row:row + 1],
+                                  seq_lens[row:row + 1], np.array([0, count], np.int32)))
+        assert np.array_equal(alone, together[start:start + count]), f"row {row} (seed {SEED})"
+    assert np.all(together[34:] == 0)

@@ -242,3 +242,97 @@ def test_output_processor_shapes_logprobs_and_closes_without_a_token():
                                                                                                   None)
     (failed,), _ = processor.process([core("unknown", [], 0, "error", error="boom")])
     assert (failed.finish_reason, failed.error, failed.new_text) == ("error", "boom", "")
+
+
+# ---- include_stop_str_in_output, stop_reason, min_tokens, skip_special_tokens ---------------------
+def test_the_stop_string_is_kept_when_asked():
+    checker = StopChecker(["STOP"], include_stop_str_in_output=True)
+    emitted, stopped = stream(checker, ["ab", "cS", "TOPd", "more"])
+    assert emitted == ["ab", "c", "STOP", ""] and stopped and checker.output_text == "abcSTOP"
+
+
+def test_text_added_without_search_is_emitted_whole_and_never_matched():
+    checker = StopChecker(["ab"])
+    assert checker.add("xa", search=False) == ("xa", False)  # "a" could start "ab", but is not held back
+    assert checker.add("b") == ("b", False)  # "ab" straddles the boundary: not a match (begins before it)
+    assert checker.add("zab") == ("z", True) and checker.matched_stop == "ab"
+
+
+def test_random_streams_with_a_search_floor_match_one_shot_truncation():
+    rng = random.Random(1)
+    for _ in range(300):
+        stop = ["".join(rng.choices("ab", k=rng.randint(1, 3))) for _ in range(rng.randint(1, 2))]
+        deltas = ["".join(rng.choices("abc", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+        unsearched = rng.randint(0, len(deltas))
+        include = rng.random() < 0.5
+        floor = len("".join(deltas[:unsearched]))
+        # Generation ends at the first searched delta after which a stop string begins at or past the floor.
+        seen, match = "", None
+        for i, delta in enumerate(deltas):
+            seen += delta
+            match = find_stop_string(seen, stop, floor) if i >= unsearched else None
+            if match is not None:
+                break
+        expected = seen if match is None else seen[:match[0] + (len(match[1]) if include else 0)]
+        checker = StopChecker(stop, include)
+        emitted = ""
+        for i, delta in enumerate(deltas):
+            out, stopped = checker.add(delta, search=i >= unsearched)
+            emitted += out
+            if stopped:
+                break
+        assert emitted + checker.flush() == expected, (stop, deltas, unsearched, include)
+
+
+def test_output_processor_names_the_stop_reason():
+    tokenizer = byte_level_tokenizer()
+    ids = encode(tokenizer, "hello world, the quick brown fox")
+    processor = OutputProcessor(tokenizer)
+    processor.add("string", ids[:1], SamplingParams(stop=["quick"], include_stop_str_in_output=True))
+    outputs, stopped = run_tokens(processor, "string", ids[1:])
+    assert "".join(o.new_text for o in outputs).endswith("the quick") and stopped == ["string"]
+    assert outputs[-1].stop_reason == "quick" and all(o.stop_reason is None for o in outputs[:-1])
+    processor.add("token", ids[:1], SamplingParams(stop_token_ids=[ids[3]]))
+    outputs, _ = run_tokens(processor, "token", ids[1:4], last_reason="stop")
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", ids[3])
+    processor.add("eos", ids[:1], SamplingParams(stop_token_ids=[ids[3]]))
+    outputs, _ = run_tokens(processor, "eos", ids[1:3] + [1], last_reason="stop")  # 1: </s>, the EOS
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", None)
+    processor.add("length", ids[:1], SamplingParams(stop=["zzz"]))
+    outputs, _ = run_tokens(processor, "length", ids[1:4])
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("length", None)
+
+
+def test_a_stop_token_is_text_with_include_stop_str_in_output():
+    tokenizer = byte_level_tokenizer()
+    ids = encode(tokenizer, "the quick brown")
+    for include in (False, True):
+        processor = OutputProcessor(tokenizer)
+        processor.add("r", ids[:1], SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include))
+        outputs, _ = run_tokens(processor, "r", ids[1:], last_reason="stop")
+        text = "".join(o.new_text for o in outputs)
+        whole = tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):]
+        assert text == (whole if include else tokenizer.decode(ids[:-1])[len(tokenizer.decode(ids[:1])):])
+
+
+def test_stop_strings_wait_for_min_tokens():
+    tokenizer = byte_level_tokenizer()
+    ids = encode(tokenizer, "the end, the end, the end")
+    end_tokens = [i + 1 for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("end")]
+    assert len(end_tokens) >= 2
+    for min_tokens, first_stop in ((0, end_tokens[0]), (end_tokens[0], end_tokens[1])):
+        processor = OutputProcessor(tokenizer)
+        processor.add("r", [], SamplingParams(stop=["end"], min_tokens=min_tokens, max_tokens=len(ids)))
+        outputs, stopped = run_tokens(processor, "r", ids)
+        assert stopped == ["r"] and len(outputs) == first_stop, min_tokens  # ended by the token completing it
+        assert "".join(o.new_text for o in outputs) == tokenizer.decode(ids[:first_stop]).removesuffix("end")
+
+
+def test_special_tokens_are_text_when_not_skipped():
+    tokenizer = as_hf(byte_level_tokenizer())
+    the = encode(tokenizer, " the")
+    for skip, expected in ((True, " the"), (False, " the</s>")):
+        processor = OutputProcessor(tokenizer)
+        processor.add("r", encode(tokenizer, "the"), SamplingParams(skip_special_tokens=skip))
+        outputs, _ = run_tokens(processor, "r", the + [tokenizer.eos_token_id])
+        assert "".join(o.new_text for o in outputs) == expected

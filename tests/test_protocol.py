@@ -7,9 +7,11 @@ import pytest
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.request import InvalidRequestError, RequestLimits, check_request
-from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChoiceState, ProtocolError, ResponseShaper, admission_error,
-                            build_sampling_params, check_prompt_chars, completion_logprobs, parse_chat_request,
-                            parse_completion_request, prompt_token_ids)
+from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS,
+                            ChoiceState, ProtocolError, ResponseShaper, admission_error, build_sampling_params,
+                            check_prompt_chars, completion_logprobs, parse_chat_request, parse_completion_request,
+                            parse_detokenize_request, parse_tokenize_request, prompt_token_ids, select_best,
+                            total_usage)
 
 MODEL = "tiny"
 
@@ -25,17 +27,21 @@ def chat(**fields):
 LIMITS = RequestLimits(vocab_size=256, max_seq_len=100, max_model_len=100)
 
 
-def admit(parse, body, tokenizer=None, limits=LIMITS):
-    """What the server and the engine do with a body: parse, tokenize, the engine's admission check."""
+def admit(parse, body, tokenizer=None, limits=LIMITS, defaults=None):
+    """What the server and the engine do with a body: parse, tokenize, the engine's admission check
+    of every prompt. Returns the request and the first prompt's ids and parameters."""
     request = parse(body, MODEL)
     check_prompt_chars(request, limits.max_seq_len, max_token_chars=1)
-    ids = prompt_token_ids(tokenizer or ListTokenizer(), request)
-    params = build_sampling_params(request, len(ids), limits.max_seq_len)
-    try:
-        check_request(ids, params, limits)
-    except InvalidRequestError as e:
-        raise admission_error(e, request) from None
-    return request, ids, params
+    admitted = []
+    for index in range(request.num_prompts):
+        ids = prompt_token_ids(tokenizer or ListTokenizer(), request, index)
+        params = build_sampling_params(request, len(ids), limits.max_seq_len, defaults)
+        try:
+            check_request(ids, params, limits)
+        except InvalidRequestError as e:
+            raise admission_error(e, request) from None
+        admitted.append((ids, params))
+    return request, *admitted[0]
 
 
 def refusal(parse, body, **kwargs) -> ProtocolError:
@@ -86,9 +92,31 @@ BAD_COMMON_FIELDS = [
     ({"stream": True, "stream_options": [1]}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
     ({"ignore_eos": "no"}, "ignore_eos"),
-    ({"best_of": 2}, "best_of"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"best_of": 0}, "best_of"),
+    ({"best_of": 17}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"best_of": 1.5}, "best_of"),
+    ({"logit_bias": [1]}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"256": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": math.inf}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"max_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"add_special_tokens": "no"}, "add_special_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ]
 
 
@@ -119,16 +147,20 @@ def test_unknown_model_is_404_model_not_found():
 
 @pytest.mark.parametrize("prompt, message_part", [
     (None, "required"),
-    (12, "string or a list"),
-    ({"text": "hi"}, "string or a list"),
+    (12, "a string, a list of token ids, or a list of either"),
+    ({"text": "hi"}, "a string, a list"),
     ([], "must not be empty"),
     ([1, -1], "[0, 256)"),
     ([1, 256], "[0, 256)"),
     ("\ud800", "lone surrogate"),
     ([1, "a"], "token ids"),
     ([1, 2.0], "token ids"),
-    (["a", "b"], "batched"),
-    ([[1, 2], [3]], "batched"),
+    (["a", 3], "token ids"),
+    (["a", "\ud800"], "prompt 1: 'prompt' is not valid Unicode"),
+    ([[1, 2], []], "prompt 1: 'prompt' must not be empty"),
+    ([[1, 2], [3, 1.5]], "prompt 1: 'prompt' must be a list of integer token ids"),
+    ([[1, 2], [3, 256]], "[0, 256)"),  # the engine's admission check, on the second prompt
+    (["a"] * 257, "at most 256 prompts"),
 ])
 def test_bad_prompts(prompt, message_part):
     body = {"model": MODEL} if prompt is None else {"model": MODEL, "prompt": prompt}
@@ -137,14 +169,24 @@ def test_bad_prompts(prompt, message_part):
     assert message_part in error.message
 
 
-@pytest.mark.parametrize("prompt, expected", [("hello", "hello"), ([5, 6], [5, 6]), (["hello"], "hello"),
-                                              ([[5, 6]], [5, 6])])
+@pytest.mark.parametrize("prompt, expected", [("hello", ["hello"]), ([5, 6], [[5, 6]]), (["hello"], ["hello"]),
+                                              ([[5, 6]], [[5, 6]]), (["a", "bc"], ["a", "bc"]),
+                                              ([[1], [2, 3], [4]], [[1], [2, 3], [4]]), (["a", [7]], ["a", [7]])])
 def test_prompt_forms(prompt, expected):
-    assert parse_completion_request({"prompt": prompt}, MODEL).prompt == expected
+    request = parse_completion_request({"prompt": prompt}, MODEL)
+    assert request.prompts == expected and request.num_prompts == len(expected)
+
+
+def test_a_batch_is_bounded_in_sequences_not_only_prompts():
+    assert parse_completion_request({"prompt": ["a"] * 16, "n": 16}, MODEL).num_prompts == 16
+    error = refusal(parse_completion_request, {"prompt": ["a"] * 20, "n": 2, "best_of": 16})
+    assert error.param == "best_of" and "256" in error.message
+    assert refusal(parse_completion_request, {"prompt": ["a"] * 20, "n": 16}).param == "n"
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo or prompt_logprobs
     ({"suffix": "x"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
@@ -180,7 +222,8 @@ def test_bad_messages(messages, param):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 3}, "logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"echo": True}, "echo"),
 ])
 def test_bad_chat_only_fields(fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], **fields}
@@ -263,8 +306,8 @@ class ListTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens and self.bos else []) + [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert tokenize is False and add_generation_prompt is True
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+        assert tokenize is False and add_generation_prompt is True and tools is None
         if not self.has_template:
             raise ValueError("no chat template")
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
@@ -332,3 +375,183 @@ def test_stream_chunks():
     last = chat_shaper.delta_chunk(1, _output("", [], finished=True, total=2))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
     assert "usage" not in last
+
+
+# ---- the rest of the OpenAI / vLLM surface --------------------------------------------------------
+
+# A value other than the neutral one for every field jaxserve knows but does not implement.
+NOT_NEUTRAL = {
+    "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 5, "allowed_token_ids": [1], "bad_words": ["x"], "priority": 1,
+    "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
+    "mm_processor_kwargs": {"a": 1}, "request_id": "mine", "service_tier": "flex", "function_call": "auto",
+    "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
+    "reasoning_effort": "low", "web_search_options": {}, "verbosity": "low", "store": True,
+    "continue_final_message": True, "documents": [{"text": "x"}], "chat_template": "{{ 1 }}",
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "bad_words": [],
+           "priority": 0, "logits_processors": [], "return_token_ids": False, "service_tier": "auto",
+           "modalities": ["text"], "store": False, "function_call": "none", "continue_final_message": False,
+           "chat_template_kwargs": {}, "request_id": None, "user": "u-1", "metadata": {"a": "b"},
+           "prompt_cache_key": "k", "safety_identifier": "s"}
+
+
+def test_every_unsupported_field_is_listed_with_a_test_value():
+    assert set(UNSUPPORTED_CHAT_FIELDS) == set(NOT_NEUTRAL)
+    assert set(UNSUPPORTED_COMPLETION_FIELDS) < set(UNSUPPORTED_CHAT_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_NEUTRAL))
+def test_an_unsupported_field_is_a_400_naming_it(name):
+    for parse, base, table in ((parse_chat_request, {"messages": [{"role": "user", "content": "hi"}]},
+                                UNSUPPORTED_CHAT_FIELDS),
+                               (parse_completion_request, {"prompt": "hi"}, UNSUPPORTED_COMPLETION_FIELDS)):
+        if name not in table:
+            continue
+        error = refusal(parse, {**base, name: NOT_NEUTRAL[name]})
+        assert (error.status, error.param, error.code) == (400, name, "unsupported_field")
+        assert f"'{name}' is not supported" in error.message
+
+
+def test_neutral_values_of_unsupported_fields_and_hints_are_accepted():
+    admit(parse_chat_request, {"messages": [{"role": "user", "content": "hi"}], **NEUTRAL})
+    completion_neutral = {k: v for k, v in NEUTRAL.items() if k in UNSUPPORTED_COMPLETION_FIELDS or
+                          k in ("user", "metadata", "prompt_cache_key", "safety_identifier")}
+    admit(parse_completion_request, {"prompt": "hi", **completion_neutral})
+
+
+def test_unknown_fields_are_ignored_with_one_warning(caplog):
+    with caplog.at_level("WARNING", logger="serve.protocol"):
+        request = completion(temperature=0.5, frobnicate=1, **{f"x{i}": i for i in range(7)})
+    assert request.sampling["temperature"] == 0.5
+    assert len(caplog.records) == 1
+    assert "'frobnicate'" in caplog.text and "and 3 more" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="serve.protocol"):
+        chat(temperature=0.5, top_logprobs=None, max_completion_tokens=3, add_generation_prompt=True)
+    assert caplog.records == []  # every field it knows
+
+
+def test_logit_bias_min_tokens_and_output_options_reach_the_sampling_params():
+    _, _, params = admit(parse_completion_request, {"prompt": "hi", "logit_bias": {"5": 10, "7": -100.0},
+                                                    "min_tokens": 3, "max_tokens": 8, "include_stop_str_in_output": True,
+                                                    "skip_special_tokens": False})
+    assert params.logit_bias == {5: 10, 7: -100.0}
+    assert (params.min_tokens, params.include_stop_str_in_output, params.skip_special_tokens) == (3, True, False)
+    _, _, plain = admit(parse_completion_request, {"prompt": "hi", "logit_bias": {}})
+    assert (plain.logit_bias, plain.min_tokens, plain.include_stop_str_in_output, plain.skip_special_tokens) == (
+        None, 0, False, True)
+
+
+def test_add_special_tokens_and_add_generation_prompt():
+    tokenizer = ListTokenizer()
+    assert prompt_token_ids(tokenizer, completion(prompt="ab", add_special_tokens=False)) == [97, 98]
+    assert prompt_token_ids(tokenizer, chat(add_special_tokens=True))[0] == 1  # BOS before the template's text
+    assert not chat().add_special_tokens and chat().add_generation_prompt
+    assert not chat(add_generation_prompt=False).add_generation_prompt
+
+
+@pytest.mark.parametrize("parse, base", [(parse_completion_request, {"prompt": "hi"}),
+                                         (parse_chat_request, {"messages": [{"role": "user", "content": "hi"}]})])
+def test_server_defaults_fill_what_the_request_omits(parse, base):
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 12}
+    _, _, params = admit(parse, base, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.2, 0.9, 40, 12)
+    _, _, given = admit(parse, {**base, "temperature": 0, "top_p": 1, "max_tokens": 30}, defaults=defaults)
+    assert (given.temperature, given.top_p, given.top_k, given.max_tokens) == (0, 1, 40, 30)
+    _, _, capped = admit(parse, base, defaults={"max_tokens": 1000})  # never past the context
+    assert capped.max_tokens == (100 - len(prompt_token_ids(ListTokenizer(), parse(base, MODEL)))
+                                 if parse is parse_chat_request else DEFAULT_COMPLETION_MAX_TOKENS)
+    _, _, none = admit(parse, base)
+    assert (none.temperature, none.top_p, none.top_k) == (1.0, 1.0, 0)
+
+
+def test_best_of_picks_each_prompts_highest_cumulative_logprob():
+    def candidate(*logprobs):
+        state = ChoiceState()
+        state.add(_output("t", [1] * len(logprobs), finished=True, total=len(logprobs),
+                          logprobs=[TokenLogprob(1, lp, []) for lp in logprobs]))
+        return state
+
+    prompt0 = [candidate(-1.0, -1.0), candidate(-0.5), candidate(-0.1, -0.1), candidate(-3.0)]
+    prompt1 = [candidate(-2.0), candidate(-0.2), candidate(-0.3), candidate(-0.2, -0.01)]
+    chosen = select_best(prompt0 + prompt1, best_of=4, n=2)
+    assert chosen == [prompt0[2], prompt0[1], prompt1[1], prompt1[3]]
+    assert select_best(prompt0, best_of=4, n=1) == [prompt0[2]]
+    assert completion(best_of=4, n=2).best_of == 4 and completion(n=3).best_of == 3
+
+
+def test_usage_of_a_batch_counts_each_prompt_once_and_every_choice():
+    choices = []
+    for prompt_tokens, outputs in ((3, (2, 5)), (7, (1, 4))):  # two prompts, n = 2
+        for total in outputs:
+            state = ChoiceState()
+            state.add(RequestOutput("r", [1], "x", True, "length", num_prompt_tokens=prompt_tokens,
+                                    num_output_tokens=total, num_cached_tokens=1))
+            choices.append(state)
+    assert total_usage(choices, 2) == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22,
+                                       "prompt_tokens_details": {"cached_tokens": 2}}
+    shaped = ResponseShaper(is_chat=False, model=MODEL, token_text=chr, want_logprobs=False).full_response(
+        choices, total_usage(choices, 2))
+    assert [c["index"] for c in shaped["choices"]] == [0, 1, 2, 3] and shaped["usage"]["prompt_tokens"] == 10
+
+
+def test_completion_top_logprobs_hold_the_sampled_token_too():
+    entries = [TokenLogprob(99, -2.0, [(97, -0.5), (98, -1.0)]), TokenLogprob(97, -0.5, [(97, -0.5)])]
+    shaped = completion_logprobs(entries, chr, text_offset=0)
+    assert shaped["top_logprobs"] == [{"c": -2.0, "a": -0.5, "b": -1.0}, {"a": -0.5}]  # up to k + 1 entries
+    assert shaped["tokens"] == ["c", "a"] and shaped["token_logprobs"] == [-2.0, -0.5]
+    zero = completion_logprobs([TokenLogprob(99, -2.0, [])], chr, 0)  # logprobs=0: the sampled token alone
+    assert zero["top_logprobs"] == [{"c": -2.0}]
+
+
+@pytest.mark.parametrize("is_chat", [False, True])
+def test_choices_name_their_stop_reason(is_chat):
+    shaper = ResponseShaper(is_chat=is_chat, model=MODEL, token_text=chr, want_logprobs=False)
+    stopped = ChoiceState()
+    stopped.add(RequestOutput("r", [1], "x", True, "stop", 3, 1, stop_reason="END"))
+    by_token = ChoiceState()
+    by_token.add(RequestOutput("r", [9], "", True, "stop", 3, 1, stop_reason=9))
+    eos = ChoiceState()
+    eos.add(RequestOutput("r", [2], "", True, "stop", 3, 1))
+    response = shaper.full_response([stopped, by_token, eos])
+    assert [c["stop_reason"] for c in response["choices"]] == ["END", 9, None]
+    running = shaper.delta_chunk(0, RequestOutput("r", [1], "x", False, None, 3, 1, stop_reason="ignored"))
+    assert running["choices"][0]["stop_reason"] is None
+    last = shaper.delta_chunk(0, RequestOutput("r", [1], "x", True, "stop", 3, 2, stop_reason="END"))
+    assert last["choices"][0]["stop_reason"] == "END" and last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tokenize_and_detokenize_bodies():
+    request, strs = parse_tokenize_request({"model": MODEL, "prompt": "ab"}, MODEL)
+    assert (request.prompts, request.add_special_tokens, strs) == (["ab"], True, False)
+    assert prompt_token_ids(ListTokenizer(), request) == [1, 97, 98]
+    request, strs = parse_tokenize_request({"messages": [{"role": "user", "content": "hi"}],
+                                            "return_token_strs": True}, MODEL)
+    assert request.is_chat and not request.add_special_tokens and request.add_generation_prompt and strs
+    assert parse_detokenize_request({"tokens": [1, 2]}, MODEL, 10) == [1, 2]
+    assert parse_detokenize_request({"model": MODEL, "tokens": []}, MODEL, 10) == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ({"prompt": [1, 2]}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
+    ({"prompt": "a", "chat_template": "x"}, "chat_template"),
+    ({"prompt": "a", "model": "other"}, "model"),
+])
+def test_bad_tokenize_bodies(body, param):
+    with pytest.raises(ProtocolError) as info:
+        parse_tokenize_request(body, MODEL)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("body", [{}, {"tokens": "1"}, {"tokens": [1, 10]}, {"tokens": [-1]}, {"tokens": [True]}])
+def test_bad_detokenize_bodies(body):
+    with pytest.raises(ProtocolError) as info:
+        parse_detokenize_request(body, MODEL, 10)
+    assert info.value.param == "tokens" and info.value.status == 400

@@ -466,8 +466,114 @@ def test_metrics_and_flags_expose_quantization():
     from serve.metrics import ServerMetrics
     stats = EngineStats(1, 0, 3, 10, 0, 0, 0, weights_bytes=12345, kv_cache_bytes=678)
     text = ServerMetrics(lambda: stats).render()[0].decode()
-    assert "jaxserve_weights_bytes 12345.0" in text and "jaxserve_kv_cache_bytes 678.0" in text
+    assert 'jaxserve_weights_bytes{model_name="model"} 12345.0' in text
+    assert 'jaxserve_kv_cache_bytes{model_name="model"} 678.0' in text
     fv = flags.FlagValues()
     engine_flags.define_engine_flags(fv)
     fv(["jaxserve", "--quantization=int4", "--kv_cache_dtype=fp8"])
     assert engine_flags.engine_kwargs(fv) == {"quantization": "int4", "kv_cache_dtype": "fp8"}
+
+
+# ---- the CPU step's weight layouts (llama.layer_views) and the quantized embedding --------------
+
+TRANSPOSABLE = ["int8", "int8_g64", "int8_g32_zp", "int8_zp", "int4", "int4_g64", "int4_g32_sym"]
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("name", TRANSPOSABLE)
+def test_transposed_weights_give_the_stored_layouts_result(name, rows):
+    rng = np.random.default_rng([SEED, 9, rows])
+    w = rng.standard_normal((192, 80)).astype(np.float32) / 14
+    x = jnp.asarray(rng.standard_normal((rows, 192)).astype(np.float32))
+    qw = qz.quantize(w, qz.parse_format(name))
+    assert qz.transposable(qw) and qz.is_quantized(qz.transposed(qw))
+    transposed = jax.jit(qz.transposed)(qw)
+    assert transposed["q_t"].shape == (80, 192) and transposed["scale_t"].dtype == jnp.float32
+    expected = np.asarray(jax.jit(qz.linear)(x, qw))
+    both = {**qw, **transposed}  # what the CPU step holds: one row reads the transposed layout
+    np.testing.assert_allclose(np.asarray(jax.jit(qz.linear)(x, both)), expected, rtol=1e-5, atol=1e-5)
+    if rows == 1:
+        np.testing.assert_allclose(np.asarray(jax.jit(qz.linear)(x, transposed)), expected, rtol=1e-5, atol=1e-5)
+    assert not qz.transposable(w) and not qz.transposable(transposed)
+
+
+def float_weight_buffers(weight, rows):
+    """Float32 weight-sized buffers (fusion outputs of the entry computation) in the compiled
+    x [rows, 576] @ weight [576, 1536] of `linear`."""
+    import re
+    text = jax.jit(qz.linear).lower(jnp.ones((rows, 576), jnp.float32), weight).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    return re.findall(r"= f32\[(?:576,1536|1536,576|\d+,\d+,1536|1536,\d+,\d+)\]\{[\d,]+\} fusion\(", entry)
+
+
+def test_one_row_int8_matmul_reads_the_codes_without_a_float_copy():
+    """The reason for `quantization.transposed`: XLA:CPU fuses the dequantization into the
+    one-row matmul of the transposed layout (the int8 codes read once, no float32 weight in
+    memory), while the stored layout, and any layout with several rows, dequantizes into a
+    float32 buffer first (several rows read the stored layout, which is as fast there). A change
+    here (another jax) changes what the quantized CPU step costs."""
+    qw = qz.quantize(np.ones((576, 1536), np.float32), qz.parse_format("int8_g32_zp"))
+    transposed = jax.jit(qz.transposed)(qw)
+    assert float_weight_buffers(transposed, 1) == []
+    assert len(float_weight_buffers(qw, 1)) == 1
+    assert len(float_weight_buffers({**qw, **transposed}, 8)) == 1  # several rows: the stored layout
+
+
+def test_quantized_embedding_rows_and_logits_are_close_to_float(monkeypatch):
+    rng = np.random.default_rng([SEED, 10])
+    embed = (rng.standard_normal((1000, 64)) * rng.uniform(0.1, 1, (1000, 1))).astype(np.float32)
+    params = qz.quantize_embedding({"embed": jnp.asarray(embed), "final_norm": jnp.ones(64)})
+    q = params["embed"]
+    assert q["q"].dtype == jnp.int8 and q["scale"].shape == (1000, 1)
+    dequantized = np.asarray(q["q"], np.float32) * np.asarray(q["scale"])
+    assert np.all(np.abs(dequantized - embed) <= np.asarray(q["scale"]) * 0.5 + 1e-6), f"seed {SEED}"
+    ids = jnp.asarray([3, 999, 0, 3])
+    np.testing.assert_allclose(np.asarray(qz.embedding_rows(q, ids)), dequantized[[3, 999, 0, 3]], rtol=1e-6)
+    x = rng.standard_normal((7, 64)).astype(np.float32)
+    monkeypatch.setattr(qz, "EMBEDDING_CHUNK_ROWS", 300)  # chunks that do not divide the vocabulary
+    for rows in (1, 7):  # the one-row path and the chunked one
+        logits = np.asarray(jax.jit(qz.embedding_logits)(jnp.asarray(x[:rows]), q))
+        np.testing.assert_allclose(logits, x[:rows] @ dequantized.T, rtol=1e-4, atol=1e-4)
+        assert np.linalg.norm(logits - x[:rows] @ embed.T) / np.linalg.norm(x[:rows] @ embed.T) < 0.01
+
+
+@pytest.mark.parametrize("quantization", [None, "int8_g32_zp", "int4", "int8+embed"])
+def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantization):
+    """The engine's CPU step reads one array per layer: views of the stacked weights (no copy),
+    int8 ones transposed (a copy); the step's logits are those of the layer scan over the stacked
+    weights (bit for bit in float), with and without a quantized embedding and lm_head."""
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_q_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+    params = weights.random_params(config, seed=3)
+    if quantization:
+        params = qz.quantize_params(params, quantization.split("+")[0], config)
+    if quantization and quantization.endswith("+embed"):
+        params = qz.quantize_embedding(params)
+    views = llama.layer_views(params)
+    assert isinstance(views["layers"], tuple) and len(views["layers"]) == config.num_layers
+    stacked_wq, layer_wq = params["layers"]["wq"], views["layers"][2]["wq"]
+    if not qz.is_quantized(stacked_wq):
+        assert layer_wq.unsafe_buffer_pointer() == stacked_wq.unsafe_buffer_pointer() + 2 * layer_wq.nbytes
+    elif qz.transposable(stacked_wq):
+        assert layer_wq["q_t"].shape == (config.num_q_heads * config.head_dim, config.hidden_size)  # [out, in]
+    pages, page_size = 9, 8
+    cache = llama.init_kv_cache(config, llama.KVCacheSpec(pages, page_size), jnp.float32)
+    forward = jax.jit(functools.partial(llama.forward, config=config, backend="xla"))
+    for rows in (1, 3):  # decode rows at positions 4, 5, 6 after a prompt written earlier
+        lens = np.arange(5, 5 + rows, dtype=np.int32)
+        table = np.tile(np.array([[1, 2, 0, 0]], np.int32), (rows, 1))
+        batch = dict(token_ids=np.arange(10, 10 + rows, dtype=np.int32), positions=lens - 1,
+                     slot_mapping=(table[np.arange(rows), (lens - 1) // page_size] * page_size + (lens - 1) % page_size),
+                     decode_block_table=table, decode_seq_lens=lens,
+                     prefill_block_table=np.zeros((0, 4), np.int32), prefill_seq_lens=np.zeros(0, np.int32),
+                     prefill_query_start_loc=np.zeros(1, np.int32), logits_indices=np.arange(rows, dtype=np.int32))
+        expected = np.asarray(forward(params, cache, batch)[0])
+        got = np.asarray(forward(views, cache, batch)[0])
+        if quantization is None:
+            assert np.array_equal(got, expected), rows
+        else:
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    if quantization and quantization.endswith("+embed"):
+        float_logits = np.asarray(forward(llama.layer_views(qz.quantize_params(
+            weights.random_params(config, seed=3), "int8_g32_zp", config)), cache, batch)[0])
+        assert np.abs(got - float_logits).max() < 0.1 * np.abs(float_logits).max()  # random weights, 3 layers

@@ -1,7 +1,7 @@
 import pytest
 
 from jaxserve.request import (MAX_LOGPROBS, InvalidRequestError, Request, RequestLimits, RequestStatus,
-                              SamplingParams, check_request)
+                              SamplingParams, check_request, check_sampling_defaults)
 
 LIMITS = RequestLimits(vocab_size=100, max_seq_len=50, max_model_len=50)
 
@@ -52,6 +52,19 @@ def test_stop_string_becomes_list():
     (dict(ignore_eos=1), "ignore_eos must be a boolean"),
     (dict(logprobs=21), "logprobs must be in [0, 20], got 21"),
     (dict(logprobs=-1), "logprobs must be in [0, 20], got -1"),
+    (dict(logit_bias=[1]), "logit_bias must map token ids to biases"),
+    (dict(logit_bias={100: 1.0}), "logit_bias token id 100 is not a token id in [0, 100)"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias token id -1 is not"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias token id '5' is not"),
+    (dict(logit_bias={5: 100.01}), "logit_bias of token 5 must be a number in [-100, 100], got 100.01"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias of token 5 must be a number in [-100, 100]"),
+    (dict(logit_bias={5: True}), "logit_bias of token 5 must be a number"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias allows at most 300 tokens, got 301"),
+    (dict(min_tokens=-1), "min_tokens must be in [0, 16] (at most max_tokens), got -1"),
+    (dict(min_tokens=17), "min_tokens must be in [0, 16] (at most max_tokens), got 17"),
+    (dict(min_tokens=1.0), "min_tokens must be an integer"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be a boolean"),
+    (dict(skip_special_tokens=None), "skip_special_tokens must be a boolean"),
 ])
 def test_sampling_refusals_name_the_field(kwargs, message):
     with pytest.raises(InvalidRequestError) as info:
@@ -83,6 +96,25 @@ def test_max_tokens_must_fit_the_context_left_by_the_prompt():
     with pytest.raises(InvalidRequestError, match=r"is 50 tokens \(the KV cache holds 50 tokens; max_model_len "
                                                   r"is 2048\)"):
         check_request([1] * 10, SamplingParams(max_tokens=1500), pool_bound)
+
+
+def test_logit_bias_and_min_tokens_within_bounds_pass():
+    check_request([1], SamplingParams(logit_bias={0: -100, 99: 100.0, 5: 0.5}, min_tokens=16), LIMITS)
+    check_request([1], SamplingParams(logit_bias={i: 1.0 for i in range(100)}, min_tokens=0), LIMITS)
+
+
+def test_sampling_defaults_are_checked_like_a_request():
+    assert check_sampling_defaults({"temperature": 0.2, "top_p": 0.9, "max_tokens": 64}) == {
+        "temperature": 0.2, "top_p": 0.9, "max_tokens": 64}
+    assert check_sampling_defaults({}) == {}
+    with pytest.raises(InvalidRequestError, match="'seed' cannot be a sampling default") as info:
+        check_sampling_defaults({"seed": 1})
+    assert info.value.param == "seed"
+    with pytest.raises(InvalidRequestError, match="temperature must be in") as info:
+        check_sampling_defaults({"temperature": 7})
+    assert info.value.param == "temperature"
+    with pytest.raises(InvalidRequestError, match="JSON object"):
+        check_sampling_defaults([("temperature", 1)])
 
 
 def test_logprobs_bound_is_the_engines():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxserve.request import SamplingParams
-from jaxserve.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties,
-                              build_sampling_inputs, has_histories, row_key_data, sample)
+from jaxserve.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties, bias_entries,
+                              bias_width, build_sampling_inputs, has_bias, has_histories, row_key_data, sample)
 
 VOCAB = 1000  # not a multiple of any block size: exercises the -inf padding
 NUM_ROWS = 64
@@ -290,3 +290,92 @@ def test_histories_only_when_a_row_has_a_penalty():
     assert has_histories(build_sampling_inputs(penalized, 8, HISTORY))
     with pytest.raises(ValueError, match="penalty"):
         build_sampling_inputs(penalized, 8, HISTORY, penalties=False)
+
+
+EOS = (7, 11)
+
+
+def build(rows, num_rows=8, **kwargs):
+    return build_sampling_inputs(rows, num_rows, HISTORY, eos_token_ids=EOS, **kwargs)
+
+
+def run_with_eos(logits, rows, num_rows=8):
+    padded = np.zeros((num_rows, logits.shape[1]), np.float32)
+    padded[:len(logits)] = logits
+    return {name: np.asarray(value) for name, value in _sample(padded, build(rows, num_rows)).items()}
+
+
+def test_bias_arrays_only_when_a_row_has_an_entry():
+    """A step without logit biases or min_tokens masks neither builds nor transfers the bias arrays;
+    the variant with them gives the same draws to rows without one."""
+    rng = np.random.default_rng(9)
+    logits = random_logits(rng, 8, 1.0)
+    plain = [make_row(temperature=t, top_p=0.9, seed=i, num_logprobs=2) for i, t in enumerate([0.0, 0.8, 1.0, 1.2])]
+    plain += [make_row(min_tokens=2, step=2, stop_token_ids=[5]), None]  # past its min_tokens: no entry
+    without = build(plain)
+    assert not has_bias(without) and "bias_values" not in without
+    forced = build(plain, bias=True)
+    assert forced["bias_ids"].shape == forced["bias_values"].shape == (8, bias_width(len(EOS)))
+    assert (forced["bias_ids"] >= VOCAB).all() and forced["bias_ids"].dtype == np.int32  # all padding
+    run_without, run_forced = (jax.tree.map(np.asarray, _sample(logits, inputs)) for inputs in (without, forced))
+    for name in run_without:
+        np.testing.assert_array_equal(run_without[name], run_forced[name], err_msg=name)
+
+    biased = plain[:4] + [make_row(logit_bias={3: 1.5, 999: -2.0})]
+    inputs = build(biased)
+    assert has_bias(inputs) and not has_histories(inputs)
+    np.testing.assert_array_equal(inputs["bias_ids"][4, :3], [3, 999, np.iinfo(np.int32).max])
+    np.testing.assert_array_equal(inputs["bias_values"][4, :2], [1.5, -2.0])
+    assert (inputs["bias_ids"][:4] >= VOCAB).all()
+    with pytest.raises(ValueError, match="logit bias"):
+        build(biased, bias=False)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    assert bias_entries(make_row(min_tokens=2, step=1, stop_token_ids=[5, 7]), EOS) == [
+        (5, -np.inf), (7, -np.inf), (11, -np.inf)]
+    assert bias_entries(make_row(min_tokens=2, step=1, stop_token_ids=[5], ignore_eos=True), EOS) == [(5, -np.inf)]
+    assert bias_entries(make_row(min_tokens=2, step=2, stop_token_ids=[5]), EOS) == []
+    assert bias_entries(make_row(min_tokens=2, step=0, logit_bias={5: 3.0}), EOS) == [(5, 3.0), (7, -np.inf),
+                                                                                       (11, -np.inf)]
+    assert bias_entries(make_row(), EOS) == []
+
+
+def test_logit_bias_and_min_tokens_steer_the_draw():
+    rng = np.random.default_rng(10)
+    logits = random_logits(rng, 8, 1.0)
+    logits[4:, EOS[0]] = logits[4:].max() + 5.0  # EOS is these rows' argmax
+    top, low = np.argmax(logits, -1), np.argmin(logits, -1)
+    rows = [make_row(temperature=0.0, logit_bias={int(low[0]): 100.0}, num_logprobs=0),  # forced
+            make_row(temperature=0.0, logit_bias={int(top[1]): -100.0}),  # avoided
+            make_row(temperature=0.0, min_tokens=3, step=2, stop_token_ids=[int(top[2])]),  # stop token masked
+            make_row(temperature=0.0, min_tokens=3, step=3, stop_token_ids=[int(top[3])]),  # past min_tokens
+            make_row(temperature=0.0, min_tokens=1, step=0),  # EOS masked
+            make_row(temperature=0.0, min_tokens=1, step=0, ignore_eos=True),  # EOS is not a stop token then
+            make_row(temperature=0.0),  # no entry, in a step with the bias arrays
+            make_row(temperature=1.0, seed=4, logit_bias={int(low[7]): 100.0})]
+    out = run_with_eos(logits, rows)
+    second = [int(np.argsort(row)[-2]) for row in logits]
+    assert list(out["token_ids"]) == [low[0], second[1], second[2], top[3], second[4], EOS[0], top[6], low[7]]
+    # Logprobs stay the raw model's (before biases, as vLLM's default).
+    np.testing.assert_allclose(out["logprobs"][0], log_softmax(logits[0])[low[0]], rtol=1e-5)
+
+
+def test_sampling_never_draws_a_masked_token():
+    rng = np.random.default_rng(11)
+    logits = random_logits(rng, 1, 0.1)
+    logits[0, list(EOS) + [5]] = 8.0  # nearly all the mass
+    drawn = set()
+    for seed in range(64):
+        rows = [make_row(temperature=0.5, seed=seed, min_tokens=4, step=seed % 4, stop_token_ids=[5])]
+        drawn.add(int(run_with_eos(logits, rows)["token_ids"][0]))
+    assert drawn and not drawn & {5, *EOS}
+    unmasked = {int(run_with_eos(logits, [make_row(temperature=0.5, seed=s)])["token_ids"][0]) for s in range(8)}
+    assert unmasked <= {5, *EOS}  # without the mask these tokens win
+
+
+def test_a_row_too_wide_for_the_bias_arrays_fails_alone():
+    too_many = make_row(logit_bias={i: 1.0 for i in range(bias_width(len(EOS)) + 1)})
+    with pytest.raises(RowInputError, match="bias_width") as info:
+        build([make_row(), too_many])
+    assert info.value.row_index == 1

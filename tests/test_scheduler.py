@@ -6,7 +6,8 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import NULL_PAGE, PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import RowParams, ScheduledBatch, ScheduledRow, Scheduler, StepPlan
+from jaxserve.scheduler import (MAX_PROMPT_LOGPROB_ROWS, RowParams, ScheduledBatch, ScheduledRow, Scheduler,
+                                StepPlan)
 
 
 def next_token(context):
@@ -343,6 +344,68 @@ def test_to_batch_is_a_plain_immutable_snapshot_of_the_plan():
 def test_step_data_and_output_side_modules_do_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs; "
-            "assert 'jax' not in sys.modules, 'jax imported'")
+    code = ("import sys, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs, jaxserve.structured_output, "
+            "serve.structured; assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _run_with_prompt_logprobs(scheduler, requests, device=None, max_steps=200):
+    """The engine loop, with the engine's part for prompt logprobs: each step's rows are appended
+    to their request (placeholders: the target ids). Returns the plans' prompt-logprob rows."""
+    device = device or FakeDevice(scheduler.allocator)
+    for request in requests:
+        scheduler.add_request(request)
+    rows = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return rows
+        plan = scheduler.schedule()
+        batch = plan.to_batch()
+        for row, (request, _) in zip(batch.rows, plan.scheduled):
+            if row.prompt_logprobs is not None:
+                rows.append((request.request_id, row.start, row.end, row.prompt_logprobs))
+                request.prompt_logprobs.extend(row.prompt_logprobs.targets)
+        assert sum(len(r.prompt_logprobs.targets) for r in batch.rows if r.prompt_logprobs) <= \
+            scheduler.max_prompt_logprob_rows
+        scheduler.update(plan, device.run(plan))
+    raise AssertionError("no progress")
+
+
+def test_prompt_logprob_rows_follow_the_chunks_and_stop_before_the_last_prompt_token():
+    scheduler = make_scheduler(num_pages=40, budget=5)
+    prompt = list(range(10, 22))  # 12 tokens: positions 0..10 predict tokens 1..11
+    request = Request("r", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    rows = _run_with_prompt_logprobs(scheduler, [request])
+    assert [(start, end, r.first, r.targets) for _, start, end, r in rows] == [
+        (0, 5, 0, tuple(prompt[1:6])), (5, 10, 5, tuple(prompt[6:11])), (10, 12, 10, (prompt[11],))]
+    assert request.prompt_logprobs == prompt[1:] and len(request.output_token_ids) == 2
+    assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_prompt_logprob_rows_per_step_are_capped():
+    """Two long prompts wanting prompt logprobs: a step computes at most max_prompt_logprob_rows
+    of them (the second prompt's chunk is cut to the rows left), and every row comes exactly once."""
+    scheduler = make_scheduler(num_pages=200, budget=512, max_len=512)
+    assert scheduler.max_prompt_logprob_rows == MAX_PROMPT_LOGPROB_ROWS < 512
+    prompts = [list(range(3, 203)), list(range(300, 500))]
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=1, prompt_logprobs=0)) for i, p in enumerate(prompts)]
+    rows = _run_with_prompt_logprobs(scheduler, requests)
+    first_step = [(rid, end - start, len(r.targets)) for rid, start, end, r in rows[:2]]
+    # r0's whole prompt: 199 rows (its last token predicts the first output); r1 gets the rows left
+    assert first_step == [("r0", 200, 199), ("r1", MAX_PROMPT_LOGPROB_ROWS - 199, MAX_PROMPT_LOGPROB_ROWS - 199)]
+    for request, prompt in zip(requests, prompts):
+        assert request.prompt_logprobs == prompt[1:]
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_max_tokens_zero_ends_after_the_prompt():
+    scheduler = make_scheduler(num_pages=40, budget=16)
+    device = FakeDevice(scheduler.allocator)
+    prompt = list(range(10, 30))
+    run_engine_loop(scheduler, device, [Request("warm", prompt, greedy(1))])
+    cached = Request("cached", prompt, greedy(1))
+    wanting = Request("wanting", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    rows = _run_with_prompt_logprobs(scheduler, [cached, wanting], device)
+    assert cached.num_cached_tokens == 16 and wanting.num_cached_tokens == 0
+    assert wanting.prompt_logprobs == prompt[1:] and [r[0] for r in rows] == ["wanting", "wanting"]
+    assert wanting.output_token_ids == [] and wanting.status == RequestStatus.FINISHED_LENGTH
+    assert scheduler.allocator.num_used_pages == 0

@@ -441,7 +441,15 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": ["a", 3]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"], "best_of": 2, "stream": True}, 400, "best_of"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, 400, "store"),
+    ("POST", "/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("POST", "/tokenize", {"prompt": "x" * 1100}, 400, "prompt"),  # cannot fit even at 4 characters a token
+    ("POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("GET", "/v1/models/nope", None, 404, "model"),
     ("POST", "/v1/completions", {"prompt": [5, 999999]}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 255}, 400, "max_tokens"),
@@ -551,7 +559,9 @@ def metric_samples(server: LiveServer) -> dict[tuple, float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == MODEL, sample  # every sample names the served model (as vLLM)
+            samples[(sample.name, tuple(sorted(labels.items())))] = sample.value
     return samples
 
 
@@ -678,7 +688,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0():
     root = Path(__file__).resolve().parents[1]
     process = subprocess.Popen(
         [sys.executable, "-c", _SERVE_SCRIPT, f"--model={MODEL}", "--port=0", "--max_num_seqs=3",
-         "--drain_timeout_s=20"],
+         "--drain_timeout_s=20", "--generation_config=none"],
         cwd=root, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
@@ -707,3 +717,139 @@ def test_sigterm_drains_in_flight_streams_then_exits_0():
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == fake_text(encode("x"), 25)
     assert "engine kwargs: [{'max_num_seqs': 3}]" in "".join(logged)
+
+
+# ---- batched prompts, best_of, sampling defaults, the rest of the surface -------------------------
+def test_batched_prompts_get_one_choice_each_times_n(server):
+    prompts = ["ab", "cde"]
+    result = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2, seed=5)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert [c.text for c in result.choices] == [fake_text(encode(p), 3, seed) for p in prompts for seed in (5, 6)]
+    assert server.engine.prompts == [encode("ab")] * 2 + [encode("cde")] * 2
+    assert result.usage.prompt_tokens == len(encode("ab")) + len(encode("cde"))
+    assert result.usage.completion_tokens == 12
+
+    chunks = list(server.client().completions.create(model=MODEL, prompt=[[40, 41], [42]], max_tokens=2,
+                                                     stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert texts == {0: fake_text([40, 41], 2), 1: fake_text([42], 2)}
+    assert (chunks[-1].choices, chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == ([], 3, 4)
+
+
+def test_a_refused_prompt_of_a_batch_is_named_and_the_admitted_ones_abort(server):
+    status, _, body = server.request("POST", "/v1/completions", {"prompt": ["ok", [1, 999999]], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt" and body["error"]["message"].startswith("prompt 1: ")
+    assert wait_until(lambda: len(server.engine.aborted) == 1 and server.engine.kv_pages_used == 0)
+
+
+def test_best_of_runs_every_candidate_and_returns_n(server):
+    result = server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=1, best_of=3, seed=1)
+    assert len(result.choices) == 1 and result.choices[0].index == 0 and result.choices[0].logprobs is None
+    assert [p.logprobs for p in server.engine.params] == [0, 0, 0]  # ranked by the sampled tokens' logprobs
+    assert [p.seed for p in server.engine.params] == [1, 2, 3]
+    assert result.usage.completion_tokens == 12 and result.usage.prompt_tokens == len(encode("Hi"))
+
+
+def test_sampling_defaults_fill_what_a_request_omits(make_server):
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 7}
+    server = make_server(ServerConfig(sampling_defaults=defaults))
+    server.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+    server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                            temperature=0.0, top_p=1.0)
+    omitted, given = server.engine.params
+    assert (omitted.temperature, omitted.top_p, omitted.top_k) == (0.2, 0.9, 7)
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 1.0, 7)
+    status, _, body = server.request("GET", "/v1/models")
+    assert body["data"][0]["sampling_defaults"] == defaults  # the defaults in effect are visible
+
+
+def test_serve_reads_the_models_generation_config_and_the_flag(tmp_path, monkeypatch):
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_new_tokens": 64, "do_sample": True,
+                   "repetition_penalty": 500, "eos_token_id": [1, 2]}, f)
+
+    def defaults(*args):
+        fv = serve_command.flags.FlagValues()
+        serve_command.define_flags(fv)
+        fv(["serve", *args])
+        return serve_command.sampling_defaults(fv)
+
+    monkeypatch.setattr("checkpoints.default_model.resolve_model", lambda model: str(tmp_path))
+    got, line = defaults()
+    assert got == {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_tokens": 64}  # repetition_penalty refused
+    assert "generation_config.json" in line and '"temperature": 0.6' in line
+    got, line = defaults('--default_sampling={"temperature": 0.1, "presence_penalty": 0.5}')
+    assert got == {"temperature": 0.1, "top_p": 0.95, "top_k": 0, "max_tokens": 64, "presence_penalty": 0.5}
+    assert "--default_sampling" in line
+    assert defaults("--generation_config=none")[0] == {}
+    assert defaults(f"--generation_config={tmp_path}")[0]["temperature"] == 0.6
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--default_sampling={bad", "not valid JSON"),
+    ('--default_sampling={"seed": 1}', "'seed' cannot be a sampling default"),
+    ('--default_sampling={"temperature": 9}', "temperature must be in [0, 2]"),
+    ("--generation_config=/no/such/folder", "is not 'auto', 'none' or a folder"),
+])
+def test_bad_sampling_default_flags_exit_2(flag, message, capsys):
+    assert cli.main(["jaxserve", "serve", flag]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tokenize_detokenize_and_model_by_id(server):
+    status, _, body = server.request("POST", "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert status == 200 and body == {"tokens": encode("héllo"), "count": len(encode("héllo")), "max_model_len": 256,
+                                      "token_strs": None}
+    messages = [{"role": "user", "content": "x"}]
+    status, _, body = server.request("POST", "/tokenize", {"messages": messages})
+    assert body["tokens"] == chat_prompt_ids(messages)
+    status, _, body = server.request("POST", "/detokenize", {"tokens": encode("héllo")[1:]})
+    assert (status, body) == (200, {"prompt": "héllo"})
+    status, _, body = server.request("GET", f"/v1/models/{MODEL}")
+    assert status == 200 and body["id"] == MODEL and body["object"] == "model"
+    assert server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_hub_style_served_names_work_by_id(make_server):
+    server = make_server(ServerConfig(served_model_names=("org/model-a", "alias")))
+    assert server.request("GET", "/v1/models/org/model-a")[2]["id"] == "org/model-a"
+    assert server.request("GET", "/v1/models/alias")[0] == 200
+    assert server.request("GET", "/v1/models/org")[0] == 404
+    assert server.client().completions.create(model="org/model-a", prompt="x", max_tokens=1).model == "org/model-a"
+
+
+def test_unknown_fields_are_ignored_and_logged_unsupported_ones_refused(server, caplog):
+    with caplog.at_level("WARNING", logger="serve.protocol"):
+        result = server.client().completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                                    extra_body={"my_custom_field": 1})
+    assert result.choices[0].text and "'my_custom_field'" in caplog.text
+    with pytest.raises(openai.BadRequestError, match="'bad_words' is not supported"):
+        server.client().completions.create(model=MODEL, prompt="x", extra_body={"bad_words": ["x"]})
+
+
+def test_prompt_tokens_are_counted_once_per_prompt_and_kv_usage_is_a_fraction(make_server):
+    server = make_server(token_delay_s=0.02)
+    server.client().completions.create(model=MODEL, prompt=["ab", "c"], max_tokens=2, n=3)
+    samples = metric_samples(server)
+    assert samples[("jaxserve_prompt_tokens_total", ())] == len(encode("ab")) + len(encode("c"))
+    assert samples[("jaxserve_requests_finished_total", (("finish_reason", "length"),))] == 6
+    assert samples[("jaxserve_kv_cache_usage_perc", ())] == 0.0
+    conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
+    read_events(response, limit=2)
+    during = metric_samples(server)
+    used, total = during[("jaxserve_kv_pages_used", ())], during[("jaxserve_kv_pages_total", ())]
+    assert used > 0 and during[("jaxserve_kv_cache_usage_perc", ())] == used / total
+    conn.close()
+    assert wait_until(lambda: server.engine.kv_pages_used == 0)
+
+
+def test_cors_covers_tokenize_and_detokenize(make_server):
+    server = make_server(ServerConfig(allowed_origins=("http://ui.example",)))
+    origin = {"Origin": "http://ui.example"}
+    status, headers, _ = server.request("OPTIONS", "/tokenize", headers={**origin,
+                                                                         "Access-Control-Request-Method": "POST"})
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://ui.example"
+    status, headers, body = server.request("POST", "/detokenize", {"tokens": encode("hi")[1:]}, headers=origin)
+    assert (status, body["prompt"]) == (200, "hi") and headers["Access-Control-Allow-Origin"] == "http://ui.example"

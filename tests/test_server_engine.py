@@ -19,15 +19,15 @@ from serve.server import start_server
 class LiveServer:
     """A real engine + app on a loopback port, run by an event loop in a thread."""
 
-    def __init__(self, engine: Engine):
-        self.async_engine = AsyncEngine(engine)
+    def __init__(self, engine: Engine, config: ServerConfig | None = None):
+        self.async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
         self.loop = asyncio.new_event_loop()
         self.port = None
         ready = threading.Event()
 
         async def main():
             self.runner, self.port = await start_server(
-                create_app(self.async_engine, ServerConfig(drain_timeout_s=2.0)), "127.0.0.1", 0)
+                create_app(self.async_engine, config or ServerConfig(drain_timeout_s=2.0)), "127.0.0.1", 0)
             ready.set()
 
         self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(main()),

@@ -164,8 +164,9 @@ def test_serve_flags_no_web_ui_and_allowed_origins(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "jaxserve.async_engine", test_server._fake_engine_module([]))
     monkeypatch.setattr(serve.server, "serve_until_stopped", fake_serve)
-    assert cli.main(["jaxserve", "serve", f"--model={MODEL}"]) == 0
-    assert cli.main(["jaxserve", "serve", f"--model={MODEL}", "--no_web_ui",
+    fake = [f"--model={MODEL}", "--generation_config=none"]  # the fake model has no directory to read
+    assert cli.main(["jaxserve", "serve", *fake]) == 0
+    assert cli.main(["jaxserve", "serve", *fake, "--no_web_ui",
                      "--allowed_origins=http://localhost:3000,https://ui.example"]) == 0
     assert [(c.web_ui, c.allowed_origins) for c in configs] == [
         (True, ()), (False, ("http://localhost:3000", "https://ui.example"))]
@@ -267,7 +268,7 @@ def metric(server: LiveServer, name: str, labels: dict | None = None) -> float:
     text = requests.get(url(server, "/metrics"), timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and (labels is None or sample.labels == labels):
+            if sample.name == name and (labels is None or labels.items() <= sample.labels.items()):  # + model_name
                 return sample.value
     return 0.0
 

@@ -45,8 +45,9 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     from checkpoints.default_model import DEFAULT_MODEL
 
     flags.DEFINE_string("model", DEFAULT_MODEL, "a converted model directory, a .gguf file, a Hugging Face "
-                        f"folder, or '{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, fetched and converted on first use)",
-                        flag_values=fv)
+                        "folder, a Hugging Face id 'org/name' in the local Hugging Face cache ($HF_HOME; never "
+                        f"downloaded), or '{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, fetched and converted on first "
+                        "use)", flag_values=fv)
     for name, text in _ENGINE_INT_FLAGS.items():
         flags.DEFINE_integer(name, None, f"{text} {_default(name)}", lower_bound=1, flag_values=fv)
     flags.DEFINE_boolean("enable_prefix_caching", None, "share KV pages of common prompt prefixes "

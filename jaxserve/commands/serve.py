@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -42,6 +43,15 @@ def define_flags(fv: flags.FlagValues) -> None:
                       "browser pages may call the /v1 routes (CORS). Default: none, same-origin only",
                       flag_values=fv)
     flags.register_validator("allowed_origins", _valid_origins, flag_values=fv)
+    flags.DEFINE_string("generation_config", "auto", "where the sampling defaults of requests that omit a field "
+                        "come from: 'auto' (the model's generation_config.json: temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens), 'none' (jaxserve's: temperature 1, no truncation), "
+                        "or a folder holding a generation_config.json", flag_values=fv)
+    flags.register_validator("generation_config", _valid_generation_config, flag_values=fv)
+    flags.DEFINE_string("default_sampling", None, "JSON object of sampling defaults over the generation config's, "
+                        "e.g. '{\"temperature\": 0.7, \"top_p\": 0.9}' (fields: temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, presence_penalty, frequency_penalty, max_tokens)", flag_values=fv)
+    flags.register_validator("default_sampling", _valid_default_sampling, flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
 
@@ -55,6 +65,51 @@ def _valid_origins(values: list[str] | None) -> bool:
     except ValueError as e:
         raise flags.ValidationError(str(e)) from None
     return True
+
+
+def _valid_generation_config(value: str) -> bool:
+    if value not in ("auto", "none") and not os.path.isdir(os.path.expanduser(value)):
+        raise flags.ValidationError(f"{value!r} is not 'auto', 'none' or a folder")
+    return True
+
+
+def _parse_default_sampling(value: str | None) -> dict:
+    from jaxserve.request import InvalidRequestError, check_sampling_defaults
+    if not value:
+        return {}
+    try:
+        return check_sampling_defaults(json.loads(value))
+    except ValueError as e:  # JSONDecodeError and InvalidRequestError
+        prefix = "not valid JSON: " if not isinstance(e, InvalidRequestError) else ""
+        raise flags.ValidationError(f"{prefix}{e}") from None
+
+
+def _valid_default_sampling(value: str | None) -> bool:
+    _parse_default_sampling(value)
+    return True
+
+
+def sampling_defaults(fv: flags.FlagValues) -> tuple[dict, str]:
+    """The server's sampling defaults (the generation config's, then --default_sampling's over
+    them) and a line saying where they come from. Reads the model's converted directory."""
+    from checkpoints.default_model import model_sampling_defaults, resolve_model
+
+    defaults, sources = {}, []
+    if fv.generation_config != "none":
+        folder = resolve_model(fv.model) if fv.generation_config == "auto" else os.path.expanduser(fv.generation_config)
+        defaults, problems = model_sampling_defaults(folder)
+        for problem in problems:
+            logging.getLogger(__name__).warning("%s", problem)
+        if defaults:
+            sources.append("the model's generation_config.json" if fv.generation_config == "auto"
+                           else f"{fv.generation_config}/generation_config.json")
+    overrides = _parse_default_sampling(fv.default_sampling)
+    if overrides:
+        sources.append("--default_sampling")
+    defaults = {**defaults, **overrides}
+    if not defaults:
+        return {}, "sampling defaults: jaxserve's (temperature 1, top_p 1, no top_k)"
+    return defaults, f"sampling defaults for fields a request omits: {json.dumps(defaults)} (from {', '.join(sources)})"
 
 
 def run(fv: flags.FlagValues) -> int:
@@ -84,9 +139,11 @@ def run(fv: flags.FlagValues) -> int:
 
         try:
             engine = build_async_engine(fv.model, **engine_flags.engine_kwargs(fv))
+            config.sampling_defaults, defaults_line = sampling_defaults(fv)
         except (ValueError, OSError) as e:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
             return 2
+        logging.getLogger(__name__).info("%s", defaults_line)
         try:
             await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits)
         except OSError as e:

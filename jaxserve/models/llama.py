@@ -15,6 +15,7 @@ without copying) a layer out of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
+from jaxserve import quantization
 from jaxserve.quantization import linear
 from pallas_kernels import dispatch, kv_quant
 
@@ -44,6 +46,48 @@ def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) 
     shape = spec.shape(config)
     make = jax.jit(lambda: kv_quant.zeros(shape, dtype), out_shardings=sharding)
     return {"k": make(), "v": make()}
+
+
+def layer_views(params: Params) -> Params:
+    """`params` with "layers" as a tuple of per-layer dicts whose arrays are views of the stacked
+    arrays' layer slices (no copy), for `forward` to read each layer's weights in place.
+
+    Under the layer scan, XLA materializes each layer's slice of a stacked weight before a dot
+    reads it (a dynamic-slice of an operand is a copy): for a float step of few rows that copy
+    costs more than the matmul itself. On the CPU a jax array can alias host memory, so the
+    per-layer arrays cost no memory. Anywhere else (an accelerator, sharded weights, a slice
+    jax would not alias), `params` is returned unchanged and the scan slices the stacked arrays.
+
+    Quantized weights also get the layout a single row reads (`quantization.transposed`, whose
+    dequantization XLA fuses into the matmul): a copy, the one cost in memory (the quantized
+    linear weights once more, int4 codes at a byte each, float32 scales)."""
+    def on_one_cpu(leaf):
+        devices = leaf.devices() if isinstance(leaf, jax.Array) else ()
+        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+    if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
+        return params
+    layers = {name: {**w, **_transposed_jit(w)} if quantization.transposable(w) else w
+              for name, w in params["layers"].items()}
+    leaves, treedef = jax.tree.flatten(layers)
+    num_layers = leaves[0].shape[0]
+    per_layer = [[] for _ in range(num_layers)]
+    for leaf in leaves:
+        if leaf.shape[0] != num_layers:
+            return params
+        (device,) = leaf.devices()
+        host = np.asarray(leaf)  # the device buffer itself on the CPU
+        if host.__array_interface__["data"][0] != leaf.unsafe_buffer_pointer():
+            return params
+        for layer, view in enumerate(host):
+            array = jax.device_put(view, device)
+            if array.unsafe_buffer_pointer() != view.__array_interface__["data"][0]:
+                return params  # jax copied it (alignment): keep the stacked weights
+            per_layer[layer].append(array)
+    return {**params, "layers": tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)}
+
+
+_transposed_jit = jax.jit(quantization.transposed)
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -77,9 +121,30 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
+def final_logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """Residual-stream rows [R, D] -> logits [R, vocab] float32: final norm, lm_head, soft cap."""
+    x = rms_norm(x, params["final_norm"], config.rms_norm_eps, config.norm_weight_offset)
+    if "lm_head" in params:
+        logits = linear(x, params["lm_head"]).astype(jnp.float32) if quantization.is_quantized(params["lm_head"]) \
+            else jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)  # [R, V]
+    elif quantization.is_quantized(params["embed"]):  # tied, quantized: see quantization.quantize_embedding
+        logits = quantization.embedding_logits(x, params["embed"])
+    else:
+        logits = jnp.dot(x, params["embed"].T, preferred_element_type=jnp.float32)
+    return soft_cap(logits, config.final_logit_softcap)
+
+
+def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
+    """The embedding rows of `token_ids` [T] -> [T, D] (in the norms' dtype when quantized)."""
+    embed = params["embed"]
+    if not quantization.is_quantized(embed):
+        return embed[token_ids]
+    return quantization.embedding_rows(embed, token_ids).astype(params["final_norm"].dtype)
+
+
 def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array], *,
-            config: ModelConfig, backend: str = "reference",
-            mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            config: ModelConfig, backend: str = "reference", mesh: jax.sharding.Mesh | None = None,
+            prefill_hidden_rows: int = 0) -> tuple[jax.Array, ...]:
     """One model step over a batch of decode tokens followed by prefill chunks.
 
     With a `mesh` (tensor parallel, see jaxserve.sharding), the KV write and attention run per
@@ -92,7 +157,10 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
       prefill_block_table: [num_prefill_seqs, max_pages_per_seq]; prefill_seq_lens: [num_prefill_seqs];
       prefill_query_start_loc: [num_prefill_seqs + 1] (offsets into the prefill tokens)
       logits_indices: [num_rows] tokens whose logits are returned
-    Returns (logits [num_rows, vocab] float32, updated kv_cache).
+    Returns (logits [num_rows, vocab] float32, updated kv_cache); with `prefill_hidden_rows` > 0
+    a third output, the prefill tokens' last residual-stream rows (before the final norm, see
+    `final_logits`) zero-padded to [prefill_hidden_rows, D] ([0, D] in a step without prefill):
+    what the prompt logprobs are computed from, on device.
     """
     num_decode = batch["decode_seq_lens"].shape[0]
     num_prefill_seqs = batch["prefill_seq_lens"].shape[0]
@@ -134,10 +202,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
 
-    def layer(carry, scanned):
-        x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
-        lp, window = scanned  # this layer's weights; its sliding window (int32 scalar, 0: none)
-        page_offset = layer_idx * num_pages
+    def before_attention(lp, x):  # x [T, D] -> q [T, Hq, hd], k and v [T, Hkv, hd] (before RoPE)
         h = rms_norm(x, lp["attn_norm"], eps, offset)
         q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
         if config.attention_bias:
@@ -145,6 +210,35 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
         if config.qk_norm:
             q, k = rms_norm(q, lp["q_norm"], eps, offset), rms_norm(k, lp["k_norm"], eps, offset)
+        return q, k, v
+
+    def after_attention(lp, x, attn):  # the residual stream after the layer: [T, D]
+        out = linear(attn.reshape(T, Hq * hd), lp["wo"])
+        if config.sandwich_norms:
+            out = rms_norm(out, lp["attn_post_norm"], eps, offset)
+        x = x + out
+        h = rms_norm(x, lp["mlp_norm"], eps, offset)
+        out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
+        if config.sandwich_norms:
+            out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
+        return x + out
+
+    per_layer = isinstance(params["layers"], (list, tuple))  # layer_views: an array per layer
+
+    def with_weights(part, lp, layer_idx, *args):
+        """A part of the layer on this layer's weights: the scan's slice `lp` of the stacked
+        weights, or (per-layer weights) a switch on the layer index whose branch i reads layer
+        i's own arrays, which the dots then read in place (a slice of a stacked weight is a copy)."""
+        if not per_layer:
+            return part(lp, *args)
+        return jax.lax.switch(layer_idx, [functools.partial(part, w) for w in params["layers"]], *args)
+
+    def layer(carry, scanned):
+        x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
+        lp, window = scanned  # this layer's slice of the stacked weights (None: per-layer weights);
+        #                       its sliding window (int32 scalar, 0: none)
+        page_offset = layer_idx * num_pages
+        q, k, v = with_weights(before_attention, lp, layer_idx, x)
         layer_cos, layer_sin = cos, sin
         if local_rope:
             layer_cos, layer_sin = jnp.where(window > 0, local_cos, cos), jnp.where(window > 0, local_sin, sin)
@@ -154,23 +248,19 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
             batch["decode_block_table"] + page_offset, batch["decode_seq_lens"],
             batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
             batch["prefill_query_start_loc"])
-        out = linear(attn.reshape(T, Hq * hd), lp["wo"])
-        if config.sandwich_norms:
-            out = rms_norm(out, lp["attn_post_norm"], eps, offset)
-        x = x + out
-        h = rms_norm(x, lp["mlp_norm"], eps, offset)
-        out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
-        if config.sandwich_norms:
-            out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
-        return (x + out, k_cache, v_cache, layer_idx + 1), None
+        x = with_weights(after_attention, lp, layer_idx, x, attn)
+        return (x, k_cache, v_cache, layer_idx + 1), None
 
-    x = params["embed"][batch["token_ids"]]  # [T, D]
+    x = embed_tokens(params, batch["token_ids"])  # [T, D]
     if config.embedding_multiplier != 1.0:
         x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
     carry = (x, kv_cache["k"], kv_cache["v"], jnp.int32(0))
-    scanned = (params["layers"], jnp.asarray(windows, jnp.int32))
+    scanned = (None if per_layer else params["layers"], jnp.asarray(windows, jnp.int32))
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, scanned)
-    x = rms_norm(x[batch["logits_indices"]], params["final_norm"], eps, offset)  # [R, D]
-    lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(x, lm_head, preferred_element_type=jnp.float32)  # [R, V]
-    return soft_cap(logits, config.final_logit_softcap), {"k": k_cache, "v": v_cache}
+    logits = final_logits(params, x[batch["logits_indices"]], config)  # [R, V]
+    if not prefill_hidden_rows:
+        return logits, {"k": k_cache, "v": v_cache}
+    prefill = x[num_decode:num_decode + prefill_hidden_rows] if num_prefill_seqs else x[:0]
+    if num_prefill_seqs and prefill.shape[0] < prefill_hidden_rows:
+        prefill = jnp.pad(prefill, ((0, prefill_hidden_rows - prefill.shape[0]), (0, 0)))
+    return logits, {"k": k_cache, "v": v_cache}, prefill
