@@ -129,8 +129,11 @@ print(json.dumps({"results": results, "system_info": __import__("llama_cpp").lla
 def llama_cpp_requests(python, gguf, prompts, args) -> dict:
     job = dict(gguf=gguf, prompts=prompts, output_len=args.output_len, n_ctx=args.max_model_len,
                threads=os.cpu_count() or 1)
+    env = dict(os.environ)
+    if _OMP_WAIT_POLICY_SET_HERE:  # llama.cpp's OpenMP threads at their default (spinning) wait policy:
+        env.pop("OMP_WAIT_POLICY", None)  # passive waits between its many small ops tripled its TPOT here
     done = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT], input=json.dumps(job), capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, env=env)
     if done.returncode:
         raise RuntimeError(f"llama.cpp run failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -238,8 +241,12 @@ def main(argv=None) -> int:
     return 0
 
 
+_OMP_WAIT_POLICY_SET_HERE = False
+
 if __name__ == "__main__":
     # Spinning OpenMP threads make torch's small matmuls far slower on a shared machine (see
-    # bench/throughput.py); set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # bench/throughput.py); set before torch loads (for torch only, see llama_cpp_requests).
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _OMP_WAIT_POLICY_SET_HERE = True
     sys.exit(main())

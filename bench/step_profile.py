@@ -9,8 +9,19 @@ the step's K/V once, and so the best fraction of the matmul rate any attention c
 Last, the same decode step run by the engine (`Engine.step` on as many sequences), from its
 StepRecords: device time next to the engine's host time per step.
 
+The step reads its weights as the engine's does (`llama.layer_views`); interleaved with it, the
+layer scan over the stacked weights. Options: `--row_sweep` times decode steps of several row
+counts (the CPU's decode buckets come from it), `--prefill_tokens` a prefill step with and
+without attention, `--baseline_kernels` another version's xla_paged.py (stacked weights, optionally
+in a bigger bucket), `--quantization` / `--quantize_embedding` quantized weights.
+
   python bench/step_profile.py --rows=64 --min_context=129 --max_context=256
   python bench/step_profile.py --rows=64 --min_context=16 --max_context=1024 --backends=xla,reference
+  python bench/step_profile.py --rows=1 --min_context=480 --max_context=520 --backends=xla \
+      --row_sweep=1,2,4,8 --prefill_tokens=500
+  git show 8b11f4b:pallas_kernels/xla_paged.py > /tmp/old_xla_paged.py   # before the single-stream work
+  python bench/step_profile.py --rows=1 --min_context=480 --max_context=520 --backends=xla \
+      --baseline_kernels=/tmp/old_xla_paged.py --baseline_rows=8 --quantization=int8 --quantize_embedding
 """
 from __future__ import annotations
 
@@ -122,6 +133,36 @@ def prefill_batch(num_tokens, bucket_tokens, num_prefill_seqs, page_size, max_pa
         logits_indices=logits)
 
 
+def baseline_comparison(args, step_run, stacked, batch) -> dict:
+    """{name: median seconds} of this decode step and of the baseline's (`--baseline_kernels`: its
+    decode attention, the stacked weights), optionally padded to `--baseline_rows`, interleaved."""
+    import importlib.util
+
+    from pallas_kernels import xla_paged
+
+    spec = importlib.util.spec_from_file_location("baseline_xla_paged", args.baseline_kernels)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    current = xla_paged.paged_decode_attention
+
+    def baseline_run(step_batch):
+        xla_paged.paged_decode_attention = old.paged_decode_attention  # dispatch reads it when tracing
+        try:
+            return step_run("xla", stacked, step_batch)
+        finally:
+            xla_paged.paged_decode_attention = current
+
+    runs = {"current step": step_run("xla"), "baseline step, same rows": baseline_run(batch)}
+    if args.baseline_rows > args.rows:
+        padded = dict(batch)
+        extra = args.baseline_rows - args.rows
+        for name in ("token_ids", "positions", "slot_mapping", "decode_seq_lens", "logits_indices"):
+            padded[name] = np.pad(batch[name], (0, extra))  # padding rows: length 0, the null page
+        padded["decode_block_table"] = np.pad(batch["decode_block_table"], ((0, extra), (0, 0)))
+        runs[f"baseline step, {args.baseline_rows}-row bucket"] = baseline_run(padded)
+    return interleaved_seconds(runs, args.repeats, args.rounds)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a converted model directory")
@@ -131,12 +172,19 @@ def main(argv=None) -> int:
     parser.add_argument("--max_model_len", type=int, default=1024, help="block table width in tokens")
     parser.add_argument("--backends", default="xla,reference")
     parser.add_argument("--quantization", default=None, help="int8, int4, ...: quantized linear weights")
+    parser.add_argument("--quantize_embedding", action="store_true",
+                        help="the embedding and tied lm_head in int8 too (quantization.quantize_embedding)")
     parser.add_argument("--row_sweep", default="",
                         help="comma list of decode row counts: their step times, interleaved (the CPU bucket choice)")
     parser.add_argument("--prefill_tokens", type=int, default=0,
                         help="also profile a prefill step of this many tokens of one sequence")
     parser.add_argument("--prefill_bucket", type=int, default=512, help="the prefill step's token bucket")
     parser.add_argument("--prefill_seqs", type=int, default=2, help="the prefill step's sequence rows")
+    parser.add_argument("--baseline_kernels", default=None,
+                        help="a copy of another version's pallas_kernels/xla_paged.py: its decode step (stacked "
+                             "weights under the layer scan, as before llama.layer_views) timed next to this one")
+    parser.add_argument("--baseline_rows", type=int, default=0,
+                        help="with --baseline_kernels: also the baseline step padded to this many rows (its bucket)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the comparisons")
     parser.add_argument("--out", default=None)
@@ -155,6 +203,9 @@ def main(argv=None) -> int:
     stacked = load.load_params(model_dir, jnp.float32)
     if args.quantization:
         stacked = quantization.quantize_params(stacked, args.quantization, config)
+    baseline_params = stacked
+    if args.quantize_embedding:
+        stacked = quantization.quantize_embedding(stacked)
     params = llama.layer_views(stacked)  # the weights as the engine's step reads them
     page_size = 16
     max_pages = -(-args.max_model_len // page_size)
@@ -188,6 +239,9 @@ def main(argv=None) -> int:
     weights_layout = interleaved_seconds({"per-layer weights": step_run("xla"),
                                           "stacked weights (layer scan)": step_run("xla", stacked)},
                                          args.repeats, args.rounds)
+    baseline = {}
+    if args.baseline_kernels:
+        baseline = baseline_comparison(args, step_run, baseline_params, batch)
     row_sweep = {}
     if sweep:
         runs = {rows: step_run("xla", params, decode_batch(rows, args.min_context, args.max_context, page_size,
@@ -225,7 +279,7 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth()
     read_kv_s = kv_bytes / (bandwidth / 2)  # the copy's rate counts read and write
     weight_bytes = quantization.tree_bytes(stacked["layers"]) + quantization.tree_bytes(
-        stacked.get("lm_head", stacked["embed"]))
+        stacked.get("lm_head", stacked["embed"]))  # (the float embedding's rows read per token are few)
     read_weights_s = weight_bytes / (bandwidth / 2)
 
     print(common.machine_line(info))
@@ -245,6 +299,8 @@ def main(argv=None) -> int:
     best = matmul_s / (results["no attention"] + read_kv_s)
     print(f"bound: with attention costing one read of K/V on top of the step without attention, "
           f"the step reaches at most {best:.2f} of the matmul rate")
+    for name, seconds in baseline.items():
+        print(f"  {name}: {1e3 * seconds:7.1f} ms (interleaved)")
     if row_sweep:
         print("decode step by rows (interleaved): " + ", ".join(
             f"{r} rows {1e3 * t:.1f} ms ({1e3 * t / r:.1f} ms/row)" for r, t in row_sweep.items()))
@@ -260,6 +316,7 @@ def main(argv=None) -> int:
                                      step_flops=step_flops, kv_bytes=kv_bytes, copy_bytes_per_s=bandwidth,
                                      weight_bytes=weight_bytes, read_weights_s=read_weights_s,
                                      weights_layout_s=weights_layout, row_sweep_s=row_sweep, prefill_s=prefill,
+                                     baseline_s=baseline,
                                      matmul_fraction_bound=best, engine_decode_step=engine_step))
     return 0
 
