@@ -58,10 +58,11 @@ def _gather_block(pages, block_table, block, pages_per_block):
     return context.reshape(num_seqs, pages_per_block * page_size, num_kv_heads, head_dim)
 
 
-def _online_softmax_step(state, scores, valid, v_block):
+def _online_softmax_step(state, scores, valid, v_block, equation="skgqt,stkd->skgqd"):
     """Folds one block into (running max, running sum, accumulator).
 
-    state: m, l [..., q] and acc [..., q, d], with `...` = (num_seqs, kv, group);
+    state: m, l [..., q] and acc [..., q, d], with `...` = (num_seqs, kv, group) (the ragged
+    path: (kv, group), v_block [t, kv, d] and `equation` "kgqt,tkd->kgqd");
     scores, valid: [..., q, t]; v_block: [num_seqs, t, kv, d] (zeroed where no query reads it).
     """
     m, l, acc = state
@@ -70,7 +71,7 @@ def _online_softmax_step(state, scores, valid, v_block):
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     weights = jnp.where(valid, jnp.exp(scores - m_safe[..., None]), 0.0)
     rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-    update = jnp.einsum("skgqt,stkd->skgqd", weights, v_block, precision=_HIGHEST)
+    update = jnp.einsum(equation, weights, v_block, precision=_HIGHEST)
     return m_new, l * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + update
 
 
@@ -237,14 +238,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
                 visible = in_window(query_pos[:, None], key_pos[None, :], window)
             valid = visible & query_valid[:, None]  # [c, t]
             v = jnp.where(jnp.any(valid, axis=0)[:, None, None], v, 0.0)
-            m, l, acc = state
-            scores = jnp.where(valid, scores, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            weights = jnp.where(valid, jnp.exp(scores - m_safe[..., None]), 0.0)
-            rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-            update = jnp.einsum("kgqt,tkd->kgqd", weights, v, precision=_HIGHEST)
-            return m_new, l * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + update
+            return _online_softmax_step(state, scores, valid, v, "kgqt,tkd->kgqd")
 
         shape = (num_kv_heads, group, chunk)
         state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, head_dim)))
