@@ -50,6 +50,18 @@ class EngineConfig:
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
+    # Speculative decoding (jaxserve.speculative): None (off) | ngram (prompt lookup) | draft (a second model).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4  # most tokens proposed per row and step
+    speculative_model: str | None = None  # the draft model (speculative_method="draft"), as --model takes it
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched against the sequence so far
+    prompt_lookup_max: int = 5  # ngram: longest (tried first)
+    speculative_disable_by_batch_size: int | None = None  # no speculation in steps with more decode rows
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Tokens proposed per row and step at most: 0 without speculation."""
+        return self.num_speculative_tokens if self.speculative_method else 0
 
     def for_platform(self, on_gpu: bool) -> "EngineConfig":
         """This config with the platform defaults filled in where it leaves them open: dtype

@@ -47,8 +47,14 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """The replicas' stats added up (tuples of counters element-wise)."""
+    def add(values):
+        values = list(values)
+        if isinstance(values[0], tuple):
+            return tuple(map(sum, zip(*values)))
+        return sum(values)
     fields = [f.name for f in dataclasses.fields(EngineStats)]
-    return EngineStats(**{name: sum(getattr(s, name) for s in stats) for name in fields})
+    return EngineStats(**{name: add(getattr(s, name) for s in stats) for name in fields})
 
 
 class DataParallelEngine:

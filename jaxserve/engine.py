@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+from jaxserve import speculative
 from jaxserve.config import EngineConfig
 from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, StepRecord, TokenLogprob
@@ -56,16 +57,20 @@ class Engine:
     """Synchronous engine: the scheduler (host) plus the model runner (device)."""
 
     def __init__(self, model_config, params, tokenizer, engine_config: EngineConfig | None = None,
-                 *, model_name: str = "model", shardings=None, device_memory_bytes: int | None = None):
+                 *, model_name: str = "model", shardings=None, device_memory_bytes: int | None = None,
+                 draft_model=None):
         """One replica over loaded weights: on the first device, or on the devices of `shardings`
         (a `sharding.ModelShardings`, required with tensor_parallel_size > 1). Engines are built
         by `data_parallel.build_engine` (which `from_model` uses); tests and benchmarks may call
         this directly on one device. Without `num_pages` the KV pool is `memory.plan_engine`'s
-        for `device_memory_bytes` (default: the device's budget, read now)."""
+        for `device_memory_bytes` (default: the device's budget, read now). With
+        speculative_method="draft", `draft_model` is the draft's (ModelConfig, params); default:
+        loaded from `speculative_model`."""
         from jaxserve import runner as runner_lib  # jax lives behind the runner
         from jaxserve import device_setup
 
         cfg = engine_config or EngineConfig()
+        speculative.check_speculative_config(cfg)
         if shardings is None and cfg.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs the replica's shardings; "
                              f"build the engine with Engine.from_model or data_parallel.build_engine")
@@ -99,8 +104,20 @@ class Engine:
         self.time_in_steps = 0.0
         self.num_step_failures = 0
         self.last_step_error: str | None = None
+        # Speculative decoding: what proposes the tokens a verification step checks.
+        self.proposer = None
+        if cfg.speculative_method == "ngram":
+            self.proposer = speculative.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        elif cfg.speculative_method == "draft":
+            from jaxserve.draft_proposer import DraftProposer
+            draft_config, draft_params = draft_model or _load_draft(cfg)
+            self.proposer = self.runner.draft = DraftProposer(
+                draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
+                num_speculative_tokens=cfg.num_speculative_tokens, eos_token_ids=self.eos_token_ids)
         if cfg.warmup:
             self.runner.warmup()
+            if self.runner.draft is not None:
+                self.runner.draft.warmup(self.runner.all_buckets())
 
     @classmethod
     def from_model(cls, model: str, engine_config: EngineConfig | None = None):
@@ -181,6 +198,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_usable_pages,
@@ -188,7 +206,9 @@ class Engine:
             prefix_cache_queried_tokens=self.allocator.num_prefix_queries_tokens,
             prefix_cache_hit_tokens=self.allocator.num_prefix_hit_tokens,
             weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes,
-            num_step_failures=self.num_step_failures)
+            num_step_failures=self.num_step_failures, spec_verify_steps=spec.num_verify_steps,
+            spec_proposed_tokens=spec.num_proposed_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Calls `listener(record)` after every step that ran, on the thread that steps the engine."""
@@ -221,69 +241,115 @@ class Engine:
             for row, (request, _), out in zip(batch.rows, plan.scheduled, result.prompt_logprobs):
                 if out is not None and request.status == RequestStatus.RUNNING:
                     request.prompt_logprobs.extend(_prompt_logprob_entries(row.prompt_logprobs, out))
+        num_outputs_before = {request.request_id: request.num_output_tokens for request, _ in plan.scheduled}
         appended = self.scheduler.update(plan, result.token_ids.tolist())
-        core_outputs, failed = [], []
+        outputs, failed = [], []
+        num_output_tokens = 0
         for request in appended:
             if not request.num_output_tokens:  # max_tokens 0: the prompt (and its logprobs) is all
-                core_outputs.append(self._core_output(request, new_token=False))
+                outputs.append(self._close(request))
                 continue
-            if request.grammar is not None and not request.grammar.accept(request.output_token_ids[-1]):
-                failed.append(request)  # cannot happen with the mask applied; fails this request only
+            first = num_outputs_before[request.request_id]
+            output = self._emit(request, first, rows[request.request_id], result)
+            if output is None:
+                failed.append(request)
                 continue
-            self._check_stop_token(request)
-            i = rows[request.request_id]
-            logprobs = None
-            if request.params.logprobs is not None and result.logprobs is not None:
-                logprobs = RowLogprobs(float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i])
-            core_outputs.append(self._core_output(request, logprobs))
-        outputs, stopped = self.output_processor.process(core_outputs)
-        for request in appended:
-            if request.request_id in stopped:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(output)
+            num_output_tokens += request.num_output_tokens - first
         for request in failed:
             log.error("request %s sampled a token its grammar does not allow: %s", request.request_id,
                       request.grammar.error)
             outputs.append(self._fail(request, f"structured output failed: {request.grammar.error}"))
-        self._record_step(batch, result, time.perf_counter() - start)
+        if self.proposer is not None:
+            self._propose()
+        self._record_step(batch, result, time.perf_counter() - start, num_output_tokens)
         return outputs
 
-    def _check_stop_token(self, request: Request) -> None:
-        """Finishes a request whose new token is one of its stop tokens (or EOS, unless ignored).
+    def _emit(self, request: Request, first: int, row: int, result) -> RequestOutput | None:
+        """The delta of a request that got output tokens `first ..` in this step (one, or in a
+        verification step the accepted ones): each is checked in order (its grammar, stop
+        tokens, then stop strings in the output processor); a stop drops the tokens after it.
+        None when a token breaks the request's grammar (the caller fails the request)."""
+        new_tokens = request.output_token_ids[first:]
+        verified = result.token_ids.ndim == 2  # [rows, K + 1]: a draw per position
+        deltas = []
+        for position, token_id in enumerate(new_tokens):
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                return None  # cannot happen with the mask applied; fails this request only
+            if self._is_stop_token(request, token_id):
+                del request.output_token_ids[first + position + 1:]
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            last = request.num_output_tokens == first + position + 1
+            logprobs = None
+            if request.params.logprobs is not None and result.logprobs is not None:
+                index = (row, position) if verified else row
+                logprobs = RowLogprobs(float(result.logprobs[index]), result.top_ids[index], result.top_logprobs[index])
+            core = self._core_output(request, logprobs, token_index=first + position,
+                                     finished=last)
+            delta, stopped = self.output_processor.process([core])
+            deltas.append(delta[0])
+            if stopped:  # a stop string ended it at this token
+                del request.output_token_ids[first + position + 1:]
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                break
+            if last:
+                break
+        return deltas[0] if len(deltas) == 1 else _merge_deltas(deltas)
+
+    def _propose(self) -> None:
+        """Sets the proposed tokens of every decoding request for the next step, when that step
+        can be a verification step (all running requests decode, none waits to be admitted)."""
+        running = self.scheduler.running
+        if (not running or len(running) > self.scheduler.max_verify_rows
+                or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs)
+                or any(r.num_tokens - r.num_computed_tokens != 1 for r in running)):
+            return
+        k = self.config.num_speculative_tokens
+        wanted = [r for r in running if r.grammar is None and r.params.max_tokens - r.num_output_tokens > 1]
+        if wanted:
+            for request, proposal in zip(wanted, self.proposer.propose(wanted, k)):
+                request.spec_token_ids = proposal
+
+    def _is_stop_token(self, request: Request, token_id: int) -> bool:
+        """Whether a new token ends the request: one of its stop tokens, or EOS unless ignored.
         With a grammar EOS always stops: the grammar allows it only where its output is complete."""
-        token_id = request.output_token_ids[-1]
         params = request.params
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids
-                                                 and (not params.ignore_eos or request.grammar is not None)):
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids
+                                                     and (not params.ignore_eos or request.grammar is not None))
 
     @staticmethod
-    def _core_output(request: Request, logprobs: RowLogprobs | None = None, new_token: bool = True) -> CoreOutput:
-        """The request's state after a step (its last token is new) or, with new_token=False, at its end.
-        The prompt logprobs go with the first token (or the end of a max_tokens 0 request)."""
-        first = (request.num_output_tokens == 1 if new_token
+    def _core_output(request: Request, logprobs: RowLogprobs | None = None, token_index: int | None = None,
+                     finished: bool = True) -> CoreOutput:
+        """The request's output token `token_index` (None: no new token, the request's end), with
+        its finish reason when `finished` (the request's last token so far). The prompt logprobs
+        go with the first token (or the end of a max_tokens 0 request)."""
+        new_token = token_index is not None
+        first = (token_index == 0 if new_token
                  else request.num_output_tokens == 0 and request.finish_reason == "length")
         return CoreOutput(
             request_id=request.request_id, prompt_logprobs=request.prompt_logprobs if first else None,
-            new_token_ids=(request.output_token_ids[-1],) if new_token else (),
-            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
-            logprobs=logprobs, error=request.error_message)
+            new_token_ids=(request.output_token_ids[token_index],) if new_token else (),
+            finish_reason=request.finish_reason if finished else None, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=token_index + 1 if new_token else request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, logprobs=logprobs, error=request.error_message)
 
     def _close(self, request: Request) -> RequestOutput:
         """The closing delta of a request the core ended without a new token (abort, error)."""
-        outputs, _ = self.output_processor.process([self._core_output(request, new_token=False)])
+        outputs, _ = self.output_processor.process([self._core_output(request)])
         return outputs[0]
 
-    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float) -> None:
+    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int) -> None:
         """Keeps the step's StepRecord and hands it to the listeners (a failing listener is logged)."""
         bucket = result.bucket
+        kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
+                else "decode" if batch.decode else "prefill")
         record = StepRecord(
-            kind="mixed" if batch.decode and batch.prefill else "decode" if batch.decode else "prefill",
-            bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
-            bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode), num_prefill_rows=len(batch.prefill),
-            num_prefill_tokens=batch.num_prefill_tokens, num_tokens=batch.num_tokens,
-            num_attention_pairs=batch.num_attention_pairs, device_seconds=result.device_seconds,
-            host_seconds=step_seconds - result.device_seconds, pack_seconds=result.host_seconds)
+            kind=kind, bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
+            bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode) + len(batch.verify),
+            num_prefill_rows=len(batch.prefill), num_prefill_tokens=batch.num_prefill_tokens,
+            num_tokens=batch.num_tokens, num_attention_pairs=batch.num_attention_pairs,
+            device_seconds=result.device_seconds, host_seconds=step_seconds - result.device_seconds,
+            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens)
         self.step_records.append(record)
         for listener in self._step_listeners:
             try:
@@ -354,6 +420,13 @@ class Engine:
         return [results[rid] for rid in ids]
 
 
+def _load_draft(cfg: EngineConfig):
+    """The draft model of `cfg.speculative_model` (anything --model takes): (ModelConfig, params)."""
+    from checkpoints import load
+    source = load.open_model(cfg.speculative_model)
+    return source.config, source.load_params(cfg.dtype or "float32", None)
+
+
 def _prompt_logprob_entries(rows: PromptLogprobRows, out: dict) -> list[TokenLogprob]:
     """The step's prompt-logprob rows of one chunk as TokenLogprobs (the target token, its logprob,
     the top-k alternatives and its rank)."""
@@ -362,3 +435,12 @@ def _prompt_logprob_entries(rows: PromptLogprobRows, out: dict) -> list[TokenLog
                          int(rank))
             for token_id, logprob, rank, top_ids, top_lps in zip(
                 rows.targets, out["logprobs"], out["ranks"], out["top_ids"], out["top_logprobs"])]
+
+
+def _merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """One delta for several tokens of a request in one step (a verification step)."""
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in d.new_logprobs or ()] if deltas[0].new_logprobs is not None else None
+    return dataclasses.replace(last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
+                               new_text="".join(d.new_text for d in deltas), new_logprobs=logprobs,
+                               prompt_logprobs=deltas[0].prompt_logprobs)

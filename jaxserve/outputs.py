@@ -55,6 +55,12 @@ class EngineStats:
     weights_bytes: int = 0  # device arrays of the weights (quantized sizes when quantized)
     kv_cache_bytes: int = 0  # the KV page pool (scales of an int8 cache included)
     num_step_failures: int = 0  # steps that raised; their requests ended with an error
+    # Speculative decoding: verification steps, tokens proposed and accepted in them, and the
+    # accepted proposals by position in the row (index 0: first proposal).
+    spec_verify_steps: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,7 @@ class StepRecord:
 
     The engine keeps the recent ones (`Engine.step_records`) and passes each to its step
     listeners (`Engine.add_step_listener`): the benchmarks and the server's /metrics read these."""
-    kind: str  # "decode" (decode rows only) | "prefill" (prefill chunks only) | "mixed"
+    kind: str  # "decode" (decode rows only) | "prefill" (prefill chunks only) | "mixed" | "verify" (speculative)
     bucket_decode_rows: int  # the compiled shape the step was padded into ...
     bucket_prefill_tokens: int
     bucket_pages: int  # ... block-table width
@@ -75,6 +81,7 @@ class StepRecord:
     device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
     host_seconds: float  # the rest of `Engine.step`: scheduling, packing, stop checks, detokenizing
     pack_seconds: float  # the runner's part of host_seconds: packing the arrays, slicing the results
+    num_output_tokens: int = 0  # output tokens the step gave its requests (verify: often several per row)
 
     @property
     def num_padded_tokens(self) -> int:

@@ -289,6 +289,9 @@ class Request:
         # second (the engine fills it chunk by chunk; kept across preemption, never recomputed).
         self.prompt_logprobs: list | None = [] if self.params.prompt_logprobs is not None else None
         self.grammar = None  # a structured_output.GrammarState, set by the engine at admission
+        # Speculative decoding: tokens proposed to follow the last one, verified in the next step
+        # (set by the engine after each step while the request decodes; jaxserve.speculative).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import device_setup, prompt_logprobs, sampler, structured_output
+from jaxserve import device_setup, prompt_logprobs, sampler, speculative, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
@@ -53,6 +53,10 @@ class Bucket:
     num_decode: int  # decode rows
     num_prefill_tokens: int  # prefill tokens (0: no prefill part)
     pages_per_seq: int  # block table width: pages per sequence the step may read
+    # A verification step (speculative decoding): this many rows of K + 1 tokens each, through the
+    # prefill (ragged) path as one chunk per row, with logits at every token; num_decode is 0
+    # and num_prefill_tokens num_verify * (K + 1).
+    num_verify: int = 0
 
 
 # Decode-only buckets of the CPU (XLA) path below the smallest decode bucket, from
@@ -80,21 +84,36 @@ class BucketSet:
     pages: tuple[int, ...]
     max_num_prefill_seqs: int
     decode_only: tuple[int, ...] = ()  # decode rows of decode-only steps, below min(decode[1:])
+    verify: tuple[int, ...] = ()  # rows of verification steps (speculative decoding; none without)
+    verify_row_tokens: int = 0  # K + 1: a verify row's last token and at most K proposals
 
     @classmethod
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
-               max_num_prefill_seqs: int, max_model_len: int, page_size: int) -> "BucketSet":
+               max_num_prefill_seqs: int, max_model_len: int, page_size: int,
+               speculative_tokens: int = 0, max_verify_rows: int = 0) -> "BucketSet":
+        """The buckets of an engine; with `speculative_tokens` K > 0 also verification buckets of
+        1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens."""
         max_pages_per_seq = -(-max_model_len // page_size)
         pages = ((max_pages_per_seq,) if backend == "xla" else
                  geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
         decode = geometric_buckets(8, max_num_seqs, 2)
         small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
+        verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
         return cls((0,) + decode, (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages,
-                   max_num_prefill_seqs, small)
+                   max_num_prefill_seqs, small, verify, speculative_tokens + 1 if speculative_tokens else 0)
 
     def all(self) -> list[Bucket]:
         return ([Bucket(d, 0, n) for d in self.decode_only for n in self.pages]
-                + [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p])
+                + [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p]
+                + [self._verify_bucket(rows, n) for rows in self.verify for n in self.pages])
+
+    def _verify_bucket(self, rows: int, pages: int) -> Bucket:
+        return Bucket(0, rows * self.verify_row_tokens, pages, rows)
+
+    def fit_verify(self, num_rows: int, pages_per_seq: int) -> Bucket:
+        """The smallest verification bucket that holds a verification step."""
+        return self._verify_bucket(next(b for b in self.verify if b >= num_rows),
+                                   next(b for b in self.pages if b >= pages_per_seq))
 
     def smallest_and_largest(self) -> list[Bucket]:
         """The corner shapes: smallest and largest of each kind (a compile check CI can afford)."""
@@ -116,8 +135,9 @@ class BucketSet:
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
         dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.pages_per_seq
-        num_prefill_seqs = self.max_num_prefill_seqs if pre else 0
+        num_prefill_seqs = bucket.num_verify or (self.max_num_prefill_seqs if pre else 0)
         T = dec + pre
+        num_rows = T if bucket.num_verify else dec + num_prefill_seqs  # verification: logits at every token
         return dict(
             token_ids=np.zeros(T, np.int32),  # [T]
             positions=np.zeros(T, np.int32),  # [T]
@@ -127,14 +147,15 @@ class BucketSet:
             prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),  # [num_prefill_seqs, pages]
             prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),  # [num_prefill_seqs]
             prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),  # [num_prefill_seqs + 1]
-            logits_indices=np.zeros(dec + num_prefill_seqs, np.int32))  # [rows]
+            logits_indices=np.zeros(num_rows, np.int32))  # [rows]
 
 
 @dataclasses.dataclass
 class StepOutput:
     """Host copies of what one step sampled, one row per row of its batch (decode rows, then
-    prefill chunks), and what the step cost."""
-    token_ids: np.ndarray  # int32[num_rows]
+    prefill chunks; in a verification step one row per verify row, with a draw at each of its
+    K + 1 positions: an extra axis after the rows), and what the step cost."""
+    token_ids: np.ndarray  # int32[num_rows] (verification: [num_rows, K + 1])
     logprobs: np.ndarray | None  # float32[num_rows]; None when no row asked for logprobs
     top_ids: np.ndarray | None  # int32[num_rows, max_logprobs]
     top_logprobs: np.ndarray | None  # float32[num_rows, max_logprobs]
@@ -178,13 +199,17 @@ class ModelRunner:
         self.backend = backend
         self.buckets = BucketSet.create(
             backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size)
+            max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size,
+            speculative_tokens=engine_config.speculative_tokens,
+            max_verify_rows=speculative.max_verify_rows(engine_config) if engine_config.speculative_tokens else 0)
         # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
         self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
         self._prefill_hidden_rows = max(self.buckets.prefill)
         dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
+        self.kv_cache_dtype = dtype
+        self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
         cache_sharding = None if shardings is None else shardings.kv_cache
         self._new_kv_cache = functools.partial(
             llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
@@ -195,14 +220,18 @@ class ModelRunner:
         forward = functools.partial(llama.forward, config=step_config, backend=backend,
                                     mesh=None if shardings is None else shardings.mesh,
                                     prefill_hidden_rows=self._prefill_hidden_rows)
+        # Verification steps: the same forward, told that no row has more than K + 1 query tokens.
+        verify_forward = functools.partial(forward, max_query_len=self.buckets.verify_row_tokens or None)
         if shardings is None:
             self._forward = jax.jit(forward, donate_argnums=(1,))
+            self._verify_forward = jax.jit(verify_forward, donate_argnums=(1,))
         else:  # one step for the whole mesh; logits gathered (replicated) for the sampler
             kv = {"k": shardings.kv_cache, "v": shardings.kv_cache}
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)  # quantized leaves: per array
-            self._forward = jax.jit(forward, donate_argnums=(1,),
-                                    in_shardings=(param_shardings, kv, shardings.replicated),
-                                    out_shardings=(shardings.replicated, kv, shardings.replicated))
+            self._forward, self._verify_forward = (
+                jax.jit(f, donate_argnums=(1,), in_shardings=(param_shardings, kv, shardings.replicated),
+                        out_shardings=(shardings.replicated, kv, shardings.replicated))
+                for f in (forward, verify_forward))
         sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
         self._sample = jax.jit(sample) if shardings is None else jax.jit(
             sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
@@ -229,7 +258,10 @@ class ModelRunner:
 
     def build_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
         """Pads the batch into its bucket. Returns (bucket, step arrays, the ScheduledRow of each
-        sampled row: decode rows at 0.., prefill chunks at bucket.num_decode..; None for padding)."""
+        sampled row: decode rows at 0.., prefill chunks at bucket.num_decode..; None for padding).
+        A verification step's sampled rows are [row, position] (K + 1 per row)."""
+        if batch.verify:
+            return self._build_verify_batch(batch)
         bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
         arrays = self.empty_batch(bucket)
         dec_bucket = bucket.num_decode
@@ -261,6 +293,31 @@ class ModelRunner:
             offset += n
             logits_indices[dec_bucket + j] = t0 + n - 1
             rows[dec_bucket + j] = row
+        return bucket, arrays, rows
+
+    def _build_verify_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
+        """A verification step: each row's tokens (its last token and proposals) as one ragged
+        chunk, logits at each of its K + 1 positions (padding positions repeat its last token).
+        Position p samples the row's output step + p, after proposals 0 .. p - 1 (its history,
+        for penalties), with that step's random key: what a decode step there would draw."""
+        width = self.buckets.verify_row_tokens
+        bucket = self.buckets.fit_verify(len(batch.verify), batch.max_pages_per_seq)
+        arrays = self.empty_batch(bucket)
+        arrays["prefill_query_start_loc"][:] = batch.num_verify_tokens
+        rows: list = [None] * len(arrays["logits_indices"])
+        offset = 0
+        for j, row in enumerate(batch.verify):
+            n = len(row.token_ids)
+            arrays["token_ids"][offset:offset + n] = row.token_ids
+            arrays["positions"][offset:offset + n] = np.arange(row.start, row.end)
+            arrays["slot_mapping"][offset:offset + n] = self._slots(row.page_ids, row.start, row.end)
+            arrays["prefill_block_table"][j, :len(row.page_ids)] = row.page_ids
+            arrays["prefill_seq_lens"][j] = row.end
+            arrays["prefill_query_start_loc"][j] = offset
+            arrays["logits_indices"][j * width:(j + 1) * width] = offset + np.minimum(np.arange(width), n - 1)
+            for p in range(n):
+                rows[j * width + p] = dataclasses.replace(row, sampling=_position_params(row, p))
+            offset += n
         return bucket, arrays, rows
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
@@ -322,7 +379,12 @@ class ModelRunner:
         want_logprobs = any(row.sampling is not None and row.sampling.params.logprobs is not None
                             for row in batch.rows)
         names = ("token_ids", "logprobs", "top_ids", "top_logprobs") if want_logprobs else ("token_ids",)
-        kept = {name: np.asarray(out[name])[keep] for name in names}
+        if batch.verify:  # [rows, K + 1, ...]: every position of each verify row
+            width = self.buckets.verify_row_tokens
+            kept = {name: np.asarray(out[name])[:len(batch.verify) * width].reshape(
+                len(batch.verify), width, *np.shape(out[name])[1:]) for name in names}
+        else:
+            kept = {name: np.asarray(out[name])[keep] for name in names}
         return StepOutput(token_ids=kept["token_ids"], logprobs=kept.get("logprobs"), top_ids=kept.get("top_ids"),
                           top_logprobs=kept.get("top_logprobs"), bucket=bucket, device_seconds=device_seconds,
                           host_seconds=time.perf_counter() - start - device_seconds, prompt_logprobs=prompt)
@@ -331,6 +393,8 @@ class ModelRunner:
         """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers
         are deleted once a call takes them). Returns whether it was rebuilt, i.e. every cached
         K/V is lost and the requests that had any must be recomputed."""
+        if self.draft is not None:
+            self.draft.recover()
         if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.kv_cache)):
             return False
         self.kv_cache = self._new_kv_cache()
@@ -348,7 +412,8 @@ class ModelRunner:
 
         def compile_bucket(bucket):
             batch = self.empty_batch(bucket)
-            lowered = self._forward.lower(self._step_params, self.kv_cache, batch)
+            forward = self._verify_forward if bucket.num_verify else self._forward
+            lowered = forward.lower(self._step_params, self.kv_cache, batch)
             if bucket.num_prefill_tokens:
                 hidden_info.append(lowered.out_info[2])
             self._compiled_forward[bucket] = lowered.compile()
@@ -383,8 +448,10 @@ class ModelRunner:
         """Dispatches the step's jitted functions (forward, sampler, prompt logprobs when
         `prompt_rows` is given); returns their device outputs (sampler's, prompt logprobs' or None).
         The grammar rows' bitmasks are filled on the host while the forward runs."""
-        forward = self._compiled_forward.get(bucket, self._forward)
+        forward = self._compiled_forward.get(bucket, self._verify_forward if bucket.num_verify else self._forward)
         logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
+        if self.draft is not None:  # the draft's K/V of the same tokens, in the same slots
+            self.draft.mirror(bucket, arrays)
         structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
         key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
         sampled = self._compiled_sample.get(key, self._sample)(logits, sampling)
@@ -392,3 +459,15 @@ class ModelRunner:
             return sampled, None
         compute = self._compiled_prompt_logprobs.get(len(prompt_rows["indices"]), self._prompt_logprobs)
         return sampled, compute(self._head, hidden, prompt_rows["indices"], prompt_rows["targets"])
+
+
+def _position_params(row, position: int):
+    """How position `position` of a verify row is sampled: its output step, and (for penalties)
+    its history with the proposals before it."""
+    sampling = row.sampling
+    if position == 0:
+        return sampling
+    history = sampling.output_token_ids
+    if sampling.has_penalties:
+        history = tuple(history) + tuple(row.token_ids[1:position + 1])
+    return dataclasses.replace(sampling, step=sampling.step + position, output_token_ids=history)

@@ -13,6 +13,13 @@ device arrays. The runner never sees a `Request`, so nothing on the device side 
 host bookkeeping (a row's `RowParams.grammar`, the request's structured-output state, is only
 read there: the engine advances it). No jax here.
 
+Speculative decoding (jaxserve.speculative): in a step with no prefill work, decoding requests
+that carry proposed tokens (`Request.spec_token_ids`) make it a *verification step*: every decode
+row becomes a `ScheduledBatch.verify` row of its last token plus its proposals (trimmed to the
+free pages, the token budget and the request's limits; pages are never preempted for a proposal),
+the device draws a token at each position, and `update` keeps the accepted ones; pages held only
+for rejected proposals go back at once.
+
 Prompt logprobs: a prefill chunk of a request that asked for them names its prompt positions
 whose logprobs the step computes (`PromptLogprobRows`); a step computes at most
 `prompt_logprob_rows_limit` of them (the chunk is cut to fit), and such a request does not take
@@ -25,6 +32,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+from jaxserve import speculative
 from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
@@ -93,22 +101,30 @@ class ScheduledRow:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledBatch:
-    """One step: decode rows (one token each) and prefill chunks, in the order of the sampled ids."""
+    """One step: decode rows (one token each) and prefill chunks, in the order of the sampled ids;
+    or, in a verification step, only `verify` rows: a decoding sequence's last token and its
+    proposed tokens, sampled at every position (`sampling` is the first position's; the runner
+    derives the others)."""
 
     decode: tuple[ScheduledRow, ...] = ()
     prefill: tuple[ScheduledRow, ...] = ()
+    verify: tuple[ScheduledRow, ...] = ()
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:
-        return self.decode + self.prefill
+        return self.decode + self.prefill + self.verify
 
     @property
     def num_prefill_tokens(self) -> int:
         return sum(len(row.token_ids) for row in self.prefill)
 
     @property
+    def num_verify_tokens(self) -> int:
+        return sum(len(row.token_ids) for row in self.verify)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.decode) + self.num_prefill_tokens
+        return len(self.decode) + self.num_prefill_tokens + self.num_verify_tokens
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -123,7 +139,7 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
 
 @dataclasses.dataclass
@@ -132,15 +148,24 @@ class StepPlan:
     decode: list[Request] = dataclasses.field(default_factory=list)  # one token each: the last one
     prefill: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, num_new_tokens)
     preempted: list[Request] = dataclasses.field(default_factory=list)  # pages freed during this schedule()
+    # A verification step (no prefill): the proposed tokens of each decode request (maybe none).
+    proposals: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def is_verify(self) -> bool:
+        return self.proposals is not None
+
+    def num_proposed(self, request: Request) -> int:
+        return len(self.proposals.get(request.request_id, ())) if self.proposals is not None else 0
 
     @property
     def scheduled(self) -> list[tuple[Request, int]]:
         """(request, num_new_tokens) in the order of the sampled ids: decode first, then prefill."""
-        return [(request, 1) for request in self.decode] + self.prefill
+        return [(request, 1 + self.num_proposed(request)) for request in self.decode] + self.prefill
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return sum(n for _, n in self.scheduled)
 
     @property
     def num_seqs(self) -> int:
@@ -152,8 +177,24 @@ class StepPlan:
 
     def to_batch(self) -> ScheduledBatch:
         """The plan as plain data for the runner; a snapshot, taken before `Scheduler.update`."""
+        if self.proposals is not None:
+            return ScheduledBatch(verify=tuple(_verify_row(request, self.proposals.get(request.request_id, ()))
+                                               for request in self.decode))
         return ScheduledBatch(decode=tuple(_scheduled_row(request, 1) for request in self.decode),
                               prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill))
+
+
+def _row_params(request: Request) -> RowParams:
+    """How the request's next output token is sampled."""
+    history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+               if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
+    return RowParams(request.params, request.seed, request.num_output_tokens, *history, grammar=request.grammar)
+
+
+def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:
+    start = request.num_computed_tokens
+    return ScheduledRow(request.request_id, (request.token_id_at(start),) + tuple(proposals), start,
+                        tuple(request.page_ids), _row_params(request))
 
 
 def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
@@ -165,10 +206,7 @@ def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
         token_ids = tuple(request.all_token_ids[start:end])
     sampling = None
     if end == request.num_tokens and request.params.max_tokens > 0:  # the sample is the next output token
-        history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
-                   if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
-        sampling = RowParams(request.params, request.seed, request.num_output_tokens, *history,
-                             grammar=request.grammar)
+        sampling = _row_params(request)
     prompt_logprobs = None
     if _num_prompt_logprob_rows(request, num_new):
         first = max(start, len(request.prompt_logprobs))
@@ -214,6 +252,9 @@ class Scheduler:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
+        self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
+        self.max_verify_rows = speculative.max_verify_rows(config) if self.max_spec_tokens else 0
+        self.spec_stats = speculative.SpeculationStats(self.max_spec_tokens)
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -313,7 +354,31 @@ class Scheduler:
 
         if not plan.preempted:  # a request preempted now is not re-admitted in the same step
             self._admit_waiting(plan, budget, rows_left)
+        if self.max_spec_tokens and not plan.prefill and 0 < len(plan.decode) <= self.max_verify_rows:
+            self._schedule_proposals(plan, budget)
         return plan
+
+    def _schedule_proposals(self, plan: StepPlan, budget: int) -> None:
+        """Makes a decode-only plan a verification step when some request carries proposals:
+        each keeps as many as its limits, the token budget and the free pages allow (no request
+        is preempted for a proposal)."""
+        if not any(request.spec_token_ids for request in plan.decode):
+            return
+        allocator, page_size = self.allocator, self.allocator.page_size
+        proposals = {}
+        for request in plan.decode:
+            k = min(len(request.spec_token_ids), self.max_spec_tokens, budget,
+                    request.params.max_tokens - request.num_output_tokens - 1,  # each kept draw is an output
+                    self.max_seq_len - request.num_tokens,
+                    (len(request.page_ids) + allocator.num_free_pages) * page_size - request.num_computed_tokens - 1)
+            if k < 1:
+                continue
+            request.page_ids.extend(allocator.allocate(
+                allocator.num_pages_for_tokens(request.num_computed_tokens + 1 + k) - len(request.page_ids)))
+            proposals[request.request_id] = tuple(request.spec_token_ids[:k])
+            budget -= k
+        if proposals:
+            plan.proposals = proposals
 
     def _admit_waiting(self, plan: StepPlan, budget: int, rows_left: int) -> None:
         allocator = self.allocator
@@ -372,18 +437,41 @@ class Scheduler:
         self.running.remove(request)
         self.allocator.free_request(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         plan.preempted.append(request)
         self.num_preemptions += 1
 
+    def _apply_verified(self, request: Request, proposed: tuple[int, ...], draws, now: float) -> None:
+        """Appends a verified row's accepted tokens (within its max_tokens and the length limit);
+        its last token and the accepted proposals are now computed; pages held only for the
+        rejected proposals are returned."""
+        tokens = speculative.accepted_tokens(proposed, draws[:len(proposed) + 1])
+        if proposed:
+            self.spec_stats.record(len(proposed), len(tokens) - 1)
+        room = min(request.params.max_tokens - request.num_output_tokens, self.max_seq_len - request.num_tokens)
+        tokens = tokens[:max(room, 1)]
+        request.num_computed_tokens += len(tokens)  # the row's last token and the accepted proposals
+        request.output_token_ids.extend(tokens)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.spec_token_ids = []
+        self.allocator.register_full_pages(request)
+        keep = self.allocator.num_pages_for_tokens(request.num_tokens)
+        if len(request.page_ids) > keep:
+            self.allocator.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
     def update(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
         """Applies the results of the step that ran `plan`.
 
-        `sampled_token_ids` holds one id per decode request, then one per prefill entry. Returns
-        the requests that got a new output token (a prefill chunk only when it reached the end of
-        the sequence; with max_tokens 0, the chunk that ended the prompt: no token, finished with
-        FINISHED_LENGTH). Requests that hit max_tokens or the length limit come back already finished
+        `sampled_token_ids` holds one id per decode request, then one per prefill entry; in a
+        verification step, one sequence per decode request: its draws at each position (the
+        accepted ones, up to the request's limits, are appended; `speculative.accepted_tokens`).
+        Returns the requests that got new output tokens (a prefill chunk only when it reached the
+        end of the sequence; with max_tokens 0, the chunk that ended the prompt: no token, finished
+        with FINISHED_LENGTH). Requests that hit max_tokens or the length limit come back already finished
         with FINISHED_LENGTH; the engine checks stop tokens and stop strings on all of them and
         calls `finish` (which only changes the status of one already finished).
         Requests finished (aborted) while the step ran are skipped.
@@ -392,6 +480,15 @@ class Scheduler:
             raise ValueError(f"expected {plan.num_seqs} sampled ids, got {len(sampled_token_ids)}")
         appended: list[Request] = []
         now = time.monotonic()
+        if plan.is_verify:
+            self.spec_stats.num_verify_steps += 1
+            for request, draws in zip(plan.decode, sampled_token_ids):
+                if request.status == RequestStatus.RUNNING:
+                    self._apply_verified(request, plan.proposals.get(request.request_id, ()), draws, now)
+                    appended.append(request)
+            for request in appended:
+                self.check_length(request)
+            return appended
         for (request, num_new), token_id in zip(plan.scheduled, sampled_token_ids):
             if request.status != RequestStatus.RUNNING:
                 continue

@@ -75,12 +75,16 @@ def decode_attention(
 def ragged_attention(
     backend: str, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
     sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
+    max_query_len: int | None = None,
 ):
     """Causal paged attention of a ragged batch of query tokens through `backend`.
 
     q: [num_tokens, num_q_heads, head_dim]; the tokens of sequence i are
     q[query_start_loc[i]:query_start_loc[i+1]] (int32[num_seqs + 1]), the last tokens of its
     seq_lens[i]; other arguments as in decode_attention. Returns q's shape and dtype.
+    max_query_len (static, optional): no sequence has more query tokens; the XLA path then
+    works through the queries in chunks of that size (many short sequences, as in speculative
+    verification, would otherwise each pay for a chunk of PREFILL_QUERY_CHUNK queries).
     """
     options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
     if backend in ("pallas", "interpret"):
@@ -88,6 +92,8 @@ def ragged_attention(
             q, k_pages, v_pages, block_table, seq_lens, query_start_loc,
             interpret=backend == "interpret", **options,
         )
+    if backend == "xla" and max_query_len:
+        options["query_chunk"] = min(xla_paged.PREFILL_QUERY_CHUNK, max_query_len)
     return _plain_module(backend).ragged_paged_attention(
         q, k_pages, v_pages, block_table, seq_lens, query_start_loc, **options
     )

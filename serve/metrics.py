@@ -59,6 +59,19 @@ class _EngineStatsCollector:
                       s.prefix_cache_hit_tokens)
         hit_rate = s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens if s.prefix_cache_queried_tokens else 0.0
         yield gauge("jaxserve_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens.", hit_rate)
+        yield counter("jaxserve_spec_decode_verify_steps", "Speculative decoding: verification steps.",
+                      s.spec_verify_steps)
+        yield counter("jaxserve_spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+                      s.spec_proposed_tokens)
+        yield counter("jaxserve_spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      s.spec_accepted_tokens)
+        per_position = CounterMetricFamily(
+            "jaxserve_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: proposed tokens accepted, by their position in the proposal (0: first).",
+            labels=["model_name", "position"])
+        for position, count in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
 
 
 def _metric(kind: type, model_name: str, name: str, documentation: str, value: float) -> Metric:

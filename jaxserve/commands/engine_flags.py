@@ -23,6 +23,10 @@ _ENGINE_INT_FLAGS = {
     "max_waiting_requests": "bound of the waiting queue",
     "tensor_parallel_size": "devices each model replica is split over (attention heads, MLP, vocabulary)",
     "data_parallel_size": "model replicas, each on its own tensor_parallel_size devices",
+    "num_speculative_tokens": "speculative decoding: most tokens proposed per sequence and step",
+    "prompt_lookup_min": "speculative_method=ngram: shortest n-gram matched",
+    "prompt_lookup_max": "speculative_method=ngram: longest n-gram matched (tried first)",
+    "speculative_disable_by_batch_size": "speculative decoding: no speculation in steps with more running sequences",
 }
 # What an unset flag means where the EngineConfig default is None.
 _OPEN_DEFAULTS = {
@@ -31,6 +35,9 @@ _OPEN_DEFAULTS = {
     "dtype": "float32 on CPU, bfloat16 on GPU",
     "attention_backend": "pallas on GPU, xla on CPU",
     "quantization": "as stored",
+    "speculative_method": "off",
+    "speculative_model": "none",
+    "speculative_disable_by_batch_size": "never",
 }
 
 
@@ -63,13 +70,20 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"], "KV cache storage: auto (the "
                       "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn) "
                       f"{_default('kv_cache_dtype')}", flag_values=fv)
+    flags.DEFINE_enum("speculative_method", None, ["ngram", "draft"], "speculative decoding: ngram (prompt "
+                      "lookup: propose what followed the last n tokens earlier in the sequence) or draft (a "
+                      f"smaller model with the same tokenizer, --speculative_model) {_default('speculative_method')}",
+                      flag_values=fv)
+    flags.DEFINE_string("speculative_model", None, "the draft model of --speculative_method=draft (anything "
+                        f"--model takes) {_default('speculative_model')}", flag_values=fv)
     flags.DEFINE_float("memory_utilization", None, "fraction of the device's memory budget (on CPU: half the "
                        "available RAM) the weights, activations and KV pages may use "
                        f"{_default('memory_utilization')}", lower_bound=0.0, upper_bound=1.0, flag_values=fv)
 
 
 _ENGINE_FLAGS = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend", "quantization",
-                                           "kv_cache_dtype", "memory_utilization"]
+                                           "kv_cache_dtype", "memory_utilization", "speculative_method",
+                                           "speculative_model"]
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:

@@ -121,7 +121,13 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
+    from jaxserve import speculative
     from jaxserve.engine import Engine
+    try:
+        speculative.check_speculative_config(engine_flags.engine_config(fv))
+    except ValueError as e:
+        print(f"jaxserve generate: {e}", file=sys.stderr)
+        return 2
     try:
         # Offline: compile each step shape when first used instead of all of them up front.
         engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=False))
@@ -166,4 +172,10 @@ def _run_batch(engine, todo, prompts, fv) -> int:
           f"{num_out / elapsed:.1f} output tokens/s", file=sys.stderr)
     print(f"TTFT {_percentiles([r.ttft for r in results if r.ttft is not None])}", file=sys.stderr)
     print(f"TPOT {_percentiles([r.tpot for r in results if r.tpot is not None])}", file=sys.stderr)
+    stats = engine.stats()
+    if stats.spec_verify_steps:
+        rate = stats.spec_accepted_tokens / max(stats.spec_proposed_tokens, 1)
+        print(f"speculative decoding: {stats.spec_accepted_tokens} of {stats.spec_proposed_tokens} proposed tokens "
+              f"accepted ({rate:.1%}) in {stats.spec_verify_steps} verification steps; accepted by position "
+              f"{list(stats.spec_accepted_per_position)}", file=sys.stderr)
     return 0

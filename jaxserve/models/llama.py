@@ -144,7 +144,7 @@ def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
 
 def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array], *,
             config: ModelConfig, backend: str = "reference", mesh: jax.sharding.Mesh | None = None,
-            prefill_hidden_rows: int = 0) -> tuple[jax.Array, ...]:
+            prefill_hidden_rows: int = 0, max_query_len: int | None = None) -> tuple[jax.Array, ...]:
     """One model step over a batch of decode tokens followed by prefill chunks.
 
     With a `mesh` (tensor parallel, see jaxserve.sharding), the KV write and attention run per
@@ -161,6 +161,8 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     a third output, the prefill tokens' last residual-stream rows (before the final norm, see
     `final_logits`) zero-padded to [prefill_hidden_rows, D] ([0, D] in a step without prefill):
     what the prompt logprobs are computed from, on device.
+    `max_query_len`: no prefill chunk has more tokens (a hint for the attention's blocking;
+    speculative verification steps pass K + 1).
     """
     num_decode = batch["decode_seq_lens"].shape[0]
     num_prefill_seqs = batch["prefill_seq_lens"].shape[0]
@@ -195,7 +197,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         if num_prefill_seqs:
             parts.append(dispatch.ragged_attention(
                 backend, q[num_decode:], k_cache, v_cache, prefill_block_table, prefill_seq_lens,
-                prefill_query_start_loc, **layer_options))
+                prefill_query_start_loc, max_query_len=max_query_len, **layer_options))
         attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, heads, hd]
         return attn, k_cache, v_cache
 

@@ -1,0 +1,198 @@
+"""Speculative decoding with a draft model: a second, smaller model in the same engine.
+
+The draft has its own paged K/V cache laid out like the target's: the same pages (page ids, page
+size) plus a few scratch pages per proposing row. Its cache is kept in step with the target's by
+*mirroring*: after every target step the draft's forward runs on the very same step arrays
+(tokens, positions, slots, block tables), so for every position the target has computed the
+draft holds its own K/V in the same slot. Prefix caching, preemption and recomputation need no
+bookkeeping of their own: a page means the same tokens in both caches.
+
+Proposing (`propose`) is one k-step pass per target step, over the rows that will be verified:
+step i feeds the row's last token (i = 0) or its previous proposal, at position n - 1 + i, and
+draws the next token with the sampler and the parameters the target will use at that position,
+including the random key of (seed, output step). So a draft that agrees with the target proposes
+exactly the token the target then draws, and the target (jaxserve.speculative) accepts it.
+Positions past the row's allocated pages write into the row's scratch pages; the step's K/V there
+is thrown away (the verification step's mirror writes the real one). The k steps stay on the
+device: each step's sampled ids are the next step's input, and one `device_get` returns them all.
+Penalties read the history as of the pass's start (the draft does not see its own proposals
+there; the target does, so such proposals are only accepted less often).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import sampler
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from jaxserve.runner import Bucket, geometric_buckets
+from jaxserve.scheduler import RowParams, uses_penalties
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """One compiled proposal step: rows x block-table width (the target's, plus scratch pages)."""
+    num_rows: int
+    pages_per_seq: int
+
+
+class DraftProposer:
+    """A draft model mirroring the target's steps and proposing k tokens per decoding row."""
+
+    def __init__(self, config: ModelConfig, params, target_runner, *, max_rows: int, num_speculative_tokens: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        """`config`/`params`: the draft model (same vocabulary as the target). `target_runner`:
+        the target's ModelRunner, whose page pool, buckets and backend the draft follows; the
+        draft runs unsharded on the first device. Up to `max_rows` rows propose per step."""
+        if config.vocab_size != target_runner.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) differs from the "
+                             f"target's ({target_runner.config.vocab_size}); a draft must share the tokenizer")
+        self.config = config
+        self.target = target_runner
+        self.k = num_speculative_tokens
+        self.page_size = target_runner.page_size
+        self.num_target_pages = target_runner.num_pages
+        self.scratch_pages_per_row = -(-num_speculative_tokens // self.page_size) + 1
+        self.row_buckets = geometric_buckets(1, max_rows)
+        num_pages = self.num_target_pages + max_rows * self.scratch_pages_per_row
+        self.max_model_len = target_runner.max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        device = jax.devices()[0]
+        self.params = jax.device_put(params, device)
+        self._step_params = llama.layer_views(self.params)
+        dtype = target_runner.kv_cache_dtype  # an int8 / fp8 target cache: the draft's is too
+        self._new_kv_cache = functools.partial(llama.init_kv_cache, config, llama.KVCacheSpec(num_pages, self.page_size),
+                                               dtype)
+        self.kv_cache = self._new_kv_cache()
+        forward = functools.partial(llama.forward, config=config, backend=target_runner.backend)
+        self._forward = jax.jit(forward, donate_argnums=(1,))
+        verify_width = target_runner.buckets.verify_row_tokens or None
+        self._verify_forward = jax.jit(functools.partial(forward, max_query_len=verify_width), donate_argnums=(1,))
+        self._propose_steps = jax.jit(self._propose_steps_impl, donate_argnums=(1,), static_argnames=("num_steps",))
+        self._compiled_mirror: dict[Bucket, jax.stages.Compiled] = {}
+        self._compiled_propose: dict[tuple[DraftShape, bool, bool], jax.stages.Compiled] = {}
+
+    # ---- keeping the cache in step --------------------------------------------------------
+    def mirror(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> None:
+        """Runs the draft over the target step's arrays (dispatched, not waited for): the draft's
+        K/V of the step's tokens lands in the same slots as the target's."""
+        forward = self._compiled_mirror.get(bucket, self._verify_forward if bucket.num_verify else self._forward)
+        _, self.kv_cache = forward(self._step_params, self.kv_cache, arrays)[:2]
+
+    def recover(self) -> None:
+        """After a failed step: a fresh cache (the target's was rebuilt; every request recomputes)."""
+        if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.kv_cache)):
+            self.kv_cache = self._new_kv_cache()
+
+    # ---- proposing ------------------------------------------------------------------------
+    def _shape(self, num_rows: int) -> DraftShape:
+        rows = next(b for b in self.row_buckets if b >= num_rows)
+        return DraftShape(rows, self.target.max_pages_per_seq + self.scratch_pages_per_row)
+
+    def _propose_steps_impl(self, params, kv_cache, arrays, sampling, *, num_steps):
+        """`num_steps` draft decode steps; step i's draws are step i + 1's tokens.
+        arrays: token_ids [rows] (the last tokens), positions [rows], block_table [rows, pages],
+        seq_lens [rows] (0: padding row); sampling: the sampler inputs of each step, stacked on a
+        leading [num_steps] axis. Returns (proposals int32[rows, num_steps], kv_cache)."""
+        rows = arrays["token_ids"].shape[0]
+        table = arrays["block_table"]
+        active = arrays["seq_lens"] > 0
+        tokens, proposals = arrays["token_ids"], []
+        for i in range(num_steps):
+            positions = arrays["positions"] + i
+            pages = jnp.take_along_axis(table, (positions // self.page_size)[:, None], 1)[:, 0]
+            slots = jnp.where(active, pages * self.page_size + positions % self.page_size, 0)
+            batch = dict(token_ids=tokens, positions=positions, slot_mapping=slots, decode_block_table=table,
+                         decode_seq_lens=jnp.where(active, arrays["seq_lens"] + i, 0),
+                         prefill_block_table=jnp.zeros((0, table.shape[1]), jnp.int32),
+                         prefill_seq_lens=jnp.zeros((0,), jnp.int32),
+                         prefill_query_start_loc=jnp.zeros((1,), jnp.int32),
+                         logits_indices=jnp.arange(rows, dtype=jnp.int32))
+            logits, kv_cache = llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)
+            step_sampling = jax.tree.map(lambda a: a[i], sampling)
+            tokens = sampler.sample(logits, step_sampling, max_logprobs=0)["token_ids"]
+            proposals.append(tokens)
+        return jnp.stack(proposals, axis=1), kv_cache
+
+    def _inputs(self, requests: Sequence, shape: DraftShape, k: int, penalties: bool, bias: bool):
+        rows = shape.num_rows
+        arrays = dict(token_ids=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
+                      block_table=np.zeros((rows, shape.pages_per_seq), np.int32), seq_lens=np.zeros(rows, np.int32))
+        for r, request in enumerate(requests):
+            n = request.num_tokens
+            arrays["token_ids"][r] = request.token_id_at(n - 1)
+            arrays["positions"][r] = n - 1
+            arrays["seq_lens"][r] = n
+            scratch = self.num_target_pages + r * self.scratch_pages_per_row + np.arange(self.scratch_pages_per_row)
+            row_pages = list(request.page_ids) + scratch.tolist()
+            arrays["block_table"][r, :len(row_pages)] = row_pages
+        steps = []
+        for i in range(k):
+            row_params = []
+            for request in requests:
+                history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+                           if uses_penalties(request.params) else ((), ()))
+                row_params.append(RowParams(request.params, request.seed, request.num_output_tokens + i, *history))
+            steps.append(sampler.build_sampling_inputs(row_params, rows, self.max_model_len, penalties, bias,
+                                                       self.eos_token_ids))
+            steps[-1]["num_logprobs"][:] = -1  # proposals need no logprobs
+        sampling = {name: np.stack([s[name] for s in steps]) for name in steps[0]}  # [k, rows, ...]
+        return arrays, sampling
+
+    def propose(self, requests: Sequence, k: int) -> list[list[int]]:
+        """Up to `k` proposed tokens for each request (decoding: its last token not yet computed)."""
+        if not requests:
+            return []
+        shape = self._shape(len(requests))
+        penalties = any(uses_penalties(r.params) for r in requests)
+        # (a row's bias entries only shrink over the pass: min_tokens masking ends, logit_bias stays)
+        bias = any(sampler.bias_entries(RowParams(r.params, r.seed, r.num_output_tokens), self.eos_token_ids)
+                   for r in requests)
+        arrays, sampling = self._inputs(requests, shape, self.k, penalties, bias)
+        compiled = self._compiled_propose.get((shape, penalties, bias))
+        if compiled is None:
+            proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling,
+                                                           num_steps=self.k)
+        else:
+            proposals, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling)
+        proposals = np.asarray(jax.device_get(proposals))
+        return [proposals[r, :k].tolist() for r in range(len(requests))]
+
+    # ---- compiling ------------------------------------------------------------------------
+    def warmup(self, target_buckets: Sequence[Bucket]) -> int:
+        """Compiles the mirror of every target bucket and the proposal pass for every row bucket
+        (with and without penalties and biases). Returns the number of shapes."""
+        start = time.perf_counter()
+
+        def compile_mirror(bucket):
+            forward = self._verify_forward if bucket.num_verify else self._forward
+            self._compiled_mirror[bucket] = forward.lower(self._step_params, self.kv_cache,
+                                                          self.target.empty_batch(bucket)).compile()
+
+        def compile_propose(rows, penalties, bias):
+            shape = self._shape(rows)
+            arrays, sampling = self._inputs([], shape, self.k, penalties, bias)
+            self._compiled_propose[shape, penalties, bias] = self._propose_steps.lower(
+                self._step_params, self.kv_cache, arrays, sampling, num_steps=self.k).compile()
+
+        variants = [(rows, p, b) for rows in self.row_buckets for p in (False, True) for b in (False, True)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            jobs = [pool.submit(compile_mirror, b) for b in target_buckets]
+            jobs += [pool.submit(compile_propose, *v) for v in variants]
+            for job in jobs:
+                job.result()
+        log.info("draft warm-up compiled %d mirror and %d proposal shapes in %.1fs", len(target_buckets),
+                 len(variants), time.perf_counter() - start)
+        return len(target_buckets) + len(variants)
