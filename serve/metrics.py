@@ -119,7 +119,7 @@ class ServerMetrics:
         self.e2e_latency = metric(Histogram, "jaxserve_e2e_request_latency_seconds", "From arrival to the last "
                                   "token.", buckets=_LATENCY_BUCKETS)
         self.step_seconds = metric(Histogram, "jaxserve_step_duration_seconds", "Engine step time (device and host) "
-                                   "by kind: decode, prefill or mixed.", ["kind"], buckets=_TOKEN_LATENCY_BUCKETS)
+                                   "by kind: decode, prefill, mixed or verify (speculative).", ["kind"], buckets=_TOKEN_LATENCY_BUCKETS)
         self.step_device_seconds = metric(Counter, "jaxserve_step_device_seconds", "Device time of engine steps "
                                           "(forward and sampler) by kind.", ["kind"])
         self.step_tokens = metric(Histogram, "jaxserve_step_tokens", "Tokens computed per engine step by kind.",
