@@ -80,7 +80,7 @@ def memory_budget_bytes(shardings=None) -> int:
 
 
 def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
-                device_memory_bytes: int | None = None) -> memory.MemoryPlan:
+                device_memory_bytes: int | None = None, draft_model: ModelConfig | None = None) -> memory.MemoryPlan:
     """memory.plan_engine for an engine over the loaded `params` (on one device, or split as
     `shardings` says): this machine's platform defaults, the weights' float dtype, and, for
     quantized weights, the bytes one device holds of them in place of the estimate."""
@@ -88,7 +88,8 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
     if device_memory_bytes is None:
         device_memory_bytes = memory_budget_bytes(shardings)
     return memory.plan_engine(model_config, cfg, device_memory_bytes=device_memory_bytes, on_gpu=on_gpu(),
-                              measured_weights_bytes=quantized_weights_bytes(params, shardings))
+                              measured_weights_bytes=quantized_weights_bytes(params, shardings),
+                              draft_model=draft_model)
 
 
 def quantized_weights_bytes(params, shardings=None) -> int | None:

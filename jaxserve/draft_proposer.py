@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler
+from jaxserve import sampler, speculative
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.runner import Bucket, geometric_buckets
@@ -64,7 +64,7 @@ class DraftProposer:
         self.k = num_speculative_tokens
         self.page_size = target_runner.page_size
         self.num_target_pages = target_runner.num_pages
-        self.scratch_pages_per_row = -(-num_speculative_tokens // self.page_size) + 1
+        self.scratch_pages_per_row = speculative.draft_scratch_pages_per_row(num_speculative_tokens, self.page_size)
         self.row_buckets = geometric_buckets(1, max_rows)
         num_pages = self.num_target_pages + max_rows * self.scratch_pages_per_row
         self.max_model_len = target_runner.max_model_len

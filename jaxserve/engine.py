@@ -81,8 +81,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = cfg.model_len(model_config)
+        if cfg.speculative_method == "draft":
+            draft_model = draft_model or _load_draft(cfg)
         num_pages = cfg.num_pages or device_setup.plan_engine(
-            model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes).num_pages
+            model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes,
+            draft_model=draft_model[0] if draft_model else None).num_pages
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         eos = set(model_config.eos_token_ids)
@@ -110,7 +113,7 @@ class Engine:
             self.proposer = speculative.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         elif cfg.speculative_method == "draft":
             from jaxserve.draft_proposer import DraftProposer
-            draft_config, draft_params = draft_model or _load_draft(cfg)
+            draft_config, draft_params = draft_model
             self.proposer = self.runner.draft = DraftProposer(
                 draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
                 num_speculative_tokens=cfg.num_speculative_tokens, eos_token_ids=self.eos_token_ids)

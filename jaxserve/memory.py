@@ -80,6 +80,11 @@ class MemoryPlan:
     num_pages: int  # null page included
     pages_per_seq: int
     max_concurrent_seqs: int  # sequences of max_model_len tokens that fit at once
+    # Speculative decoding with a draft model (on the first device, unsharded): its weights and
+    # its K/V of every page (same page ids as the target's, plus its scratch pages).
+    draft_weights_bytes: int = 0
+    draft_kv_bytes_per_page: int = 0
+    draft_kv_cache_bytes: int = 0  # (num_pages + its scratch pages) * draft_kv_bytes_per_page
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -293,12 +298,16 @@ def plan_memory(
     compute_dtype: str | None = None,
     max_num_pages: int | None = None,
     num_pages: int | None = None,
+    draft_model: ModelConfig | None = None,
+    draft_scratch_pages: int = 0,
 ) -> MemoryPlan:
     """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
     `measured_weights_bytes` (the loaded weights, e.g. quantized ones) replaces the estimate.
     `compute_dtype` (activations; the KV cache's with kv_cache_dtype "auto") defaults to the
     weights' float dtype, QUANTIZED_COMPUTE_DTYPE for quantized ones. `max_num_pages` caps the
     pool; `num_pages` fixes it (the estimates are still reported, the fit checks are skipped).
+    `draft_model`: a speculative-decoding draft on this device: its weights (in the compute dtype)
+    and a K/V cache of the same pages plus `draft_scratch_pages` come out of the same budget.
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
@@ -321,6 +330,11 @@ def plan_memory(
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
     weights = weights_bytes(model, weight_dtype, tp) if measured_weights_bytes is None else measured_weights_bytes
+    draft_weights = draft_per_page = 0
+    if draft_model is not None:
+        draft_weights = weights_bytes(draft_model, compute_dtype, 1)
+        draft_per_page = kv_bytes_per_token(draft_model, kv_dtype, 1) * page_size
+        weights += draft_weights + draft_scratch_pages * draft_per_page
     if weights > usable - reserve and num_pages is None:
         raise MemoryPlanError(
             f"the weights do not fit: they need {format_bytes(weights)} per device, but only "
@@ -336,11 +350,11 @@ def plan_memory(
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - weights - activations - reserve
-    fits = max(kv_budget, 0) // per_page
+    fits = max(kv_budget, 0) // (per_page + draft_per_page)
     if num_pages is None and fits < 1 + pages_per_seq:
         raise MemoryPlanError(
             f"no room for the KV cache of one sequence of {max_model_len} tokens: it needs "
-            f"{format_bytes((1 + pages_per_seq) * per_page)}, but after the weights "
+            f"{format_bytes((1 + pages_per_seq) * (per_page + draft_per_page))}, but after the weights "
             f"({format_bytes(weights)}), the activations ({format_bytes(activations)}) and the runtime "
             f"reserve ({format_bytes(reserve)}) only {format_bytes(max(kv_budget, 0))} is left; lower "
             f"max_model_len, max_num_batched_tokens or max_num_seqs, or give more memory")
@@ -351,14 +365,15 @@ def plan_memory(
         usable_bytes=usable, weight_dtype=weight_dtype, compute_dtype=compute_dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, page_size=page_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        num_params=sum(count_params(model, 1).values()), weights_bytes=weights,
+        num_params=sum(count_params(model, 1).values()), weights_bytes=weights - draft_weights - draft_scratch_pages * draft_per_page,
         kv_bytes_per_token=per_token, kv_bytes_per_page=per_page, activation_bytes=activations,
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
-        pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq)
+        pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,
+        draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page, draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page)
 
 
 def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: int, on_gpu: bool,
-                measured_weights_bytes: int | None = None) -> MemoryPlan:
+                measured_weights_bytes: int | None = None, draft_model: ModelConfig | None = None) -> MemoryPlan:
     """The one sizing of an engine: the plan `jaxserve plan` reports and the KV pool (`num_pages`)
     and context (`max_model_len`) the engine allocates for the same `cfg` on one device.
 
@@ -367,7 +382,8 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
     when `cfg.quantization` names a format; `measured_weights_bytes` (the loaded weights' bytes
     on one device) replaces the estimate. A `cfg.num_pages` is taken as it is. On the CPU the
     pool is capped at what max_num_seqs sequences of max_model_len tokens can use, so that a
-    laptop-sized run does not zero gigabytes it will never touch.
+    laptop-sized run does not zero gigabytes it will never touch. With speculative_method="draft",
+    `draft_model` (the draft's config) is planned on the same device.
     """
     cfg = cfg.for_platform(on_gpu)
     max_model_len = cfg.model_len(model)
@@ -381,7 +397,17 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
         max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size,
         max_prefill_seqs=cfg.max_num_prefill_seqs, measured_weights_bytes=measured_weights_bytes,
         backend="pallas" if cfg.attention_backend == "pallas" else "reference",
-        max_num_pages=cap, num_pages=cfg.num_pages)
+        max_num_pages=cap, num_pages=cfg.num_pages,
+        draft_model=draft_model if cfg.speculative_method == "draft" else None,
+        draft_scratch_pages=draft_scratch_pages(cfg) if draft_model is not None else 0)
+
+
+def draft_scratch_pages(cfg: EngineConfig) -> int:
+    """The pages a draft model's cache has beyond the target's: scratch for the positions its
+    proposal pass writes past a row's pages (jaxserve.draft_proposer), for every row that verifies."""
+    from jaxserve import speculative  # host code, no jax
+    return speculative.max_verify_rows(cfg) * speculative.draft_scratch_pages_per_row(
+        cfg.num_speculative_tokens, cfg.page_size)
 
 
 def _read_int(path: str) -> int | None:

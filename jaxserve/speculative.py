@@ -59,6 +59,11 @@ def check_speculative_config(cfg) -> None:
         raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {cfg.speculative_disable_by_batch_size}")
 
 
+def draft_scratch_pages_per_row(num_speculative_tokens: int, page_size: int) -> int:
+    """Pages a draft model's proposal pass may write past a row's own pages (positions n .. n + k - 2)."""
+    return -(-num_speculative_tokens // page_size) + 1
+
+
 def max_verify_rows(cfg) -> int:
     """The most decode rows one verification step holds: max_num_seqs, as far as every row's
     K + 1 tokens fit the step's token budget and speculative_disable_by_batch_size allows."""

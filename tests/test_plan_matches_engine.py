@@ -57,15 +57,24 @@ def test_plan_reports_the_pool_serve_allocates(tiny_chat_model_dir, argv, capsys
         assert planned["num_pages"] == 8 * 128 // 8 + 1
 
 
-@pytest.mark.parametrize("argv", [["--memory_utilization=0.8"], ["--quantization=int8"]])
+@pytest.mark.parametrize("argv", [["--memory_utilization=0.8"], ["--quantization=int8"], ["--speculative_method=draft"]])
 def test_plan_matches_serve_when_memory_decides(tiny_chat_model_dir, argv, capsys, monkeypatch):
-    """A budget too small for the CPU cap: the page count is what fits, the same in both."""
+    """A budget too small for the CPU cap: the page count is what fits, the same in both (with a
+    draft model, the model as its own draft: its weights and its cache of every page counted too)."""
+    if argv == ["--speculative_method=draft"]:
+        argv = [*argv, f"--speculative_model={tiny_chat_model_dir}"]
     roomy = plan(tiny_chat_model_dir, [*argv, "--device_memory_gb=64"], capsys)
-    needed = roomy["weights_bytes"] + roomy["activation_bytes"] + 256 * memory.MiB  # the minimum reserve
+    draft_scratch_bytes = roomy["draft_kv_cache_bytes"] - roomy["num_pages"] * roomy["draft_kv_bytes_per_page"]
+    needed = (roomy["weights_bytes"] + roomy["draft_weights_bytes"] + draft_scratch_bytes + roomy["activation_bytes"]
+              + 256 * memory.MiB)  # the minimum reserve
     utilization = roomy["memory_utilization"]
-    budget = int((needed + 100 * roomy["kv_bytes_per_page"]) / utilization) + 1
+    per_page = roomy["kv_bytes_per_page"] + roomy["draft_kv_bytes_per_page"]
+    budget = int((needed + 100 * per_page) / utilization) + 1
     monkeypatch.setattr(memory, "device_memory_budget_bytes", lambda device=None: budget)
     planned = plan(tiny_chat_model_dir, argv, capsys)
     assert planned["device_memory_bytes"] == budget
     assert 90 < planned["num_pages"] < roomy["num_pages"]  # memory decided, not the cap
+    if "--speculative_method=draft" in argv:  # the model is its own draft: the same bytes again
+        assert planned["draft_weights_bytes"] == planned["weights_bytes"]
+        assert planned["draft_kv_bytes_per_page"] == planned["kv_bytes_per_page"]
     assert_same_pool(planned, serve_engine(tiny_chat_model_dir, argv))

@@ -87,8 +87,14 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
     memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
+    from jaxserve import speculative
+    speculative.check_speculative_config(cfg)
+    draft = None
+    if cfg.speculative_method == "draft":
+        from checkpoints.load import open_model
+        draft = open_model(cfg.speculative_model).config
     return memory.plan_engine(model, cfg, device_memory_bytes=_device_memory_bytes(fv), on_gpu=on_gpu,
-                              measured_weights_bytes=_quantized_weights_bytes(source, cfg))
+                              measured_weights_bytes=_quantized_weights_bytes(source, cfg), draft_model=draft)
 
 
 def format_table(plan: memory.MemoryPlan) -> str:
