@@ -385,3 +385,44 @@ def test_metrics_count_proposed_and_accepted_tokens():
     assert 'jaxserve_spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
     assert 'jaxserve_spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     assert 'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+
+
+def test_streaming_through_the_server_with_speculation():
+    """Several tokens per delta reach the client as the same text, logprobs and usage as without."""
+    import openai
+
+    from checkpoints import default_model, load
+    from tests.test_server_engine import LiveServer
+    tokenizer = load.load_tokenizer(default_model.resolve_model("smollm2"))
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                         eos_token_ids=(tokenizer.eos_token_id,))
+    model_params = weights.random_params(config, seed=3)
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=128, max_model_len=256,
+               warmup=False)
+    plain = Engine(config, model_params, tokenizer, EngineConfig(**cfg))
+    spec = Engine(config, model_params, tokenizer, EngineConfig(**cfg, speculative_method="draft",
+                                                                 speculative_model="self", num_speculative_tokens=4),
+                  draft_model=(config, model_params))
+    prompt = "The quick brown fox jumps over the lazy dog"
+    expected = plain.generate([plain.tokenizer.encode(prompt)], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                               ignore_eos=True, logprobs=2))[0]
+    server = LiveServer(spec)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        chunks = list(client.completions.create(model="model", prompt=prompt, max_tokens=24, temperature=0.0,
+                                                stream=True, logprobs=2, extra_body={"ignore_eos": True},
+                                                stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert text == expected.text and len(tokens) == 24
+        assert chunks[-1].usage.completion_tokens == 24
+        stop = expected.text[len(expected.text) // 2:len(expected.text) // 2 + 4]
+        stopped = client.completions.create(model="model", prompt=prompt, max_tokens=24, temperature=0.0, stop=[stop],
+                                            extra_body={"ignore_eos": True})
+        assert stopped.choices[0].text == expected.text[:expected.text.index(stop)]
+        assert stopped.choices[0].finish_reason == "stop"
+        assert server.metric("jaxserve_spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        server.close()
+    assert_all_pages_free(spec)
