@@ -50,6 +50,9 @@ class EngineConfig:
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
+    # Multi-step decoding: in a step of decoding rows only, up to this many tokens per row in one
+    # device call (jaxserve.decode_loop); the host sees the tokens, and stops, after the call.
+    num_scheduler_steps: int = 1
     # Speculative decoding (jaxserve.speculative): None (off) | ngram (prompt lookup) | draft (a second model).
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # most tokens proposed per row and step

@@ -29,10 +29,9 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler, speculative
+from jaxserve import decode_loop, sampler, speculative
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.runner import Bucket, geometric_buckets
@@ -55,7 +54,7 @@ class DraftProposer:
                  eos_token_ids: Sequence[int]) -> None:
         """`config`/`params`: the draft model (same vocabulary as the target). `target_runner`:
         the target's ModelRunner, whose page pool, buckets and backend the draft follows; the
-        draft runs unsharded on the first device. Up to `max_rows` rows propose per step."""
+        draft runs unsharded on the replica's first device. Up to `max_rows` rows propose per step."""
         if config.vocab_size != target_runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) differs from the "
                              f"target's ({target_runner.config.vocab_size}); a draft must share the tokenizer")
@@ -69,18 +68,19 @@ class DraftProposer:
         num_pages = self.num_target_pages + max_rows * self.scratch_pages_per_row
         self.max_model_len = target_runner.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
-        device = jax.devices()[0]
+        # The first device of the target replica (data parallel replicas: each its own).
+        device = min(jax.tree_util.tree_leaves(target_runner.params)[0].sharding.device_set, key=lambda d: d.id)
         self.params = jax.device_put(params, device)
         self._step_params = llama.layer_views(self.params)
         dtype = target_runner.kv_cache_dtype  # an int8 / fp8 target cache: the draft's is too
         self._new_kv_cache = functools.partial(llama.init_kv_cache, config, llama.KVCacheSpec(num_pages, self.page_size),
-                                               dtype)
+                                               dtype, jax.sharding.SingleDeviceSharding(device))
         self.kv_cache = self._new_kv_cache()
         forward = functools.partial(llama.forward, config=config, backend=target_runner.backend)
         self._forward = jax.jit(forward, donate_argnums=(1,))
         verify_width = target_runner.buckets.verify_row_tokens or None
         self._verify_forward = jax.jit(functools.partial(forward, max_query_len=verify_width), donate_argnums=(1,))
-        self._propose_steps = jax.jit(self._propose_steps_impl, donate_argnums=(1,), static_argnames=("num_steps",))
+        self._propose_steps = jax.jit(self._propose_steps_impl, donate_argnums=(1,))
         self._compiled_mirror: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_propose: dict[tuple[DraftShape, bool, bool], jax.stages.Compiled] = {}
 
@@ -101,30 +101,12 @@ class DraftProposer:
         rows = next(b for b in self.row_buckets if b >= num_rows)
         return DraftShape(rows, self.target.max_pages_per_seq + self.scratch_pages_per_row)
 
-    def _propose_steps_impl(self, params, kv_cache, arrays, sampling, *, num_steps):
-        """`num_steps` draft decode steps; step i's draws are step i + 1's tokens.
-        arrays: token_ids [rows] (the last tokens), positions [rows], block_table [rows, pages],
-        seq_lens [rows] (0: padding row); sampling: the sampler inputs of each step, stacked on a
-        leading [num_steps] axis. Returns (proposals int32[rows, num_steps], kv_cache)."""
-        rows = arrays["token_ids"].shape[0]
-        table = arrays["block_table"]
-        active = arrays["seq_lens"] > 0
-        tokens, proposals = arrays["token_ids"], []
-        for i in range(num_steps):
-            positions = arrays["positions"] + i
-            pages = jnp.take_along_axis(table, (positions // self.page_size)[:, None], 1)[:, 0]
-            slots = jnp.where(active, pages * self.page_size + positions % self.page_size, 0)
-            batch = dict(token_ids=tokens, positions=positions, slot_mapping=slots, decode_block_table=table,
-                         decode_seq_lens=jnp.where(active, arrays["seq_lens"] + i, 0),
-                         prefill_block_table=jnp.zeros((0, table.shape[1]), jnp.int32),
-                         prefill_seq_lens=jnp.zeros((0,), jnp.int32),
-                         prefill_query_start_loc=jnp.zeros((1,), jnp.int32),
-                         logits_indices=jnp.arange(rows, dtype=jnp.int32))
-            logits, kv_cache = llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)
-            step_sampling = jax.tree.map(lambda a: a[i], sampling)
-            tokens = sampler.sample(logits, step_sampling, max_logprobs=0)["token_ids"]
-            proposals.append(tokens)
-        return jnp.stack(proposals, axis=1), kv_cache
+    def _propose_steps_impl(self, params, kv_cache, arrays, sampling):
+        """The k draft decode steps of a proposal pass (jaxserve.decode_loop; `arrays` and
+        `sampling` as there). Returns (proposals int32[rows, k], kv_cache)."""
+        def step_logits(kv_cache, batch):
+            return llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)[:2]
+        return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, self.k, page_size=self.page_size)
 
     def _inputs(self, requests: Sequence, shape: DraftShape, k: int, penalties: bool, bias: bool):
         rows = shape.num_rows
@@ -163,8 +145,7 @@ class DraftProposer:
         arrays, sampling = self._inputs(requests, shape, self.k, penalties, bias)
         compiled = self._compiled_propose.get((shape, penalties, bias))
         if compiled is None:
-            proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling,
-                                                           num_steps=self.k)
+            proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling)
         else:
             proposals, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling)
         proposals = np.asarray(jax.device_get(proposals))
@@ -185,7 +166,7 @@ class DraftProposer:
             shape = self._shape(rows)
             arrays, sampling = self._inputs([], shape, self.k, penalties, bias)
             self._compiled_propose[shape, penalties, bias] = self._propose_steps.lower(
-                self._step_params, self.kv_cache, arrays, sampling, num_steps=self.k).compile()
+                self._step_params, self.kv_cache, arrays, sampling).compile()
 
         variants = [(rows, p, b) for rows in self.row_buckets for p in (False, True) for b in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import device_setup, prompt_logprobs, sampler, speculative, structured_output
+from jaxserve import decode_loop, device_setup, prompt_logprobs, sampler, speculative, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.models import llama
@@ -232,6 +232,18 @@ class ModelRunner:
                 jax.jit(f, donate_argnums=(1,), in_shardings=(param_shardings, kv, shardings.replicated),
                         out_shardings=(shardings.replicated, kv, shardings.replicated))
                 for f in (forward, verify_forward))
+        # Multi-step decoding: num_scheduler_steps decode steps in one call (compiled per decode bucket).
+        self.num_scheduler_steps = engine_config.num_scheduler_steps
+        multi_step = functools.partial(self._decode_steps, forward=functools.partial(
+            llama.forward, config=step_config, backend=backend, mesh=None if shardings is None else shardings.mesh))
+        if shardings is None:
+            self._multi_step = jax.jit(multi_step, donate_argnums=(1,))
+        else:
+            self._multi_step = jax.jit(multi_step, donate_argnums=(1,),
+                                       in_shardings=(param_shardings, kv, shardings.replicated, shardings.replicated,
+                                                     shardings.replicated),
+                                       out_shardings=(shardings.replicated, kv))
+        self._compiled_multi_step: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, bias)
         sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
         self._sample = jax.jit(sample) if shardings is None else jax.jit(
             sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
@@ -323,6 +335,54 @@ class ModelRunner:
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         return self.buckets.empty_batch(bucket)
 
+    # ---- multi-step decoding --------------------------------------------------------------
+    def multi_step_buckets(self) -> list[Bucket]:
+        """The decode-only buckets, each also compiled as n steps in one call (n > 1)."""
+        if self.num_scheduler_steps < 2:
+            return []
+        return [b for b in self.all_buckets() if b.num_prefill_tokens == 0 and not b.num_verify]
+
+    def _decode_steps(self, params, kv_cache, arrays, sampling, num_steps, *, forward):
+        def step_logits(kv_cache, batch):
+            return forward(params, kv_cache, batch)[:2]
+        return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, num_steps, page_size=self.page_size)
+
+    def _multi_step_inputs(self, bucket: Bucket, rows: Sequence, num_steps: int, bias: bool | None):
+        """The arrays and stacked per-step sampling inputs of `decode_loop.decode_steps` for the
+        decode `rows` (ScheduledRows; padded to the bucket); step i samples output step + i."""
+        n, max_steps = bucket.num_decode, self.num_scheduler_steps
+        arrays = dict(token_ids=np.zeros(n, np.int32), positions=np.zeros(n, np.int32),
+                      block_table=np.zeros((n, bucket.pages_per_seq), np.int32), seq_lens=np.zeros(n, np.int32))
+        for i, row in enumerate(rows):
+            arrays["token_ids"][i] = row.token_ids[0]
+            arrays["positions"][i] = row.start
+            arrays["block_table"][i, :len(row.page_ids)] = row.page_ids
+            arrays["seq_lens"][i] = row.end
+        if bias is None:
+            bias = any(sampler.bias_entries(row.sampling, self.eos_token_ids) for row in rows)
+        steps = []
+        for step in range(max_steps):
+            step_rows = [dataclasses.replace(row.sampling, step=row.sampling.step + step) for row in rows]
+            try:
+                steps.append(sampler.build_sampling_inputs(step_rows, n, self.max_model_len, False, bias,
+                                                           self.eos_token_ids))
+            except sampler.RowInputError as e:
+                raise StepInputError(rows[e.row_index].request_id, str(e)) from e
+        sampling = {name: np.stack([s[name] for s in steps]) for name in steps[0]}  # [max_steps, n, ...]
+        return arrays, sampling, np.int32(num_steps)
+
+    def _execute_multi_step(self, batch: ScheduledBatch, start: float) -> StepOutput:
+        bucket = self.bucket_for(len(batch.decode), 0, batch.max_pages_per_seq)
+        arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps, None)
+        device_start = time.perf_counter()
+        compiled = self._compiled_multi_step.get((bucket, sampler.has_bias(sampling)), self._multi_step)
+        tokens, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling, num_steps)
+        tokens = np.asarray(jax.device_get(tokens))[:len(batch.decode), :batch.num_steps]  # [rows, num_steps]
+        device_seconds = time.perf_counter() - device_start
+        return StepOutput(token_ids=tokens, logprobs=None, top_ids=None, top_logprobs=None, bucket=bucket,
+                          device_seconds=device_seconds,
+                          host_seconds=time.perf_counter() - start - device_seconds)
+
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         try:
             return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
@@ -361,6 +421,8 @@ class ModelRunner:
         Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
         any other exception comes from the device step (see `recover`)."""
         start = time.perf_counter()
+        if batch.num_steps > 1:
+            return self._execute_multi_step(batch, start)
         bucket, arrays, rows = self.build_batch(batch)
         sampling = self._sampling_inputs(rows)
         prompt_rows = self._prompt_logprob_inputs(batch)
@@ -430,11 +492,17 @@ class ModelRunner:
                                                      bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
             self._compiled_sample[num_rows, penalties, bias] = self._sample.lower(logits, sampling).compile()
 
+        def compile_multi_step(bucket, bias):
+            arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps, bias)
+            self._compiled_multi_step[bucket, bias] = self._multi_step.lower(
+                self._step_params, self.kv_cache, arrays, sampling, num_steps).compile()
+
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
         samplers = [(n, penalties, bias) for n in row_counts for penalties in (False, True) for bias in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             jobs = [pool.submit(compile_bucket, b) for b in buckets]
             jobs += [pool.submit(compile_sampler, *variant) for variant in samplers]
+            jobs += [pool.submit(compile_multi_step, b, bias) for b in self.multi_step_buckets() for bias in (False, True)]
             for job in jobs:
                 job.result()
             for job in [pool.submit(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets]:

@@ -20,6 +20,12 @@ free pages, the token budget and the request's limits; pages are never preempted
 the device draws a token at each position, and `update` keeps the accepted ones; pages held only
 for rejected proposals go back at once.
 
+Multi-step decoding (`num_scheduler_steps` n > 1): a step of decoding rows only, none of which
+needs the host between tokens (no penalties, grammar or logprobs), becomes n decode steps in one
+device call: `plan.num_steps` tokens per row, within every row's limits and the free pages
+(again without preempting), reserved now; `update` appends them all and the engine applies
+stops token by token (the draws after a stop are dropped, like rejected proposals).
+
 Prompt logprobs: a prefill chunk of a request that asked for them names its prompt positions
 whose logprobs the step computes (`PromptLogprobRows`); a step computes at most
 `prompt_logprob_rows_limit` of them (the chunk is cut to fit), and such a request does not take
@@ -109,6 +115,7 @@ class ScheduledBatch:
     decode: tuple[ScheduledRow, ...] = ()
     prefill: tuple[ScheduledRow, ...] = ()
     verify: tuple[ScheduledRow, ...] = ()
+    num_steps: int = 1  # multi-step decoding: tokens per decode row, drawn on the device one after another
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:
@@ -150,6 +157,7 @@ class StepPlan:
     preempted: list[Request] = dataclasses.field(default_factory=list)  # pages freed during this schedule()
     # A verification step (no prefill): the proposed tokens of each decode request (maybe none).
     proposals: dict[str, tuple[int, ...]] | None = None
+    num_steps: int = 1  # multi-step decoding (decode rows only): tokens each decode row gets
 
     @property
     def is_verify(self) -> bool:
@@ -161,7 +169,7 @@ class StepPlan:
     @property
     def scheduled(self) -> list[tuple[Request, int]]:
         """(request, num_new_tokens) in the order of the sampled ids: decode first, then prefill."""
-        return [(request, 1 + self.num_proposed(request)) for request in self.decode] + self.prefill
+        return [(request, self.num_steps + self.num_proposed(request)) for request in self.decode] + self.prefill
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +189,8 @@ class StepPlan:
             return ScheduledBatch(verify=tuple(_verify_row(request, self.proposals.get(request.request_id, ()))
                                                for request in self.decode))
         return ScheduledBatch(decode=tuple(_scheduled_row(request, 1) for request in self.decode),
-                              prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill))
+                              prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill),
+                              num_steps=self.num_steps)
 
 
 def _row_params(request: Request) -> RowParams:
@@ -255,6 +264,9 @@ class Scheduler:
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
         self.max_verify_rows = speculative.max_verify_rows(config) if self.max_spec_tokens else 0
         self.spec_stats = speculative.SpeculationStats(self.max_spec_tokens)
+        if not 1 <= config.num_scheduler_steps <= 64:
+            raise ValueError(f"num_scheduler_steps must be in [1, 64], got {config.num_scheduler_steps}")
+        self.num_scheduler_steps = config.num_scheduler_steps
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -356,7 +368,34 @@ class Scheduler:
             self._admit_waiting(plan, budget, rows_left)
         if self.max_spec_tokens and not plan.prefill and 0 < len(plan.decode) <= self.max_verify_rows:
             self._schedule_proposals(plan, budget)
+        if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:
+            self._schedule_steps(plan)
         return plan
+
+    def _schedule_steps(self, plan: StepPlan) -> None:
+        """Makes a decode-only plan n decode steps in one call when no row needs the host between
+        its tokens: as many steps (up to num_scheduler_steps) as every row's max_tokens and
+        context allow and the free pages hold (no request is preempted for them)."""
+        if any(uses_penalties(r.params) or r.grammar is not None or r.params.logprobs is not None
+               for r in plan.decode):
+            return
+        num_steps = min([self.num_scheduler_steps]
+                        + [min(r.params.max_tokens - r.num_output_tokens, self.max_seq_len - r.num_tokens)
+                           for r in plan.decode])
+        allocator = self.allocator
+
+        def pages_needed(steps):  # positions num_computed .. num_computed + steps - 1 of every row
+            return sum(max(allocator.num_pages_for_tokens(r.num_computed_tokens + steps) - len(r.page_ids), 0)
+                       for r in plan.decode)
+
+        while num_steps > 1 and not allocator.can_allocate(pages_needed(num_steps)):
+            num_steps -= 1
+        if num_steps < 2:
+            return
+        for request in plan.decode:
+            request.page_ids.extend(allocator.allocate(max(
+                allocator.num_pages_for_tokens(request.num_computed_tokens + num_steps) - len(request.page_ids), 0)))
+        plan.num_steps = num_steps
 
     def _schedule_proposals(self, plan: StepPlan, budget: int) -> None:
         """Makes a decode-only plan a verification step when some request carries proposals:
@@ -443,13 +482,17 @@ class Scheduler:
         plan.preempted.append(request)
         self.num_preemptions += 1
 
-    def _apply_verified(self, request: Request, proposed: tuple[int, ...], draws, now: float) -> None:
-        """Appends a verified row's accepted tokens (within its max_tokens and the length limit);
-        its last token and the accepted proposals are now computed; pages held only for the
-        rejected proposals are returned."""
+    def _verified_tokens(self, proposed: tuple[int, ...], draws) -> list[int]:
+        """A verified row's accepted tokens (counted in spec_stats)."""
         tokens = speculative.accepted_tokens(proposed, draws[:len(proposed) + 1])
         if proposed:
             self.spec_stats.record(len(proposed), len(tokens) - 1)
+        return tokens
+
+    def _append_computed(self, request: Request, tokens: list[int], now: float) -> None:
+        """Appends the output tokens a row got in one step (verified, or several steps' draws),
+        within its max_tokens and the length limit: its last token and all new ones but the last
+        are now computed; pages held only for positions past that are returned."""
         room = min(request.params.max_tokens - request.num_output_tokens, self.max_seq_len - request.num_tokens)
         tokens = tokens[:max(room, 1)]
         request.num_computed_tokens += len(tokens)  # the row's last token and the accepted proposals
@@ -480,11 +523,14 @@ class Scheduler:
             raise ValueError(f"expected {plan.num_seqs} sampled ids, got {len(sampled_token_ids)}")
         appended: list[Request] = []
         now = time.monotonic()
-        if plan.is_verify:
-            self.spec_stats.num_verify_steps += 1
+        if plan.is_verify or plan.num_steps > 1:
+            if plan.is_verify:
+                self.spec_stats.num_verify_steps += 1
             for request, draws in zip(plan.decode, sampled_token_ids):
                 if request.status == RequestStatus.RUNNING:
-                    self._apply_verified(request, plan.proposals.get(request.request_id, ()), draws, now)
+                    tokens = draws[:plan.num_steps] if plan.num_steps > 1 else self._verified_tokens(
+                        plan.proposals.get(request.request_id, ()), draws)
+                    self._append_computed(request, tokens, now)
                     appended.append(request)
             for request in appended:
                 self.check_length(request)

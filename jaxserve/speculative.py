@@ -55,6 +55,9 @@ def check_speculative_config(cfg) -> None:
         raise ValueError("speculative_method=draft needs speculative_model")
     if method != "draft" and cfg.speculative_model:
         raise ValueError("speculative_model is only used with speculative_method=draft")
+    if method == "draft" and cfg.num_scheduler_steps > 1:
+        raise ValueError("num_scheduler_steps > 1 does not combine with speculative_method=draft (the draft "
+                         "mirrors each step's tokens, which multi-step decoding keeps on the device)")
     if cfg.speculative_disable_by_batch_size is not None and cfg.speculative_disable_by_batch_size < 1:
         raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {cfg.speculative_disable_by_batch_size}")
 

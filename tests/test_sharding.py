@@ -136,6 +136,34 @@ def _tiny_quantized_runs() -> dict:
     return runs
 
 
+def _tiny_speculative_runs() -> dict:
+    """Speculative decoding on a sharded target (ngram; a draft, the target itself, on the first
+    device of each replica) and multi-step decoding, against one device without either."""
+    from jaxserve import data_parallel
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import weights
+    params = weights.random_params(TINY, seed=3)
+    prompts = [([7, 90, 31, 5] * 10)[:n] for n in (9, 21, 30, 14)]
+    runs = {}
+    for name, tp, dp, method in [("plain", 1, 1, None), ("ngram_tp2", 2, 1, "ngram"),
+                                 ("draft_tp2", 2, 1, "draft"), ("draft_dp2_tp2", 2, 2, "draft"),
+                                 ("multi_step_tp2", 2, 1, None)]:
+        cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, tensor_parallel_size=tp, data_parallel_size=dp,
+                           speculative_method=method, speculative_model="self" if method == "draft" else None,
+                           prompt_lookup_min=1, num_scheduler_steps=4 if name == "multi_step_tp2" else 1)
+        engine = data_parallel.build_engine(
+            lambda *args, **kwargs: Engine(*args, **kwargs, draft_model=(TINY, params) if method == "draft" else None),
+            TINY, None, cfg, model_name="tiny", load_params=lambda shardings: params)
+        run = {"tokens": _greedy_tokens(engine, prompts, max_tokens=20)}
+        stats = engine.stats()
+        run.update(proposed=stats.spec_proposed_tokens, accepted=stats.spec_accepted_tokens)
+        if dp == 1:
+            run["max_tokens_per_row_and_call"] = max(r.num_output_tokens // max(r.num_decode_rows, 1)
+                                                     for r in engine.step_records)
+        runs[name] = run
+    return runs
+
+
 def _smollm2_runs(model_dir: str) -> dict:
     import tempfile
 
@@ -164,7 +192,7 @@ def _worker(model_dir: str) -> None:
     import jax
     assert jax.device_count() == NUM_FAKE_DEVICES, jax.devices()
     print(json.dumps({"tiny": _tiny_runs(), "tiny_quantized": _tiny_quantized_runs(),
-                      "smollm2": _smollm2_runs(model_dir)}))
+                      "tiny_speculative": _tiny_speculative_runs(), "smollm2": _smollm2_runs(model_dir)}))
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +224,16 @@ def test_data_parallel_times_tensor_parallel_matches_one_device(results):
     assert run["tokens"] == results["tiny"]["tp1_dp1"]["tokens"]
     assert run["replica_devices"] == [[0, 1], [2, 3]]  # each replica on its own device group
     assert run["served_tokens"] == run["tokens"]  # concurrent requests through the server's router
+
+
+def test_speculative_and_multi_step_decoding_on_sharded_targets_keep_greedy_output(results):
+    runs = results["tiny_speculative"]
+    for name in ("ngram_tp2", "draft_tp2", "draft_dp2_tp2"):
+        assert runs[name]["tokens"] == runs["plain"]["tokens"], name
+        assert runs[name]["proposed"] > 0, name
+    assert runs["draft_tp2"]["accepted"] >= 0.9 * runs["draft_tp2"]["proposed"]  # the target as its own draft
+    assert runs["multi_step_tp2"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["multi_step_tp2"]["max_tokens_per_row_and_call"] == 4
 
 
 @pytest.mark.parametrize("tp", [1, 2])
