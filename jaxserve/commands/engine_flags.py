@@ -23,6 +23,8 @@ _ENGINE_INT_FLAGS = {
     "max_waiting_requests": "bound of the waiting queue",
     "tensor_parallel_size": "devices each model replica is split over (attention heads, MLP, vocabulary)",
     "data_parallel_size": "model replicas, each on its own tensor_parallel_size devices",
+    "num_scheduler_steps": "multi-step decoding: decode steps per device call when every running sequence "
+                           "decodes (1: one step per call; tokens then reach the client n at a time)",
     "num_speculative_tokens": "speculative decoding: most tokens proposed per sequence and step",
     "prompt_lookup_min": "speculative_method=ngram: shortest n-gram matched",
     "prompt_lookup_max": "speculative_method=ngram: longest n-gram matched (tried first)",
