@@ -274,7 +274,7 @@ class Engine:
         tokens, then stop strings in the output processor); a stop drops the tokens after it.
         None when a token breaks the request's grammar (the caller fails the request)."""
         new_tokens = request.output_token_ids[first:]
-        verified = result.token_ids.ndim == 2  # [rows, K + 1]: a draw per position
+        verified = result.token_ids.ndim == 2  # [rows, K + 1] or [rows, n steps]: a draw per position
         deltas = []
         for position, token_id in enumerate(new_tokens):
             if request.grammar is not None and not request.grammar.accept(token_id):

@@ -131,7 +131,8 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + self.num_prefill_tokens + self.num_verify_tokens
+        """Tokens the step computes (multi-step: every decode row's n steps)."""
+        return len(self.decode) * self.num_steps + self.num_prefill_tokens + self.num_verify_tokens
 
     @property
     def max_pages_per_seq(self) -> int:
