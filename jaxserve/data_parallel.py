@@ -11,13 +11,16 @@ over the "data" mesh axis.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from jaxserve import sharding
+from jaxserve import multihost, sharding
 from jaxserve.outputs import EngineStats
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
@@ -39,11 +42,39 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
         replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh)
                              for replica_mesh in sharding.replica_meshes(mesh)]
     engines = []
-    for shardings in replica_shardings:
-        budget = None if cfg.num_pages else device_setup.memory_budget_bytes(shardings)
-        engines.append(engine_cls(model_config, load_params(shardings), tokenizer, cfg, model_name=model_name,
+    for index, shardings in enumerate(replica_shardings):
+        if multihost.is_multihost():
+            budget = None if cfg.num_pages else _agreed_memory_budget(shardings, index)
+            rss_before = multihost.rss_bytes()
+            params = load_params(shardings)
+            _log_loaded_weights(params, rss_before)
+        else:
+            budget = None if cfg.num_pages else device_setup.memory_budget_bytes(shardings)
+            params = load_params(shardings)
+        engines.append(engine_cls(model_config, params, tokenizer, cfg, model_name=model_name,
                                   shardings=shardings, device_memory_bytes=budget))
     return engines[0] if dp == 1 else DataParallelEngine(engines)
+
+
+def _agreed_memory_budget(shardings, index: int) -> int:
+    """Several processes (jax.distributed): the memory budget of this process's first device of
+    the replica, the smallest over the processes, so that every process plans the same KV pool."""
+    import jax
+    from jaxserve import memory
+    device = next(d for d in shardings.mesh.devices.flat if d.process_index == jax.process_index())
+    return multihost.agree_min(f"memory_budget/{index}", memory.device_memory_budget_bytes(device))
+
+
+def _log_loaded_weights(params, rss_before: int | None) -> None:
+    """Logs what one process of a multi-host job holds of the weights, and its RSS growth."""
+    import jax
+    local = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    rss_after = multihost.rss_bytes()
+    mib = lambda b: b / 2**20
+    log.info("process %d of %d: weights loaded: %.1f MiB on this process's devices of %.1f MiB in all; "
+             "RSS %.1f MiB -> %.1f MiB", jax.process_index(), jax.process_count(), mib(local), mib(total),
+             mib(rss_before or 0), mib(rss_after or 0))
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:

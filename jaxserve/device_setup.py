@@ -98,25 +98,3 @@ def quantized_weights_bytes(params, shardings=None) -> int | None:
     if not quantization.params_formats(params):
         return None
     return quantization.tree_bytes(params) if shardings is None else shardings.per_device_bytes(params)
-
-
-DISTRIBUTED_ENV_VARS = ("JAXSERVE_COORDINATOR_ADDRESS", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID")
-
-
-def initialize_distributed() -> bool:
-    """Joins a multi-host job (jax.distributed.initialize) when $JAXSERVE_COORDINATOR_ADDRESS
-    (host:port of process 0), $JAXSERVE_NUM_PROCESSES and $JAXSERVE_PROCESS_ID are set; then
-    jax.devices() lists the devices of every host. Must run before jax touches a device.
-    Returns whether this process is part of a multi-host job."""
-    if jax.distributed.is_initialized():
-        return True
-    values = [os.environ.get(name) for name in DISTRIBUTED_ENV_VARS]
-    if not values[0]:
-        return False
-    try:
-        num_processes, process_id = int(values[1]), int(values[2])
-    except (TypeError, ValueError):
-        raise ValueError(f"{DISTRIBUTED_ENV_VARS[0]} is set, so {DISTRIBUTED_ENV_VARS[1]} and "
-                         f"{DISTRIBUTED_ENV_VARS[2]} must be integers") from None
-    jax.distributed.initialize(values[0], num_processes=num_processes, process_id=process_id)
-    return True

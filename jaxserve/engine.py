@@ -130,9 +130,9 @@ class Engine:
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
         Raises ValueError when the model cannot be split over the requested devices."""
         from checkpoints import load
-        from jaxserve import data_parallel, device_setup
+        from jaxserve import data_parallel, device_setup, multihost
 
-        device_setup.initialize_distributed()
+        multihost.initialize()
         cfg = device_setup.platform_config(engine_config or EngineConfig())
         source = load.open_model(model)
         return data_parallel.build_engine(

@@ -82,7 +82,9 @@ def sharded_model_config(config: ModelConfig, tensor_parallel_size: int) -> Mode
 
 def make_mesh(config: ModelConfig, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
               devices=None) -> Mesh:
-    """A (data_parallel_size, tensor_parallel_size) mesh over the first devices (all processes).
+    """A (data_parallel_size, tensor_parallel_size) mesh over the first devices; over the devices
+    of several processes (jax.distributed), every replica spans every process (see
+    `_process_spanning_grid`).
 
     Raises ValueError when the model cannot be split that way or there are too few devices."""
     check_tensor_parallel(config, tensor_parallel_size)
@@ -96,8 +98,36 @@ def make_mesh(config: ModelConfig, tensor_parallel_size: int = 1, data_parallel_
                          f"{devices[0].platform} device(s) are visible" + (
                              "; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N"
                              if devices[0].platform == "cpu" else ""))
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1:
+        return Mesh(_process_spanning_grid(devices, processes, tensor_parallel_size, data_parallel_size), AXES)
     grid = np.array(devices[:needed], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, AXES)
+
+
+def check_parallel_sizes(tensor_parallel_size: int, data_parallel_size: int, num_processes: int) -> None:
+    """ValueError unless every model replica spans every process: the tensor-parallel size must
+    be a multiple of the number of processes (each step runs on every process in lockstep)."""
+    if num_processes > 1 and tensor_parallel_size % num_processes:
+        raise ValueError(
+            f"with {num_processes} processes --tensor_parallel_size must be a multiple of {num_processes} "
+            f"(every replica spans every process; got {tensor_parallel_size}). For replicas on separate "
+            f"hosts run one server per host behind a load balancer")
+
+
+def _process_spanning_grid(devices, processes, tp: int, dp: int) -> np.ndarray:
+    """Devices of several processes (jax.distributed): every replica (row) takes tp / processes
+    devices of each process, so that every process runs every step (jaxserve.multihost's
+    lockstep); within a process, consecutive local devices."""
+    check_parallel_sizes(tp, dp, len(processes))
+    per_process = tp // len(processes)
+    local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in processes}
+    short = [p for p in processes if len(local[p]) < dp * per_process]
+    if short:
+        raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} over {len(processes)} processes "
+                         f"needs {dp * per_process} devices in each, but process {short[0]} has {len(local[short[0]])}")
+    rows = [[d for p in processes for d in local[p][r * per_process:(r + 1) * per_process]] for r in range(dp)]
+    return np.array(rows, dtype=object)
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:

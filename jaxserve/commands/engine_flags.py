@@ -120,3 +120,116 @@ def sampling_kwargs(fv: flags.FlagValues) -> dict:
     names = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos"]
     return {name: fv[name].value for name in names}
+
+
+def define_distributed_flags(fv: flags.FlagValues) -> None:
+    """The flags of a multi-host job (`serve` and `generate`; see jaxserve.multihost)."""
+    from jaxserve import multihost
+
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 of a multi-host job (every process "
+                        "runs the same command; default: $JAXSERVE_COORDINATOR_ADDRESS, else a SLURM / Open MPI "
+                        "job's, else a single process)", flag_values=fv)
+    flags.DEFINE_integer("num_processes", None, "processes of the multi-host job (default: "
+                         "$JAXSERVE_NUM_PROCESSES or the cluster's)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("process_id", None, "this process's index in the job, 0 the front (HTTP server, input "
+                         "file, scheduler) (default: $JAXSERVE_PROCESS_ID or the cluster's)", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_integer("heartbeat_timeout_s", multihost.DEFAULT_HEARTBEAT_TIMEOUT_S, "multi-host: a process "
+                         "that sends no heartbeat for this long is lost (the job fails, requests end with an "
+                         "error naming it)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_float("step_timeout_s", multihost.DEFAULT_STEP_TIMEOUT_S, "multi-host: a step not finished on "
+                       "every process after this long fails the job (a hung process; compiling a new shape "
+                       "counts, so keep it above the slowest compile when warm-up is off)", lower_bound=0.1,
+                       flag_values=fv)
+
+
+def join_options(fv: flags.FlagValues):
+    """The multihost.JoinOptions the distributed flags describe (flags > $JAXSERVE_ variables >
+    SLURM / Open MPI), None for a single process; ValueError for settings that cannot work,
+    including tensor / data parallel sizes that do not span the processes."""
+    from jaxserve import multihost
+
+    options = multihost.resolve_join_options(fv.coordinator_address, fv.num_processes, fv.process_id,
+                                             heartbeat_timeout_s=fv.heartbeat_timeout_s)
+    if options is not None and options.num_processes:
+        defaults = EngineConfig()
+        from jaxserve import sharding
+        sharding.check_parallel_sizes(fv.tensor_parallel_size or defaults.tensor_parallel_size,
+                                      fv.data_parallel_size or defaults.data_parallel_size, options.num_processes)
+    return options
+
+
+def join_job(options, command: str) -> int | None:
+    """Joins the multi-host job; this process's index (0: the front), or None after printing why
+    it could not join."""
+    import logging
+    import sys
+
+    from jaxserve import multihost
+    # Every process of a job logs its role, its share of the weights and how the job ends.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src.xla_bridge", "jax._src.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        multihost.initialize(options)
+    except Exception as e:  # the runtime raises XlaRuntimeError / ValueError / RuntimeError
+        print(f"jaxserve {command}: cannot join the multi-host job: {e}", file=sys.stderr)
+        return None
+    import jax
+    return jax.process_index()
+
+
+def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
+    """A worker process (process_id > 0) of `command`: builds the same engine as process 0, then
+    runs the steps process 0 sends until it says stop (0), or fails loudly: 2 when the engine
+    cannot be built (process 0 fails the same way), 1 when process 0 is lost or a step fails."""
+    import logging
+    import signal
+    import sys
+
+    import jax
+
+    from jaxserve import multihost
+    from jaxserve.engine import Engine
+
+    pid = jax.process_index()
+    # SIGTERM (a Kubernetes pod deletion reaches every process at once): keep following until
+    # process 0 has drained and says stop, or is gone.
+    signal.signal(signal.SIGTERM, lambda *_: logging.getLogger(__name__).warning(
+        "process %d: SIGTERM; waiting for process 0 to drain and stop the job", pid))
+    try:
+        engine = Engine.from_model(fv.model, engine_config(fv, **overrides))
+    except (ValueError, OSError) as e:
+        print(f"jaxserve {command}: process {pid}: cannot load {fv.model!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        multihost.follow(engine)
+    except Exception as e:  # process 0 lost (MultiHostError), or a step failed here (reported to process 0)
+        text = str(e) if isinstance(e, multihost.MultiHostError) else f"a step failed: {type(e).__name__}: {e}"
+        print(f"jaxserve {command}: process {pid}: {text}", file=sys.stderr)
+        multihost.exit_now(1)
+    multihost.leave()
+    return 0
+
+
+def run_front(engine, work, command: str, fv: flags.FlagValues) -> int:
+    """Process 0 of a multi-host job: routes the engine's steps to every process, runs `work()`,
+    then tells the others to stop. A failed job exits at once with 1, naming the failure."""
+    import sys
+
+    from jaxserve import multihost
+
+    try:
+        front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
+        front.attach(engine)
+    except (ValueError, multihost.MultiHostError) as e:  # unsupported settings, or a process lost already
+        print(f"jaxserve {command}: {e}", file=sys.stderr)
+        multihost.exit_now(2 if isinstance(e, ValueError) else 1)
+    try:
+        code = work()
+    finally:
+        front.stop()
+    if front.failure is not None:
+        print(f"jaxserve {command}: the multi-host job failed: {front.failure}", file=sys.stderr)
+        multihost.exit_now(1)
+    return code

@@ -32,6 +32,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     engine_flags.define_engine_flags(fv)
     engine_flags.define_sampling_flags(fv)
+    engine_flags.define_distributed_flags(fv)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -101,6 +102,17 @@ def run(fv: flags.FlagValues) -> int:
     if not fv.input or not fv.output:
         print("jaxserve generate: --input and --output are required", file=sys.stderr)
         return 2
+    try:  # a multi-host job: every process joins; process 0 reads the input, the others follow it
+        join = engine_flags.join_options(fv)
+    except ValueError as e:
+        print(f"jaxserve generate: {e}", file=sys.stderr)
+        return 2
+    if join is not None:
+        process = engine_flags.join_job(join, "generate")
+        if process is None:
+            return 1
+        if process != 0:
+            return engine_flags.follow_front(fv, "generate", warmup=False)
     try:
         items = read_prompts(fv.input)
         base = engine_flags.sampling_kwargs(fv)
@@ -117,7 +129,7 @@ def run(fv: flags.FlagValues) -> int:
         return 2
     skip = done_ids(fv.output)
     todo = [(item, sp) for item, sp in zip(items, params) if item["id"] not in skip]
-    if not todo:
+    if not todo and join is None:  # (multi-host: the others load the model too, then are told to stop)
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
@@ -143,6 +155,13 @@ def run(fv: flags.FlagValues) -> int:
         except ValueError as e:
             print(f"jaxserve generate: id {item['id']!r}: {e}", file=sys.stderr)
             return 2
+    if join is not None:
+        def batch():
+            if not todo:
+                print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
+                return 0
+            return _run_batch(engine, todo, prompts, fv)
+        return engine_flags.run_front(engine, batch, "generate", fv)
     return _run_batch(engine, todo, prompts, fv)
 
 

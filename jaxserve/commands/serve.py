@@ -54,6 +54,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.register_validator("default_sampling", _valid_default_sampling, flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
+    engine_flags.define_distributed_flags(fv)
 
 
 def _valid_origins(values: list[str] | None) -> bool:
@@ -116,6 +117,17 @@ def run(fv: flags.FlagValues) -> int:
     logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:  # a multi-host job: every process joins; process 0 serves, the others follow its steps
+        join = engine_flags.join_options(fv)
+    except ValueError as e:
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 2
+    if join is not None:
+        process = engine_flags.join_job(join, "serve")
+        if process is None:
+            return 1
+        if process != 0:
+            return engine_flags.follow_front(fv, "serve")
     from serve.app import ServerConfig, create_app
     from serve.connections import ConnectionLimits
     from serve.server import serve_until_stopped
@@ -144,11 +156,31 @@ def run(fv: flags.FlagValues) -> int:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
             return 2
         logging.getLogger(__name__).info("%s", defaults_line)
+        front = None
+        if join is not None:  # steps go to every process; a lost process fails the job loudly
+            from jaxserve import multihost
+            try:
+                front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
+                front.attach(engine)
+            except ValueError as e:
+                print(f"jaxserve serve: {e}", file=sys.stderr)
+                return 2
+            except multihost.MultiHostError as e:  # a process lost before the first step
+                print(f"jaxserve serve: the multi-host job failed: {e}", file=sys.stderr)
+                multihost.exit_now(1)
+            from serve.app import ServerStopping  # a failed job answers 503, naming the failure
+            engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
             await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits)
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1
+        finally:  # after the drain: SIGTERM on process 0 stops the whole job
+            if front is not None:
+                front.stop()
+        if front is not None and front.failure is not None:
+            print(f"jaxserve serve: the multi-host job failed: {front.failure}", file=sys.stderr)
+            multihost.exit_now(1)
         return 0
 
     try:

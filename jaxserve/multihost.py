@@ -1,0 +1,717 @@
+"""Multi-host serving: one model over several processes joined by jax.distributed, one front.
+
+Every process (one per host) runs the same command with the same flags. `join` connects them
+through JAX's distributed runtime (the coordinator is process 0); `jax.devices()` then lists the
+devices of every process, the mesh spans them and the checkpoint is restored straight into each
+process's shards (orbax reads only what a process's devices hold).
+
+Roles, all processes in lockstep:
+  process 0, the front: the HTTP server or the input file, the scheduler, the sampler's host side.
+    Each step the runner packs (`ModelRunner._run_step`'s inputs: bucket, step arrays, sampling
+    arrays, prompt-logprob rows, grammar bitmasks filled in first) are sent to the others as one
+    packed buffer through the distributed runtime's key-value store (`StepChannel`; large ones as
+    device broadcasts), then process 0 runs the step itself. `Front.attach` installs this on the runners.
+  the other processes, workers: `follow` receives each step and calls the same compiled step on
+    the same inputs, until process 0 sends stop (or is lost).
+The step's inputs become global arrays (replicated, `jax.make_array_from_process_local_data`)
+and its outputs (replicated) are read from the local shard, so the front's runner code is
+unchanged. Steps are serialised by one lock in the front (data-parallel replicas step in
+threads), so every process issues the same computations in the same order.
+
+Why the key-value store and not `multihost_utils.broadcast_one_to_all` (bench/multihost.py,
+bench/RESULTS.md "Multi-host"): for the sizes of real steps (a few KiB) the store costs 0.4-0.8 ms
+per step against 0.7-3.7 ms for the device collective, which also makes every process wait for
+the slowest before the step; the store compiles nothing whatever the message's size, where the
+device broadcast compiles one function per shape; and a worker's get has a timeout, which is how
+it notices a lost front. The store's gRPC path compresses and copies, though (23-26 ms per MiB
+here), so a message over KV_MAX_BYTES only announces its size in the store and its bytes follow
+as fixed 1 MiB device broadcasts (about 4-4.5 ms each here; one shape, compiled before the first
+step).
+
+Failure is loud: the job runs with the coordination service's recoverable mode, so a lost
+process does not kill the others. Every process takes part in rounds of the coordinator's
+GetAliveTasks (`LivenessMonitor`; a round leaves out a process whose heartbeats stopped for
+`heartbeat_timeout_s`), and the front waits for each step in a separate thread (a collective with
+a lost process may never return), polling those rounds and the workers' error reports. A lost
+process, a worker's failed step or a step past `step_timeout_s` fail the job for good: that
+step's requests end with an error naming the process, every later step fails at once, and the
+server's /health answers 503.
+A failed job does not try to recover (the processes' KV caches could no longer be kept equal).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ENV_VARS = ("JAXSERVE_COORDINATOR_ADDRESS", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID")
+KEY_PREFIX = "jaxserve"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10
+DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_INIT_TIMEOUT_S = 300
+POLL_S = 0.2  # how often a waiting front checks the job's health
+KEYS_PER_BLOCK = 256  # step keys are deleted a block at a time
+
+
+class MultiHostError(RuntimeError):
+    """The multi-host job failed (a process lost, hung, or a step that failed on some process)."""
+
+
+# ---- joining ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JoinOptions:
+    """How this process joins a job. coordinator_address None with `auto`: jax.distributed finds
+    the job from the cluster's environment (SLURM, Open MPI)."""
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    auto: bool = False
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+    init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
+
+
+def detected_cluster(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The cluster whose environment jax.distributed can read the job from (SLURM, Open MPI)
+    when it describes more than one process; else None."""
+    def count(name):
+        try:
+            return int(environ.get(name, "1"))
+        except ValueError:
+            return 1
+    if "SLURM_JOB_ID" in environ and count("SLURM_NTASKS") > 1:
+        return "SLURM"
+    if "OMPI_MCA_orte_hnp_uri" in environ and count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "Open MPI"
+    return None
+
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def resolve_join_options(coordinator_address: str | None = None, num_processes: int | None = None,
+                         process_id: int | None = None, *, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                         init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S,
+                         environ: Mapping[str, str] = os.environ) -> JoinOptions | None:
+    """The job this process belongs to: each of the three settings from its flag, else from
+    $JAXSERVE_COORDINATOR_ADDRESS / $JAXSERVE_NUM_PROCESSES / $JAXSERVE_PROCESS_ID; without a
+    coordinator, auto-detected from SLURM or Open MPI; None for a single process.
+    ValueError (a one-line message) for settings that cannot describe a job."""
+    values = [coordinator_address, num_processes, process_id]
+    for i, name in enumerate(ENV_VARS):
+        if values[i] is None and environ.get(name):
+            if i == 0:
+                values[i] = environ[name]
+            else:
+                try:
+                    values[i] = int(environ[name])
+                except ValueError:
+                    raise ValueError(f"${name} must be an integer, got {environ[name]!r}") from None
+    address, n, pid = values
+    if heartbeat_timeout_s < 1:
+        raise ValueError(f"the heartbeat timeout must be at least 1 s, got {heartbeat_timeout_s}")
+    if address is None:
+        cluster = detected_cluster(environ)
+        if cluster is not None:
+            return JoinOptions(None, n, pid, auto=True, heartbeat_timeout_s=heartbeat_timeout_s,
+                               init_timeout_s=init_timeout_s)
+        if n is not None and n > 1 or pid is not None and pid > 0:
+            raise ValueError("--num_processes / --process_id need --coordinator_address=host:port (process 0's "
+                             "address; or $JAXSERVE_COORDINATOR_ADDRESS, or a SLURM / Open MPI job)")
+        return None
+    if not _ADDRESS.match(address):
+        raise ValueError(f"--coordinator_address must be host:port, got {address!r}")
+    if n is None or pid is None:
+        raise ValueError("--coordinator_address needs --num_processes and --process_id (or their $JAXSERVE_ "
+                         "variables)")
+    if n < 1:
+        raise ValueError(f"--num_processes must be at least 1, got {n}")
+    if not 0 <= pid < n:
+        raise ValueError(f"--process_id must be in [0, {n - 1}] for --num_processes={n}, got {pid}")
+    return JoinOptions(address, n, pid, heartbeat_timeout_s=heartbeat_timeout_s, init_timeout_s=init_timeout_s)
+
+
+def initialize(options: JoinOptions | None = None) -> bool:
+    """Joins a multi-host job as `options` say, else as $JAXSERVE_COORDINATOR_ADDRESS (host:port of
+    process 0), $JAXSERVE_NUM_PROCESSES and $JAXSERVE_PROCESS_ID say, else as a SLURM / Open MPI
+    job's environment says; then jax.devices() lists the devices of every host. Must run before
+    jax touches a device. Returns whether this process is part of a multi-host job.
+    ValueError for settings that cannot describe a job."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True
+    options = options or resolve_join_options()
+    if options is None:
+        return False
+    join(options)
+    return True
+
+
+def join(options: JoinOptions) -> None:
+    """jax.distributed.initialize for `options`, in the coordination service's recoverable mode
+    (a lost process is reported, not fatal to the others) with its heartbeat timeout. Must run
+    before jax touches a device."""
+    import jax
+
+    jax.config.update("jax_enable_recoverability", True)
+    # Each step shape is compiled once, by process 0, and its binary shared with the others
+    # through the key-value store. (JAX's persistent cache is written by process 0 only, and a
+    # shape process 0 found there would never be shared: it stays off in a job.)
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_share_binary_between_hosts", True)
+    kwargs = dict(initialization_timeout=options.init_timeout_s,
+                  heartbeat_timeout_seconds=options.heartbeat_timeout_s,
+                  shutdown_timeout_seconds=max(5, options.heartbeat_timeout_s))
+    if options.auto:
+        jax.distributed.initialize(num_processes=options.num_processes, process_id=options.process_id, **kwargs)
+    else:
+        jax.distributed.initialize(options.coordinator_address, num_processes=options.num_processes,
+                                   process_id=options.process_id, **kwargs)
+    log.info("joined the multi-host job as process %d of %d (%d local, %d global devices)",
+             jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def is_multihost() -> bool:
+    """Whether this process is one of several in a jax.distributed job."""
+    import jax
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise MultiHostError("jax.distributed is not initialized")
+    return client
+
+
+def agree_min(name: str, value: int, timeout_s: float = 300.0) -> int:
+    """The smallest `value` over all processes (every process calls it with the same `name`),
+    through the key-value store: no device computation, nothing compiled."""
+    import jax
+    client = _client()
+    client.key_value_set(f"{KEY_PREFIX}/agree/{name}/{jax.process_index()}", str(int(value)))
+    return min(int(client.blocking_key_value_get(f"{KEY_PREFIX}/agree/{name}/{i}", int(timeout_s * 1000)))
+               for i in range(jax.process_count()))
+
+
+# ---- the step message -------------------------------------------------------------------------
+@dataclasses.dataclass
+class StepMessage:
+    """One step as the front sends it: which replica, its bucket and the `_run_step` inputs."""
+    kind: str  # "step" or "stop"
+    replica: int = 0
+    bucket: tuple[int, int, int] | None = None  # (num_decode, num_prefill_tokens, pages_per_seq)
+    arrays: dict[str, np.ndarray] | None = None
+    sampling: dict[str, np.ndarray] | None = None
+    prompt_rows: dict[str, np.ndarray] | None = None
+
+
+_GROUPS = ("arrays", "sampling", "prompt_rows")
+
+
+FILL_MIN_BYTES = 1024  # larger arrays holding one value throughout are sent as that value
+
+
+def pack(message: StepMessage) -> bytes:
+    """One buffer: a 4-byte header length, a JSON header (kind, replica, bucket, each array's
+    group, name, dtype, shape and, for a large array of one value, that value), then the other
+    arrays' bytes back to back. (The grammar bitmask [rows, vocab / 32] is all ones unless a row
+    has a grammar: most steps send 0 of its bytes.)"""
+    entries, chunks = [], []
+    for group in _GROUPS:
+        for name, array in (getattr(message, group) or {}).items():
+            array = np.ascontiguousarray(array)
+            entry = [group, name, array.dtype.str, list(array.shape)]
+            if array.nbytes >= FILL_MIN_BYTES and (array == array.flat[0]).all():
+                entry.append(array.flat[0].item())
+            else:
+                chunks.append(array.tobytes())
+            entries.append(entry)
+    header = json.dumps({"kind": message.kind, "replica": message.replica, "bucket": message.bucket,
+                         "groups": [g for g in _GROUPS if getattr(message, g) is not None],
+                         "entries": entries}).encode()
+    return b"".join([struct.pack("<I", len(header)), header, *chunks])
+
+
+def unpack(payload: bytes) -> StepMessage:
+    """The StepMessage of a `pack`ed buffer (arrays are read-only views of it)."""
+    (size,) = struct.unpack_from("<I", payload)
+    header = json.loads(payload[4:4 + size])
+    message = StepMessage(header["kind"], header["replica"],
+                          None if header["bucket"] is None else tuple(header["bucket"]))
+    for group in header["groups"]:
+        setattr(message, group, {})
+    offset = 4 + size
+    for group, name, dtype, shape, *fill in header["entries"]:
+        dtype = np.dtype(dtype)
+        if fill:
+            getattr(message, group)[name] = np.full(shape, fill[0], dtype)
+            continue
+        count = int(np.prod(shape, dtype=np.int64))
+        getattr(message, group)[name] = np.frombuffer(payload, dtype, count, offset).reshape(shape)
+        offset += count * dtype.itemsize
+    if offset != len(payload):
+        raise MultiHostError(f"step message of {len(payload)} bytes, {offset} described")
+    return message
+
+
+# Larger step messages go as device broadcasts (bench/multihost.py); $JAXSERVE_MULTIHOST_KV_MAX_BYTES
+# overrides it (the same value on every process).
+KV_MAX_BYTES = int(os.environ.get("JAXSERVE_MULTIHOST_KV_MAX_BYTES", 128 * 1024))
+CHUNK_BYTES = 1 << 20  # the one compiled shape of those broadcasts
+
+
+class StepChannel:
+    """Process 0 -> the others, one message per step. Through the distributed runtime's
+    key-value store (keys `jaxserve/step/<block>/<seq>`; a block is deleted once every process
+    is two blocks past it, which the lockstep guarantees), except that a message over
+    KV_MAX_BYTES only announces its size there and its bytes follow as `broadcast_bytes`
+    collectives: the store's gRPC path compresses and copies (23-26 ms per MiB here, against
+    about 4 ms per MiB chunk for the device broadcast), while below ~128 KiB the store is the
+    cheaper one (0.4-0.5 ms for 1-8 KiB against 0.6-3.4 ms)."""
+
+    def __init__(self, client=None):
+        self._client = client or _client()
+        self.seq = 0
+
+    def _key(self, seq: int) -> str:
+        return f"{KEY_PREFIX}/step/{seq // KEYS_PER_BLOCK}/{seq}"
+
+    def send(self, payload: bytes, may_broadcast: bool = True) -> bytes | None:
+        """Puts the message (or, for a large one, its size) in the store. Returns the bytes the
+        caller must then send with `broadcast_bytes` (large messages), else None."""
+        seq = self.seq
+        if seq % KEYS_PER_BLOCK == 0 and seq >= 2 * KEYS_PER_BLOCK:
+            self._client.key_value_delete(f"{KEY_PREFIX}/step/{seq // KEYS_PER_BLOCK - 2}")
+        large = may_broadcast and len(payload) > KV_MAX_BYTES
+        self._client.key_value_set_bytes(self._key(seq), b"B" + struct.pack("<Q", len(payload)) if large
+                                         else b"K" + payload)
+        self.seq += 1
+        return payload if large else None
+
+    def receive(self, wait_s: float = 1.0, on_idle: Callable[[], None] | None = None) -> bytes:
+        """The next message (a large one fetched with `broadcast_bytes`); waits in `wait_s`
+        slices, calling `on_idle` between them (which raises to stop waiting). MultiHostError
+        when the coordinator cannot be reached."""
+        while True:
+            try:
+                message = self._client.blocking_key_value_get_bytes(self._key(self.seq), int(wait_s * 1000))
+            except Exception as e:  # the runtime raises XlaRuntimeError for both
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise MultiHostError(f"lost the coordinator (process 0): {e}") from None
+                if on_idle is not None:
+                    on_idle()
+                continue
+            self.seq += 1
+            if message[:1] == b"B":
+                return broadcast_bytes(None, struct.unpack_from("<Q", message, 1)[0])
+            return message[1:]
+
+
+def broadcast_bytes(payload: bytes | None, size: int) -> bytes:
+    """Process 0's `payload` (None elsewhere) on every process, in CHUNK_BYTES chunks through
+    `multihost_utils.broadcast_one_to_all` (one compiled shape; every process must call this
+    with the same size, in the same order as its other collectives)."""
+    from jax.experimental import multihost_utils
+
+    out = []
+    for start in range(0, max(size, 1), CHUNK_BYTES):
+        chunk = np.zeros(CHUNK_BYTES, np.uint8)
+        if payload is not None:
+            piece = np.frombuffer(payload, np.uint8, min(CHUNK_BYTES, size - start), start)
+            chunk[:len(piece)] = piece
+        out.append(np.asarray(multihost_utils.broadcast_one_to_all(chunk)).tobytes())
+    return b"".join(out)[:size]
+
+
+def warm_up_broadcast() -> None:
+    """Compiles the chunk broadcast; every process calls it once, before any step."""
+    import jax
+    broadcast_bytes(b"\0" if jax.process_index() == 0 else None, 1)
+
+
+# ---- the step on global arrays ----------------------------------------------------------------
+def _local_value(x):
+    """A global step output as a local array: the addressable copy of a replicated array, else
+    gathered from every process (all processes do this in the same order)."""
+    import jax
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return x
+    if x.is_fully_replicated:
+        return x.addressable_data(0)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(x, tiled=True)
+
+
+def run_global_step(run_step, replicated, bucket, arrays, sampling, prompt_rows):
+    """`run_step` (a runner's original `_run_step`) on global, replicated copies of the step's
+    host arrays; returns its outputs as local arrays, computed."""
+    import jax
+
+    put = lambda a: jax.make_array_from_process_local_data(replicated, np.asarray(a))
+    arrays = {k: put(v) for k, v in arrays.items()}
+    sampling = {k: put(v) for k, v in sampling.items()}
+    prompt_rows = None if prompt_rows is None else {k: put(v) for k, v in prompt_rows.items()}
+    out = run_step(bucket, arrays, sampling, (), prompt_rows)
+    return jax.block_until_ready(jax.tree.map(_local_value, out))
+
+
+def _replicated_sharding(runner):
+    from jax.sharding import NamedSharding, PartitionSpec
+    return NamedSharding(runner.kv_cache["k"].sharding.mesh, PartitionSpec())
+
+
+def engine_replicas(engine) -> list:
+    """The Engine replicas of an Engine, a DataParallelEngine, an AsyncEngine or its router."""
+    replicas = getattr(engine, "replicas", None)
+    if replicas is None:
+        return [getattr(engine, "engine", engine)]
+    return [getattr(r, "engine", r) for r in replicas]
+
+
+def _check_supported(engine) -> None:
+    """ValueError for engine settings whose device calls bypass `_run_step` (so they would run
+    on the front alone): speculative decoding and multi-step decoding."""
+    cfg = engine.config
+    if cfg.speculative_method:
+        raise ValueError("speculative decoding is not supported across several processes yet")
+    if cfg.num_scheduler_steps > 1:
+        raise ValueError("multi-step decoding (num_scheduler_steps > 1) is not supported across several processes yet")
+
+
+# ---- liveness -------------------------------------------------------------------------------
+class LivenessMonitor:
+    """Every process runs one: a thread taking part in rounds of the coordination service's
+    GetAliveTasks over all processes (`get_live_nodes`). A round ends when every live process has
+    joined it; a process whose heartbeats stopped for the heartbeat timeout is left out of it (and
+    a round that waited for it ends then). So `live` follows jax.distributed's own heartbeats."""
+
+    def __init__(self, client, num_processes: int, interval_s: float = 0.25):
+        self._client, self._all = client, list(range(num_processes))
+        self.live: set[int] = set(self._all)
+        self.last_round = time.monotonic()
+        self.error: str | None = None
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-liveness", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                live = set(self._client.get_live_nodes(self._all))
+            except Exception as e:
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            if live != self.live:
+                log.warning("live processes: %s of %d", sorted(live), len(self._all))
+            self.live, self.last_round = live, time.monotonic()
+            self._stop.wait(self.interval_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends the rounds after the current one (which needs the other processes' monitors)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+
+# ---- process 0 --------------------------------------------------------------------------------
+class Front:
+    """Process 0's side: sends every step to the workers before running it, waits for it with a
+    bound, and fails the job loudly when a process is lost or a step fails or hangs."""
+
+    def __init__(self, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                 heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S, client=None):
+        import jax
+        self._client = client or _client()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.num_processes = jax.process_count()
+        self.step_timeout_s = step_timeout_s
+        self.channel = StepChannel(self._client)
+        self._lock = threading.Lock()
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-multihost-step")
+        self.failure: str | None = None
+        self.monitor = LivenessMonitor(self._client, self.num_processes)
+        self._wait(self._device.submit(warm_up_broadcast))  # (the workers' `follow` does the same first)
+        self.compilations = count_compilations()  # after warm-up: should stay 0
+        self.num_steps = 0
+        self.broadcast_seconds = 0.0  # packing + sending, summed over steps
+        self.broadcast_bytes = 0
+        self._stopped = False
+
+    def attach(self, engine) -> None:
+        """Routes the steps of every replica of `engine` through this front (its runners'
+        `_run_step` and `recover`)."""
+        for index, replica in enumerate(engine_replicas(engine)):
+            _check_supported(replica)
+            self._wrap(replica.runner, index)
+
+    def _wrap(self, runner, index: int) -> None:
+        from jaxserve import structured_output
+
+        original, replicated = runner._run_step, _replicated_sharding(runner)
+        original_recover = runner.recover
+
+        def run_step(bucket, arrays, sampling, grammars=(), prompt_rows=None):
+            self._raise_if_failed()
+            structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])  # before sending
+            with self._lock:
+                self._raise_if_failed()
+                start = time.perf_counter()
+                payload = pack(StepMessage("step", index, (bucket.num_decode, bucket.num_prefill_tokens,
+                                                           bucket.pages_per_seq), arrays, sampling, prompt_rows))
+                large = self.channel.send(payload)
+                self.broadcast_seconds += time.perf_counter() - start
+                self.broadcast_bytes += len(payload)
+                self.num_steps += 1
+                # Every collective (a large message's broadcast, the step) runs in the device
+                # thread: a lost process can block it forever, never the engine's thread.
+                future = self._device.submit(self._device_step, large, original, replicated, bucket, arrays,
+                                             sampling, prompt_rows)
+                return self._wait(future)
+
+        def recover():
+            # A failed step failed the job: never touch the devices again (that would need every process).
+            return False if self.failure is not None else original_recover()
+
+        runner._run_step, runner.recover = run_step, recover
+
+    def _device_step(self, large, *step):
+        if large is not None:
+            start = time.perf_counter()
+            broadcast_bytes(large, len(large))
+            self.broadcast_seconds += time.perf_counter() - start
+        return run_global_step(*step)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise MultiHostError(self.failure)
+
+    def _fail(self, message: str) -> MultiHostError:
+        if self.failure is None:
+            self.failure = message
+            log.error("multi-host job failed: %s", message)
+        return MultiHostError(self.failure)
+
+    def _lost_and_reports(self) -> tuple[list[int], dict[int, str]]:
+        """Processes the liveness rounds left out, and the errors workers reported."""
+        lost = [i for i in range(self.num_processes) if i not in self.monitor.live]
+        reports = {}
+        try:
+            for key, value in self._client.key_value_dir_get(f"{KEY_PREFIX}/error"):
+                reports[int(key.rsplit("/", 1)[1])] = value
+        except Exception:
+            pass
+        return lost, reports
+
+    def problems(self) -> str | None:
+        """What is wrong with the job now (lost processes, workers' reported errors), or None."""
+        if self.monitor.error is not None:
+            return f"cannot reach the coordinator: {self.monitor.error}"
+        lost, reports = self._lost_and_reports()
+        return self._describe(lost, reports) if lost or reports else None
+
+    def _describe(self, lost: list[int], reports: dict[int, str], own: str | None = None) -> str:
+        n = self.num_processes
+        parts = [f"lost process {i} of {n} (no heartbeat within {self.heartbeat_timeout_s}s)" for i in lost]
+        parts += [f"process {i} of {n} failed: {text}" for i, text in sorted(reports.items()) if i not in lost]
+        if own is not None:
+            parts.append(f"the step failed on process 0: {own}")
+        return "; ".join(parts)
+
+    def _diagnose(self, own: str | None) -> str:
+        """The failure as precisely as the job can tell within a heartbeat timeout. A lost process
+        breaks the others' collectives at once, so their errors (and their exits) come first:
+        wait for the liveness rounds to name a process that was lost without reporting an error,
+        the cause, before blaming the processes that merely saw it go."""
+        deadline = time.monotonic() + self.heartbeat_timeout_s + 4 * self.monitor.interval_s + 1
+        while self.monitor.error is None:
+            lost, reports = self._lost_and_reports()
+            silent = [i for i in lost if i not in reports]
+            if silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if self.monitor.error is not None:
+            return f"cannot reach the coordinator: {self.monitor.error}"
+        if silent:  # the others' errors are its consequence
+            then = self._describe([], reports, own)
+            return self._describe(silent, {}) + (f" (then: {then})" if then else "")
+        return self._describe([], reports, own)
+
+    def _wait(self, future):
+        started = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as e:
+                raise self._fail(self._diagnose(f"{type(e).__name__}: {e}")) from e
+            if self.problems() is not None:
+                raise self._fail(self._diagnose(None))
+            if time.monotonic() - started > self.step_timeout_s:
+                raise self._fail(f"a step did not finish within {self.step_timeout_s:g}s on every process "
+                                 f"(all {self.num_processes} processes still send heartbeats: one of them hangs)")
+
+    def stop(self) -> None:
+        """Tells the workers to exit (once; not after a failure, when they may be gone)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            log.info("process 0: %d steps sent to %d processes (%.0f bytes and %.3f ms of packing and sending per "
+                     "step), %d compilations after warm-up", self.num_steps, self.num_processes,
+                     self.broadcast_bytes / max(self.num_steps, 1),
+                     1000 * self.broadcast_seconds / max(self.num_steps, 1), self.compilations())
+            if self.failure is None:
+                try:
+                    self.channel.send(pack(StepMessage("stop")), may_broadcast=False)
+                    self._wait_for_workers_to_leave()
+                except Exception as e:
+                    log.error("could not tell the workers to stop: %s", e)
+        self._device.shutdown(wait=False)
+
+    def _wait_for_workers_to_leave(self, timeout_s: float = 30.0) -> None:
+        """Waits (bounded) until the workers have disconnected (`leave`), so that none of them
+        still needs the coordinator, which lives in this process."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.monitor.live <= {0} or self.monitor.error is not None:
+                return
+            time.sleep(0.05)
+        log.warning("workers still connected %.0fs after the stop message", timeout_s)
+
+
+def leave() -> None:
+    """A worker's clean exit from the job (after the stop message): disconnects from the
+    coordinator while process 0 still runs it (a disconnect at interpreter exit could find it
+    gone, which the runtime treats as fatal)."""
+    import jax
+    if _worker_monitor is not None:
+        _worker_monitor.stop()
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:
+        log.warning("leaving the job: %s", e)
+
+
+# ---- the workers ------------------------------------------------------------------------------
+_worker_monitor: LivenessMonitor | None = None
+
+def follow(engine, *, idle_wait_s: float = 1.0) -> int:
+    """A worker's loop: runs every step process 0 sends, on the runner of the replica it names,
+    until the stop message. Returns the number of steps run. MultiHostError when process 0 is
+    lost; a step that fails here is reported to process 0 (which fails the job) and re-raised."""
+    import jax
+
+    client = _client()
+    pid = jax.process_index()
+    runners = []
+    for replica in engine_replicas(engine):
+        _check_supported(replica)
+        runners.append((replica.runner._run_step, _replicated_sharding(replica.runner)))
+    channel = StepChannel(client)
+    global _worker_monitor
+    _worker_monitor = monitor = LivenessMonitor(client, jax.process_count())
+
+    def front_alive():  # (the coordinator lives in process 0: a lost front also fails the step channel)
+        if monitor.error is not None:
+            raise MultiHostError(f"lost the coordinator (process 0): {monitor.error}")
+        if 0 not in monitor.live:
+            raise MultiHostError("lost process 0 (the front): no heartbeat within the timeout")
+
+    warm_up_broadcast()  # (process 0's Front does the same first)
+    compilations = count_compilations()
+    steps = 0
+    log.info("process %d: following process 0's steps", pid)
+    while True:
+        message = unpack(channel.receive(idle_wait_s, front_alive))
+        if message.kind == "stop":
+            log.info("process %d: stop after %d steps followed, %d compilations after warm-up", pid, steps,
+                     compilations())
+            return steps
+        run_step, replicated = runners[message.replica]
+        from jaxserve.runner import Bucket
+        try:
+            run_global_step(run_step, replicated, Bucket(*message.bucket), message.arrays, message.sampling,
+                            message.prompt_rows)
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}"[:2000]
+            try:
+                client.key_value_set(f"{KEY_PREFIX}/error/{pid}", text)
+            except Exception:
+                pass
+            raise
+        steps += 1
+
+
+def count_compilations():
+    """Starts counting XLA compilations in this process; returns a function that reads the count."""
+    from jax import monitoring
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+    monitoring.register_event_duration_secs_listener(listener)
+    return lambda: len(events)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux /proc); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def exit_now(code: int) -> None:
+    """Ends the process now (output flushed), skipping interpreter shutdown: after a failed job
+    a thread may be stuck in a collective with a lost process, which a normal exit would join."""
+    import sys
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+class FrontAsyncEngine:
+    """The server's engine on process 0 of a multi-host job: the AsyncEngine (or replica router)
+    it wraps, except that a failed job is not alive (/health answers 503), its health names the
+    failure, and new requests are refused with it."""
+
+    def __init__(self, engine, front: Front, refusal: type[Exception] = MultiHostError):
+        """`refusal`: the exception new requests get once the job failed (the server's 503 type)."""
+        self._engine = engine
+        self.front = front
+        self._refusal = refusal
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def is_alive(self) -> bool:
+        return self.front.failure is None and self._engine.is_alive()
+
+    def health(self) -> dict:
+        return {**self._engine.health(), "num_processes": self.front.num_processes,
+                "multihost_failure": self.front.failure}
+
+    def generate(self, request_id, prompt_token_ids, params):
+        if self.front.failure is not None:
+            raise self._refusal(f"the multi-host job failed: {self.front.failure}")
+        return self._engine.generate(request_id, prompt_token_ids, params)
