@@ -169,3 +169,27 @@ def test_single_stream_quick(tiny_model, tmp_path):
         assert row["decode_bucket_rows"] == [1]  # one stream decodes in the CPU's 1-row bucket
     assert results["jaxserve int8+embed"]["weights_bytes"] < results["jaxserve float"]["weights_bytes"]
     assert "TPOT ms" in result.stdout
+
+
+def test_speculative_smoke(tiny_model, tmp_path):
+    out = tmp_path / "speculative.json"
+    result = run_script(["bench/speculative.py", "--smoke", f"--model={tiny_model}", f"--out={out}"], 300)
+    assert result.returncode == 0, failure(result)
+    report = json.loads(out.read_text())
+    single = report["single_stream"]
+    assert set(single) == {"none", "ngram k=2", "draft=target k=2"}
+    for r in single.values():
+        for cls in ("copy", "chat"):
+            c = r["per_class"][cls]
+            assert c["tpot_ms"] > 0 and c["num_requests"] == 1 and c["output_tokens"] == [8]
+            assert c["greedy_identical"] == 1, (cls, c["differing"])  # greedy: speculation changes no token
+        assert r["warmup_s"] > 0
+    draft = single["draft=target k=2"]
+    assert draft["per_class"]["all"]["verify_steps"] > 0 and draft["per_class"]["all"]["acceptance_rate"] > 0.5
+    assert draft["step_kinds"]["verify"]["median_tokens_out"] > 1  # the target drafting for itself
+    concurrency = report["concurrency"]
+    assert set(concurrency) == {"max_num_seqs=2 none", "max_num_seqs=2 ngram k=2", "max_num_seqs=2 ngram k=2 disable>1"}
+    for r in concurrency.values():
+        for mix in ("copy", "chat"):
+            assert r[mix]["output_tokens_per_s"] > 0 and r[mix]["greedy_identical"] == r[mix]["num_requests"] == 3
+    assert "TPOT ms" in result.stdout and "output tok/s" in result.stdout
