@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         for n in steps:
             start = time.perf_counter()
             engines[n] = Engine(config, params, None, EngineConfig(
-                max_num_seqs=max(batch_sizes), max_num_batched_tokens=512, enable_prefix_caching=False,
+                max_num_seqs=max(batch_sizes), max_num_batched_tokens=128, enable_prefix_caching=False,
                 max_model_len=args.prompt_len + args.output_len + 16, num_scheduler_steps=n, warmup=True))
             print(f"{name} n={n}: warm-up {time.perf_counter() - start:.1f}s", flush=True)
         rng = np.random.default_rng(0)
