@@ -1,4 +1,5 @@
 """Engine: continuous batching, preemption, prefix caching, compile count, seeded sampling, failed steps."""
+import contextlib
 import re
 
 import numpy as np
@@ -49,6 +50,23 @@ def run_staggered(engine, prompts, params=GREEDY, arrivals_per_step=2):
         for out in engine.step():
             outputs[int(out.request_id)].extend(out.new_token_ids)
     return [outputs[i] for i in range(len(prompts))]
+
+
+@contextlib.contextmanager
+def recorded_compilations():
+    """The list of jax's compile events (tracing included: any new shape, even one the persistent
+    cache then serves) while the block runs."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            events.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
 
 
 def assert_all_pages_free(engine):

@@ -3,14 +3,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from jax import monitoring
 
 from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.speculative import check_speculative_config
-from tests.test_engine import TINY, assert_all_pages_free, make_engine, random_prompts, run_staggered_mixed
+from tests.test_engine import (TINY, assert_all_pages_free, make_engine, random_prompts, recorded_compilations,
+                               run_staggered_mixed)
 
 
 @pytest.fixture(scope="module")
@@ -113,22 +113,13 @@ def test_no_multi_step_with_a_draft_model():
 
 
 def test_no_compilation_after_warmup_with_multi_step(params):
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
-            compiles.append(event)
-
     seed = 24
     rng = np.random.default_rng(seed)
     prompts = random_prompts(rng, 20, 1, 100)
     sampling = mixed_sampling(rng, len(prompts))
     engine = make_engine(params, warmup=True, num_scheduler_steps=6, max_num_batched_tokens=32)
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations() as compiles:
         outputs = run_staggered_mixed(engine, prompts, sampling)
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"seed {seed}"
     assert all(outputs) and any(r.num_output_tokens > r.num_decode_rows for r in engine.step_records), f"seed {seed}"
     assert_all_pages_free(engine)

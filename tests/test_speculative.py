@@ -4,7 +4,6 @@ import dataclasses
 import numpy as np
 import pytest
 import scipy.stats
-from jax import monitoring
 
 from jaxserve import speculative
 from jaxserve.config import EngineConfig, ModelConfig
@@ -13,7 +12,7 @@ from jaxserve.models import weights
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import Request, RequestStatus, SamplingParams
 from jaxserve.scheduler import Scheduler
-from tests.test_engine import TINY, assert_all_pages_free, run_staggered_mixed
+from tests.test_engine import TINY, assert_all_pages_free, recorded_compilations, run_staggered_mixed
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # A smaller model with TINY's vocabulary: a draft that proposes badly.
@@ -232,12 +231,6 @@ def test_logprobs_of_accepted_tokens_match_plain_decoding(params):
 
 
 def test_no_compilation_after_warmup_with_speculation(params, draft_params):
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
-            compiles.append(event)
-
     seed = 15
     rng = np.random.default_rng(seed)
     prompts = repetitive_prompts(rng, 20, 4, 90)
@@ -247,11 +240,8 @@ def test_no_compilation_after_warmup_with_speculation(params, draft_params):
                                ignore_eos=True) for i in range(len(prompts))]
     for proposer in ("ngram", "small"):
         engine = make_engine(params, proposer, draft_params, warmup=True, max_num_batched_tokens=48)
-        monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with recorded_compilations() as compiles:
             outputs = run_staggered_mixed(engine, prompts, sampling)
-        finally:
-            monitoring.unregister_event_duration_listener(listener)
         assert compiles == [], f"{proposer}, seed {seed}"
         assert all(outputs) and engine.stats().spec_verify_steps > 0, f"{proposer}, seed {seed}"
         kinds = {record.kind for record in engine.step_records}
