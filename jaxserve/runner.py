@@ -155,7 +155,7 @@ class StepOutput:
     """Host copies of what one step sampled, one row per row of its batch (decode rows, then
     prefill chunks; in a verification step one row per verify row, with a draw at each of its
     K + 1 positions: an extra axis after the rows), and what the step cost."""
-    token_ids: np.ndarray  # int32[num_rows] (verification: [num_rows, K + 1])
+    token_ids: np.ndarray  # int32[num_rows] (verification: [num_rows, K + 1]; multi-step: [num_rows, n])
     logprobs: np.ndarray | None  # float32[num_rows]; None when no row asked for logprobs
     top_ids: np.ndarray | None  # int32[num_rows, max_logprobs]
     top_logprobs: np.ndarray | None  # float32[num_rows, max_logprobs]
@@ -508,8 +508,8 @@ class ModelRunner:
             for job in [pool.submit(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets]:
                 job.result()
         log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties, logit "
-                 "biases) and %d prompt-logprob shapes in %.1fs", len(buckets), len(samplers),
-                 len(self.prompt_logprob_buckets), time.perf_counter() - start)
+                 "biases), %d prompt-logprob shapes and %d multi-step shapes in %.1fs", len(buckets), len(samplers),
+                 len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start)
         return len(buckets)
 
     def _run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
