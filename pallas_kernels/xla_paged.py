@@ -129,9 +129,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     scale = softmax_scale(scale, head_dim)
     if pages_per_block is None:  # (not capped by the table's width, which must not change results)
         pages_per_block = decode_pages_per_block(num_seqs, page_size, num_kv_heads, head_dim)
-    # At least two blocks wide: with a table of one block XLA:CPU made the step copy the whole KV
-    # cache (SmolLM2 with max_model_len <= 256: 440 ms per decode step instead of 18). The loop
-    # never reaches the padding block, so results are unchanged.
+    # At least two blocks wide: with a table of one block a decode step's time grew with the KV
+    # pool's size (SmolLM2 with max_model_len <= 256: 440 ms per step instead of 18; XLA:CPU
+    # apparently copies the cache). The loop never reaches the padding block: results unchanged.
     block_table = _padded_table(block_table, pages_per_block, min_blocks=2)
     group = num_q_heads // num_kv_heads
     block_tokens = pages_per_block * page_size
