@@ -194,16 +194,11 @@ def fake_hf_cache(root, repo_id, model_dir):
 @pytest.fixture(scope="module")
 def tiny_hf_folder(tmp_path_factory):
     """A tiny Hugging Face model folder (config.json, safetensors, SmolLM2's tokenizer files)."""
-    from checkpoints.default_model import resolve_model
-    from tests.conftest import TOKENIZER_FILES
-    from tests.tiny_models import make_tiny_hf_model
+    from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
     folder = str(tmp_path_factory.mktemp("org_tiny"))
     make_tiny_hf_model(folder, vocab_size=49152, hidden_size=64, intermediate_size=128, head_dim=16)
-    smollm2 = resolve_model("smollm2")
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(smollm2, name)):
-            shutil.copy(os.path.join(smollm2, name), folder)
+    copy_smollm2_tokenizer(folder)
     return folder
 
 

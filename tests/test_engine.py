@@ -119,16 +119,8 @@ def test_prefix_caching_same_outputs_and_shared_prefix_computed_once(params):
 @pytest.mark.parametrize("warmup", [True, False])
 def test_no_compilation_after_warmup(params, warmup):
     engine = make_engine(params, warmup=warmup, max_num_seqs=8, max_num_batched_tokens=32)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        # Tracing happens for any new shape, even one the persistent cache then serves.
-        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
     seed = 3
-    try:
+    with recorded_compilations() as compiles:
         rng = np.random.default_rng(seed)
         prompts = random_prompts(rng, 50, 1, 120)
         sampling = []
@@ -147,8 +139,6 @@ def test_no_compilation_after_warmup(params, warmup):
             return run_step(bucket, arrays, inputs, *args, **kwargs)
         engine.runner._run_step = recording_run_step
         results = run_staggered_mixed(engine, prompts, sampling)
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
     assert all(r for r in results), f"seed {seed}"
     assert variants == {(False, False), (False, True), (True, False), (True, True)}, f"seed {seed}"
     if warmup:
@@ -174,12 +164,6 @@ def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
                    StructuredOutputParams("choice", ["red", "green"], "guided_choice"),
                    StructuredOutputParams("json_schema", {"type": "array", "items": {"type": "integer"},
                                                           "maxItems": 3}, "guided_json")]
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
-            compiles.append(event)
-
     seed = 13
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 1000, rng.integers(1, 100)).tolist() for _ in range(30)]
@@ -191,8 +175,7 @@ def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
         repetition_penalty=float(rng.choice([1.0, 1.1])), ignore_eos=True) for i in range(len(prompts))]
     outputs = {i: {"tokens": [], "prompt_logprobs": None} for i in range(len(prompts))}
     pending = list(enumerate(zip(prompts, sampling)))
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations() as compiles:
         while pending or engine.has_unfinished():
             for _ in range(3):
                 if pending:
@@ -204,8 +187,6 @@ def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
                     outputs[int(out.request_id)]["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     outputs[int(out.request_id)]["finish_reason"] = out.finish_reason
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"seed {seed}"
     for i, (prompt, params) in enumerate(zip(prompts, sampling)):  # the mix did happen
         out = outputs[i]

@@ -3,8 +3,6 @@
 greedy flags and accuracy of lm-eval's own `hf` model on the same tiny weights, and a
 generate_until task sent 4 prompts per request gives the hf model's greedy text."""
 import json
-import os
-import shutil
 
 import numpy as np
 import pytest
@@ -12,11 +10,9 @@ import requests
 import torch
 
 from checkpoints.convert import convert_checkpoint
-from checkpoints.default_model import resolve_model
 from jaxserve.engine import Engine, EngineConfig
-from tests.conftest import TOKENIZER_FILES
 from tests.test_server_engine import LiveServer
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
 import lm_eval  # noqa: E402  (the test extra installs it)
 
@@ -36,10 +32,7 @@ def models(tmp_path_factory):
     with torch.no_grad():  # spread the logits: choices then differ by whole nats, not by rounding
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(hf_dir, safe_serialization=True)
-    smollm2 = resolve_model("smollm2")
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(smollm2, name)):
-            shutil.copy(os.path.join(smollm2, name), hf_dir)
+    copy_smollm2_tokenizer(hf_dir)
     convert_checkpoint(hf_dir, converted)
     return hf_dir, converted
 

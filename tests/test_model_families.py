@@ -8,7 +8,6 @@ with chunked prefill (chunks shorter than the window) and a decode that runs pas
 """
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,7 @@ from checkpoints.load import load_config, load_params
 from jaxserve import cli
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import llama, weights
-from tests.conftest import TOKENIZER_FILES
-from tests.tiny_models import hf_logits, prefill_batch
+from tests.tiny_models import copy_smollm2_tokenizer, hf_logits, prefill_batch
 
 WINDOW = 8
 SEED = 1234
@@ -122,9 +120,7 @@ def test_greedy_tokens_through_convert_and_generate(tmp_path, family_model):
     smollm2 = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = make_family_model(str(hf_dir), family, vocab_size=len(tokenizer))
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(smollm2, name)):
-            shutil.copy(os.path.join(smollm2, name), hf_dir)
+    copy_smollm2_tokenizer(str(hf_dir))
     assert cli.main(["jaxserve", "convert", f"--source={hf_dir}", f"--output={converted}"]) == 0
     prompt = "The sliding window keeps only the most recent keys in view."
     prompt_ids = tokenizer(prompt)["input_ids"]

@@ -9,7 +9,6 @@ killed in a `finally` and uses free ports.
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,10 +22,9 @@ import pytest
 import requests
 
 from jaxserve import multihost, sharding
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 SMALL = ["--max_num_seqs=4", "--max_num_batched_tokens=64", "--max_model_len=128", "--num_pages=40"]
 PROMPTS = [{"id": 1, "prompt": "The capital of France is"}, {"id": 2, "prompt": "def fibonacci(n):"},
            {"id": 3, "messages": [{"role": "user", "content": "Hi there"}]}]
@@ -165,15 +163,11 @@ def tiny8(tmp_path_factory) -> str:
     """A converted tiny random Llama with 8 query heads over 2 KV heads (TP 8 replicates KV heads)
     and SmolLM2's tokenizer."""
     from checkpoints.convert import convert_checkpoint
-    from checkpoints.default_model import resolve_model
 
     hf_dir = str(tmp_path_factory.mktemp("tiny8_hf"))
     make_tiny_hf_model(hf_dir, vocab_size=49152, hidden_size=64, intermediate_size=128, head_dim=8,
                        num_q_heads=8, num_kv_heads=2)
-    for name in TOKENIZER_FILES:
-        path = os.path.join(resolve_model("smollm2"), name)
-        if os.path.exists(path):
-            shutil.copy(path, hf_dir)
+    copy_smollm2_tokenizer(hf_dir)
     out_dir = str(tmp_path_factory.mktemp("tiny8") / "model")
     convert_checkpoint(hf_dir, out_dir)
     return out_dir

@@ -17,6 +17,20 @@ def tiny_hf_config(num_q_heads=4, num_kv_heads=2, tie=False, rope_scaling=None, 
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_smollm2_tokenizer(folder: str) -> None:
+    """Copies SmolLM2's tokenizer files (and chat template) into a model folder."""
+    import shutil
+
+    from checkpoints.default_model import resolve_model
+    smollm2 = resolve_model("smollm2")
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(smollm2, name)):
+            shutil.copy(os.path.join(smollm2, name), folder)
+
+
 def make_tiny_hf_model(path: str, seed: int = 0, **config_kwargs):
     """Saves a random LlamaForCausalLM as safetensors under `path`; returns the torch model."""
     import torch
