@@ -159,6 +159,28 @@ def join_options(fv: flags.FlagValues):
     return options
 
 
+def enter_job(fv: flags.FlagValues, command: str, **follow_overrides):
+    """How `command` starts in a multi-host job: (the job's JoinOptions, None for a single
+    process; None to go on as process 0 or alone, else the exit code this process ends with:
+    2 for settings that cannot work, 1 when it cannot join, a worker's after following process 0
+    (`follow_front` with `follow_overrides`))."""
+    import sys
+
+    try:
+        options = join_options(fv)
+    except ValueError as e:
+        print(f"jaxserve {command}: {e}", file=sys.stderr)
+        return None, 2
+    if options is None:
+        return None, None
+    process = join_job(options, command)
+    if process is None:
+        return options, 1
+    if process != 0:
+        return options, follow_front(fv, command, **follow_overrides)
+    return options, None
+
+
 def join_job(options, command: str) -> int | None:
     """Joins the multi-host job; this process's index (0: the front), or None after printing why
     it could not join."""

@@ -102,17 +102,10 @@ def run(fv: flags.FlagValues) -> int:
     if not fv.input or not fv.output:
         print("jaxserve generate: --input and --output are required", file=sys.stderr)
         return 2
-    try:  # a multi-host job: every process joins; process 0 reads the input, the others follow it
-        join = engine_flags.join_options(fv)
-    except ValueError as e:
-        print(f"jaxserve generate: {e}", file=sys.stderr)
-        return 2
-    if join is not None:
-        process = engine_flags.join_job(join, "generate")
-        if process is None:
-            return 1
-        if process != 0:
-            return engine_flags.follow_front(fv, "generate", warmup=False)
+    # A multi-host job: every process joins; process 0 reads the input, the others follow it.
+    join, exit_code = engine_flags.enter_job(fv, "generate", warmup=False)
+    if exit_code is not None:
+        return exit_code
     try:
         items = read_prompts(fv.input)
         base = engine_flags.sampling_kwargs(fv)

@@ -117,17 +117,10 @@ def run(fv: flags.FlagValues) -> int:
     logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    try:  # a multi-host job: every process joins; process 0 serves, the others follow its steps
-        join = engine_flags.join_options(fv)
-    except ValueError as e:
-        print(f"jaxserve serve: {e}", file=sys.stderr)
-        return 2
-    if join is not None:
-        process = engine_flags.join_job(join, "serve")
-        if process is None:
-            return 1
-        if process != 0:
-            return engine_flags.follow_front(fv, "serve")
+    # A multi-host job: every process joins; process 0 serves, the others follow its steps.
+    join, exit_code = engine_flags.enter_job(fv, "serve")
+    if exit_code is not None:
+        return exit_code
     from serve.app import ServerConfig, create_app
     from serve.connections import ConnectionLimits
     from serve.server import serve_until_stopped
