@@ -7,12 +7,36 @@ number of steps, so one compiled shape serves every count up to the sampling inp
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve import sampler
+
+
+def pack_inputs(rows: Sequence[tuple], *, num_rows: int, table_width: int, num_steps: int, history_len: int,
+                penalties: bool, bias: bool, eos_token_ids=()) -> tuple[dict, dict]:
+    """Host arrays of `decode_steps` for `rows`, each (last token id, its position, the row's
+    block-table pages, its RowParams for the first step), padded to `num_rows` x `table_width`.
+    Step i samples output step + i; no step asks for logprobs. Raises sampler.RowInputError
+    naming a row whose parameters do not fit (the caller knows its request)."""
+    arrays = dict(token_ids=np.zeros(num_rows, np.int32), positions=np.zeros(num_rows, np.int32),
+                  block_table=np.zeros((num_rows, table_width), np.int32), seq_lens=np.zeros(num_rows, np.int32))
+    for i, (token_id, position, page_ids, _) in enumerate(rows):
+        arrays["token_ids"][i] = token_id
+        arrays["positions"][i] = position
+        arrays["block_table"][i, :len(page_ids)] = page_ids
+        arrays["seq_lens"][i] = position + 1
+    steps = []
+    for step in range(num_steps):
+        step_rows = [dataclasses.replace(params, step=params.step + step) for *_, params in rows]
+        steps.append(sampler.build_sampling_inputs(step_rows, num_rows, history_len, penalties, bias, eos_token_ids))
+        steps[-1]["num_logprobs"][:] = -1
+    sampling = {name: np.stack([s[name] for s in steps]) for name in steps[0]}  # [num_steps, num_rows, ...]
+    return arrays, sampling
 
 
 def decode_steps(step_logits: Callable, kv_cache, arrays: dict, sampling: dict, num_steps, *, page_size: int):

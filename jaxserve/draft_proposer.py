@@ -35,7 +35,7 @@ from jaxserve import decode_loop, sampler, speculative
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.runner import Bucket, geometric_buckets
-from jaxserve.scheduler import RowParams, uses_penalties
+from jaxserve.scheduler import row_params, uses_penalties
 
 log = logging.getLogger(__name__)
 
@@ -108,30 +108,17 @@ class DraftProposer:
             return llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)[:2]
         return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, self.k, page_size=self.page_size)
 
-    def _inputs(self, requests: Sequence, shape: DraftShape, k: int, penalties: bool, bias: bool):
-        rows = shape.num_rows
-        arrays = dict(token_ids=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
-                      block_table=np.zeros((rows, shape.pages_per_seq), np.int32), seq_lens=np.zeros(rows, np.int32))
+    def _inputs(self, requests: Sequence, shape: DraftShape, penalties: bool, bias: bool):
+        """`decode_loop.pack_inputs` of a proposal pass: each request's last token at its position,
+        its pages and then its scratch pages, sampled as the target will sample there."""
+        rows = []
         for r, request in enumerate(requests):
-            n = request.num_tokens
-            arrays["token_ids"][r] = request.token_id_at(n - 1)
-            arrays["positions"][r] = n - 1
-            arrays["seq_lens"][r] = n
             scratch = self.num_target_pages + r * self.scratch_pages_per_row + np.arange(self.scratch_pages_per_row)
-            row_pages = list(request.page_ids) + scratch.tolist()
-            arrays["block_table"][r, :len(row_pages)] = row_pages
-        steps = []
-        for i in range(k):
-            row_params = []
-            for request in requests:
-                history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
-                           if uses_penalties(request.params) else ((), ()))
-                row_params.append(RowParams(request.params, request.seed, request.num_output_tokens + i, *history))
-            steps.append(sampler.build_sampling_inputs(row_params, rows, self.max_model_len, penalties, bias,
-                                                       self.eos_token_ids))
-            steps[-1]["num_logprobs"][:] = -1  # proposals need no logprobs
-        sampling = {name: np.stack([s[name] for s in steps]) for name in steps[0]}  # [k, rows, ...]
-        return arrays, sampling
+            rows.append((request.token_id_at(request.num_tokens - 1), request.num_tokens - 1,
+                         list(request.page_ids) + scratch.tolist(), row_params(request)))
+        return decode_loop.pack_inputs(rows, num_rows=shape.num_rows, table_width=shape.pages_per_seq,
+                                       num_steps=self.k, history_len=self.max_model_len, penalties=penalties,
+                                       bias=bias, eos_token_ids=self.eos_token_ids)
 
     def propose(self, requests: Sequence, k: int) -> list[list[int]]:
         """Up to `k` proposed tokens for each request (decoding: its last token not yet computed)."""
@@ -140,9 +127,8 @@ class DraftProposer:
         shape = self._shape(len(requests))
         penalties = any(uses_penalties(r.params) for r in requests)
         # (a row's bias entries only shrink over the pass: min_tokens masking ends, logit_bias stays)
-        bias = any(sampler.bias_entries(RowParams(r.params, r.seed, r.num_output_tokens), self.eos_token_ids)
-                   for r in requests)
-        arrays, sampling = self._inputs(requests, shape, self.k, penalties, bias)
+        bias = any(sampler.bias_entries(row_params(r), self.eos_token_ids) for r in requests)
+        arrays, sampling = self._inputs(requests, shape, penalties, bias)
         compiled = self._compiled_propose.get((shape, penalties, bias))
         if compiled is None:
             proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling)
@@ -164,7 +150,7 @@ class DraftProposer:
 
         def compile_propose(rows, penalties, bias):
             shape = self._shape(rows)
-            arrays, sampling = self._inputs([], shape, self.k, penalties, bias)
+            arrays, sampling = self._inputs([], shape, penalties, bias)
             self._compiled_propose[shape, penalties, bias] = self._propose_steps.lower(
                 self._step_params, self.kv_cache, arrays, sampling).compile()
 

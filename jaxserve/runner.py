@@ -350,25 +350,15 @@ class ModelRunner:
     def _multi_step_inputs(self, bucket: Bucket, rows: Sequence, num_steps: int, bias: bool | None):
         """The arrays and stacked per-step sampling inputs of `decode_loop.decode_steps` for the
         decode `rows` (ScheduledRows; padded to the bucket); step i samples output step + i."""
-        n, max_steps = bucket.num_decode, self.num_scheduler_steps
-        arrays = dict(token_ids=np.zeros(n, np.int32), positions=np.zeros(n, np.int32),
-                      block_table=np.zeros((n, bucket.pages_per_seq), np.int32), seq_lens=np.zeros(n, np.int32))
-        for i, row in enumerate(rows):
-            arrays["token_ids"][i] = row.token_ids[0]
-            arrays["positions"][i] = row.start
-            arrays["block_table"][i, :len(row.page_ids)] = row.page_ids
-            arrays["seq_lens"][i] = row.end
         if bias is None:
             bias = any(sampler.bias_entries(row.sampling, self.eos_token_ids) for row in rows)
-        steps = []
-        for step in range(max_steps):
-            step_rows = [dataclasses.replace(row.sampling, step=row.sampling.step + step) for row in rows]
-            try:
-                steps.append(sampler.build_sampling_inputs(step_rows, n, self.max_model_len, False, bias,
-                                                           self.eos_token_ids))
-            except sampler.RowInputError as e:
-                raise StepInputError(rows[e.row_index].request_id, str(e)) from e
-        sampling = {name: np.stack([s[name] for s in steps]) for name in steps[0]}  # [max_steps, n, ...]
+        try:
+            arrays, sampling = decode_loop.pack_inputs(
+                [(row.token_ids[0], row.start, row.page_ids, row.sampling) for row in rows],
+                num_rows=bucket.num_decode, table_width=bucket.pages_per_seq, num_steps=self.num_scheduler_steps,
+                history_len=self.max_model_len, penalties=False, bias=bias, eos_token_ids=self.eos_token_ids)
+        except sampler.RowInputError as e:
+            raise StepInputError(rows[e.row_index].request_id, str(e)) from e
         return arrays, sampling, np.int32(num_steps)
 
     def _execute_multi_step(self, batch: ScheduledBatch, start: float) -> StepOutput:

@@ -194,7 +194,7 @@ class StepPlan:
                               num_steps=self.num_steps)
 
 
-def _row_params(request: Request) -> RowParams:
+def row_params(request: Request) -> RowParams:
     """How the request's next output token is sampled."""
     history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
                if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
@@ -204,7 +204,7 @@ def _row_params(request: Request) -> RowParams:
 def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:
     start = request.num_computed_tokens
     return ScheduledRow(request.request_id, (request.token_id_at(start),) + tuple(proposals), start,
-                        tuple(request.page_ids), _row_params(request))
+                        tuple(request.page_ids), row_params(request))
 
 
 def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
@@ -216,7 +216,7 @@ def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
         token_ids = tuple(request.all_token_ids[start:end])
     sampling = None
     if end == request.num_tokens and request.params.max_tokens > 0:  # the sample is the next output token
-        sampling = _row_params(request)
+        sampling = row_params(request)
     prompt_logprobs = None
     if _num_prompt_logprob_rows(request, num_new):
         first = max(start, len(request.prompt_logprobs))
