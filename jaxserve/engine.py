@@ -305,7 +305,7 @@ class Engine:
         running = self.scheduler.running
         if (not running or len(running) > self.scheduler.max_verify_rows
                 or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs)
-                or any(r.num_tokens - r.num_computed_tokens != 1 for r in running)):
+                or not all(map(self.scheduler.is_decoding, running))):
             return
         k = self.config.num_speculative_tokens
         wanted = [r for r in running if r.grammar is None and r.params.max_tokens - r.num_output_tokens > 1]

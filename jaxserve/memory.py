@@ -334,10 +334,11 @@ def plan_memory(
     if draft_model is not None:
         draft_weights = weights_bytes(draft_model, compute_dtype, 1)
         draft_per_page = kv_bytes_per_token(draft_model, kv_dtype, 1) * page_size
-        weights += draft_weights + draft_scratch_pages * draft_per_page
-    if weights > usable - reserve and num_pages is None:
+    # What stays whatever the pool's size: the weights, and a draft's weights and scratch pages.
+    resident = weights + draft_weights + draft_scratch_pages * draft_per_page
+    if resident > usable - reserve and num_pages is None:
         raise MemoryPlanError(
-            f"the weights do not fit: they need {format_bytes(weights)} per device, but only "
+            f"the weights do not fit: they need {format_bytes(resident)} per device, but only "
             f"{format_bytes(max(usable - reserve, 0))} is available ({format_bytes(device_memory_bytes)}"
             f" x {memory_utilization} minus a {format_bytes(reserve)} runtime reserve); use a smaller "
             f"weight dtype, more tensor-parallel devices or a larger memory budget")
@@ -349,13 +350,13 @@ def plan_memory(
         tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs, backend=backend, weight_dtype=weight_dtype)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
-    kv_budget = usable - weights - activations - reserve
+    kv_budget = usable - resident - activations - reserve
     fits = max(kv_budget, 0) // (per_page + draft_per_page)
     if num_pages is None and fits < 1 + pages_per_seq:
         raise MemoryPlanError(
             f"no room for the KV cache of one sequence of {max_model_len} tokens: it needs "
             f"{format_bytes((1 + pages_per_seq) * (per_page + draft_per_page))}, but after the weights "
-            f"({format_bytes(weights)}), the activations ({format_bytes(activations)}) and the runtime "
+            f"({format_bytes(resident)}), the activations ({format_bytes(activations)}) and the runtime "
             f"reserve ({format_bytes(reserve)}) only {format_bytes(max(kv_budget, 0))} is left; lower "
             f"max_model_len, max_num_batched_tokens or max_num_seqs, or give more memory")
     if num_pages is None:
@@ -365,7 +366,7 @@ def plan_memory(
         usable_bytes=usable, weight_dtype=weight_dtype, compute_dtype=compute_dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, page_size=page_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        num_params=sum(count_params(model, 1).values()), weights_bytes=weights - draft_weights - draft_scratch_pages * draft_per_page,
+        num_params=sum(count_params(model, 1).values()), weights_bytes=weights,
         kv_bytes_per_token=per_token, kv_bytes_per_page=per_page, activation_bytes=activations,
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,

@@ -341,7 +341,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
 
-        for request in [r for r in self.running if self._is_decoding(r)]:
+        for request in [r for r in self.running if self.is_decoding(r)]:
             if budget < 1 or request.status != RequestStatus.RUNNING:
                 continue
             if self._reserve_pages(request, 1, scheduled, plan):
@@ -350,7 +350,7 @@ class Scheduler:
                 budget -= 1
 
         rows_left = self.max_prompt_logprob_rows  # prompt-logprob rows this step may still compute
-        for request in [r for r in self.running if not self._is_decoding(r)]:
+        for request in [r for r in self.running if not self.is_decoding(r)]:
             if budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -446,7 +446,8 @@ class Scheduler:
             rows_left -= _num_prompt_logprob_rows(request, num_new)
 
     @staticmethod
-    def _is_decoding(request: Request) -> bool:
+    def is_decoding(request: Request) -> bool:
+        """Whether the request's next step is a decode step: all but its last token computed."""
         return request.num_tokens - request.num_computed_tokens == 1
 
     def _reserve_pages(self, request: Request, num_new: int, scheduled: set[str], plan: StepPlan) -> bool:
