@@ -187,7 +187,8 @@ class ModelRunner:
         self.params = params if shardings is None else shardings.place(params)
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
-        self._step_params = llama.layer_views(self.params)
+        self.cpu_int8_activations = engine_config.cpu_int8_activations
+        self._step_params = llama.layer_views(self.params, int8_activations=self.cpu_int8_activations)
         step_config = config if shardings is None else shardings.model_config
         self.page_size = page_size
         self.num_pages = num_pages

@@ -4,8 +4,9 @@ decides which attention implementation runs.
 Backends:
   "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see pallas_kernels.compat);
   "interpret"  the same kernels in Pallas interpret mode (runs anywhere, slowly: for tests);
-  "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py): the
-               fast path on CPU;
+  "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py); on
+               the CPU, decode attention over float32 pages runs in a C++ kernel instead
+               (cpu_kernels, when built): the fast path on CPU;
   "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
                only when this backend is asked for.
 Default: "pallas" when jax's default backend is a GPU with the Pallas GPU lowering available,
@@ -20,7 +21,9 @@ import os
 
 import jax
 
+import cpu_kernels
 from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_paged
+from pallas_kernels.common import softmax_scale
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 BACKEND_ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
@@ -67,6 +70,14 @@ def decode_attention(
         return paged_decode.paged_decode_attention(
             q, k_pages, v_pages, block_table, seq_lens, interpret=backend == "interpret", **options
         )
+    if backend == "xla" and cpu_kernels.takes_decode_attention(q, k_pages, v_pages):
+        # Lowered for the CPU: the C++ kernel (cpu_kernels); for any other platform: XLA's loop.
+        window = -1 if sliding_window is None else sliding_window
+        return jax.lax.platform_dependent(
+            q, k_pages, v_pages, block_table, seq_lens, window,
+            cpu=lambda *args: cpu_kernels.paged_decode_attention(
+                *args[:5], window=args[5], scale=softmax_scale(scale, q.shape[-1]), soft_cap=logit_soft_cap),
+            default=lambda *args: xla_paged.paged_decode_attention(*args[:5], **options))
     return _plain_module(backend).paged_decode_attention(
         q, k_pages, v_pages, block_table, seq_lens, **options
     )

@@ -116,7 +116,9 @@ def _tiny_quantized_runs() -> dict:
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 9)]
     runs = {}
     for quantization, tp in [("int8", 1), ("int8", 2), ("int8", 4), ("int4", 2)]:
-        cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, tensor_parallel_size=tp, quantization=quantization)
+        # Float activations: one device's CPU step would round them to int8 (cpu_kernels), a split one not.
+        cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, tensor_parallel_size=tp, quantization=quantization,
+                           cpu_int8_activations=False)
         try:
             engine = data_parallel.build_engine(Engine, TINY, None, cfg, model_name="tiny",
                                                 load_params=lambda shardings: params)
@@ -177,7 +179,8 @@ def _smollm2_runs(model_dir: str) -> dict:
         convert_checkpoint(smollm2_gguf_path(), int4_dir, quantization="int4")
         for name, directory, tp in [("tp1", model_dir, 1), ("tp3", model_dir, 3),
                                     ("int4_tp1", int4_dir, 1), ("int4_tp3", int4_dir, 3)]:
-            engine = Engine.from_model(directory, EngineConfig(**SMALL_ENGINE, num_pages=16, tensor_parallel_size=tp))
+            engine = Engine.from_model(directory, EngineConfig(**SMALL_ENGINE, num_pages=16, tensor_parallel_size=tp,
+                                                               cpu_int8_activations=False))  # as above
             prompts = [encode_text(engine.tokenizer, p) for p in SMOLLM2_PROMPTS]
             embed, wo = engine.runner.params["embed"], engine.runner.params["layers"]["wo"]
             runs[name] = {"tokens": _greedy_tokens(engine, prompts), "kv": _kv_layout(engine),

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
+import cpu_kernels
 from jaxserve import quantization
 from jaxserve.quantization import linear
 from pallas_kernels import dispatch, kv_quant
@@ -48,7 +49,7 @@ def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) 
     return {"k": make(), "v": make()}
 
 
-def layer_views(params: Params) -> Params:
+def layer_views(params: Params, int8_activations: bool = True) -> Params:
     """`params` with "layers" as a tuple of per-layer dicts whose arrays are views of the stacked
     arrays' layer slices (no copy), for `forward` to read each layer's weights in place.
 
@@ -58,17 +59,19 @@ def layer_views(params: Params) -> Params:
     per-layer arrays cost no memory. Anywhere else (an accelerator, sharded weights, a slice
     jax would not alias), `params` is returned unchanged and the scan slices the stacked arrays.
 
-    Quantized weights also get the layout a single row reads (`quantization.transposed`, whose
-    dequantization XLA fuses into the matmul): a copy, the one cost in memory (the quantized
-    linear weights once more, int4 codes at a byte each, float32 scales)."""
+    Quantized weights also get a layout for steps of few rows, a copy (the one cost in memory):
+    with `int8_activations`, the CPU kernel's (`quantization.with_kernel_layout`: the codes once
+    more, at their size; EngineConfig.cpu_int8_activations), else, or for a format the kernel
+    does not take, or without the kernel built, the layout a single row reads
+    (`quantization.transposed`, whose dequantization XLA fuses into the matmul; int4 codes at a
+    byte each, float32 scales)."""
     def on_one_cpu(leaf):
         devices = leaf.devices() if isinstance(leaf, jax.Array) else ()
         return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
-    layers = {name: {**w, **_transposed_jit(w)} if quantization.transposable(w) else w
-              for name, w in params["layers"].items()}
+    layers = {name: _cpu_layout(w, int8_activations) for name, w in params["layers"].items()}
     leaves, treedef = jax.tree.flatten(layers)
     num_layers = leaves[0].shape[0]
     per_layer = [[] for _ in range(num_layers)]
@@ -87,7 +90,18 @@ def layer_views(params: Params) -> Params:
     return {**params, "layers": tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)}
 
 
+def _cpu_layout(weight, int8_activations: bool):
+    """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
+    if int8_activations and quantization.transposable(weight) and cpu_kernels.supports(weight) \
+            and cpu_kernels.available():
+        return _kernel_layout_jit(weight)
+    if quantization.transposable(weight):
+        return {**weight, **_transposed_jit(weight)}
+    return weight
+
+
 _transposed_jit = jax.jit(quantization.transposed)
+_kernel_layout_jit = jax.jit(quantization.with_kernel_layout)
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,163 @@
+"""CPU kernels called from jitted code through XLA's FFI: C++ compiled on first use.
+
+* `quantized_matmul`: x [R, K] float32 @ an int8 or int4 weight, with the rows of x quantized
+  to int8 per BLOCK inputs and multiplied with the weight codes in integer dot products (AVX-512
+  VNNI), as llama.cpp does: the codes are read once at their size (half a byte for int4), where
+  XLA:CPU converts every code to float first (and fuses that conversion into a matrix-vector
+  product only for one row, one byte per code). quantized_matmul.cc.
+* `paged_decode_attention`: decode attention over float32 KV pages, every key and value read
+  once from its page, in tasks of (sequence, KV head, 128 keys) on XLA's CPU threads, where
+  XLA's loop pays a dozen ops per block of pages. paged_attention.cc.
+
+Both run on the threads of XLA's CPU client. The library is built with the machine's C++
+compiler (`$CXX`, else `c++`) for this CPU (-march=native) against the FFI headers of the
+installed jaxlib, into `$JAXSERVE_KERNEL_CACHE` (default ~/.cache/jaxserve/cpu_kernels), named
+by a hash of all that and the sources: a few seconds once per machine. Without a compiler, on a
+CPU without AVX-512 VNNI, or with `JAXSERVE_CPU_KERNELS=0`, `available()` is False and callers
+keep their XLA formulations.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 64  # more rows (prefill chunks): XLA's matrix-matrix dot on the dequantized weight
+STRIP = 64  # output columns per strip of the packed layout (kStrip in quantized_matmul.cc)
+BLOCK = 32  # inputs per int8 scale of x (kBlock)
+SCALE_DTYPE = jnp.float16
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc")]
+_TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
+            "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention"}  # target: handler symbol
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17", "-w"]
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA (builds them on the first call)."""
+    with _lock:
+        if "available" not in _state:
+            _state["available"] = _load()
+        return _state["available"]
+
+
+def _load() -> bool:
+    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(_build())
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    except (OSError, subprocess.CalledProcessError, AttributeError) as error:
+        log.warning("CPU kernels unavailable, XLA's formulations run instead: %s", error)
+        return False
+    return True
+
+
+def _build() -> str:
+    """The compiled library's path; compiles it when this machine has no copy yet."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler (set CXX)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    for source in _SOURCES:
+        with open(source, "rb") as file:
+            key.update(file.read())
+    key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, _cpu_flags()]).encode())
+    cache = os.environ.get("JAXSERVE_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "cpu_kernels"))
+    path = os.path.join(cache, f"cpu_kernels-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:  # renamed into place: safe for concurrent builds
+            built = os.path.join(scratch, "library.so")
+            result = subprocess.run([compiler, *_FLAGS, "-I", include, *_SOURCES, "-o", built],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            os.replace(built, path)
+    return path
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (the library is compiled for them)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def supports(weight) -> bool:
+    """Whether the kernel takes this quantized weight (or, stacked, its layers): int8 or int4 codes
+    in jaxserve.quantization's stored layout, float16 scale and zero (the --quantization
+    formats), groups a multiple of BLOCK inputs."""
+    if not isinstance(weight, dict) or set(weight) - {"q", "scale", "zero"} or "q" not in weight:
+        return False
+    q, scale, zero = weight["q"], weight["scale"], weight.get("zero")
+    in_features = q.shape[-2] * (2 if q.dtype == jnp.uint8 else 1)
+    return (q.ndim >= 2 and q.dtype in (jnp.int8, jnp.uint8) and scale.dtype == SCALE_DTYPE
+            and (zero is None or zero.dtype == SCALE_DTYPE) and (in_features // scale.shape[-2]) % BLOCK == 0)
+
+
+def pack(levels: jax.Array, bits: int) -> jax.Array:
+    """Unsigned weight levels [..., K, N] uint8 (< 2**bits) -> the kernel's layout of them:
+    uint8 [..., S, K / 4, STRIP, 4] (bits 8) or [..., S, K / 8, STRIP, 4] (bits 4, two levels a
+    byte), S = ceil(N / STRIP) strips of output columns (see quantized_matmul.cc)."""
+    *lead, k, n = levels.shape
+    strips = -(-n // STRIP)
+    levels = jnp.pad(levels, [(0, 0)] * len(lead) + [(0, 0), (0, strips * STRIP - n)])
+    if bits == 4:  # [..., K/8, 2, 4, N]: inputs 8i + t (low nibble) and 8i + 4 + t (high nibble)
+        pairs = levels.reshape(*lead, k // 8, 2, 4, strips, STRIP)
+        quads = pairs[..., 0, :, :, :] | (pairs[..., 1, :, :, :] << 4)  # [..., K/8, 4, S, STRIP]
+    else:
+        quads = levels.reshape(*lead, k // 4, 4, strips, STRIP)
+    lead_axes = tuple(range(len(lead)))
+    n_lead = len(lead)
+    return jnp.transpose(quads, (*lead_axes, n_lead + 2, n_lead, n_lead + 3, n_lead + 1))
+
+
+def quantized_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Array | None,
+                     offset_scale: float) -> jax.Array:
+    """x [..., K] @ w -> [..., N] in x's dtype, for w = level * scale + offset,
+    offset = scale * offset_scale + zero (zero: 0 when None): `packed` levels (`pack`) and
+    scale, zero float16 [groups, N]. x is quantized to int8 per BLOCK inputs (see
+    quantized_matmul.cc). Call only when `available()`."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = scale.shape[-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
+    y = jax.ffi.ffi_call("jaxserve_quantized_matmul", jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, packed, scale, zero if zero is not None else jnp.zeros((1, 1), SCALE_DTYPE),
+        bits=np.int64(8 if packed.shape[-3] * 4 == k else 4), has_zero=np.int64(zero is not None),
+        offset_scale=np.float32(offset_scale))
+    return y.reshape(*lead, n).astype(x.dtype)
+
+
+def takes_decode_attention(q, k_pages, v_pages) -> bool:
+    """Whether `paged_decode_attention` serves these operands: float32 queries and pages (not
+    an int8 / fp8 cache), and the kernels built."""
+    return all(getattr(a, "dtype", None) == jnp.float32 for a in (q, k_pages, v_pages)) and available()
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, window, scale: float,
+                           soft_cap: float | None) -> jax.Array:
+    """Decode attention (pallas_kernels.xla_paged.paged_decode_attention's inputs and result):
+    q [S, Hq, D] float32, pages [P, page_size, Hkv, D] float32, block_table int32 [S, W],
+    seq_lens int32 [S], window an int32 scalar (<= 0: none) -> [S, Hq, D] float32."""
+    return jax.ffi.ffi_call("jaxserve_paged_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))

@@ -1,0 +1,247 @@
+// y[R, N] = x[R, K] @ w[K, N] for an int8 or int4 weight quantized in groups along K, in 8-bit
+// integer dot products (AVX-512 VNNI), as llama.cpp multiplies its quantized blocks: the rows of x
+// are quantized to int8 per block of kBlock inputs, and each instruction multiplies 64 weight
+// codes by 64 activation codes, so the weight bytes are read once at memory speed instead of
+// being converted to float one by one.
+//
+// The weight, as `pack` in __init__.py lays it out for this kernel ("packed"):
+//   uint8 [S, K / 4, kStrip, 4]   int8 weights: u = q + 128 for input 4i + t of column c
+//   uint8 [S, K / 8, kStrip, 4]   int4 weights: low nibble input 8i + t, high nibble 8i + 4 + t
+// where S = ceil(N / kStrip) strips of kStrip output columns (the last one zero-padded), so one
+// strip's codes are contiguous and a 64-byte load holds 4 inputs of 16 columns: the operand of
+// one VNNI instruction (16 int32 lanes, each the sum of 4 byte products).
+// scale, zero: float16 [G, N] (zero absent: has_zero = 0), G groups of K / G inputs. Every weight
+// is  w = u * scale + offset,  offset = scale * offset_scale + zero  (offset_scale: -128 for
+// symmetric int8, -8 for symmetric int4, 0 with a zero point).
+//
+// Per group, with x_i ~ dx_b * xq_i in block b:  sum_i w_i x_i ~ scale * sum_b dx_b * (integer
+// dot of u and xq over block b) + offset * sum_b dx_b * (sum of xq over block b): exactly the
+// product of the weight with the quantized x (the offset term with the same x as the codes',
+// so that the level shift in offset, 128 for int8, cancels instead of scaling x's rounding). Strips are shared among the caller and the XLA
+// CPU client's intra-op threads.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "these kernels need AVX-512 with VNNI (BW, VNNI)"
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kStrip = 64;  // output columns per strip: 4 vectors of 16 lanes
+constexpr int kBlock = 32;  // inputs per activation scale
+constexpr int kMaxRows = 4; // rows of x per pass over a strip (more: the strip again, from cache)
+
+struct Problem {
+  const int32_t* xq;      // [R, K / 4]: x quantized to int8, 4 inputs per int32
+  const float* dx;        // [R, K / kBlock]: the scale of each block of xq
+  const float* xsum;      // [R, G]: the sum of the quantized x over each group
+  const uint8_t* w;       // packed codes, see above
+  const uint16_t* scale;  // float16 [G, N]
+  const uint16_t* zero;   // float16 [G, N] or nullptr
+  float* y;               // [R, N]
+  int64_t rows, k, n, groups, group;
+  bool int4;
+  float offset_scale;
+};
+
+inline __m512 HalfToFloat(const uint16_t* p, __mmask16 valid) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
+}
+
+// Rows [row0, row0 + kRows) of y at the columns of vectors [vec0, vec0 + kVectors) of a strip.
+template <int kRows, int kVectors>
+void StripPart(const Problem& p, int64_t strip, int64_t row0, int vec0) {
+  const int64_t col = strip * kStrip + vec0 * 16;
+  __mmask16 valid[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    const int64_t left = std::clamp<int64_t>(p.n - col - v * 16, 0, 16);
+    valid[v] = static_cast<__mmask16>((1u << left) - 1);
+  }
+  const int64_t quads = p.k / 4;  // 4-input steps per column
+  const uint8_t* strip_codes = p.w + strip * (p.int4 ? quads / 2 : quads) * kStrip * 4;
+  const int32_t* xq[kRows];
+  const float* dx[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    xq[r] = p.xq + (row0 + r) * quads;
+    dx[r] = p.dx + (row0 + r) * (p.k / kBlock);
+  }
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  __m512 acc[kRows][kVectors];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 group_acc[kRows][kVectors];
+    for (auto& row : group_acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t block = g * p.group / kBlock; block < (g + 1) * p.group / kBlock; ++block) {
+      __m512i dots[kRows][kVectors];
+      for (auto& row : dots)
+        for (auto& d : row) d = _mm512_setzero_si512();
+      const int64_t quad0 = block * (kBlock / 4);  // the block's first 4-input step
+      if (p.int4) {
+        for (int64_t pair = quad0 / 2; pair < (quad0 + kBlock / 4) / 2; ++pair) {
+          const uint8_t* codes = strip_codes + (pair * kStrip + vec0 * 16) * 4;
+          for (int v = 0; v < kVectors; ++v) {
+            const __m512i raw = _mm512_loadu_si512(codes + v * 64);
+            const __m512i first = _mm512_and_si512(raw, low_nibbles);
+            const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+            for (int r = 0; r < kRows; ++r) {
+              dots[r][v] = _mm512_dpbusd_epi32(dots[r][v], first, _mm512_set1_epi32(xq[r][2 * pair]));
+              dots[r][v] = _mm512_dpbusd_epi32(dots[r][v], second, _mm512_set1_epi32(xq[r][2 * pair + 1]));
+            }
+          }
+        }
+      } else {
+        for (int64_t quad = quad0; quad < quad0 + kBlock / 4; ++quad) {
+          const uint8_t* codes = strip_codes + (quad * kStrip + vec0 * 16) * 4;
+          for (int v = 0; v < kVectors; ++v) {
+            const __m512i u = _mm512_loadu_si512(codes + v * 64);
+            for (int r = 0; r < kRows; ++r)
+              dots[r][v] = _mm512_dpbusd_epi32(dots[r][v], u, _mm512_set1_epi32(xq[r][quad]));
+          }
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 block_scale = _mm512_set1_ps(dx[r][block]);
+        for (int v = 0; v < kVectors; ++v)
+          group_acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][v]), block_scale, group_acc[r][v]);
+      }
+    }
+    for (int v = 0; v < kVectors; ++v) {
+      const int64_t at = g * p.n + col + v * 16;
+      const __m512 scale = HalfToFloat(p.scale + at, valid[v]);
+      __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(p.offset_scale));
+      if (p.zero != nullptr) offset = _mm512_add_ps(offset, HalfToFloat(p.zero + at, valid[v]));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 x_sum = _mm512_set1_ps(p.xsum[(row0 + r) * p.groups + g]);
+        acc[r][v] = _mm512_fmadd_ps(group_acc[r][v], scale, _mm512_fmadd_ps(offset, x_sum, acc[r][v]));
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + col + v * 16, valid[v], acc[r][v]);
+}
+
+// The whole strip for kRows rows: as many vectors at a time as the registers hold.
+template <int kRows>
+void StripRows(const Problem& p, int64_t strip, int64_t row0) {
+  constexpr int kVectors = kRows == 1 ? 4 : kRows == 2 ? 2 : 1;
+  for (int vec0 = 0; vec0 < kStrip / 16; vec0 += kVectors) StripPart<kRows, kVectors>(p, strip, row0, vec0);
+}
+
+void Strip(const Problem& p, int64_t strip) {
+  int64_t row = 0;
+  for (; row + kMaxRows <= p.rows; row += kMaxRows) StripRows<kMaxRows>(p, strip, row);
+  switch (p.rows - row) {
+    case 1: StripRows<1>(p, strip, row); break;
+    case 2: StripRows<2>(p, strip, row); break;
+    case 3: StripRows<3>(p, strip, row); break;
+    default: break;
+  }
+}
+
+// Strips handed out one at a time to whoever asks next: the caller and up to num_threads - 1
+// tasks on the intra-op pool. A task that starts after the work is gone returns at once; the
+// caller waits only for strips already taken.
+struct Work {
+  Problem problem;
+  int64_t num_strips = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (int64_t s; (s = next.fetch_add(1, std::memory_order_relaxed)) < num_strips;) {
+      Strip(problem, s);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bits, int64_t has_zero,
+                           float offset_scale) {
+  const auto xd = x.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized_matmul: x and scale must be 2-D");
+  const int64_t rows = xd[0], k = xd[1], groups = sd[0], n = sd[1];
+  const int64_t strips = (n + kStrip - 1) / kStrip;
+  if ((bits != 8 && bits != 4) || groups <= 0 || k % groups != 0 || (k / groups) % kBlock != 0 ||
+      packed.element_count() != strips * kStrip * (bits == 4 ? k / 2 : k))
+    return ffi::Error::InvalidArgument("quantized_matmul: inconsistent shapes");
+
+  // The rows of x in int8 per block of kBlock inputs (symmetric), and their sums per group.
+  const int64_t blocks = k / kBlock;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> dx(rows * blocks), xsum(rows * groups, 0.f);
+  const float* xs = x.typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* in = xs + r * k + b * kBlock;
+      float top = 0.f;
+      for (int i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(in[i]));
+      const float step = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const int8_t code = static_cast<int8_t>(std::nearbyint(in[i] * inverse));
+        xq[r * k + b * kBlock + i] = code;
+        sum += code;
+      }
+      dx[r * blocks + b] = step;
+      xsum[r * groups + b * kBlock / (k / groups)] += step * static_cast<float>(sum);
+    }
+  }
+
+  Problem p;
+  p.xq = reinterpret_cast<const int32_t*>(xq.data());
+  p.dx = dx.data();
+  p.xsum = xsum.data();
+  p.w = packed.typed_data();
+  p.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  p.zero = has_zero ? reinterpret_cast<const uint16_t*>(zero.typed_data()) : nullptr;
+  p.y = y->typed_data();
+  p.rows = rows;
+  p.k = k;
+  p.n = n;
+  p.groups = groups;
+  p.group = k / groups;
+  p.int4 = bits == 4;
+  p.offset_scale = offset_scale;
+
+  auto work = std::make_shared<Work>();
+  work->problem = p;
+  work->num_strips = strips;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), strips) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < strips) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("has_zero")
+                                  .Attr<float>("offset_scale"));

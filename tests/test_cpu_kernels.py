@@ -1,0 +1,159 @@
+"""The CPU kernels (jaxserve.cpu_kernels): the int8-activation quantized matmul against a numpy
+model of what it computes, its layout, where the CPU step uses it, and how it is built."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from jaxserve import quantization as qz
+from pallas_kernels import dispatch
+
+SEED = int(os.environ.get("JAXSERVE_TEST_SEED", "20261130"))
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+
+FORMATS = ["int8", "int8_g64", "int8_zp", "int8_g32_zp", "int4", "int4_g64", "int4_g32_sym", "int4_g128_sym"]
+
+
+def quantized_rows(x: np.ndarray) -> np.ndarray:
+    """What the kernel multiplies: each block of cpu_kernels.BLOCK inputs of a row rounded to
+    int8 steps of its largest magnitude / 127."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // cpu_kernels.BLOCK, cpu_kernels.BLOCK).astype(np.float32)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    codes = np.round(blocks * inverse)  # in float32, ties to even, as the kernel rounds
+    return (codes.astype(np.float64) * (top / np.float32(127))).reshape(rows, k)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantized_matmul_is_the_weight_times_the_int8_rows(name):
+    """Every row count (the kernel's register blocks of 1-4 rows and their remainders), output
+    widths that are not a multiple of the strip, several groups; against float64 numpy."""
+    rng = np.random.default_rng([SEED, FORMATS.index(name)])
+    for k, n in [(256, 80), (384, 200), (128, 64)]:
+        if qz.parse_format(name).group_size and k % qz.parse_format(name).group_size:
+            continue
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        weight = qz.quantize(w, qz.parse_format(name))
+        assert cpu_kernels.supports(weight)
+        kernel_weight = jax.jit(qz.with_kernel_layout)(weight)
+        dequantized = np.asarray(qz.dequantize(weight), np.float64)
+        for rows in (1, 2, 3, 4, 5, 7, 9, 64):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            x[0, :cpu_kernels.BLOCK] = 0.0  # an all-zero block
+            got = np.asarray(jax.jit(qz.linear)(jnp.asarray(x), kernel_weight))
+            expected = quantized_rows(x) @ dequantized
+            scale = np.abs(expected).max()
+            assert np.abs(got - expected).max() < 2e-6 * scale, f"seed {SEED}, {name} {k}x{n}, {rows} rows"
+            exact = x.astype(np.float64) @ dequantized
+            assert np.abs(got - exact).max() < 0.02 * scale, f"seed {SEED}: int8 rows far from float"
+
+
+def test_more_rows_than_the_kernel_takes_use_xla():
+    rng = np.random.default_rng([SEED, 1])
+    weight = qz.quantize(rng.standard_normal((64, 32)).astype(np.float32), qz.parse_format("int4"))
+    kernel_weight = qz.with_kernel_layout(weight)
+    x = jnp.asarray(rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 64)).astype(np.float32))
+    hlo = jax.jit(qz.linear).lower(x, kernel_weight).as_text()
+    assert "jaxserve_quantized_matmul" not in hlo
+    np.testing.assert_allclose(np.asarray(qz.linear(x, kernel_weight)), np.asarray(qz.linear(x, weight)), rtol=1e-6)
+    assert "jaxserve_quantized_matmul" in jax.jit(qz.linear).lower(x[:cpu_kernels.MAX_ROWS], kernel_weight).as_text()
+
+
+def test_pack_lays_out_strips_of_four_inputs():
+    """The layout quantized_matmul.cc reads: [strips, K / 4, STRIP, 4] (int8 levels) and
+    [strips, K / 8, STRIP, 4] with inputs 8i + t and 8i + 4 + t in the low and high nibbles."""
+    k, n = 16, 70  # two strips, the second zero-padded
+    levels = (np.arange(k * n).reshape(k, n) % 251).astype(np.uint8)
+    packed = np.asarray(cpu_kernels.pack(jnp.asarray(levels), 8))
+    assert packed.shape == (2, k // 4, cpu_kernels.STRIP, 4)
+    for i, c, t in [(0, 0, 0), (3, 5, 2), (1, 69, 3)]:
+        assert packed[c // 64, i, c % 64, t] == levels[4 * i + t, c]
+    assert not packed[1, :, n - 64:].any()
+    nibbles = levels % 16
+    packed = np.asarray(cpu_kernels.pack(jnp.asarray(nibbles), 4))
+    assert packed.shape == (2, k // 8, cpu_kernels.STRIP, 4)
+    for i, c, t in [(0, 0, 0), (1, 66, 3), (1, 7, 1)]:
+        byte = packed[c // 64, i, c % 64, t]
+        assert (byte & 0xF, byte >> 4) == (nibbles[8 * i + t, c], nibbles[8 * i + 4 + t, c])
+
+
+def test_formats_the_kernel_does_not_take():
+    rng = np.random.default_rng([SEED, 2])
+    w = rng.standard_normal((96, 32)).astype(np.float32)
+    assert cpu_kernels.supports(qz.quantize(w, qz.parse_format("int4")))
+    assert not cpu_kernels.supports(qz.quantize(w[:48], qz.parse_format("int8")))  # 48 inputs: not BLOCKs
+    weight = qz.quantize(w, qz.parse_format("int4"))
+    fp8 = {"q": jnp.asarray(w).astype(jnp.float8_e4m3fn), "scale": weight["scale"][:1]}
+    assert not cpu_kernels.supports(fp8)
+    assert not cpu_kernels.supports({**weight, "zero": jnp.zeros_like(weight["zero"], jnp.uint8)})  # integer zero
+    assert not cpu_kernels.supports({**weight, "scale": weight["scale"].astype(jnp.float32)})
+    assert not cpu_kernels.supports({**weight, "perm": jnp.arange(96)})
+    assert not cpu_kernels.supports(w)
+
+
+def test_build_and_its_failure(monkeypatch, tmp_path, caplog):
+    """The library is compiled into $JAXSERVE_KERNEL_CACHE once; a compiler that fails leaves
+    available() False with a warning (XLA's formulation then); JAXSERVE_CPU_KERNELS=0: off."""
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    path = cpu_kernels._build()
+    assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) > 0
+    assert cpu_kernels._build() == path  # cached: built once
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(OSError, match="failed"):
+        cpu_kernels._build()
+    assert cpu_kernels._load() is False
+    assert "CPU kernels unavailable" in caplog.text and not list((tmp_path / "other").glob("*.so"))
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "0")
+    assert cpu_kernels._load() is False
+    assert not list((tmp_path / "other").glob("*.so"))  # off: not even built
+
+
+# ---- decode attention ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 40}, {"scale": 0.3, "logit_soft_cap": 5.0}],
+                         ids=["plain", "window", "scale-softcap"])
+def test_paged_decode_attention_matches_the_reference(options):
+    """The kernel against the test oracle (whole context at once): GQA, random page order,
+    padding rows, contexts from 1 to past one task's 128 keys, head_dim not a multiple of 16."""
+    from pallas_kernels import reference
+    rng = np.random.default_rng([SEED, 3])
+    for num_q_heads, num_kv_heads, head_dim in [(9, 3, 64), (4, 4, 24)]:
+        pages, page_size, width = 60, 8, 40
+        lens = np.array([300, 0, 1, 128, 129, 17], np.int32)
+        q = jnp.asarray(rng.standard_normal((len(lens), num_q_heads, head_dim)).astype(np.float32))
+        k, v = (jnp.asarray(rng.standard_normal((pages, page_size, num_kv_heads, head_dim)).astype(np.float32))
+                for _ in range(2))
+        table = jnp.asarray(np.stack([rng.permutation(np.arange(1, pages))[:width] for _ in lens]).astype(np.int32))
+        if "sliding_window" in options:
+            options = {**options, "sliding_window": jnp.int32(options["sliding_window"])}
+        assert cpu_kernels.takes_decode_attention(q, k, v)
+        got = jax.jit(lambda *a: dispatch.decode_attention("xla", *a, **options))(q, k, v, table, jnp.asarray(lens))
+        assert "jaxserve_paged_decode_attention" in jax.jit(
+            lambda *a: dispatch.decode_attention("xla", *a, **options)).lower(q, k, v, table, jnp.asarray(lens)).as_text()
+        want = reference.paged_decode_attention(q, k, v, table, jnp.asarray(lens), **options)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4, err_msg=f"seed {SEED}")
+        assert not np.asarray(got)[1].any()  # the padding row
+
+
+def test_decode_attention_rows_do_not_depend_on_each_other():
+    """A row's result is the same bits alone and next to other rows (tasks per row, fixed
+    chunks), and quantized caches keep XLA's path."""
+    rng = np.random.default_rng([SEED, 4])
+    q = jnp.asarray(rng.standard_normal((4, 4, 32)).astype(np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((30, 16, 2, 32)).astype(np.float32)) for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, 30))[:28].reshape(4, 7).astype(np.int32))
+    lens = jnp.asarray([100, 7, 0, 112], jnp.int32)
+    attend = jax.jit(lambda *a: dispatch.decode_attention("xla", *a))
+    together = np.asarray(attend(q, k, v, table, lens))
+    for row in range(4):
+        alone = np.asarray(attend(q[row:row + 1], k, v, table[row:row + 1], lens[row:row + 1]))
+        assert np.array_equal(alone[0], together[row]), row
+    assert not cpu_kernels.takes_decode_attention(q, {"pages": k.astype(jnp.int8), "scales": k[..., :1]}, v)
+    assert not cpu_kernels.takes_decode_attention(q.astype(jnp.bfloat16), k, v)
