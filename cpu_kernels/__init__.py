@@ -55,6 +55,12 @@ def available() -> bool:
         return _state["available"]
 
 
+def _require() -> None:
+    """Registers the kernels with XLA (before a call to one is traced); RuntimeError without them."""
+    if not available():
+        raise RuntimeError("the CPU kernels are not available (see the warning logged when loading them)")
+
+
 def _load() -> bool:
     if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
@@ -131,14 +137,23 @@ def pack(levels: jax.Array, bits: int) -> jax.Array:
     return jnp.transpose(quads, (*lead_axes, n_lead + 2, n_lead, n_lead + 3, n_lead + 1))
 
 
+def pack_groups(values: jax.Array) -> jax.Array:
+    """Per-group values [..., G, N] (scales, zeros) -> [..., S, G, STRIP] in the strips of `pack`
+    (zero-padded), so that a strip reads its groups' values in one sequence."""
+    *lead, groups, n = values.shape
+    strips = -(-n // STRIP)
+    values = jnp.pad(values, [(0, 0)] * len(lead) + [(0, 0), (0, strips * STRIP - n)])
+    return jnp.moveaxis(values.reshape(*lead, groups, strips, STRIP), -2, -3)
+
+
 def quantized_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Array | None,
-                     offset_scale: float) -> jax.Array:
-    """x [..., K] @ w -> [..., N] in x's dtype, for w = level * scale + offset,
-    offset = scale * offset_scale + zero (zero: 0 when None): `packed` levels (`pack`) and
-    scale, zero float16 [groups, N]. x is quantized to int8 per BLOCK inputs (see
-    quantized_matmul.cc). Call only when `available()`."""
+                     offset_scale: float, n: int) -> jax.Array:
+    """x [..., K] @ w -> [..., n] in x's dtype, for w = level * scale + offset,
+    offset = scale * offset_scale + zero (zero: 0 when None): `packed` levels (`pack`), scale
+    and zero float16 [groups, n] in strips (`pack_groups`). x is quantized to int8 per BLOCK
+    inputs (see quantized_matmul.cc)."""
+    _require()
     lead, k = x.shape[:-1], x.shape[-1]
-    n = scale.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
     y = jax.ffi.ffi_call("jaxserve_quantized_matmul", jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, packed, scale, zero if zero is not None else jnp.zeros((1, 1), SCALE_DTYPE),
@@ -158,6 +173,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, window
     """Decode attention (pallas_kernels.xla_paged.paged_decode_attention's inputs and result):
     q [S, Hq, D] float32, pages [P, page_size, Hkv, D] float32, block_table int32 [S, W],
     seq_lens int32 [S], window an int32 scalar (<= 0: none) -> [S, Hq, D] float32."""
+    _require()
     return jax.ffi.ffi_call("jaxserve_paged_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))

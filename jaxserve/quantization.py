@@ -246,7 +246,8 @@ def linear(x: jax.Array, weight) -> jax.Array:
     if "packed" in weight and math.prod(x.shape[:-1]) <= cpu_kernels.MAX_ROWS:
         int4 = weight["q"].dtype == jnp.uint8
         offset_scale = 0.0 if "zero" in weight else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
-        return cpu_kernels.quantized_matmul(x, weight["packed"], weight["scale"], weight.get("zero"), offset_scale)
+        return cpu_kernels.quantized_matmul(x, weight["packed"], weight["packed_scale"], weight.get("packed_zero"),
+                                            offset_scale, weight["q"].shape[-1])
     if "perm" in weight:  # act-order: the rows are stored in this order of the inputs
         x = jnp.take(x, weight["perm"], axis=-1)
     if "q_t" in weight and math.prod(x.shape[:-1]) == 1:  # one row: see `transposed`
@@ -264,13 +265,19 @@ def linear(x: jax.Array, weight) -> jax.Array:
 
 
 def with_kernel_layout(weight: dict) -> dict:
-    """`weight` (stored layout, `cpu_kernels.supports` it) with its levels also in the CPU
-    kernel's layout ("packed", `cpu_kernels.pack`): a copy of the codes at their own size.
-    Every weight is  level * scale + offset, with level u = the int4 code, or q + 128 for int8."""
+    """`weight` (stored layout, `cpu_kernels.supports` it) with its levels, scales and zeros
+    also in the CPU kernel's layout ("packed", "packed_scale", "packed_zero"; `cpu_kernels.pack`
+    and `pack_groups`): a copy at their own size. Every weight is  level * scale + offset, with
+    level u = the int4 code, or q + 128 for int8."""
     q = weight["q"]
     if q.dtype == jnp.uint8:
-        return {**weight, "packed": cpu_kernels.pack(_int4_codes(q, weight["scale"].shape[-2]), 4)}
-    return {**weight, "packed": cpu_kernels.pack(q.view(jnp.uint8) ^ jnp.uint8(0x80), 8)}
+        packed = cpu_kernels.pack(_int4_codes(q, weight["scale"].shape[-2]), 4)
+    else:
+        packed = cpu_kernels.pack(q.view(jnp.uint8) ^ jnp.uint8(0x80), 8)
+    result = {**weight, "packed": packed, "packed_scale": cpu_kernels.pack_groups(weight["scale"])}
+    if "zero" in weight:
+        result["packed_zero"] = cpu_kernels.pack_groups(weight["zero"])
+    return result
 
 
 def _int4_codes(q: jax.Array, num_groups: int) -> jax.Array:
@@ -357,6 +364,20 @@ def _quantize_rows_jit(embed):
     return {"q": q, "scale": scale}
 
 
+def lm_head_kernel_weight(embed: dict) -> dict:
+    """The tied lm_head of a quantize_embedding embedding as a per-output-channel int8 weight
+    [D, V] (float16 scales) for the CPU kernel: `cpu_kernels.supports` tells whether it takes it."""
+    return {"q": embed["q"].T, "scale": embed["scale"].T.astype(SCALE_DTYPE)}
+
+
+def embedding_with_kernel_layout(embed: dict) -> dict:
+    """A quantize_embedding embedding with its tied lm_head also in the CPU kernel's layout
+    ("packed" and "packed_scale": a copy of the codes and their scales), which `embedding_logits`
+    reads for up to cpu_kernels.MAX_ROWS rows (see llama.layer_views)."""
+    head = with_kernel_layout(lm_head_kernel_weight(embed))
+    return {**embed, "packed": head["packed"], "packed_scale": head["packed_scale"]}
+
+
 def embedding_rows(embed: dict, token_ids: jax.Array) -> jax.Array:
     """Rows [T, D] float32 of a quantize_embedding embedding."""
     return embed["q"][token_ids].astype(jnp.float32) * embed["scale"][token_ids]
@@ -372,6 +393,9 @@ def embedding_logits(x: jax.Array, embed: dict) -> jax.Array:
     multiplied while it is in the cache."""
     q, scale = embed["q"], embed["scale"]
     x = x.astype(jnp.float32)
+    if "packed" in embed and x.shape[0] <= cpu_kernels.MAX_ROWS:  # see embedding_with_kernel_layout
+        return cpu_kernels.quantized_matmul(x, embed["packed"], embed["packed_scale"], None, -float(INT8_ZERO_OFFSET),
+                                            q.shape[0])
     if x.shape[0] == 1:
         return (x @ q.T.astype(jnp.float32)) * scale[:, 0]
     vocab, dim = q.shape

@@ -540,7 +540,7 @@ def test_quantized_embedding_rows_and_logits_are_close_to_float(monkeypatch):
 
 @pytest.mark.parametrize("quantization,int8_activations", [
     (None, True), ("int8_g32_zp", True), ("int8_g32_zp", False), ("int4", True), ("int4", False),
-    ("int8+embed", False)])
+    ("int8+embed", True), ("int8+embed", False)])
 def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantization, int8_activations):
     """The engine's CPU step reads one array per layer: views of the stacked weights (no copy),
     quantized ones also in the CPU kernel's layout (int8 activations) or transposed (a copy); the
@@ -562,6 +562,8 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
         assert layer_wq.unsafe_buffer_pointer() == stacked_wq.unsafe_buffer_pointer() + 2 * layer_wq.nbytes
     elif kernel:
         assert "packed" in layer_wq and "q_t" not in layer_wq
+        embed = views["embed"]  # the tied lm_head, when int8, in the kernel's layout too
+        assert (isinstance(embed, dict) and "packed" in embed) == quantization.endswith("+embed")
     else:
         assert layer_wq["q_t"].shape == (config.num_q_heads * config.head_dim, config.hidden_size)  # [out, in]
     pages, page_size = 9, 8

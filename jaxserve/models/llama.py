@@ -61,10 +61,10 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
 
     Quantized weights also get a layout for steps of few rows, a copy (the one cost in memory):
     with `int8_activations`, the CPU kernel's (`quantization.with_kernel_layout`: the codes once
-    more, at their size; EngineConfig.cpu_int8_activations), else, or for a format the kernel
-    does not take, or without the kernel built, the layout a single row reads
-    (`quantization.transposed`, whose dequantization XLA fuses into the matmul; int4 codes at a
-    byte each, float32 scales)."""
+    more, at their size; EngineConfig.cpu_int8_activations; an int8 embedding's tied lm_head
+    too), else, or for a format the kernel does not take, or without the kernel built, the
+    layout a single row reads (`quantization.transposed`, whose dequantization XLA fuses into
+    the matmul; int4 codes at a byte each, float32 scales)."""
     def on_one_cpu(leaf):
         devices = leaf.devices() if isinstance(leaf, jax.Array) else ()
         return len(devices) == 1 and next(iter(devices)).platform == "cpu"
@@ -87,7 +87,12 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
             if array.unsafe_buffer_pointer() != view.__array_interface__["data"][0]:
                 return params  # jax copied it (alignment): keep the stacked weights
             per_layer[layer].append(array)
-    return {**params, "layers": tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)}
+    views = {**params, "layers": tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)}
+    embed = params["embed"]
+    if int8_activations and quantization.is_quantized(embed) and "lm_head" not in params \
+            and cpu_kernels.supports(quantization.lm_head_kernel_weight(embed)) and cpu_kernels.available():
+        views["embed"] = _embedding_kernel_layout_jit(embed)
+    return views
 
 
 def _cpu_layout(weight, int8_activations: bool):
@@ -102,6 +107,7 @@ def _cpu_layout(weight, int8_activations: bool):
 
 _transposed_jit = jax.jit(quantization.transposed)
 _kernel_layout_jit = jax.jit(quantization.with_kernel_layout)
+_embedding_kernel_layout_jit = jax.jit(quantization.embedding_with_kernel_layout)
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
