@@ -7,6 +7,8 @@ reported. Engines:
   jaxserve <variant>  `Engine.step` on one request: float weights, int8 / int4 weights
                       (`--quantization`), "+embed" for the embedding and tied lm_head quantized too
                       (the variant name is the EngineConfig quantization, e.g. int8+embed);
+                      "+float_activations": the quantized matmuls in XLA with float activations
+                      (EngineConfig.cpu_int8_activations=False) instead of the CPU kernel;
                       TTFT = wall time from add_request to the step that returns the first token,
                       TPOT = wall time of each later step (host work, sampling and detokenizing
                       nothing included: no tokenizer), per token;
@@ -45,6 +47,8 @@ def prompts_for(args, vocab_size) -> list[list[int]]:
 def build_engine(model_config, params, variant, args):
     from jaxserve.engine import Engine, EngineConfig
 
+    float_activations = variant.endswith("+float_activations")  # EngineConfig.cpu_int8_activations=False
+    variant = variant.removesuffix("+float_activations")
     quantization = None if variant == "float" else variant
     if variant.endswith("+embed"):  # the embedding and tied lm_head in int8 too
         from jaxserve import quantization as quantization_lib
@@ -52,7 +56,8 @@ def build_engine(model_config, params, variant, args):
         quantization = None if variant == "float+embed" else variant[:-len("+embed")]
     max_model_len = args.max_model_len
     cfg = EngineConfig(max_model_len=max_model_len, enable_prefix_caching=False, warmup=False,
-                       num_pages=2 * -(-max_model_len // 16) + 2, quantization=quantization)
+                       num_pages=2 * -(-max_model_len // 16) + 2, quantization=quantization,
+                       cpu_int8_activations=not float_activations)
     return Engine(model_config, params, None, cfg)
 
 

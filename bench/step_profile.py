@@ -13,7 +13,8 @@ The step reads its weights as the engine's does (`llama.layer_views`); interleav
 layer scan over the stacked weights. Options: `--row_sweep` times decode steps of several row
 counts (the CPU's decode buckets come from it), `--prefill_tokens` a prefill step with and
 without attention, `--baseline_kernels` another version's xla_paged.py (stacked weights, optionally
-in a bigger bucket), `--quantization` / `--quantize_embedding` quantized weights.
+in a bigger bucket), `--kernel_comparison` the step without each of the CPU kernels (cpu_kernels),
+`--quantization` / `--quantize_embedding` quantized weights.
 
   python bench/step_profile.py --rows=64 --min_context=129 --max_context=256
   python bench/step_profile.py --rows=64 --min_context=16 --max_context=1024 --backends=xla,reference
@@ -163,6 +164,25 @@ def baseline_comparison(args, step_run, stacked, batch) -> dict:
     return interleaved_seconds(runs, args.repeats, args.rounds)
 
 
+def kernel_comparison(step_run, stacked, args) -> dict:
+    """The decode step as the engine runs it, next to the same step with XLA's decode attention
+    instead of the CPU kernel's, with the quantized matmuls in XLA (float activations,
+    EngineConfig.cpu_int8_activations=False), and with both, interleaved."""
+    import cpu_kernels
+    from jaxserve.models import llama
+
+    xla_matmuls = llama.layer_views(stacked, int8_activations=False)
+    runs = {"cpu kernels": step_run("xla"), "matmuls in XLA": step_run("xla", xla_matmuls)}
+    real_takes = cpu_kernels.takes_decode_attention
+    cpu_kernels.takes_decode_attention = lambda *operands: False  # traced (and compiled) without the kernel
+    try:
+        runs["attention in XLA"] = step_run("xla")
+        runs["both in XLA"] = step_run("xla", xla_matmuls)
+    finally:
+        cpu_kernels.takes_decode_attention = real_takes
+    return interleaved_seconds(runs, args.repeats, args.rounds)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a converted model directory")
@@ -185,6 +205,9 @@ def main(argv=None) -> int:
                              "weights under the layer scan, as before llama.layer_views) timed next to this one")
     parser.add_argument("--baseline_rows", type=int, default=0,
                         help="with --baseline_kernels: also the baseline step padded to this many rows (its bucket)")
+    parser.add_argument("--kernel_comparison", action="store_true",
+                        help="the step with each of the CPU kernels (cpu_kernels) replaced by XLA's "
+                             "formulation, interleaved")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the comparisons")
     parser.add_argument("--out", default=None)
@@ -239,6 +262,7 @@ def main(argv=None) -> int:
     weights_layout = interleaved_seconds({"per-layer weights": step_run("xla"),
                                           "stacked weights (layer scan)": step_run("xla", stacked)},
                                          args.repeats, args.rounds)
+    kernels = kernel_comparison(step_run, stacked, args) if args.kernel_comparison else {}
     baseline = {}
     if args.baseline_kernels:
         baseline = baseline_comparison(args, step_run, baseline_params, batch)
@@ -299,7 +323,7 @@ def main(argv=None) -> int:
     best = matmul_s / (results["no attention"] + read_kv_s)
     print(f"bound: with attention costing one read of K/V on top of the step without attention, "
           f"the step reaches at most {best:.2f} of the matmul rate")
-    for name, seconds in baseline.items():
+    for name, seconds in {**kernels, **baseline}.items():
         print(f"  {name}: {1e3 * seconds:7.1f} ms (interleaved)")
     if row_sweep:
         print("decode step by rows (interleaved): " + ", ".join(
@@ -316,7 +340,7 @@ def main(argv=None) -> int:
                                      step_flops=step_flops, kv_bytes=kv_bytes, copy_bytes_per_s=bandwidth,
                                      weight_bytes=weight_bytes, read_weights_s=read_weights_s,
                                      weights_layout_s=weights_layout, row_sweep_s=row_sweep, prefill_s=prefill,
-                                     baseline_s=baseline,
+                                     baseline_s=baseline, kernel_comparison_s=kernels,
                                      matmul_fraction_bound=best, engine_decode_step=engine_step))
     return 0
 

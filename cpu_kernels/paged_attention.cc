@@ -35,7 +35,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kChunkTokens = 128;  // keys per task
-constexpr int64_t kParallelBytes = 2 << 20;  // less K/V to read: the caller's thread only
 constexpr int kLanes = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -204,12 +203,7 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   p.sum.resize(work->num_tasks * p.group());
   p.acc.resize(work->num_tasks * p.group() * p.dim);
 
-  // Another thread of XLA's pool only for enough keys and values to repay waking it (one row of
-  // 500 SmolLM2 tokens, 768 KiB per layer: a decode step 3% faster on the caller alone).
-  int64_t total = 0;
-  for (int64_t s = 0; s < p.seqs; ++s) total += p.seq_lens[s];
-  const bool parallel = total * p.kv_heads * p.dim * 2 * int64_t(sizeof(float)) >= kParallelBytes;
-  const int64_t helpers = std::min<int64_t>(parallel ? pool.num_threads() : 1, work->num_tasks) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
   work->Run();
   while (work->done.load(std::memory_order_acquire) < work->num_tasks) _mm_pause();
