@@ -51,7 +51,7 @@ class EngineConfig:
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
     # Quantized weights on the CPU: steps of up to 64 rows quantize their activations to int8 and
-    # multiply them with the weight codes in integer dot products (jaxserve.cpu_kernels, as
+    # multiply them with the weight codes in integer dot products (cpu_kernels, as
     # llama.cpp does); False: XLA dequantizes the weights to float, as on every other device.
     cpu_int8_activations: bool = True
     # Multi-step decoding: in a step of decoding rows only, up to this many tokens per row in one

@@ -237,7 +237,7 @@ def linear(x: jax.Array, weight) -> jax.Array:
     """x [..., in] @ weight [in, out] for a float or quantized weight (2-D: one layer's slice).
 
     A weight with `with_kernel_layout`'s codes (the CPU step's, see llama.layer_views)
-    multiplies up to cpu_kernels.MAX_ROWS rows in the C++ kernel (jaxserve.cpu_kernels).
+    multiplies up to cpu_kernels.MAX_ROWS rows in the C++ kernel (cpu_kernels).
     Otherwise the dequantization is elementwise work that XLA fuses into the jitted step. int4
     runs as two dots over the low-nibble and high-nibble halves of every group (the inputs split
     to match), which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""

@@ -1,4 +1,4 @@
-"""The CPU kernels (jaxserve.cpu_kernels): the int8-activation quantized matmul against a numpy
+"""The CPU kernels (cpu_kernels): the int8-activation quantized matmul against a numpy
 model of what it computes, its layout, where the CPU step uses it, and how it is built."""
 import os
 
