@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
-import cpu_kernels
 from jaxserve import quantization
 from jaxserve.quantization import linear
 from pallas_kernels import dispatch, kv_quant
@@ -97,8 +97,7 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
 
 def _cpu_layout(weight, int8_activations: bool):
     """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
-    if int8_activations and quantization.transposable(weight) and cpu_kernels.supports(weight) \
-            and cpu_kernels.available():
+    if int8_activations and cpu_kernels.supports(weight) and cpu_kernels.available():
         return _kernel_layout_jit(weight)
     if quantization.transposable(weight):
         return {**weight, **_transposed_jit(weight)}
