@@ -195,6 +195,11 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     const int64_t len = p.seq_lens[s];
     if (len < 0 || len > p.table_width * p.page_size)
       return ffi::Error::InvalidArgument("paged_decode_attention: a sequence length exceeds its block table");
+    for (int64_t i = 0; i * p.page_size < len; ++i) {  // the pages read: no read outside the cache
+      const int64_t page = p.block_table[s * p.table_width + i];
+      if (page < 0 || page >= kd[0])
+        return ffi::Error::InvalidArgument("paged_decode_attention: a block table names a page outside the cache");
+    }
     longest = std::max(longest, len);
   }
   p.chunks = std::max<int64_t>(1, (longest + kChunkTokens - 1) / kChunkTokens);

@@ -157,3 +157,16 @@ def test_decode_attention_rows_do_not_depend_on_each_other():
         assert np.array_equal(alone[0], together[row]), row
     assert not cpu_kernels.takes_decode_attention(q, {"pages": k.astype(jnp.int8), "scales": k[..., :1]}, v)
     assert not cpu_kernels.takes_decode_attention(q.astype(jnp.bfloat16), k, v)
+
+
+def test_decode_attention_refuses_pages_outside_the_cache():
+    """A block table entry past the cache (or a length past the table) is an error of the call,
+    not a read outside the buffers."""
+    q = jnp.zeros((1, 2, 16), jnp.float32)
+    k = jnp.zeros((4, 8, 1, 16), jnp.float32)
+    attend = jax.jit(lambda *a: dispatch.decode_attention("xla", *a))
+    with pytest.raises(Exception, match="outside the cache"):
+        np.asarray(attend(q, k, k, jnp.asarray([[1, 4]], jnp.int32), jnp.asarray([9], jnp.int32)))
+    with pytest.raises(Exception, match="exceeds its block table"):
+        np.asarray(attend(q, k, k, jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([17], jnp.int32)))
+    assert np.asarray(attend(q, k, k, jnp.asarray([[1, 4]], jnp.int32), jnp.asarray([8], jnp.int32))).shape == (1, 2, 16)
