@@ -11,15 +11,16 @@
 // strip's codes are contiguous and a 64-byte load holds 4 inputs of 16 columns: the operand of
 // one VNNI instruction (16 int32 lanes, each the sum of 4 byte products).
 // scale, zero: float16 [S, G, kStrip] (zero absent: has_zero = 0), G groups of K / G inputs, in
-// strips as the codes (a strip's scales contiguous too). Every weight
-// is  w = u * scale + offset,  offset = scale * offset_scale + zero  (offset_scale: -128 for
-// symmetric int8, -8 for symmetric int4, 0 with a zero point).
+// strips as the codes (a strip's scales contiguous too). Every weight is
+//   w = u * scale + offset,  offset = scale * offset_scale + zero
+// (offset_scale: -128 for symmetric int8, -8 for symmetric int4, 0 with a zero point).
 //
 // Per group, with x_i ~ dx_b * xq_i in block b:  sum_i w_i x_i ~ scale * sum_b dx_b * (integer
 // dot of u and xq over block b) + offset * sum_b dx_b * (sum of xq over block b): exactly the
 // product of the weight with the quantized x (the offset term with the same x as the codes',
-// so that the level shift in offset, 128 for int8, cancels instead of scaling x's rounding). Strips are shared among the caller and the XLA
-// CPU client's intra-op threads.
+// so that the level shift in offset, 128 for int8, cancels instead of scaling x's rounding).
+// Strips are shared among the caller and the XLA CPU client's intra-op threads when the weight
+// is large enough (kParallelBytes).
 
 #include <immintrin.h>
 
