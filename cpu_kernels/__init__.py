@@ -40,6 +40,7 @@ STRIP = 64  # output columns per strip of the packed layout (kStrip in quantized
 BLOCK = 32  # inputs per int8 scale of x (kBlock)
 SCALE_DTYPE = jnp.float16
 _SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc")]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part of the library's hash
 _TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
             "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention"}  # target: handler symbol
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17", "-w"]
@@ -82,7 +83,7 @@ def _build() -> str:
         raise OSError("no C++ compiler (set CXX)")
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         with open(source, "rb") as file:
             key.update(file.read())
     key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, _cpu_flags()]).encode())

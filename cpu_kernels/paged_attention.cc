@@ -21,13 +21,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -150,20 +149,6 @@ struct Problem {
   }
 };
 
-struct Work {
-  Problem problem;
-  int64_t num_tasks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
-      problem.Task(t);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> window,
@@ -173,8 +158,7 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
       td[0] != qd[0] || seq_lens.element_count() != qd[0] || kd[3] != qd[2] || qd[1] % kd[2] != 0 ||
       window.element_count() != 1)
     return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
   p.q = q.typed_data();
   p.k = k_pages.typed_data();
   p.v = v_pages.typed_data();
@@ -203,15 +187,11 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     longest = std::max(longest, len);
   }
   p.chunks = std::max<int64_t>(1, (longest + kChunkTokens - 1) / kChunkTokens);
-  work->num_tasks = p.seqs * p.kv_heads * p.chunks;
-  p.max.resize(work->num_tasks * p.group());
-  p.sum.resize(work->num_tasks * p.group());
-  p.acc.resize(work->num_tasks * p.group() * p.dim);
-
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) _mm_pause();
+  const int64_t tasks = p.seqs * p.kv_heads * p.chunks;
+  p.max.resize(tasks * p.group());
+  p.sum.resize(tasks * p.group());
+  p.acc.resize(tasks * p.group() * p.dim);
+  jaxserve::ParallelFor(pool, pool.num_threads(), tasks, [&p](int64_t t) { p.Task(t); });
   for (int64_t s = 0; s < p.seqs; ++s)
     for (int64_t head = 0; head < p.kv_heads; ++head) p.Merge(s, head);
   return ffi::Error::Success();
