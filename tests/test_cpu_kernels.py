@@ -170,3 +170,18 @@ def test_decode_attention_refuses_pages_outside_the_cache():
     with pytest.raises(Exception, match="exceeds its block table"):
         np.asarray(attend(q, k, k, jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([17], jnp.int32)))
     assert np.asarray(attend(q, k, k, jnp.asarray([[1, 4]], jnp.int32), jnp.asarray([8], jnp.int32))).shape == (1, 2, 16)
+
+
+def test_a_kernel_call_registers_the_kernels_itself():
+    """In a fresh process, a kernel call traced before anything asked `available()` (a jitted
+    `linear` on a weight laid out by hand) registers the library first, instead of failing at
+    run time with no FFI handler."""
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp, numpy as np\n"
+            "from jaxserve import quantization as qz\n"
+            "w = qz.with_kernel_layout(qz.quantize(np.ones((64, 32), np.float32), qz.parse_format('int4')))\n"
+            "print(float(jax.jit(qz.linear)(jnp.ones((1, 64), jnp.float32), w)[0, 0]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert abs(float(result.stdout.split()[-1]) - 64.0) < 1.0  # 64 ones times ones, int8-rounded
