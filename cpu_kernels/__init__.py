@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # more rows (prefill chunks): XLA's matrix-matrix dot on the dequantized weight
 STRIP = 64  # output columns per strip of the packed layout (kStrip in quantized_matmul.cc)
 BLOCK = 32  # inputs per int8 scale of x (kBlock)
+MAX_HEAD_DIM = 256  # the attention kernel's longest head (kLanes * kMaxVectors in paged_attention.cc)
 SCALE_DTYPE = jnp.float16
 _SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part of the library's hash
@@ -168,8 +169,9 @@ def quantized_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: ja
 
 def takes_decode_attention(q, k_pages, v_pages) -> bool:
     """Whether `paged_decode_attention` serves these operands: float32 queries and pages (not
-    an int8 / fp8 cache), and the kernels built."""
-    return all(getattr(a, "dtype", None) == jnp.float32 for a in (q, k_pages, v_pages)) and available()
+    an int8 / fp8 cache), head_dim up to MAX_HEAD_DIM, and the kernels built."""
+    return all(getattr(a, "dtype", None) == jnp.float32 for a in (q, k_pages, v_pages)) \
+        and q.shape[-1] <= MAX_HEAD_DIM and available()
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, window, scale: float,

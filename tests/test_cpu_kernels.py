@@ -121,10 +121,11 @@ def test_build_and_its_failure(monkeypatch, tmp_path, caplog):
                          ids=["plain", "window", "scale-softcap"])
 def test_paged_decode_attention_matches_the_reference(options):
     """The kernel against the test oracle (whole context at once): GQA, random page order,
-    padding rows, contexts from 1 to past one task's 128 keys, head_dim not a multiple of 16."""
+    padding rows, contexts from 1 to past one task's 128 keys, head_dim not a multiple of 16,
+    query heads in one pass over the keys (3, 8 a KV head) or several (a 136-wide head)."""
     from pallas_kernels import reference
     rng = np.random.default_rng([SEED, 3])
-    for num_q_heads, num_kv_heads, head_dim in [(9, 3, 64), (4, 4, 24)]:
+    for num_q_heads, num_kv_heads, head_dim in [(9, 3, 64), (4, 4, 24), (16, 2, 16), (4, 2, 136)]:
         pages, page_size, width = 60, 8, 40
         lens = np.array([300, 0, 1, 128, 129, 17], np.int32)
         q = jnp.asarray(rng.standard_normal((len(lens), num_q_heads, head_dim)).astype(np.float32))
@@ -157,6 +158,8 @@ def test_decode_attention_rows_do_not_depend_on_each_other():
         assert np.array_equal(alone[0], together[row]), row
     assert not cpu_kernels.takes_decode_attention(q, {"pages": k.astype(jnp.int8), "scales": k[..., :1]}, v)
     assert not cpu_kernels.takes_decode_attention(q.astype(jnp.bfloat16), k, v)
+    wide = jnp.zeros((1, 1, cpu_kernels.MAX_HEAD_DIM + 16), jnp.float32)
+    assert not cpu_kernels.takes_decode_attention(wide, wide[None], wide[None])
 
 
 def test_decode_attention_refuses_pages_outside_the_cache():
