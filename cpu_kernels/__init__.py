@@ -152,16 +152,22 @@ def pack_groups(values: jax.Array) -> jax.Array:
 
 
 def quantized_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Array | None,
-                     offset_scale: float, n: int) -> jax.Array:
+                     offset_scale: float, n: int, layer: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ w -> [..., n] in x's dtype, for w = level * scale + offset,
     offset = scale * offset_scale + zero (zero: 0 when None): `packed` levels (`pack`), scale
     and zero float16 [groups, n] in strips (`pack_groups`). x is quantized to int8 per BLOCK
-    inputs (see quantized_matmul.cc)."""
+    inputs (see quantized_matmul.cc). With `layer` (an int32 scalar, traced or not) the three
+    are stacked on a leading layer axis and w is that layer's slice, read in place (an index
+    outside the stack fails the call)."""
     _require()
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
+    stacked = layer is not None
+    if scale.ndim != (4 if stacked else 3):
+        raise ValueError(f"quantized_matmul: scale of shape {scale.shape} with layer={layer!r}")
+    layer = jnp.zeros(1, jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     y = jax.ffi.ffi_call("jaxserve_quantized_matmul", jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
-        rows, packed, scale, zero if zero is not None else jnp.zeros((1, 1), SCALE_DTYPE),
+        rows, packed, scale, zero if zero is not None else jnp.zeros((1, 1), SCALE_DTYPE), layer,
         bits=np.int64(8 if packed.shape[-3] * 4 == k else 4), has_zero=np.int64(zero is not None),
         offset_scale=np.float32(offset_scale))
     return y.reshape(*lead, n).astype(x.dtype)

@@ -11,7 +11,9 @@
 // strip's codes are contiguous and a 64-byte load holds 4 inputs of 16 columns: the operand of
 // one VNNI instruction (16 int32 lanes, each the sum of 4 byte products).
 // scale, zero: float16 [S, G, kStrip] (zero absent: has_zero = 0), G groups of K / G inputs, in
-// strips as the codes (a strip's scales contiguous too). Every weight is
+// strips as the codes (a strip's scales contiguous too). A stacked weight has a leading layer
+// axis on all three ([L, S, ...]) and the call multiplies by layer `layer` of it (an int32
+// operand, so a layer scan passes its index instead of a slice, which XLA would copy). Every weight is
 //   w = u * scale + offset,  offset = scale * offset_scale + zero
 // (offset_scale: -128 for symmetric int8, -8 for symmetric int4, 0 with a zero point).
 //
@@ -157,18 +159,23 @@ void Strip(const Problem& p, int64_t strip) {
 }
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero,
+                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::S32> layer,
                            ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bits, int64_t has_zero,
                            float offset_scale) {
   const auto xd = x.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || sd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("quantized_matmul: x and y must be 2-D, scale 3-D");
-  const int64_t rows = xd[0], k = xd[1], strips = sd[0], groups = sd[1], n = yd[1];
+  if (xd.size() != 2 || (sd.size() != 3 && sd.size() != 4) || yd.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("quantized_matmul: x and y must be 2-D, scale 3-D (4-D stacked), layer one index");
+  // A stacked weight ([L, ...] codes, scales and zeros): the layer's slice, read in place.
+  const int64_t layers = sd.size() == 4 ? sd[0] : 1, at = sd.size() - 3;
+  const int64_t rows = xd[0], k = xd[1], strips = sd[at], groups = sd[at + 1], n = yd[1];
+  const int64_t layer_codes = strips * kStrip * (bits == 4 ? k / 2 : k), layer_scales = strips * groups * kStrip;
   if ((bits != 8 && bits != 4) || groups <= 0 || k % groups != 0 || (k / groups) % kBlock != 0 ||
-      sd[2] != kStrip || strips != (n + kStrip - 1) / kStrip || yd[0] != rows ||
-      (has_zero && zero.element_count() != scale.element_count()) ||
-      packed.element_count() != strips * kStrip * (bits == 4 ? k / 2 : k))
+      sd[at + 2] != kStrip || strips != (n + kStrip - 1) / kStrip || yd[0] != rows ||
+      (has_zero && zero.element_count() != scale.element_count()) || packed.element_count() != layers * layer_codes)
     return ffi::Error::InvalidArgument("quantized_matmul: inconsistent shapes");
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= layers)
+    return ffi::Error::InvalidArgument("quantized_matmul: layer index outside the stacked weight");
 
   // The rows of x in int8 per block of kBlock inputs (symmetric), and their sums per group.
   const int64_t blocks = k / kBlock;
@@ -196,9 +203,9 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   p.xq = reinterpret_cast<const int32_t*>(xq.data());
   p.dx = dx.data();
   p.xsum = xsum.data();
-  p.w = packed.typed_data();
-  p.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
-  p.zero = has_zero ? reinterpret_cast<const uint16_t*>(zero.typed_data()) : nullptr;
+  p.w = packed.typed_data() + index * layer_codes;
+  p.scale = reinterpret_cast<const uint16_t*>(scale.typed_data()) + index * layer_scales;
+  p.zero = has_zero ? reinterpret_cast<const uint16_t*>(zero.typed_data()) + index * layer_scales : nullptr;
   p.y = y->typed_data();
   p.rows = rows;
   p.k = k;
@@ -210,7 +217,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
   // Another thread of XLA's pool only for a weight large enough to repay waking it (a small one
   // runs faster on the caller alone: SmolLM2 576 x 576 int8: 12.8 us alone, 21.6 us with a second thread).
-  const int64_t threads = packed.element_count() >= kParallelBytes ? pool.num_threads() : 1;
+  const int64_t threads = layer_codes >= kParallelBytes ? pool.num_threads() : 1;
   jaxserve::ParallelFor(pool, threads, strips, [&p](int64_t s) { Strip(p, s); });
   return ffi::Error::Success();
 }
@@ -224,6 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("has_zero")

@@ -237,7 +237,9 @@ def linear(x: jax.Array, weight) -> jax.Array:
     """x [..., in] @ weight [in, out] for a float or quantized weight (2-D: one layer's slice).
 
     A weight with `with_kernel_layout`'s codes (the CPU step's, see llama.layer_views)
-    multiplies up to cpu_kernels.MAX_ROWS rows in the C++ kernel (cpu_kernels).
+    multiplies up to cpu_kernels.MAX_ROWS rows in the C++ kernel (cpu_kernels); with a "layer"
+    entry (an int32 scalar) its kernel-layout arrays are stacked on a layer axis and the kernel
+    reads that layer's slice of them in place.
     Otherwise the dequantization is elementwise work that XLA fuses into the jitted step. int4
     runs as two dots over the low-nibble and high-nibble halves of every group (the inputs split
     to match), which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""
@@ -247,7 +249,7 @@ def linear(x: jax.Array, weight) -> jax.Array:
         int4 = weight["q"].dtype == jnp.uint8
         offset_scale = 0.0 if "zero" in weight else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
         return cpu_kernels.quantized_matmul(x, weight["packed"], weight["packed_scale"], weight.get("packed_zero"),
-                                            offset_scale, weight["q"].shape[-1])
+                                            offset_scale, weight["q"].shape[-1], layer=weight.get("layer"))
     if "perm" in weight:  # act-order: the rows are stored in this order of the inputs
         x = jnp.take(x, weight["perm"], axis=-1)
     if "q_t" in weight and math.prod(x.shape[:-1]) == 1:  # one row: see `transposed`
@@ -278,6 +280,9 @@ def with_kernel_layout(weight: dict) -> dict:
     if "zero" in weight:
         result["packed_zero"] = cpu_kernels.pack_groups(weight["zero"])
     return result
+
+
+KERNEL_LAYOUT = ("packed", "packed_scale", "packed_zero")  # the entries with_kernel_layout adds
 
 
 def _int4_codes(q: jax.Array, num_groups: int) -> jax.Array:

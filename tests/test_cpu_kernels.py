@@ -53,6 +53,23 @@ def test_quantized_matmul_is_the_weight_times_the_int8_rows(name):
             assert np.abs(got - exact).max() < 0.02 * scale, f"seed {SEED}: int8 rows far from float"
 
 
+@pytest.mark.parametrize("name", ["int8_g32_zp", "int4", "int4_g32_sym"])
+def test_a_stacked_weight_is_read_at_the_layer_index(name):
+    """A weight stacked on a layer axis with a "layer" index (traced, as in the layer scan)
+    multiplies exactly as that layer's own weight; an index outside the stack fails the call
+    instead of reading outside it."""
+    rng = np.random.default_rng([SEED, 5, FORMATS.index(name)])
+    layers = [qz.quantize(rng.standard_normal((128, 96)).astype(np.float32), qz.parse_format(name)) for _ in range(3)]
+    stacked = jax.jit(qz.with_kernel_layout)(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    x = jnp.asarray(rng.standard_normal((2, 128)).astype(np.float32))
+    at_layer = jax.jit(lambda x, weight, layer: qz.linear(x, {**weight, "layer": layer}))
+    for layer, weight in enumerate(layers):
+        own = np.asarray(jax.jit(qz.linear)(x, jax.jit(qz.with_kernel_layout)(weight)))
+        assert np.array_equal(np.asarray(at_layer(x, stacked, jnp.int32(layer))), own), layer
+    with pytest.raises(Exception, match="outside the stacked weight"):
+        np.asarray(at_layer(x, stacked, jnp.int32(3)))
+
+
 def test_more_rows_than_the_kernel_takes_use_xla():
     rng = np.random.default_rng([SEED, 1])
     weight = qz.quantize(rng.standard_normal((64, 32)).astype(np.float32), qz.parse_format("int4"))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from absl import flags
 
+import cpu_kernels
 from checkpoints import ConversionError, default_model, load
 from checkpoints.convert import convert_checkpoint
 from checkpoints.quantized import GGUFBlocks
@@ -543,8 +544,10 @@ def test_quantized_embedding_rows_and_logits_are_close_to_float(monkeypatch):
     ("int8+embed", True), ("int8+embed", False)])
 def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantization, int8_activations):
     """The engine's CPU step reads one array per layer: views of the stacked weights (no copy),
-    quantized ones also in the CPU kernel's layout (int8 activations) or transposed (a copy); the
-    step's logits are those of the layer scan over the stacked weights (bit for bit in float;
+    quantized ones transposed (a copy); or, when the CPU kernel takes every matrix (int8
+    activations), the stacked weights themselves with the kernel's layout beside them (a copy),
+    read by the kernel at the layer index. The step's logits are those of the layer scan over the
+    stacked weights (bit for bit in float and in a prefill step, which reads the stored layout;
     within the rounding of the activations to int8 with the kernel), with and without a
     quantized embedding and lm_head."""
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_q_heads=4,
@@ -555,13 +558,16 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
     if quantization and quantization.endswith("+embed"):
         params = qz.quantize_embedding(params)
     views = llama.layer_views(params, int8_activations=int8_activations)
-    assert isinstance(views["layers"], tuple) and len(views["layers"]) == config.num_layers
-    stacked_wq, layer_wq = params["layers"]["wq"], views["layers"][2]["wq"]
     kernel = bool(quantization) and int8_activations
+    assert isinstance(views["layers"], tuple) != kernel
+    stacked_wq = params["layers"]["wq"]
+    layer_wq = views["layers"]["wq"] if kernel else views["layers"][2]["wq"]
     if not qz.is_quantized(stacked_wq):
+        assert len(views["layers"]) == config.num_layers
         assert layer_wq.unsafe_buffer_pointer() == stacked_wq.unsafe_buffer_pointer() + 2 * layer_wq.nbytes
     elif kernel:
-        assert "packed" in layer_wq and "q_t" not in layer_wq
+        assert layer_wq["packed"].shape[0] == config.num_layers and "q_t" not in layer_wq
+        assert all(layer_wq[key] is stacked_wq[key] for key in stacked_wq)  # the stored layout as it was
         embed = views["embed"]  # the tied lm_head, when int8, in the kernel's layout too
         assert (isinstance(embed, dict) and "packed" in embed) == quantization.endswith("+embed")
     else:
@@ -585,6 +591,19 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
             assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max(), rows
         else:
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    if kernel:  # a prefill chunk of more than the kernel's rows: the stored layout, as the scan reads it
+        tokens = cpu_kernels.MAX_ROWS + 6
+        table = np.arange(1, 11, dtype=np.int32)[None]
+        prefill_cache = llama.init_kv_cache(config, llama.KVCacheSpec(12, page_size), jnp.float32)
+        prefill = dict(token_ids=np.arange(tokens, dtype=np.int32) % 256, positions=np.arange(tokens, dtype=np.int32),
+                     slot_mapping=(table[0, np.arange(tokens) // page_size] * page_size + np.arange(tokens) % page_size),
+                     decode_block_table=np.zeros((0, 10), np.int32), decode_seq_lens=np.zeros(0, np.int32),
+                     prefill_block_table=table, prefill_seq_lens=np.array([tokens], np.int32),
+                     prefill_query_start_loc=np.array([0, tokens], np.int32),
+                     logits_indices=np.array([tokens - 1], np.int32))
+        hidden = jax.jit(functools.partial(llama.forward, config=config, backend="xla", prefill_hidden_rows=tokens))
+        assert np.array_equal(np.asarray(hidden(views, prefill_cache, prefill)[2]),  # before the (kernel's) lm_head
+                              np.asarray(hidden(params, prefill_cache, prefill)[2]))
     if quantization and quantization.endswith("+embed"):
         float_logits = np.asarray(forward(llama.layer_views(qz.quantize_params(
             weights.random_params(config, seed=3), "int8_g32_zp", config)), cache, batch)[0])

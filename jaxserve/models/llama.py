@@ -50,27 +50,36 @@ def init_kv_cache(config: ModelConfig, spec: KVCacheSpec, dtype, sharding=None) 
 
 
 def layer_views(params: Params, int8_activations: bool = True) -> Params:
-    """`params` with "layers" as a tuple of per-layer dicts whose arrays are views of the stacked
-    arrays' layer slices (no copy), for `forward` to read each layer's weights in place.
+    """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
 
     Under the layer scan, XLA materializes each layer's slice of a stacked weight before a dot
-    reads it (a dynamic-slice of an operand is a copy): for a float step of few rows that copy
-    costs more than the matmul itself. On the CPU a jax array can alias host memory, so the
-    per-layer arrays cost no memory. Anywhere else (an accelerator, sharded weights, a slice
-    jax would not alias), `params` is returned unchanged and the scan slices the stacked arrays.
-
-    Quantized weights also get a layout for steps of few rows, a copy (the one cost in memory):
-    with `int8_activations`, the CPU kernel's (`quantization.with_kernel_layout`: the codes once
-    more, at their size; EngineConfig.cpu_int8_activations; an int8 embedding's tied lm_head
-    too), else, or for a format the kernel does not take, or without the kernel built, the
-    layout a single row reads (`quantization.transposed`, whose dequantization XLA fuses into
-    the matmul; int4 codes at a byte each, float32 scales)."""
+    reads it (a dynamic-slice of an operand is a copy): for a step of few rows that copy costs
+    more than the matmul itself. Two ways around it, on one CPU device:
+    * every weight matrix quantized in a format the CPU kernel takes, with `int8_activations`
+      (EngineConfig.cpu_int8_activations): "layers" stays stacked, each matrix with the kernel's
+      layout added (`quantization.with_kernel_layout`: the codes once more, at their size, the
+      one cost in memory); `forward` passes those arrays whole with the layer index, which the
+      kernel reads at (an int8 embedding's tied lm_head gets the layout too). A step's
+      arguments stay few: each is a cost of every call (1325 arrays of SmolLM2 per layer took
+      2.4 ms of a 7.3 ms int4 step to pass, 49 take 0.25 ms);
+    * else "layers" becomes a tuple of per-layer dicts whose arrays are views of the stacked
+      arrays' layer slices (a jax array can alias host memory: no copy), which `forward` reads
+      under a switch on the layer index; quantized weights also get the layout a single row
+      reads (`quantization.transposed`, a copy, whose dequantization XLA fuses into the matmul;
+      int4 codes at a byte each, float32 scales), or the kernel's when some other matrix keeps
+      the views.
+    Anywhere else (an accelerator, sharded weights, a slice jax would not alias), `params` is
+    returned unchanged and the scan slices the stacked arrays."""
     def on_one_cpu(leaf):
         devices = leaf.devices() if isinstance(leaf, jax.Array) else ()
         return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
+    if int8_activations and _kernel_takes_every_matrix(params["layers"]):
+        views = {**params, "layers": {name: _with_kernel_layout(w) if quantization.is_quantized(w) else w
+                                      for name, w in params["layers"].items()}}
+        return _with_lm_head_kernel_layout(views)
     layers = {name: _cpu_layout(w, int8_activations) for name, w in params["layers"].items()}
     leaves, treedef = jax.tree.flatten(layers)
     num_layers = leaves[0].shape[0]
@@ -88,23 +97,50 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
                 return params  # jax copied it (alignment): keep the stacked weights
             per_layer[layer].append(array)
     views = {**params, "layers": tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)}
+    return _with_lm_head_kernel_layout(views) if int8_activations else views
+
+
+def _kernel_takes_every_matrix(layers: Params) -> bool:
+    """Whether every weight matrix of the layers is quantized in a format the CPU kernel takes
+    (and the kernel is built): then the layers stay stacked, with the kernel's layout beside
+    the stored one, and no matrix is sliced out of its stack in the step."""
+    for weight in layers.values():
+        if quantization.is_quantized(weight):
+            if not cpu_kernels.supports(weight):
+                return False
+        elif weight.ndim > 2:  # a float matrix [L, in, out] (norms and biases are [L, n])
+            return False
+    return cpu_kernels.available()
+
+
+def _with_lm_head_kernel_layout(params: Params) -> Params:
+    """An int8 embedding's tied lm_head in the CPU kernel's layout too, when the kernel takes it."""
     embed = params["embed"]
-    if int8_activations and quantization.is_quantized(embed) and "lm_head" not in params \
+    if quantization.is_quantized(embed) and "lm_head" not in params \
             and cpu_kernels.supports(quantization.lm_head_kernel_weight(embed)) and cpu_kernels.available():
-        views["embed"] = _embedding_kernel_layout_jit(embed)
-    return views
+        return {**params, "embed": {**embed, **_only_added(_embedding_kernel_layout_jit(embed), embed)}}
+    return params
 
 
 def _cpu_layout(weight, int8_activations: bool):
     """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
     if int8_activations and cpu_kernels.supports(weight) and cpu_kernels.available():
-        return _kernel_layout_jit(weight)
+        return _with_kernel_layout(weight)
     if quantization.transposable(weight):
         return {**weight, **_transposed_jit(weight)}
     return weight
 
 
 _transposed_jit = jax.jit(quantization.transposed)
+def _with_kernel_layout(weight: dict) -> dict:
+    """`weight`'s arrays as they are, with the kernel's layout of them added (a copy of that only)."""
+    return {**weight, **_only_added(_kernel_layout_jit(weight), weight)}
+
+
+def _only_added(result: dict, weight: dict) -> dict:
+    return {key: array for key, array in result.items() if key not in weight}
+
+
 _kernel_layout_jit = jax.jit(quantization.with_kernel_layout)
 _embedding_kernel_layout_jit = jax.jit(quantization.embedding_with_kernel_layout)
 
@@ -245,6 +281,14 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         return x + out
 
     per_layer = isinstance(params["layers"], (list, tuple))  # layer_views: an array per layer
+    # Stacked weights in the CPU kernel's layout (layer_views): passed whole with the layer index,
+    # never sliced by the scan (a slice is a copy); the rest of the layer is sliced as usual.
+    whole = {} if per_layer else {
+        name: {key: w[key] for key in quantization.KERNEL_LAYOUT if key in w}
+        for name, w in params["layers"].items() if isinstance(w, dict) and "packed" in w}
+    sliced = None if per_layer else {
+        name: {key: a for key, a in w.items() if key not in whole[name]} if name in whole else w
+        for name, w in params["layers"].items()}
 
     def with_weights(part, lp, layer_idx, *args):
         """A part of the layer on this layer's weights: the scan's slice `lp` of the stacked
@@ -259,6 +303,8 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
         lp, window = scanned  # this layer's slice of the stacked weights (None: per-layer weights);
         #                       its sliding window (int32 scalar, 0: none)
         page_offset = layer_idx * num_pages
+        if whole:
+            lp = {**lp, **{name: {**lp[name], **arrays, "layer": layer_idx} for name, arrays in whole.items()}}
         q, k, v = with_weights(before_attention, lp, layer_idx, x)
         layer_cos, layer_sin = cos, sin
         if local_rope:
@@ -276,7 +322,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     if config.embedding_multiplier != 1.0:
         x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
     carry = (x, kv_cache["k"], kv_cache["v"], jnp.int32(0))
-    scanned = (None if per_layer else params["layers"], jnp.asarray(windows, jnp.int32))
+    scanned = (sliced, jnp.asarray(windows, jnp.int32))
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, scanned)
     logits = final_logits(params, x[batch["logits_indices"]], config)  # [R, V]
     if not prefill_hidden_rows:
