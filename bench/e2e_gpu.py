@@ -114,7 +114,7 @@ def decode_roofline(engine: Engine, batch: int, context: int, bandwidth: float, 
     records = list(engine.step_records)[-20:]
     for i in range(batch):
         engine.abort(f"roof-{i}")
-    itemsize = jnp.dtype(jax.tree_util.tree_leaves(engine.runner.params)[0].dtype).itemsize
+    itemsize = jnp.dtype(engine.runner.kv_cache_dtype).itemsize
     weight_bytes = weights.num_params(cfg) * itemsize
     kv_bytes = batch * context * 2 * cfg.num_layers * cfg.kv_size * itemsize
     step = float(np.median(times))

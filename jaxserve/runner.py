@@ -208,7 +208,7 @@ class ModelRunner:
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
         self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
         self._prefill_hidden_rows = max(self.buckets.prefill)
-        dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
+        dtype = kv_dtype or params["final_norm"].dtype  # "auto": the model's float dtype (the norms keep it)
         self.kv_cache_dtype = dtype
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
         cache_sharding = None if shardings is None else shardings.kv_cache

@@ -446,6 +446,17 @@ def test_smollm2_int4_load_time_quantization_reproduces_the_q4_1_weights(smollm2
         assert np.abs(q - r).max() < 1e-4 * np.abs(r).max()
 
 
+def test_an_int8_embedding_keeps_the_kv_cache_in_the_model_dtype(smollm2):
+    """kv_cache_dtype "auto" is the model's float dtype, whatever leaf comes first (the int8
+    codes of a quantized embedding did: an int8 cache nobody asked for, and the planner's
+    float32 pages)."""
+    config, _, params = smollm2
+    engine = Engine(config, qz.quantize_embedding(qz.quantize_params(params, "int4", config)), None,
+                    EngineConfig(num_pages=8, max_model_len=64, warmup=False))
+    assert engine.runner.kv_cache_dtype == jnp.float32
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(engine.runner.kv_cache))
+
+
 def test_engine_reports_quantized_sizes_and_plans_with_them(smollm2, float_run):
     float_engine = float_run[0]
     int4 = Engine(*smollm2[:1], qz.quantize_params(smollm2[2], "int4", smollm2[0]), None,
