@@ -49,6 +49,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
+    # The token embedding in int8 (one scale per vocabulary row) and with it the tied lm_head (an
+    # untied one per output channel), after loading: jaxserve.quantization.quantize_embedding.
+    quantize_embedding: bool = False
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
     # Quantized weights on the CPU: steps of up to 64 rows quantize their activations to int8 and
     # multiply them with the weight codes in integer dot products (cpu_kernels, as

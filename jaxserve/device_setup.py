@@ -46,13 +46,19 @@ def kv_cache_dtype(name: str | None):
     return kv_quant.KV_CACHE_DTYPES[name]
 
 
-def quantize_weights(params, name: str | None, config):
-    """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged).
-    ValueError for an unknown format or a group size that does not fit. Sharded weights stay on
-    their devices; the runner places the results in their tensor-parallel layout."""
-    if not name:
-        return params
-    return quantization.quantize_params(params, name, config)
+def quantize_weights(params, name: str | None, config, *, embedding: bool = False, sharded: bool = False):
+    """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged),
+    and with `embedding` the token embedding and lm_head in int8 (quantization.quantize_embedding).
+    ValueError for an unknown format, a group size that does not fit, or an int8 embedding of
+    `sharded` weights (the tensor-parallel rules split only a float embedding). Sharded weights
+    stay on their devices; the runner places the results in their tensor-parallel layout."""
+    if embedding and sharded:
+        raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1, one process)")
+    if name:
+        params = quantization.quantize_params(params, name, config)
+    if embedding and not quantization.is_quantized(params["embed"]):
+        params = quantization.quantize_embedding(params)
+    return params
 
 
 def array_bytes(*trees) -> tuple[int, ...]:
@@ -84,7 +90,7 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
     """memory.plan_engine for an engine over the loaded `params` (on one device, or split as
     `shardings` says): this machine's platform defaults, the weights' float dtype, and, for
     quantized weights, the bytes one device holds of them in place of the estimate."""
-    cfg = platform_config(dataclasses.replace(cfg, dtype=jnp.dtype(params["embed"].dtype).name))
+    cfg = platform_config(dataclasses.replace(cfg, dtype=jnp.dtype(params["final_norm"].dtype).name))
     if device_memory_bytes is None:
         device_memory_bytes = memory_budget_bytes(shardings)
     return memory.plan_engine(model_config, cfg, device_memory_bytes=device_memory_bytes, on_gpu=on_gpu(),
@@ -95,6 +101,6 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
 def quantized_weights_bytes(params, shardings=None) -> int | None:
     """The bytes one device holds of `params` (arrays or abstract arrays, split as `shardings`
     says) when some of them are quantized; None for float weights (the planner estimates those)."""
-    if not quantization.params_formats(params):
+    if not quantization.params_formats(params) and not quantization.is_quantized(params["embed"]):
         return None
     return quantization.tree_bytes(params) if shardings is None else shardings.per_device_bytes(params)

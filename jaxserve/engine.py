@@ -75,7 +75,8 @@ class Engine:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs the replica's shardings; "
                              f"build the engine with Engine.from_model or data_parallel.build_engine")
         device_setup.enable_compilation_cache()
-        params = device_setup.quantize_weights(params, cfg.quantization, model_config)
+        params = device_setup.quantize_weights(params, cfg.quantization, model_config,
+                                               embedding=cfg.quantize_embedding, sharded=shardings is not None)
         self.config = cfg
         self.model_config = model_config
         self.tokenizer = tokenizer

@@ -175,19 +175,26 @@ def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str,
     return counts
 
 
-def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> int:
+def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_parallel_size: int = 1,
+                  int8_embedding: bool = False) -> int:
     """Bytes of the parameters on one device, quantization scales included.
 
     Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales and
     zero points: int8 per output channel, int4 in groups of 32 with a zero point, as the engine);
-    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16).
+    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16). `int8_embedding`
+    (EngineConfig.quantize_embedding, one device): the embedding in int8 with a float32 scale per
+    vocabulary row, an untied lm_head in int8 with a float16 scale per output.
     """
     weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
     tp = tensor_parallel_size
     counts = count_params(model, tp)
     linear = model.num_layers * sum(_linear_bytes(i, o, weight_dtype) for i, o in _linear_shapes(model, tp))
-    rest = counts["embeddings"] + counts["norms"] + counts["biases"]
-    return linear + rest * FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
+    float_bytes = FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
+    rest = (counts["norms"] + counts["biases"]) * float_bytes
+    if not int8_embedding:
+        return linear + rest + counts["embeddings"] * float_bytes
+    heads = 1 if model.tie_word_embeddings else 2
+    return linear + rest + counts["embeddings"] + model.vocab_size * (4 + 2 * (heads - 1))
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str = "bfloat16",
@@ -293,6 +300,7 @@ def plan_memory(
     max_prefill_seqs: int = 1,
     runtime_reserve_fraction: float = 0.05,
     measured_weights_bytes: int | None = None,
+    int8_embedding: bool = False,
     min_runtime_reserve_bytes: int = 256 * MiB,
     backend: str = "reference",
     compute_dtype: str | None = None,
@@ -329,7 +337,8 @@ def plan_memory(
 
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
-    weights = weights_bytes(model, weight_dtype, tp) if measured_weights_bytes is None else measured_weights_bytes
+    weights = (weights_bytes(model, weight_dtype, tp, int8_embedding) if measured_weights_bytes is None
+               else measured_weights_bytes)
     draft_weights = draft_per_page = 0
     if draft_model is not None:
         draft_weights = weights_bytes(draft_model, compute_dtype, 1)
@@ -397,7 +406,7 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
         page_size=cfg.page_size, max_model_len=max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size,
         max_prefill_seqs=cfg.max_num_prefill_seqs, measured_weights_bytes=measured_weights_bytes,
-        backend="pallas" if cfg.attention_backend == "pallas" else "reference",
+        int8_embedding=cfg.quantize_embedding, backend="pallas" if cfg.attention_backend == "pallas" else "reference",
         max_num_pages=cap, num_pages=cfg.num_pages,
         draft_model=draft_model if cfg.speculative_method == "draft" else None,
         draft_scratch_pages=draft_scratch_pages(cfg) if draft_model is not None else 0)

@@ -57,7 +57,8 @@ def test_plan_reports_the_pool_serve_allocates(tiny_chat_model_dir, argv, capsys
         assert planned["num_pages"] == 8 * 128 // 8 + 1
 
 
-@pytest.mark.parametrize("argv", [["--memory_utilization=0.8"], ["--quantization=int8"], ["--speculative_method=draft"]])
+@pytest.mark.parametrize("argv", [["--memory_utilization=0.8"], ["--quantization=int8"],
+                                  ["--quantization=int4", "--quantize_embedding"], ["--speculative_method=draft"]])
 def test_plan_matches_serve_when_memory_decides(tiny_chat_model_dir, argv, capsys, monkeypatch):
     """A budget too small for the CPU cap: the page count is what fits, the same in both (with a
     draft model, the model as its own draft: its weights and its cache of every page counted too)."""

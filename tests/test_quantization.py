@@ -13,7 +13,7 @@ import cpu_kernels
 from checkpoints import ConversionError, default_model, load
 from checkpoints.convert import convert_checkpoint
 from checkpoints.quantized import GGUFBlocks
-from jaxserve import memory, quantization as qz
+from jaxserve import device_setup, memory, quantization as qz
 from jaxserve.commands import convert as convert_command, engine_flags
 from jaxserve.config import ModelConfig
 from jaxserve.engine import Engine, EngineConfig
@@ -104,6 +104,9 @@ def test_planner_weight_bytes_match_the_quantized_params(name, tied):
     assert set(qz.params_formats(quantized).values()) == {qz.parse_format(name).name}
     assert memory.weights_bytes(config, name) == qz.tree_bytes(quantized)
     assert memory.weights_bytes(config, "bfloat16") == qz.tree_bytes(params)
+    # --quantize_embedding: the embedding (and an untied lm_head) in int8 with their scales
+    assert memory.weights_bytes(config, name, int8_embedding=True) == qz.tree_bytes(qz.quantize_embedding(quantized))
+    assert memory.weights_bytes(config, "bfloat16", int8_embedding=True) == qz.tree_bytes(qz.quantize_embedding(params))
 
 
 @pytest.mark.parametrize("qtype,bits,stored", [
@@ -446,15 +449,27 @@ def test_smollm2_int4_load_time_quantization_reproduces_the_q4_1_weights(smollm2
         assert np.abs(q - r).max() < 1e-4 * np.abs(r).max()
 
 
-def test_an_int8_embedding_keeps_the_kv_cache_in_the_model_dtype(smollm2):
-    """kv_cache_dtype "auto" is the model's float dtype, whatever leaf comes first (the int8
-    codes of a quantized embedding did: an int8 cache nobody asked for, and the planner's
-    float32 pages)."""
-    config, _, params = smollm2
-    engine = Engine(config, qz.quantize_embedding(qz.quantize_params(params, "int4", config)), None,
-                    EngineConfig(num_pages=8, max_model_len=64, warmup=False))
+def test_quantize_embedding_engine_option(smollm2):
+    """EngineConfig.quantize_embedding (--quantize_embedding): the embedding and tied lm_head in
+    int8 after loading, the planner counting them so; kv_cache_dtype "auto" stays the model's
+    float dtype, whatever leaf comes first (the int8 codes of a quantized embedding did: an int8
+    cache nobody asked for, and pages the planner sized as float32); refused for weights split
+    over devices."""
+    config, tokenizer, params = smollm2
+    engine = Engine(config, params, tokenizer, EngineConfig(
+        num_pages=16, max_model_len=128, warmup=False, quantize_embedding=True))  # float layers: planned from config
+    assert qz.is_quantized(engine.runner.params["embed"]) and engine.runner.params["embed"]["q"].dtype == jnp.int8
+    assert engine.weights_bytes == memory.weights_bytes(config, "float32", int8_embedding=True) \
+        == device_setup.plan_engine(config, engine.config, engine.runner.params).weights_bytes
     assert engine.runner.kv_cache_dtype == jnp.float32
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(engine.runner.kv_cache))
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    float_answer = Engine(config, params, tokenizer, EngineConfig(num_pages=16, max_model_len=128, warmup=False)) \
+        .generate([prompt], GREEDY_32)[0].token_ids
+    answer = engine.generate([prompt], GREEDY_32)[0].token_ids
+    assert answer[:4] == float_answer[:4], (answer, float_answer)  # int8 embedding: the float answer's start
+    with pytest.raises(ValueError, match="quantize_embedding needs the weights on one device"):
+        device_setup.quantize_weights(params, None, config, embedding=True, sharded=True)
 
 
 def test_engine_reports_quantized_sizes_and_plans_with_them(smollm2, float_run):

@@ -69,6 +69,10 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
                         "channel), int4 (groups of 32 with a zero point); also int8_g32|64|128, "
                         "int4_g64|128, _zp for int8 with a zero point, _sym for symmetric int4 "
                         f"{_default('quantization')}", flag_values=fv)
+    flags.DEFINE_boolean("quantize_embedding", None, "also quantize the token embedding to int8 (one scale per "
+                         "vocabulary row) and with it the tied lm_head (an untied one per output channel); one "
+                         f"device per replica (no tensor parallelism) {_default('quantize_embedding')}",
+                         flag_values=fv)
     flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"], "KV cache storage: auto (the "
                       "weights' float dtype), int8 (per-token-per-head scales) or fp8 (e4m3fn) "
                       f"{_default('kv_cache_dtype')}", flag_values=fv)
@@ -88,6 +92,7 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
 
 
 _ENGINE_FLAGS = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend", "quantization",
+                                           "quantize_embedding",
                                            "kv_cache_dtype", "cpu_int8_activations", "memory_utilization",
                                            "speculative_method", "speculative_model"]
 

@@ -59,7 +59,7 @@ def _quantized_weights_bytes(source, cfg) -> int | None:
     """For weights the engine would hold quantized (stored so, or --quantization), the bytes one
     device holds of them, from the checkpoint's abstract arrays: what the engine measures on the
     loaded ones. None otherwise (the planner's estimate)."""
-    if source is None or not (cfg.quantization or source.quantization):
+    if source is None or not (cfg.quantization or source.quantization or cfg.quantize_embedding):
         return None
     import jax
     from jax.sharding import AbstractMesh
@@ -68,6 +68,8 @@ def _quantized_weights_bytes(source, cfg) -> int | None:
     params = source.abstract_params(cfg.dtype)
     if cfg.quantization:
         params = jax.eval_shape(lambda p: quantization.quantize_params(p, cfg.quantization, source.config), params)
+    if cfg.quantize_embedding:
+        params = jax.eval_shape(quantization.quantize_embedding, params)
     shardings = None
     if cfg.tensor_parallel_size > 1:
         mesh = AbstractMesh((1, cfg.tensor_parallel_size), sharding.AXES)
@@ -87,6 +89,8 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
     memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
+    if cfg.quantize_embedding and cfg.tensor_parallel_size * cfg.data_parallel_size > 1:
+        raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1)")
     from jaxserve import speculative
     speculative.check_speculative_config(cfg)
     draft = None
