@@ -131,7 +131,6 @@ def _cpu_layout(weight, int8_activations: bool):
     return weight
 
 
-_transposed_jit = jax.jit(quantization.transposed)
 def _with_kernel_layout(weight: dict) -> dict:
     """`weight`'s arrays as they are, with the kernel's layout of them added (a copy of that only)."""
     return {**weight, **_only_added(_kernel_layout_jit(weight), weight)}
@@ -141,6 +140,7 @@ def _only_added(result: dict, weight: dict) -> dict:
     return {key: array for key, array in result.items() if key not in weight}
 
 
+_transposed_jit = jax.jit(quantization.transposed)
 _kernel_layout_jit = jax.jit(quantization.with_kernel_layout)
 _embedding_kernel_layout_jit = jax.jit(quantization.embedding_with_kernel_layout)
 
