@@ -93,9 +93,21 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
     cfg = platform_config(dataclasses.replace(cfg, dtype=jnp.dtype(params["final_norm"].dtype).name))
     if device_memory_bytes is None:
         device_memory_bytes = memory_budget_bytes(shardings)
+    measured = quantized_weights_bytes(params, shardings)
+    if measured is not None:
+        measured += cpu_step_layout_bytes(params, cfg, on_gpu())
     return memory.plan_engine(model_config, cfg, device_memory_bytes=device_memory_bytes, on_gpu=on_gpu(),
-                              measured_weights_bytes=quantized_weights_bytes(params, shardings),
-                              draft_model=draft_model)
+                              measured_weights_bytes=measured, draft_model=draft_model)
+
+
+def cpu_step_layout_bytes(params, cfg: EngineConfig, gpu: bool) -> int:
+    """The bytes the CPU step's copies of quantized weights take (llama.layer_views: the C++
+    kernel's layout, or the transposed one) when each replica sits on one CPU device; 0 on a GPU
+    or with tensor parallelism (the step reads the stored weights)."""
+    if gpu or cfg.tensor_parallel_size > 1:
+        return 0
+    from jaxserve.models import llama
+    return llama.layer_views_bytes(params, cfg.cpu_int8_activations)
 
 
 def quantized_weights_bytes(params, shardings=None) -> int | None:

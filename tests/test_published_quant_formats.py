@@ -236,7 +236,11 @@ def test_planner_and_engine_count_the_stored_bytes(converted):
     engine = Engine(config, params, None, EngineConfig(num_pages=16, max_model_len=64, warmup=False))
     assert engine.weights_bytes == quantized + rest
     assert device_setup.quantized_weights_bytes(source.abstract_params(jnp.float32)) == quantized + rest
-    assert _quantized_weights_bytes(source, EngineConfig(dtype="float32")) == quantized + rest
+    assert _quantized_weights_bytes(source, EngineConfig(dtype="float32"), on_gpu=True) == quantized + rest
+    # On the CPU the step's transposed copy of the codes (act-order: not the kernel's format) too
+    copies = llama.layer_views_bytes(source.abstract_params(jnp.float32))
+    assert copies == L * sum(i * o + (i // 32) * o * (4 + 1) for i, o in linear)  # uint8 codes, f32 scales, uint8 zeros
+    assert _quantized_weights_bytes(source, EngineConfig(dtype="float32")) == quantized + rest + copies
 
 
 _TP_CODE = """

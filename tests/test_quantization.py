@@ -459,8 +459,10 @@ def test_quantize_embedding_engine_option(smollm2):
     engine = Engine(config, params, tokenizer, EngineConfig(
         num_pages=16, max_model_len=128, warmup=False, quantize_embedding=True))  # float layers: planned from config
     assert qz.is_quantized(engine.runner.params["embed"]) and engine.runner.params["embed"]["q"].dtype == jnp.int8
-    assert engine.weights_bytes == memory.weights_bytes(config, "float32", int8_embedding=True) \
-        == device_setup.plan_engine(config, engine.config, engine.runner.params).weights_bytes
+    assert engine.weights_bytes == memory.weights_bytes(config, "float32", int8_embedding=True)
+    head_copy = config.vocab_size * config.hidden_size + config.vocab_size * 2  # the lm_head in the kernel's layout
+    assert device_setup.plan_engine(config, engine.config, engine.runner.params).weights_bytes \
+        == engine.weights_bytes + (head_copy if cpu_kernels.available() else 0)
     assert engine.runner.kv_cache_dtype == jnp.float32
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(engine.runner.kv_cache))
     prompt = encode_chat(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
@@ -591,13 +593,19 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
     if not qz.is_quantized(stacked_wq):
         assert len(views["layers"]) == config.num_layers
         assert layer_wq.unsafe_buffer_pointer() == stacked_wq.unsafe_buffer_pointer() + 2 * layer_wq.nbytes
+        assert llama.layer_views_bytes(params, int8_activations) == 0  # views cost nothing
     elif kernel:
         assert layer_wq["packed"].shape[0] == config.num_layers and "q_t" not in layer_wq
         assert all(layer_wq[key] is stacked_wq[key] for key in stacked_wq)  # the stored layout as it was
         embed = views["embed"]  # the tied lm_head, when int8, in the kernel's layout too
         assert (isinstance(embed, dict) and "packed" in embed) == quantization.endswith("+embed")
+        # what the planner counts: the kernel's copies, and nothing else
+        assert llama.layer_views_bytes(params, int8_activations) == qz.tree_bytes(views) - qz.tree_bytes(params) > 0
     else:
         assert layer_wq["q_t"].shape == (config.num_q_heads * config.head_dim, config.hidden_size)  # [out, in]
+        copies = sum(array.nbytes for layer in views["layers"] for name, weight in layer.items()
+                     if isinstance(weight, dict) for key, array in weight.items() if key not in stacked_wq)
+        assert llama.layer_views_bytes(params, int8_activations) == copies > 0  # the transposed copies
     pages, page_size = 9, 8
     cache = llama.init_kv_cache(config, llama.KVCacheSpec(pages, page_size), jnp.float32)
     forward = jax.jit(functools.partial(llama.forward, config=config, backend="xla"))

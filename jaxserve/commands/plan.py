@@ -55,10 +55,11 @@ def _device_memory_bytes(fv: flags.FlagValues) -> int:
     return memory.device_memory_budget_bytes()
 
 
-def _quantized_weights_bytes(source, cfg) -> int | None:
+def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
     """For weights the engine would hold quantized (stored so, or --quantization), the bytes one
     device holds of them, from the checkpoint's abstract arrays: what the engine measures on the
-    loaded ones. None otherwise (the planner's estimate)."""
+    loaded ones, with the CPU step's copies of them (device_setup.cpu_step_layout_bytes) unless
+    `on_gpu`. None otherwise (the planner's estimate)."""
     if source is None or not (cfg.quantization or source.quantization or cfg.quantize_embedding):
         return None
     import jax
@@ -74,7 +75,8 @@ def _quantized_weights_bytes(source, cfg) -> int | None:
     if cfg.tensor_parallel_size > 1:
         mesh = AbstractMesh((1, cfg.tensor_parallel_size), sharding.AXES)
         shardings = sharding.ModelShardings.create(source.config, mesh)
-    return device_setup.quantized_weights_bytes(params, shardings)
+    return device_setup.quantized_weights_bytes(params, shardings) + device_setup.cpu_step_layout_bytes(
+        params, cfg, on_gpu)
 
 
 def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> memory.MemoryPlan:
@@ -98,7 +100,7 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
         from checkpoints.load import open_model
         draft = open_model(cfg.speculative_model).config
     return memory.plan_engine(model, cfg, device_memory_bytes=_device_memory_bytes(fv), on_gpu=on_gpu,
-                              measured_weights_bytes=_quantized_weights_bytes(source, cfg), draft_model=draft)
+                              measured_weights_bytes=_quantized_weights_bytes(source, cfg, on_gpu), draft_model=draft)
 
 
 def format_table(plan: memory.MemoryPlan) -> str:

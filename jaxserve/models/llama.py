@@ -100,6 +100,24 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
     return _with_lm_head_kernel_layout(views) if int8_activations else views
 
 
+def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
+    """Bytes `layer_views` adds beside `params` (arrays or abstract arrays) on one CPU device:
+    the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
+    tied lm_head. Views themselves cost nothing. For the memory planner."""
+    added = []
+    for weight in params["layers"].values():
+        if quantization.is_quantized(weight):
+            layout = jax.eval_shape(functools.partial(_cpu_layout, int8_activations=int8_activations), weight)
+            added += [array for key, array in layout.items() if key not in weight]
+    embed = params["embed"]
+    if int8_activations and quantization.is_quantized(embed) and "lm_head" not in params \
+            and cpu_kernels.supports(jax.eval_shape(quantization.lm_head_kernel_weight, embed)) \
+            and cpu_kernels.available():
+        layout = jax.eval_shape(quantization.embedding_with_kernel_layout, embed)
+        added += [array for key, array in layout.items() if key not in embed]
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in added)
+
+
 def _kernel_takes_every_matrix(layers: Params) -> bool:
     """Whether every weight matrix of the layers is quantized in a format the CPU kernel takes
     (and the kernel is built): then the layers stay stacked, with the kernel's layout beside
