@@ -586,7 +586,7 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
     if quantization and quantization.endswith("+embed"):
         params = qz.quantize_embedding(params)
     views = llama.layer_views(params, int8_activations=int8_activations)
-    kernel = bool(quantization) and int8_activations
+    kernel = bool(quantization) and int8_activations and cpu_kernels.available()
     assert isinstance(views["layers"], tuple) != kernel
     stacked_wq = params["layers"]["wq"]
     layer_wq = views["layers"]["wq"] if kernel else views["layers"][2]["wq"]
