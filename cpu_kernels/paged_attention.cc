@@ -109,6 +109,20 @@ struct Problem {
     auto lanes = [tail](int j) -> __mmask16 { return j + 1 < kVectors ? 0xFFFF : tail; };
     const int64_t token_stride = kv_heads * dim;
     const __m512 scale_v = _mm512_set1_ps(scale);
+    // The run of keys from `start`: up to 16 of one page, within [first, last) (count 0: none).
+    struct Run {
+      int count = 0;
+      const float *keys = nullptr, *values = nullptr;
+    };
+    auto run_at = [&](int64_t start) {
+      Run run;
+      if (start >= last) return run;
+      const int64_t page = block_table[s * table_width + start / page_size], offset = start % page_size;
+      run.count = static_cast<int>(std::min<int64_t>({page_size - offset, last - start, kLanes}));
+      run.keys = k + ((page * page_size + offset) * kv_heads + head) * dim;
+      run.values = v + ((page * page_size + offset) * kv_heads + head) * dim;
+      return run;
+    };
     for (int64_t h0 = 0; h0 < g; h0 += kHeads) {
       const int heads = static_cast<int>(std::min<int64_t>(kHeads, g - h0));
       __m512 qv[kHeads][kVectors], ov[kHeads][kVectors];
@@ -122,28 +136,18 @@ struct Problem {
         run_max[h] = kNegInf;
         run_sum[h] = 0.f;
       }
-      for (int64_t start = first; start < last;) {  // up to 16 keys of one page
-        const int64_t page = block_table[s * table_width + start / page_size];
-        const int64_t offset = start % page_size;
-        const int count = static_cast<int>(std::min<int64_t>({page_size - offset, last - start, kLanes}));
-        const float* keys = k + ((page * page_size + offset) * kv_heads + head) * dim;
-        const float* values = v + ((page * page_size + offset) * kv_heads + head) * dim;
-        // The next run's keys and values on their way into the cache while this run computes.
-        const int64_t next = start + count;
-        const float *next_keys = keys, *next_values = values;
-        int next_count = 0;
-        if (next < last) {
-          const int64_t next_page = block_table[s * table_width + next / page_size], next_offset = next % page_size;
-          next_count = static_cast<int>(std::min<int64_t>({page_size - next_offset, last - next, kLanes}));
-          next_keys = k + ((next_page * page_size + next_offset) * kv_heads + head) * dim;
-          next_values = v + ((next_page * page_size + next_offset) * kv_heads + head) * dim;
-        }
+      int64_t start = first;
+      for (Run run = run_at(start); run.count > 0;) {
+        const int count = run.count;
+        const float *keys = run.keys, *values = run.values;
+        start += count;
+        const Run next = run_at(start);  // its keys and values on their way into the cache meanwhile
         alignas(64) float scores[kHeads][kLanes];
         for (int t = 0; t < count; ++t) {
-          if (t < next_count)
+          if (t < next.count)
             for (int64_t line = 0; line < dim; line += kLanes) {
-              _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * token_stride + line), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(next_values + t * token_stride + line), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(next.keys + t * token_stride + line), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(next.values + t * token_stride + line), _MM_HINT_T0);
             }
           __m512 key[kVectors];
           for (int j = 0; j < kVectors; ++j) key[j] = _mm512_maskz_loadu_ps(lanes(j), keys + t * token_stride + j * kLanes);
@@ -178,7 +182,7 @@ struct Problem {
             for (int j = 0; j < kVectors; ++j) ov[h][j] = _mm512_fmadd_ps(weight, value[j], ov[h][j]);
           }
         }
-        start += count;
+        run = next;
       }
       for (int h = 0; h < heads; ++h) {
         const int64_t at = task * g + h0 + h;
