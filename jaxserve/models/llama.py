@@ -108,13 +108,10 @@ def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
     for weight in params["layers"].values():
         if quantization.is_quantized(weight):
             layout = jax.eval_shape(functools.partial(_cpu_layout, int8_activations=int8_activations), weight)
-            added += [array for key, array in layout.items() if key not in weight]
-    embed = params["embed"]
-    if int8_activations and quantization.is_quantized(embed) and "lm_head" not in params \
-            and cpu_kernels.supports(jax.eval_shape(quantization.lm_head_kernel_weight, embed)) \
-            and cpu_kernels.available():
-        layout = jax.eval_shape(quantization.embedding_with_kernel_layout, embed)
-        added += [array for key, array in layout.items() if key not in embed]
+            added += _only_added(layout, weight).values()
+    if int8_activations and _lm_head_takes_kernel(params):
+        embed = params["embed"]
+        added += _only_added(jax.eval_shape(quantization.embedding_with_kernel_layout, embed), embed).values()
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in added)
 
 
@@ -131,13 +128,19 @@ def _kernel_takes_every_matrix(layers: Params) -> bool:
     return cpu_kernels.available()
 
 
+def _lm_head_takes_kernel(params: Params) -> bool:
+    """Whether the model's lm_head is an int8 embedding's tied one that the CPU kernel takes."""
+    embed = params["embed"]
+    return quantization.is_quantized(embed) and "lm_head" not in params \
+        and cpu_kernels.supports(jax.eval_shape(quantization.lm_head_kernel_weight, embed)) and cpu_kernels.available()
+
+
 def _with_lm_head_kernel_layout(params: Params) -> Params:
     """An int8 embedding's tied lm_head in the CPU kernel's layout too, when the kernel takes it."""
+    if not _lm_head_takes_kernel(params):
+        return params
     embed = params["embed"]
-    if quantization.is_quantized(embed) and "lm_head" not in params \
-            and cpu_kernels.supports(quantization.lm_head_kernel_weight(embed)) and cpu_kernels.available():
-        return {**params, "embed": {**embed, **_only_added(_embedding_kernel_layout_jit(embed), embed)}}
-    return params
+    return {**params, "embed": {**embed, **_only_added(_embedding_kernel_layout_jit(embed), embed)}}
 
 
 def _cpu_layout(weight, int8_activations: bool):
