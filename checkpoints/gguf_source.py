@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from checkpoints import ConversionError
+from checkpoints.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 from checkpoints.layout import describe_slot, source_names
 from checkpoints.rope_freqs import llama3_scaling_from_factors
 from jaxserve.config import ConfigError, ModelConfig
@@ -175,6 +176,10 @@ class GGUFSource:
             raise ConversionError(f"{self.path}: tensor {tensor.name!r} data does not match its shape")
         return blocks
 
+    def num_tensors(self) -> int:
+        """How many tensors the file holds (an upper bound of what `tensors` yields)."""
+        return len(self.reader.tensors)
+
     def tensors(self, keep_blocks: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
         """(file, gguf name, slot, layer, tensor as [out, in], transpose) for every weight, in file order.
@@ -205,14 +210,13 @@ class GGUFSource:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)
 
     def save_tokenizer(self, output_dir: str) -> bool:
-        """Builds a Hugging Face tokenizer (chat template included) from the GGUF metadata."""
-        if self.reader.get_field("tokenizer.ggml.tokens") is None:
-            return False
-        from transformers import AutoTokenizer
-        folder, name = os.path.split(os.path.abspath(self.path))
+        """Builds a Hugging Face tokenizer (chat template included) from the GGUF metadata (no torch:
+        checkpoints.gguf_tokenizer); False when the file has no vocabulary."""
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-            tokenizer.save_pretrained(output_dir)
-        except Exception as e:  # transformers raises many types for unsupported tokenizers
+            tokenizer = build_tokenizer(self.reader)
+        except GGUFTokenizerError as e:
             raise ConversionError(f"{self.path}: cannot build the tokenizer from GGUF metadata ({e})") from None
+        if tokenizer is None:
+            return False
+        tokenizer.save_pretrained(output_dir)
         return True

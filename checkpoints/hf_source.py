@@ -120,6 +120,10 @@ class HFSource:
         dtype = self._owner[name].dtype(name)
         return np.dtype(np.float32) if dtype == np.float64 else dtype
 
+    def num_tensors(self) -> int:
+        """How many tensors the files hold (an upper bound of what `tensors` yields)."""
+        return sum(len(file.names()) for file in self.files)
+
     def tensors(self) -> Iterator[tuple[str, str, str, int | None, np.ndarray, bool]]:
         """(file, source name, slot, layer, tensor, transpose) for every weight, file by file."""
         for file in self.files:

@@ -14,8 +14,8 @@
 
 Both run on the threads of XLA's CPU client. The library is built with the machine's C++
 compiler (`$CXX`, else `c++`) for this CPU (-march=native) against the FFI headers of the
-installed jaxlib, into `$JAXSERVE_KERNEL_CACHE` (default ~/.cache/jaxserve/cpu_kernels), named
-by a hash of all that and the sources: a few seconds once per machine. Without a compiler, on a
+installed jaxlib, into `$JAXSERVE_KERNEL_CACHE` (default `cpu_kernels/` under $JAXSERVE_CACHE, else
+~/.cache/jaxserve), named by a hash of all that and the sources: a few seconds once per machine. Without a compiler, on a
 CPU without AVX-512 VNNI, or with `JAXSERVE_CPU_KERNELS=0`, `available()` is False and callers
 keep their XLA formulations.
 """
@@ -90,7 +90,8 @@ def _build() -> str:
         with open(source, "rb") as file:
             key.update(file.read())
     key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, _cpu_flags()]).encode())
-    cache = os.environ.get("JAXSERVE_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "cpu_kernels"))
+    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
+    cache = os.environ.get("JAXSERVE_KERNEL_CACHE", os.path.join(root, "cpu_kernels"))
     path = os.path.join(cache, f"cpu_kernels-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)

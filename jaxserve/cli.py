@@ -6,6 +6,7 @@ it gets a FlagValues of its own, so subcommands never clash over flag names.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from absl import flags
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     platforms.default_to_cpu_without_gpu()
+    # transformers' advice to install PyTorch (printed at its import without torch) is not for
+    # jaxserve, which uses only its tokenizers and configs.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     module = importlib.import_module(f"jaxserve.commands.{name}")
     fv = flags.FlagValues()
     module.define_flags(fv)

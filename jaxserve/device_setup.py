@@ -13,9 +13,11 @@ from pallas_kernels import dispatch, kv_quant
 
 
 def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache, so that restarts skip compiling the step shapes."""
-    cache_dir = os.environ.get("JAXSERVE_COMPILATION_CACHE",
-                               os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla"))
+    """JAX's persistent compilation cache, so that restarts skip compiling the step shapes:
+    $JAXSERVE_COMPILATION_CACHE, else `xla/` under the model cache ($JAXSERVE_CACHE, else
+    ~/.cache/jaxserve)."""
+    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
+    cache_dir = os.environ.get("JAXSERVE_COMPILATION_CACHE", os.path.join(root, "xla"))
     if jax.config.jax_compilation_cache_dir is None and cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -31,6 +31,7 @@ import numpy as np
 from jaxserve import decode_loop, device_setup, prompt_logprobs, sampler, speculative, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
+from jaxserve.progress import Progress
 from jaxserve.models import llama
 from jaxserve.scheduler import ScheduledBatch, prompt_logprob_rows_limit
 
@@ -490,14 +491,23 @@ class ModelRunner:
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
         samplers = [(n, penalties, bias) for n in row_counts for penalties in (False, True) for bias in (False, True)]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            jobs = [pool.submit(compile_bucket, b) for b in buckets]
-            jobs += [pool.submit(compile_sampler, *variant) for variant in samplers]
-            jobs += [pool.submit(compile_multi_step, b, bias) for b in self.multi_step_buckets() for bias in (False, True)]
-            for job in jobs:
-                job.result()
-            for job in [pool.submit(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets]:
-                job.result()
+        multi_steps = [(b, bias) for b in self.multi_step_buckets() for bias in (False, True)]
+        total = len(buckets) + len(samplers) + len(multi_steps) + len(self.prompt_logprob_buckets)
+        threads = os.cpu_count() or 1
+        log.info("warm-up: compiling %d shapes on %d threads (a filled compilation cache makes this seconds)",
+                 total, threads)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, \
+                Progress(total, "warm-up", "shapes compiled", log) as progress:
+            def run_all(calls):
+                jobs = [pool.submit(*call) for call in calls]
+                for job in jobs:
+                    job.add_done_callback(lambda _: progress.advance())
+                for job in jobs:
+                    job.result()
+
+            run_all([(compile_bucket, b) for b in buckets] + [(compile_sampler, *v) for v in samplers]
+                    + [(compile_multi_step, *m) for m in multi_steps])
+            run_all([(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets])
         log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties, logit "
                  "biases), %d prompt-logprob shapes and %d multi-step shapes in %.1fs", len(buckets), len(samplers),
                  len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start)

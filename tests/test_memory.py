@@ -255,6 +255,17 @@ def test_cli_table(llama_config_file, capsys):
     rows = dict(line.split(None, 1) for line in out.strip().splitlines())
     assert rows["tensor_parallel_size"] == "2" and rows["weight_dtype"] == "int8"
     assert "GiB" in rows["weights_bytes"] and int(rows["num_pages"].replace(",", "")) > 0
+    assert out.strip().splitlines()[-1].startswith("concurrency: ")
+
+
+@pytest.mark.parametrize("max_num_seqs, binding", [(32, "set by --max_num_seqs"), (1024, "the KV cache binds")])
+def test_the_binding_concurrency_limit_is_named(llama_config_file, capsys, max_num_seqs, binding):
+    rc, out, err = run_cli([f"--config={llama_config_file}", "--device_memory_gb=80", "--max_model_len=1024",
+                            f"--max_num_seqs={max_num_seqs}"], capsys)
+    assert rc == 0, err
+    plan = json.loads(out)  # stdout stays JSON when it is not a terminal; the line goes to stderr
+    assert binding in err and f"{plan['max_concurrent_seqs']:,} sequences of the full --max_model_len" in err
+    assert (plan["max_num_seqs"] <= plan["max_concurrent_seqs"]) == (max_num_seqs == 32)
 
 
 @pytest.mark.parametrize("make_argv", [

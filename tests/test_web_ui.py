@@ -435,6 +435,23 @@ def test_the_sampling_controls_reach_the_engine(browser, make_server):
 
 
 @needs_browser
+def test_empty_sampling_fields_show_the_servers_defaults_and_send_nothing(browser, make_server):
+    server = make_server(ServerConfig(sampling_defaults={"temperature": 0.2, "top_p": 0.9}))
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    assert [page.find(f"#{name}").get_attribute(a) for name in ("temperature", "top-p") for a in ("value", "placeholder")
+            ] == ["", "0.2", "", "0.9"]
+    page.set_field("max-tokens", 2)
+    page.send("hi")
+    page.wait_finished(1)
+    params = server.engine.params[0]
+    assert (params.temperature, params.top_p) == (pytest.approx(0.2), pytest.approx(0.9))  # the server's
+    other = Page(browser, make_server())  # no server defaults: OpenAI's
+    other.wait(lambda: other.status_state() == "ok")
+    assert [other.find(f"#{n}").get_attribute("placeholder") for n in ("temperature", "top-p")] == ["1", "1"]
+
+
+@needs_browser
 def test_a_server_that_went_away_is_reported(browser, make_server):
     server = make_server()
     page = Page(browser, server)

@@ -3,7 +3,7 @@
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]}, with
 optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop". Output lines:
 {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as
-requests finish. Ids already in the output file are skipped, so an interrupted run resumes.
+requests finish (completion order, not input order: match lines by id). Ids already in the output file are skipped, so an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class InputError(ValueError):
 
 def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("input", None, "JSONL file of prompts", flag_values=fv)
-    flags.DEFINE_string("output", None, "JSONL file of completions (appended; existing ids skipped)",
+    flags.DEFINE_string("output", None, "JSONL file of completions, one line per input id, written in the order "
+                        "requests finish, not input order (appended; ids already there are skipped)",
                         flag_values=fv)
     flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     engine_flags.define_engine_flags(fv)

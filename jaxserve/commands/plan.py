@@ -21,7 +21,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("device_memory_gb", None, "Memory of one device in GiB (2**30 bytes); default: the "
                        "--target's, else read from the first jax device as the engine does (on CPU: half the "
                        "available RAM).", flag_values=fv)
-    flags.DEFINE_enum("format", "json", ["json", "table"], "Output format.", flag_values=fv)
+    flags.DEFINE_enum("format", None, ["json", "table"], "Output format; default: a table on a terminal, "
+                      "else JSON.", flag_values=fv)
     flags.DEFINE_enum("target", None, ["a100", "h100", "h200"], "Plan for this GPU (its memory and the GPU "
                       "defaults: bfloat16, Pallas kernels) instead of the local device; with --compile, compile "
                       "the GPU build for it.", flag_values=fv)
@@ -118,6 +119,22 @@ def format_table(plan: memory.MemoryPlan) -> str:
     return "\n".join(f"{key:<{width}}  {shown}" for key, shown in rows)
 
 
+def concurrency_line(plan: memory.MemoryPlan) -> str:
+    """One line naming what limits how many sequences run at once: --max_num_seqs or the KV pool."""
+    pool = plan.max_concurrent_seqs
+    if plan.max_num_seqs <= pool:
+        return (f"concurrency: at most {plan.max_num_seqs} sequences at once, set by --max_num_seqs; the KV pool "
+                f"({plan.num_pages - 1:,} pages) holds {pool:,} sequences of the full --max_model_len "
+                f"({plan.max_model_len:,} tokens), more with shorter ones")
+    return (f"concurrency: {pool:,} sequences of the full --max_model_len ({plan.max_model_len:,} tokens) fit "
+            f"in the KV pool ({plan.num_pages - 1:,} pages), fewer than --max_num_seqs {plan.max_num_seqs}: the "
+            f"KV cache binds (shorter sequences fit more, up to {plan.max_num_seqs})")
+
+
+def _output_format(fv: flags.FlagValues) -> str:
+    return fv.format or ("table" if sys.stdout.isatty() else "json")
+
+
 def run(fv: flags.FlagValues) -> int:
     """Prints the memory plan (and the compile report); returns 0, or 2 with a message on stderr
     on bad input or when a bucket fails to compile."""
@@ -132,10 +149,12 @@ def run(fv: flags.FlagValues) -> int:
     except (ValueError, OSError) as e:  # ConfigError, ConversionError and MemoryPlanError are ValueErrors
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
-    if fv.format == "table":
+    if _output_format(fv) == "table":
         print(format_table(plan))
-    else:
+        print(concurrency_line(plan))
+    else:  # stdout stays one JSON document
         print(json.dumps(plan.to_dict(), indent=2))
+        print(concurrency_line(plan), file=sys.stderr)
     return 0
 
 
@@ -154,7 +173,7 @@ def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
     compiled = report["compile"]
-    if fv.format == "table":
+    if _output_format(fv) == "table":
         print(format_compile_table(report))
     else:
         print(json.dumps({**report["plan"], "compile": compiled}, indent=2))

@@ -113,6 +113,14 @@ def sampling_defaults(fv: flags.FlagValues) -> tuple[dict, str]:
     return defaults, f"sampling defaults for fields a request omits: {json.dumps(defaults)} (from {', '.join(sources)})"
 
 
+def _log_ready(fv: flags.FlagValues, port: int) -> None:
+    """The line a user waits for: where the API (and the web page) answer."""
+    host = "127.0.0.1" if fv.host in ("", "0.0.0.0", "::") else fv.host
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    page = "" if fv.no_web_ui else f"; chat in a browser at {base}/"
+    logging.getLogger(__name__).info("ready: the OpenAI API at %s/v1%s", base, page)
+
+
 def run(fv: flags.FlagValues) -> int:
     logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
@@ -164,7 +172,8 @@ def run(fv: flags.FlagValues) -> int:
             from serve.app import ServerStopping  # a failed job answers 503, naming the failure
             engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
-            await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits)
+            await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits,
+                                      on_ready=lambda port: _log_ready(fv, port))
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1

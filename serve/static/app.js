@@ -77,7 +77,16 @@
     state.model = model.id;
     ui.modelName.textContent = model.id;
     ui.modelCtx.textContent = model.max_model_len ? model.max_model_len + " tokens" : "?";
+    showSamplingDefaults(model.sampling_defaults || {});
     setStatus("ok", "ready");
+  }
+
+  // An empty sampling field shows the value the server will use for it (its defaults, else OpenAI's).
+  function showSamplingDefaults(defaults) {
+    const fields = [[ui.temperature, "temperature", 1], [ui.topP, "top_p", 1]];
+    for (const [input, name, fallback] of fields) {
+      input.placeholder = String(name in defaults ? defaults[name] : fallback);
+    }
   }
 
   // The payloads of the SSE `data:` lines of a response body. Lines end at "\n" bytes only.

