@@ -48,6 +48,36 @@ def _clean_env(tmp_path) -> dict:
     return env
 
 
+def _convert_and_generate_a_hf_folder(venv, tmp_path) -> None:
+    """The other kind of source, a Hugging Face folder (safetensors + tokenizer.json), converted and
+    run by `jaxserve generate` in the fresh environment: no torch there either."""
+    import gguf
+
+    from checkpoints.gguf_tokenizer import build_tokenizer
+    from tests.test_gguf_tokenizer import _sentencepiece_vocab, _write_tokenizer_gguf
+    from tests.tiny_models import make_tiny_hf_model
+
+    tokens, types, scores = _sentencepiece_vocab()
+    folder = tmp_path / "tiny_hf"
+    make_tiny_hf_model(str(folder), vocab_size=len(tokens))
+    spm = _write_tokenizer_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores)
+    build_tokenizer(gguf.GGUFReader(spm)).save_pretrained(folder)
+    env = _clean_env(tmp_path)
+    jaxserve = str(venv / "bin" / "jaxserve")
+    converted = subprocess.run([jaxserve, "convert", f"--source={folder}", f"--output={tmp_path / 'tiny'}"],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "hello world"}) + "\n")
+    generated = subprocess.run([jaxserve, "generate", f"--model={tmp_path / 'tiny'}", f"--input={tmp_path / 'in.jsonl'}",
+                                f"--output={tmp_path / 'out.jsonl'}", "--max_tokens=3", "--ignore_eos", "--noprogress"],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    from transformers import AutoTokenizer
+    prompt_ids = AutoTokenizer.from_pretrained(folder)("hello world")["input_ids"]
+    assert (line["id"], line["num_output_tokens"], line["num_prompt_tokens"]) == ("a", 3, len(prompt_ids))
+
+
 def _stop(server: subprocess.Popen) -> None:
     """SIGTERM to make and the server it started (their own process group), SIGKILL after 60 s."""
     try:
@@ -86,6 +116,7 @@ def test_make_serve_on_a_fresh_machine_answers_the_readme_question(tmp_path):
         for package in ("torch", "pytest"):  # the project alone: nothing of the test extras
             probe = subprocess.run([python, "-c", f"import {package}"], capture_output=True, text=True)
             assert probe.returncode != 0, f"{package} is importable in the fresh environment"
+        _convert_and_generate_a_hf_folder(venv, tmp_path)
     finally:
         _stop(server)
     log_text = log_path.read_text()
