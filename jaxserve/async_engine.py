@@ -50,6 +50,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        if self.engine.grammar_compiler is not None:  # its sandbox process
+            self.engine.grammar_compiler.close()
 
     def stats(self) -> EngineStats:
         return self._stats

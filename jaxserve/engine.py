@@ -261,9 +261,7 @@ class Engine:
             outputs.append(output)
             num_output_tokens += request.num_output_tokens - first
         for request in failed:
-            log.error("request %s sampled a token its grammar does not allow: %s", request.request_id,
-                      request.grammar.error)
-            outputs.append(self._fail(request, f"structured output failed: {request.grammar.error}"))
+            outputs.append(self._fail_grammar(request))
         if self.proposer is not None:
             self._propose()
         self._record_step(batch, result, time.perf_counter() - start, num_output_tokens)
@@ -335,7 +333,8 @@ class Engine:
             new_token_ids=(request.output_token_ids[token_index],) if new_token else (),
             finish_reason=request.finish_reason if finished else None, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=token_index + 1 if new_token else request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, logprobs=logprobs, error=request.error_message)
+            num_cached_tokens=request.num_cached_tokens, logprobs=logprobs, error=request.error_message,
+            error_param=request.error_param)
 
     def _close(self, request: Request) -> RequestOutput:
         """The closing delta of a request the core ended without a new token (abort, error)."""
@@ -381,12 +380,26 @@ class Engine:
                         "be recomputed", len(recomputed))
         return outputs
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        """Ends one request with an error (pages return); its closing delta."""
-        request.error_message = message
+    def _fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
+        """Ends one request with an error (pages return); its closing delta. `param`: the client's
+        field that caused it, when its input did."""
+        request.error_message, request.error_param = message, param
         if not request.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         return self._close(request)
+
+    def _fail_grammar(self, request: Request) -> RequestOutput:
+        """Ends a request whose grammar failed while generating: a limit of the grammar engine met
+        past the first token (its input's doing: the client gets a 400 naming the field). The
+        constraint is forgotten by the compiler, so later requests with it are refused at once."""
+        constraint, error = request.grammar.constraint, request.grammar.error
+        param = constraint.param if constraint is not None else "structured_output"
+        message = (f"structured output failed after {request.num_output_tokens} tokens: "
+                   f"{error or 'the grammar refused the sampled token'} ('{param}')")
+        log.warning("request %s: %s", request.request_id, message)
+        if error is not None and constraint is not None and self.grammar_compiler is not None:
+            self.grammar_compiler.forget(constraint, f"'{param}' cannot be used: {error}")
+        return self._fail(request, message, param=param)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Ends every unfinished request with an error (shutdown, or a step that could not recover)."""

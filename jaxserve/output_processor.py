@@ -173,6 +173,7 @@ class CoreOutput:
     num_cached_tokens: int = 0
     logprobs: RowLogprobs | None = None  # only for a request that asked for logprobs
     error: str | None = None  # message when finish_reason == "error"
+    error_param: str | None = None  # the client's field that caused it (a 400, not a server error)
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: the prompt's (tokens 2..)
 
 
@@ -246,7 +247,8 @@ class OutputProcessor:
             finished=finish_reason is not None, finish_reason=finish_reason,
             num_prompt_tokens=core.num_prompt_tokens, num_output_tokens=core.num_output_tokens,
             num_cached_tokens=core.num_cached_tokens, new_logprobs=logprobs, error=core.error,
-            stop_reason=stop_reason, prompt_logprobs=core.prompt_logprobs), stop_string_matched
+            error_param=core.error_param, stop_reason=stop_reason, prompt_logprobs=core.prompt_logprobs), \
+            stop_string_matched
 
 
 def _token_logprob(token_id: int, row: RowLogprobs, k: int) -> TokenLogprob:

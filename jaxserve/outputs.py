@@ -37,6 +37,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
     error: str | None = None  # message when finish_reason == "error"
+    error_param: str | None = None  # the client's field that caused the error (its input, not the server)
     stop_reason: str | int | None = None  # finish_reason "stop": the stop string or stop token id; None for EOS
     # With prompt_logprobs, in the request's first delta: one entry per prompt token from the second
     # (the first token has no logprob: nothing precedes it).

@@ -282,6 +282,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.error_message: str | None = None
+        self.error_param: str | None = None  # the client's field that caused the error, if it did
         # Content hashes of this request's full pages whose registration was already attempted,
         # in page order; maintained by the PageAllocator.
         self.page_hashes: list[bytes] = []

@@ -23,6 +23,7 @@ The life of a constraint:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import threading
@@ -31,14 +32,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxserve import grammar_sandbox
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65536  # a schema / regex / grammar's text; llguidance's parser limits bound the rest
 MAX_CHOICES = 1024
-# JSON as json.dumps writes it (", " and ": ", no other whitespace): a model cannot wander off
-# into whitespace, and every output of a bounded schema ends. A schema may override this with
-# llguidance's "x-guidance" key.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_CACHE_SIZE = 256  # compiled grammars kept, keyed by their text (tools repeat the same schemas)
+CACHE_BYTES = 256 << 20  # compiled grammars kept (tools repeat the same schemas), by the memory each took
+MAX_FAILED = 4096  # constraints remembered as unusable, refused again without compiling
 
 
 class StructuredOutputError(ValueError):
@@ -120,35 +120,33 @@ def _is_surrogate_text(text: str) -> bool:
     return False
 
 
-def _grammar_text(value: StructuredOutputParams) -> str:
-    """The llguidance grammar of a constraint (its errors surface when a matcher is built)."""
-    import llguidance
-    kind, spec = value.kind, value.spec
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
-    if kind == "regex":  # \d is [0-9] (as in JSON Schema's patterns), not every Unicode digit
-        return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(spec, 'd')}/")
-    if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in spec))
-    return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
-
-
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe (the server compiles in its pool).
+
+    A constraint the compiler has not seen is tried first in a child process
+    (jaxserve.grammar_sandbox: a crash, a runaway or a memory hog is refused there), then compiled
+    here on a thread with a stack sized for the longest grammars, its first token mask built (so
+    the engine's first step with it does not pay for its lexer). Compiled grammars are cached by
+    the memory they took, up to CACHE_BYTES; constraints that cannot be used are remembered as
+    such, never cached as usable.
 
     `vocab_size` is the model's (rows of its logits, possibly more than the tokenizer's tokens: the
     extra ids are never allowed); `eos_token_ids` are the tokens that end an output (allowed where
     the grammar is complete)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 timeout_s: float = grammar_sandbox.DEFAULT_TIMEOUT_S,
+                 max_bytes: int = grammar_sandbox.DEFAULT_MAX_BYTES, cache_bytes: int = CACHE_BYTES) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self.timeout_s, self.max_bytes, self.cache_bytes = timeout_s, max_bytes, cache_bytes
         self._ll_tokenizer = None
+        self._sandbox = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (matcher, bytes)
+        self.cached_bytes = 0
+        self._failed: OrderedDict[str, str] = OrderedDict()  # key -> why it cannot be used
         self._executor = None
 
     @property
@@ -156,45 +154,75 @@ class GrammarCompiler:
         """int32 words of one row's bitmask."""
         return bitmask_words(self.vocab_size)
 
+    def _tokenizer_json(self) -> str:
+        backend = copy.copy(self._hf_tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
     def _tokenizer(self):
         with self._lock:  # built once (about 0.3 s for a 50k vocabulary), on first use
             if self._ll_tokenizer is None:
-                import llguidance.hf
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                import llguidance
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_ids or None)
+                self._sandbox = grammar_sandbox.GrammarSandbox(self._tokenizer_json(), self.vocab_size,
+                                                               self.eos_token_ids, self.timeout_s, self.max_bytes)
             return self._ll_tokenizer
+
+    def close(self) -> None:
+        """Stops the sandbox's child process (a later compile starts another)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
 
     def compile(self, value: StructuredOutputParams) -> Any:
         """Compiles `value` (once: the result is kept in `value.compiled` and in a cache keyed by
         its text). Raises StructuredOutputError naming the client's field when it cannot be used."""
         if value.compiled is not None:
             return value.compiled
-        import llguidance
         key = value.key()
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            failure = self._failed.get(key)
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-        if compiled is None:
+        if failure is not None:
+            raise StructuredOutputError(failure, value.param)
+        if entry is None:
+            tokenizer = self._tokenizer()
             try:
-                grammar = _grammar_text(value)
-            except (ValueError, TypeError) as e:
-                raise StructuredOutputError(f"'{value.param}' cannot be used: {_first_line(e)}", value.param) from None
-            limits = llguidance.LLParserLimits(verbose_errors=False)
-            compiled = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits)
-            if compiled.is_error():  # the matcher is built with the GIL released
-                raise StructuredOutputError(f"'{value.param}' cannot be used: {_first_line(compiled.get_error())}",
-                                            value.param)
+                grammar, cost = self._sandbox.check(value.kind, value.spec)
+                compiled = grammar_sandbox.run_on_big_stack(grammar_sandbox.build_matcher, tokenizer, grammar)
+            except grammar_sandbox.GrammarRejected as e:
+                self.forget(value, f"'{value.param}' cannot be used: {e}")
+                raise StructuredOutputError(f"'{value.param}' cannot be used: {e}", value.param) from None
+            entry = (compiled, cost)
             with self._lock:
-                self._cache[key] = compiled
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        value.compiled = compiled
-        return compiled
+                if key not in self._cache:
+                    self._cache[key] = entry
+                    self.cached_bytes += cost
+                while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                    self.cached_bytes -= self._cache.popitem(last=False)[1][1]
+        value.compiled = entry[0]
+        return value.compiled
+
+    def forget(self, value: StructuredOutputParams, reason: str) -> None:
+        """Marks `value` unusable (`reason` is what a later request with it is told): out of the
+        cache, and refused from now on without compiling. The engine calls this when a request's
+        grammar fails while generating (a limit of the grammar engine met after the first token)."""
+        key = value.key()
+        with self._lock:
+            entry = self._cache.pop(key, None)
+            if entry is not None:
+                self.cached_bytes -= entry[1]
+            self._failed[key] = reason
+            self._failed.move_to_end(key)
+            while len(self._failed) > MAX_FAILED:
+                self._failed.popitem(last=False)
 
     def new_state(self, value: StructuredOutputParams) -> "GrammarState":
         """A fresh matcher state for one request (a copy of the compiled grammar: microseconds)."""
-        return GrammarState(self.compile(value).deep_copy())
+        return GrammarState(self.compile(value).deep_copy(), value)
 
     def executor(self):
         """llguidance's thread pool for filling many rows' masks at once."""
@@ -205,12 +233,6 @@ class GrammarCompiler:
             return self._executor
 
 
-def _first_line(error: Any) -> str:
-    """llguidance's message on one line: its first lines (the grammar excerpt after them is left out)."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()][:4]
-    return " ".join(lines)[:500] or "invalid"
-
-
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
@@ -219,8 +241,9 @@ class GrammarState:
     """One request's position in its grammar. The runner reads it (`fill_bitmasks`); the engine
     advances it with each sampled token (`accept`)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, constraint: StructuredOutputParams | None = None) -> None:
         self.matcher = matcher
+        self.constraint = constraint  # what the compiler forgets if this state fails
         self.executor = None  # set by the engine: the compiler's llguidance executor
 
     def accept(self, token_id: int) -> bool:
@@ -229,7 +252,7 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+        return grammar_sandbox.first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Writes the allowed next tokens into `row` (int32[bitmask_words], bit t % 32 of word

@@ -331,6 +331,8 @@ async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, req: Generation
     except ServerStopping as e:
         raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
     for choice in choices:
+        if choice.finish_reason == "error" and choice.error_param is not None:  # the request's own input
+            raise ProtocolError(choice.error, param=choice.error_param)
         if choice.finish_reason == "error":
             logger.error("generation failed: %s", choice.error)
             raise ProtocolError(f"generation failed: {choice.error}", status=500, error_type="server_error",
@@ -357,6 +359,9 @@ async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseSh
         failure = None
         async for index, output in fanout.outputs():
             choices[index].add(output)
+            if output.finished and output.finish_reason == "error" and output.error_param is not None:
+                failure = error_body(output.error, "invalid_request_error", param=output.error_param)
+                break
             if output.finished and output.finish_reason in ("error", "abort"):
                 failure = error_body(f"generation ended: {output.error or output.finish_reason}", "server_error",
                                      code=output.finish_reason)

@@ -592,6 +592,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # the client's field that caused the error, if it did
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -609,6 +610,7 @@ class ChoiceState:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.error = output.error
+            self.error_param = output.error_param
 
     @property
     def text(self) -> str:
