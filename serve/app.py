@@ -72,7 +72,20 @@ class ServerState:
     def prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         """Body bytes -> (request, [(prompt token ids, sampling parameters)] one per prompt);
         ProtocolError on bad input. Cheap checks first: no text is tokenized that could not fit in
-        the context."""
+        the context. Whatever else fails here (a library meeting input it cannot take) is a 400
+        when it is the input's depth, else a 500 logged on one line: never a traceback."""
+        try:
+            return self._prepare(raw, is_chat)
+        except ProtocolError:
+            raise
+        except RecursionError:
+            raise ProtocolError("the request is nested too deeply to process") from None
+        except Exception as e:
+            logger.error("preparing a request failed: %s: %s", type(e).__name__, str(e)[:500])
+            raise ProtocolError("the server could not prepare this request", status=500, error_type="server_error",
+                                code="internal_error") from None
+
+    def _prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         body = _parse_json(raw)
         request = (parse_chat_request if is_chat else parse_completion_request)(body, self.model_names)
         max_seq_len = self.engine.max_model_len

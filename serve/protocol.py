@@ -471,6 +471,8 @@ def prompt_token_ids(tokenizer: Any, request: GenerationRequest, index: int = 0)
                                tools=request.tools.template_tools if request.tools is not None else None)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ProtocolError(f"the chat template rejected the messages: {e}", param="messages") from None
+        except RecursionError:
+            raise ProtocolError("the messages are nested too deeply for the chat template", param="messages") from None
     prompt = request.prompts[index]
     if isinstance(prompt, str):
         return encode_text(tokenizer, prompt, add_special_tokens=request.add_special_tokens)

@@ -23,6 +23,7 @@ from typing import Any
 from jaxserve.structured_output import StructuredOutputParams
 
 MAX_TOOLS = 128
+MAX_ARGUMENT_DEPTH = 64  # nesting of a tool call's arguments given back in messages (templates recurse)
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -169,7 +170,7 @@ def parse_tools(body: dict[str, Any]) -> ToolsRequest | None:
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
         raise StructuredRequestError("'tool_choice' must be 'none', 'auto', 'required' or "
                                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    if name not in parameters:
+    if not isinstance(name, str) or name not in parameters:
         raise StructuredRequestError(f"'tool_choice' names a function that is not in 'tools': {str(name)[:64]!r}",
                                      "tool_choice")
     return ToolsRequest(tools, parameters, "named", name, parallel=parallel is not False)
@@ -193,13 +194,29 @@ def parse_tool_call_message(message: dict[str, Any], param: str) -> list[dict[st
             try:
                 decoded = json.loads(arguments)
                 arguments = decoded if isinstance(decoded, dict) else arguments
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON (or nested past Python's limit): kept as text
                 pass
         elif not isinstance(arguments, dict):
             raise StructuredRequestError(f"'{where}.function.arguments' must be a JSON string", where)
+        if isinstance(arguments, dict) and _depth(arguments) > MAX_ARGUMENT_DEPTH:
+            raise StructuredRequestError(f"'{where}.function.arguments' is nested deeper than {MAX_ARGUMENT_DEPTH} "
+                                         "levels", f"{where}.function.arguments")
         parsed.append({"id": str(call.get("id", "")), "type": "function",
                        "function": {"name": function["name"], "arguments": arguments}})
     return parsed
+
+
+def _depth(value: Any, limit: int = 1000) -> int:
+    """How deeply lists and dicts nest in `value` (iteratively: no recursion limit to meet)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def new_call_id() -> str:
@@ -229,7 +246,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     for match in _HERMES_CALL.finditer(text):
         try:
             call = _call_from_json(json.loads((match.group(1) or match.group(2) or "").strip()))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             return text, []
@@ -267,7 +284,7 @@ class ToolCallParser:
         elif self.mode == "required":
             try:
                 calls = [c for c in (_call_from_json(v) for v in json.loads(text)) if c is not None]
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, RecursionError):
                 calls = []
             content = None if calls else text
         else:
@@ -308,7 +325,7 @@ class ToolCallParser:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

@@ -1,0 +1,117 @@
+"""No grammar or tool call can crash, poison or stall the server: the operator's reproductions
+against a live `jaxserve serve` on the tiny model (its own process: a crash ends only that process),
+while streams run beside them. Each checks the status and the field named, that the streams finish
+with every token, that the server's memory stays bounded and that its log has no traceback."""
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+import requests
+
+from tests.test_hostile_requests import AUTH, ServeProcess, Streams, post
+
+CHAIN_3000 = ("start: r0\n" + "".join(f'r{i}: "t{i} " r{i + 1}\n' for i in range(3000)) + 'r3000: "end"\n')
+CHAIN_4000 = ("start: a0\n" + "".join(f"a{i}: a{i + 1}\n" for i in range(4000)) + 'a4000: "x"\n')
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir):
+    live = ServeProcess([f"--model={tiny_chat_model_dir}", "--port=0", "--api_key=hostile-test-key",
+                         "--served_model_name=tiny", "--max_num_seqs=8", "--max_num_batched_tokens=64",
+                         "--drain_timeout_s=2"], 1024)
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def clean_log(server):
+    mark = len(server.lines)
+    yield
+    log = server.log_since(mark)
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def completion(server, extra: dict, max_tokens: int = 8) -> requests.Response:
+    return post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": max_tokens,
+                                            "temperature": 0.0, **extra}, timeout=120)
+
+
+def chat(server, messages, extra=None) -> requests.Response:
+    return post(server, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 4,
+                                                 "temperature": 0.0, **(extra or {})}, timeout=120)
+
+
+def test_rule_chains_that_overflowed_the_stack_compile_and_streams_finish(server, clean_log):
+    streams = Streams(server)
+    for grammar in (CHAIN_3000, CHAIN_4000):
+        assert len(grammar) < 65536
+        r = completion(server, {"guided_grammar": grammar}, max_tokens=6)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert "t0 t1 t2".startswith(text) or text.startswith("t0 ") or set(text) <= {"x"}, text
+    streams.check()
+    assert server.process.poll() is None
+
+
+RUNAWAY_REGEXES = [f"({c}{{1000}}){{1000}}" for c in "fghijk"]
+
+
+def test_runaway_regexes_are_400_every_time_and_memory_stays_bounded(server, clean_log):
+    process = psutil.Process(server.process.pid)
+    completion(server, {"guided_regex": "[a-z]+"})  # the grammar machinery's own memory, once
+    before = process.memory_info().rss
+    streams = Streams(server)
+    for regex in RUNAWAY_REGEXES * 2:  # the second time too: a failure is never cached as a success
+        r = completion(server, {"guided_regex": regex})
+        assert r.status_code == 400, (regex, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "guided_regex" and "MiB" in error["message"], error
+    streams.check()
+    grown = process.memory_info().rss - before
+    assert grown < 100 << 20, f"the server's RSS grew by {grown >> 20} MiB"
+
+
+CLIENT_ERRORS = [  # (route, body, param): each was a 500 with a traceback
+    ("completions", {"guided_json": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}},
+     "guided_json"),
+    ("completions", {"guided_grammar": 'start: "a" start'}, "guided_grammar"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}],
+              "tool_choice": "required"}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("route, extra, param", CLIENT_ERRORS)
+def test_client_errors_of_grammars_and_tools_are_400_naming_the_field(server, clean_log, route, extra, param):
+    if route == "chat":
+        r = chat(server, [{"role": "user", "content": "hi"}], extra)
+    else:
+        r = completion(server, extra)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.json()
+
+
+@pytest.mark.parametrize("arguments, status", [
+    ("[" * 5000 + "]" * 5000, 200),  # past Python's JSON nesting limit: given to the template as the text it is
+    ('{"a":' * 900 + "1" + "}" * 900, 400),  # decodes, but no template could render it: refused, named
+])
+def test_deeply_nested_tool_call_arguments_are_never_a_500(server, clean_log, arguments, status):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = chat(server, messages)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments", r.json()
+
+
+def test_a_deeply_nested_body_is_400(server, clean_log):
+    r = post(server, "/v1/completions", '{"model": "tiny", "prompt": "x", "metadata": ' + "[" * 100_000
+             + "]" * 100_000 + "}")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
