@@ -111,7 +111,7 @@ def check_request(prompt_token_ids: Any, params: SamplingParams, limits: Request
 
     Complete by design: a request that passes cannot fail a step (every value fits the dtype
     and range of the array it travels in) nor outgrow the KV cache."""
-    _check_prompt(prompt_token_ids, limits)
+    _check_prompt(prompt_token_ids, limits, prompt_only=params.max_tokens == 0)
     check_sampling_params(params, limits)
     room = limits.max_seq_len - len(prompt_token_ids)
     if params.max_tokens > room:
@@ -121,12 +121,13 @@ def check_request(prompt_token_ids: Any, params: SamplingParams, limits: Request
             param="max_tokens", code="context_length_exceeded")
 
 
-def _check_prompt(prompt_token_ids: Any, limits: RequestLimits) -> None:
+def _check_prompt(prompt_token_ids: Any, limits: RequestLimits, prompt_only: bool = False) -> None:
+    """`prompt_only`: a request for the prompt alone (max_tokens 0, e.g. echo), which may fill the context."""
     if not isinstance(prompt_token_ids, (list, tuple)):
         raise InvalidRequestError("the prompt must be a list of token ids", param="prompt")
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty: it must contain at least one token", param="prompt")
-    if len(prompt_token_ids) >= limits.max_seq_len:  # before the per-token scan: cheap first
+    if len(prompt_token_ids) > limits.max_seq_len - (0 if prompt_only else 1):  # cheap first: before the scan
         raise InvalidRequestError(
             f"{limits.context_text}; the prompt has {len(prompt_token_ids)} tokens, leaving no room for "
             "a completion", param="prompt", code="context_length_exceeded")

@@ -196,7 +196,7 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
         token_bytes = token.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, api_key.encode()):
             raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                                code="invalid_api_key")
+                                code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'})
     return await handler(request)
 
 

@@ -249,6 +249,11 @@ def _common_checks(body: Any, served_models: str | tuple[str, ...]) -> _Fields:
     if model is not None and model not in served:
         raise ProtocolError(f"The model `{_printable(model)}` does not exist", status=404, param="model",
                             code="model_not_found")
+    for hint in ("user", "prompt_cache_key", "safety_identifier"):  # hints: unused, but typed as OpenAI types them
+        if body.get(hint) is not None and not isinstance(body[hint], str):
+            raise ProtocolError(f"'{hint}' must be a string", param=hint)
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise ProtocolError("'metadata' must be an object", param="metadata")
     return _Fields(body)
 
 

@@ -117,6 +117,8 @@ def cors_middlewares(allowed_origins: Iterable[str]) -> list[Any]:
         if request.method != "OPTIONS" or origin is None or method is None or \
                 not request.path.startswith(_CORS_PREFIX):
             return await handler(request)
+        if isinstance(getattr(request.match_info, "http_exception", None), web.HTTPNotFound):
+            return await handler(request)  # no such route: the JSON 404, whatever the origin
         if "*" not in allowed and origin not in allowed:
             # A JSON error like every refusal; without CORS headers the browser blocks the call.
             return web.json_response(error_body(f"origin {origin!r} is not allowed", "invalid_request_error",

@@ -115,3 +115,28 @@ def test_a_deeply_nested_body_is_400(server, clean_log):
              + "]" * 100_000 + "}")
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_echo_of_a_prompt_that_fills_the_context_with_max_tokens_0(server, clean_log):
+    context = requests.get(server.url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["max_model_len"]
+    prompt = [(17 * i) % 40000 + 100 for i in range(context)]
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True,
+                                         "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (context, 0)
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == context  # echoed, with its logprobs
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+@pytest.mark.parametrize("field, value", [("user", 123), ("prompt_cache_key", ["k"]), ("safety_identifier", 1.5),
+                                          ("metadata", "x")])
+def test_hints_of_the_wrong_type_are_400(server, clean_log, field, value):
+    r = completion(server, {field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_401_says_how_to_authenticate(server, clean_log):
+    r = requests.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.headers

@@ -178,3 +178,17 @@ def test_admission_bounds_of_prompt_logprobs(tiny):
     engine.add_request("ok", prompt, SamplingParams(max_tokens=0, prompt_logprobs=5))
     assert not engine.step()[0].new_token_ids
     assert engine.allocator.num_used_pages == 0
+
+
+def test_a_prompt_that_fills_the_context_runs_with_max_tokens_0(tiny):
+    """echo with max_tokens 0 (the prompt's logprobs alone) may use the whole context; a completion may not."""
+    model, _, _ = tiny
+    engine = make_engine(tiny, max_model_len=64)
+    prompt = np.random.default_rng(3).integers(3, 128, 64).tolist()
+    result = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    assert result.token_ids == [] and len(result.prompt_logprobs) == 63
+    assert_matches(model, prompt, result.prompt_logprobs, 1, "full context")
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("x", prompt, SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt"
+    assert engine.allocator.num_used_pages == 0

@@ -119,6 +119,8 @@ def test_cors_only_for_allowed_origins_and_preflight_before_the_api_key(make_ser
                                            headers={**preflight, "Origin": "http://evil.example"})
     assert status == 403 and body["error"]["code"] == "origin_not_allowed"
     assert "Access-Control-Allow-Origin" not in headers
+    status, headers, body = server.request("OPTIONS", "/v1/no/such/route", headers=preflight)
+    assert status == 401 and "error" in body  # no such route: no 204, only what any call without the key gets
 
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     status, headers, _ = server.request("POST", "/v1/chat/completions", chat,
