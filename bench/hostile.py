@@ -10,7 +10,11 @@ Kinds (`KINDS`), each with the answer it must get:
     a 9 KB header, `Content-Length: -1`;
   - half-open connections: a few TCP connections that send nothing; the server must close each of
     them within its header timeout (plus some slack). A socket still open at the deadline is closed
-    by the client and counted as unexpected.
+    by the client and counted as unexpected;
+  - grammars and tools: a 3000-rule chain grammar (200: it once overflowed the compiler's stack), a
+    new runaway regex each time (400: past the grammar memory budget), a self-recursive grammar and a
+    recursive required `$ref` schema (400), a tool_choice naming a list (400), tool-call arguments
+    nested 900 deep (400).
 
 `Hostile.fire()` sends the next kind of a seeded shuffle of the list (every kind once per round);
 `Hostile.report()` counts them by kind and status. Anything else than the expected answer (a 5xx,
@@ -32,6 +36,8 @@ HUGE_PROMPT_BYTES = 4_000_000  # well under the server's 8 MiB body limit, far o
 LONG_FIELD_BYTES = 9 * 1024  # over aiohttp's 8190-byte request-line and header-field limits
 NUM_HALF_OPEN = 3  # sockets per half-open burst
 RAW_READ_TIMEOUT_S = 15.0  # a raw-socket request must be answered (and closed) within this
+# 3000 rules in a chain (62 KB): overflowed llguidance's stack on a default-sized thread (SIGSEGV)
+RULE_CHAIN_3000 = "start: r0\n" + "".join(f'r{i}: "t{i} " r{i + 1}\n' for i in range(3000)) + 'r3000: "end"\n'
 
 
 class Expect:
@@ -75,7 +81,7 @@ class Hostile:
         host = f"{self.host}:{self.port}"
         ctx = Expect(400, "context_length_exceeded")
         bad_http = Expect(400, "bad_http_request")
-        completions = "/v1/completions"
+        completions, chat = "/v1/completions", "/v1/chat/completions"
         # name -> (how to send it, its argument, the answer it must get)
         self.kinds: dict[str, tuple[Callable, Any, Expect]] = {
             "top_k_int32_overflow": (self._post, (completions, _json_body(prompt="Hi", max_tokens=4, top_k=2**31)),
@@ -100,7 +106,25 @@ class Hostile:
                                                         "Content-Type: application/json\r\nContent-Length: -1",
                                                   b'{"prompt": "Hi"}'), bad_http),
             "half_open_sockets": (self._half_open, NUM_HALF_OPEN, Expect(None)),
+            # Grammars and tools (each crashed, poisoned or stalled the server once):
+            "grammar_rule_chain_3000": (self._post, (completions, _json_body(
+                prompt="Hi", max_tokens=4, guided_grammar=RULE_CHAIN_3000)), Expect(200)),
+            "grammar_runaway_regex": (self._post_runaway_regex, completions, Expect(400)),
+            "grammar_self_recursive": (self._post, (completions, _json_body(
+                prompt="Hi", max_tokens=4, guided_grammar='start: "a" start')), Expect(400)),
+            "schema_recursive_ref": (self._post, (completions, _json_body(prompt="Hi", max_tokens=4, guided_json={
+                "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]})), Expect(400)),
+            "tool_choice_name_list": (self._post, (chat, _json_body(
+                messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": ["f"]}})), Expect(400)),
+            "tool_call_arguments_nested": (self._post, (chat, _json_body(messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+                    "name": "f", "arguments": '{"a":' * 900 + "1" + "}" * 900}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}], max_tokens=4)), Expect(400)),
         }
+        self._runaway_regexes = 0
         self._round: list[str] = []
         self.sent: collections.Counter = collections.Counter()
         self.statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -176,6 +200,13 @@ class Hostile:
                                      headers={"Content-Type": "application/json"}) as response:
             text = await response.read()
         return [dict(status=response.status, code=_error_code(text))]
+
+    async def _post_runaway_regex(self, path: str) -> list[dict]:
+        """A regex whose first token mask takes about a second and 150 MiB, a new one each time
+        (a refusal cached by the server would not exercise its budgets again)."""
+        self._runaway_regexes += 1
+        letters = "".join(chr(ord("a") + int(d)) for d in str(self._runaway_regexes))
+        return await self._post((path, _json_body(prompt="Hi", max_tokens=4, guided_regex=f"({letters}{{1000}}){{1000}}")))
 
     async def _raw(self, request: bytes) -> list[dict]:
         """Writes `request` on a fresh socket and reads the answer until the server closes."""

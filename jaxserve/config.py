@@ -26,6 +26,9 @@ _ROPE_TYPES = ("default", "llama3", "linear")
 
 
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
+# SmolLM2 on 2 cores, 8 decoding streams beside a 2000-token prompt: their longest gap between tokens
+# 2.16 s unbounded, 0.43 s at 64, 0.25 s at 32 (4.4x a decode step); that prompt's TTFT 6.5 s -> 11.0 s.
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 32
 
 
 @dataclasses.dataclass
@@ -36,6 +39,12 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_num_prefill_seqs: int = 2
+    # Prefill tokens a step may carry beside decoding rows (all its chunks together). Bounds how
+    # long a decoding stream waits for its next token while a long prompt is prefilled, at the cost
+    # of that prompt's time to first token; a step without decoding rows still takes the whole
+    # budget. None: CPU_LONG_PREFILL_TOKEN_THRESHOLD on the CPU (bench/prefill_interference.py), no
+    # bound on a GPU (the rest of max_num_batched_tokens, as vLLM).
+    long_prefill_token_threshold: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # None: sized by the memory planner
     max_model_len: int | None = None  # None: min(the model's context, 2048)
@@ -75,9 +84,14 @@ class EngineConfig:
 
     def for_platform(self, on_gpu: bool) -> "EngineConfig":
         """This config with the platform defaults filled in where it leaves them open: dtype
-        bfloat16 and the Pallas kernels on a GPU, float32 and the blocked XLA attention on the CPU."""
+        bfloat16 and the Pallas kernels on a GPU, float32, the blocked XLA attention and
+        CPU_LONG_PREFILL_TOKEN_THRESHOLD on the CPU."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None and not on_gpu:
+            threshold = CPU_LONG_PREFILL_TOKEN_THRESHOLD
         return dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
-                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"))
+                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"),
+                                   long_prefill_token_threshold=threshold)
 
     def model_len(self, model_config) -> int:
         """The longest sequence served: max_model_len (default: DEFAULT_MAX_MODEL_LEN), at most

@@ -260,6 +260,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
+        threshold = config.long_prefill_token_threshold
+        if threshold is not None and threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {threshold}")
+        self.long_prefill_token_threshold = threshold
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
@@ -349,24 +353,28 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= 1
 
+        prefill_budget = budget  # prefill chunks beside decoding rows: at most long_prefill_token_threshold
+        if plan.decode and self.long_prefill_token_threshold is not None:
+            prefill_budget = min(budget, self.long_prefill_token_threshold)
         rows_left = self.max_prompt_logprob_rows  # prompt-logprob rows this step may still compute
         for request in [r for r in self.running if not self.is_decoding(r)]:
-            if budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
+            if prefill_budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue
-            num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - request.num_computed_tokens, budget),
-                                                rows_left)
+            num_new = _cap_prompt_logprob_chunk(
+                request, min(request.num_tokens - request.num_computed_tokens, prefill_budget), rows_left)
             if num_new < 1:
                 continue
             if self._reserve_pages(request, num_new, scheduled, plan):
                 plan.prefill.append((request, num_new))
                 scheduled.add(request.request_id)
                 budget -= num_new
+                prefill_budget -= num_new
                 rows_left -= _num_prompt_logprob_rows(request, num_new)
 
         if not plan.preempted:  # a request preempted now is not re-admitted in the same step
-            self._admit_waiting(plan, budget, rows_left)
+            self._admit_waiting(plan, prefill_budget, rows_left)
         if self.max_spec_tokens and not plan.prefill and 0 < len(plan.decode) <= self.max_verify_rows:
             self._schedule_proposals(plan, budget)
         if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:

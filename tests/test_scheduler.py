@@ -409,3 +409,32 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_max_tokens_zero_ends_after_th
     assert wanting.prompt_logprobs == prompt[1:] and [r[0] for r in rows] == ["wanting", "wanting"]
     assert wanting.output_token_ids == [] and wanting.status == RequestStatus.FINISHED_LENGTH
     assert scheduler.allocator.num_used_pages == 0
+
+
+def test_prefill_beside_decoding_rows_is_bounded_by_long_prefill_token_threshold():
+    """With decoding rows in a step its prefill chunks add up to at most the threshold; a step
+    without decoding rows still takes the whole budget. Outputs are those of the unbounded run."""
+    allocator = PageAllocator(80, 4, enable_prefix_caching=False)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_num_prefill_seqs=3,
+                          long_prefill_token_threshold=5)
+    scheduler = Scheduler(allocator, config, max_model_len=512)
+    device = FakeDevice(allocator)
+    streams = [Request(f"s{i}", [5 + i, 6], greedy(30)) for i in range(2)]
+    long = Request("long", list(range(10, 70)), greedy(3))
+    for request in streams + [long]:
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert sum(n for _, n in first.prefill) == 2 + 2 + 28 and not first.decode  # nothing decodes yet: all 32
+    scheduler.update(first, device.run(first))
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = scheduler.schedule()
+        assert len(plan.decode) == 2  # the streams get a token every step
+        chunks.append(sum(n for _, n in plan.prefill))
+        scheduler.update(plan, device.run(plan))
+    assert chunks == [5] * 6 + [2]  # the remaining 32 prompt tokens, 5 a step beside the decoding streams
+    run_engine_loop(scheduler, device, [])
+    for request in streams + [long]:
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 1"):
+        Scheduler(allocator, dataclasses.replace(config, long_prefill_token_threshold=0), max_model_len=512)

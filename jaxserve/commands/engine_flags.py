@@ -17,6 +17,9 @@ _ENGINE_INT_FLAGS = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (decode tokens + prefill chunks)",
     "max_num_prefill_seqs": "most prefill chunks in one step",
+    "long_prefill_token_threshold": "most prefill tokens a step carries beside decoding sequences (bounds "
+                                    "their time per output token while a long prompt is prefilled; costs that "
+                                    "prompt's time to first token)",
     "page_size": "tokens per KV cache page",
     "num_pages": "KV cache pages per layer, null page included",
     "max_model_len": "longest prompt + completion, in tokens",
@@ -40,6 +43,7 @@ _OPEN_DEFAULTS = {
     "speculative_method": "off",
     "speculative_model": "none",
     "speculative_disable_by_batch_size": "never",
+    "long_prefill_token_threshold": "32 on CPU, no bound on GPU",
 }
 
 
