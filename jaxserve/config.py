@@ -28,7 +28,7 @@ _ROPE_TYPES = ("default", "llama3", "linear")
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
 # SmolLM2 on 2 cores, 8 decoding streams beside a 2000-token prompt: their longest gap between tokens
 # 2.16 s unbounded, 0.43 s at 64, 0.25 s at 32 (4.4x a decode step); that prompt's TTFT 6.5 s -> 11.0 s.
-CPU_LONG_PREFILL_TOKEN_THRESHOLD = 32
+CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD = 32
 
 
 @dataclasses.dataclass
@@ -41,9 +41,10 @@ class EngineConfig:
     max_num_prefill_seqs: int = 2
     # Prefill tokens a step may carry beside decoding rows (all its chunks together). Bounds how
     # long a decoding stream waits for its next token while a long prompt is prefilled, at the cost
-    # of that prompt's time to first token; a step without decoding rows still takes the whole
-    # budget. None: CPU_LONG_PREFILL_TOKEN_THRESHOLD on the CPU (bench/prefill_interference.py), no
-    # bound on a GPU (the rest of max_num_batched_tokens, as vLLM).
+    # of that prompt's time to first token (and of offline throughput: more, smaller steps); a step
+    # without decoding rows still takes the whole budget. None: no bound (the rest of
+    # max_num_batched_tokens, as vLLM). `jaxserve serve` on the CPU defaults it to
+    # CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD (bench/prefill_interference.py).
     long_prefill_token_threshold: int | None = None
     page_size: int = 16
     num_pages: int | None = None  # None: sized by the memory planner
@@ -84,14 +85,9 @@ class EngineConfig:
 
     def for_platform(self, on_gpu: bool) -> "EngineConfig":
         """This config with the platform defaults filled in where it leaves them open: dtype
-        bfloat16 and the Pallas kernels on a GPU, float32, the blocked XLA attention and
-        CPU_LONG_PREFILL_TOKEN_THRESHOLD on the CPU."""
-        threshold = self.long_prefill_token_threshold
-        if threshold is None and not on_gpu:
-            threshold = CPU_LONG_PREFILL_TOKEN_THRESHOLD
+        bfloat16 and the Pallas kernels on a GPU, float32 and the blocked XLA attention on the CPU."""
         return dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if on_gpu else "float32"),
-                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"),
-                                   long_prefill_token_threshold=threshold)
+                                   attention_backend=self.attention_backend or ("pallas" if on_gpu else "xla"))
 
     def model_len(self, model_config) -> int:
         """The longest sequence served: max_model_len (default: DEFAULT_MAX_MODEL_LEN), at most

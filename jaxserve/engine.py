@@ -88,7 +88,7 @@ class Engine:
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes,
             draft_model=draft_model[0] if draft_model else None).num_pages
         self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, cfg.for_platform(device_setup.on_gpu()), self.max_model_len)
+        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -108,7 +108,8 @@ class ServerMetrics:
         self.http_requests = metric(Counter, "jaxserve_http_requests", "HTTP requests by route and status code.",
                                     ["route", "status"])
         self.requests_finished = metric(Counter, "jaxserve_requests_finished", "Generation requests (choices) by "
-                                        "finish reason.", ["finish_reason"])
+                                        "finish reason (invalid_request: ended by a limit its own input met, "
+                                        "e.g. of its grammar; error: the server's).", ["finish_reason"])
         self.prompt_tokens = metric(Counter, "jaxserve_prompt_tokens", "Prompt tokens of finished requests (each "
                                     "prompt once, however many choices it has).")
         self.generation_tokens = metric(Counter, "jaxserve_generation_tokens", "Tokens generated.")
@@ -167,8 +168,9 @@ class RequestTracker:
             if self.first_token_time is None:
                 self.first_token_time = now
                 m.time_to_first_token.observe(now - self.arrival_time)
-        if output.finished:
-            self.finish(output.finish_reason or "abort", now)
+        if output.finished:  # an error the request's own input caused (its grammar) is not the server's
+            reason = "invalid_request" if output.error_param is not None else output.finish_reason
+            self.finish(reason or "abort", now)
 
     def finish(self, finish_reason: str, now: float | None = None) -> None:
         """Records the end of the request once (later calls do nothing)."""

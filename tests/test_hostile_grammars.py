@@ -25,6 +25,19 @@ def server(tiny_chat_model_dir):
     live.close()
 
 
+@pytest.fixture(scope="module")
+def solo_texts(server):
+    """The Streams' texts with nothing else running (greedy): what they must be beside an attack."""
+    streams = Streams(server)
+    streams.check()
+    return streams.texts
+
+
+def check_streams(streams: Streams, solo_texts) -> None:
+    streams.check()
+    assert streams.texts == solo_texts
+
+
 @pytest.fixture
 def clean_log(server):
     mark = len(server.lines)
@@ -43,7 +56,7 @@ def chat(server, messages, extra=None) -> requests.Response:
                                                  "temperature": 0.0, **(extra or {})}, timeout=120)
 
 
-def test_rule_chains_that_overflowed_the_stack_compile_and_streams_finish(server, clean_log):
+def test_rule_chains_that_overflowed_the_stack_compile_and_streams_finish(server, clean_log, solo_texts):
     streams = Streams(server)
     for grammar in (CHAIN_3000, CHAIN_4000):
         assert len(grammar) < 65536
@@ -51,14 +64,14 @@ def test_rule_chains_that_overflowed_the_stack_compile_and_streams_finish(server
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
         assert "t0 t1 t2".startswith(text) or text.startswith("t0 ") or set(text) <= {"x"}, text
-    streams.check()
+    check_streams(streams, solo_texts)
     assert server.process.poll() is None
 
 
 RUNAWAY_REGEXES = [f"({c}{{1000}}){{1000}}" for c in "fghijk"]
 
 
-def test_runaway_regexes_are_400_every_time_and_memory_stays_bounded(server, clean_log):
+def test_runaway_regexes_are_400_every_time_and_memory_stays_bounded(server, clean_log, solo_texts):
     process = psutil.Process(server.process.pid)
     completion(server, {"guided_regex": "[a-z]+"})  # the grammar machinery's own memory, once
     before = process.memory_info().rss
@@ -68,7 +81,7 @@ def test_runaway_regexes_are_400_every_time_and_memory_stays_bounded(server, cle
         assert r.status_code == 400, (regex, r.status_code, r.text)
         error = r.json()["error"]
         assert error["param"] == "guided_regex" and "MiB" in error["message"], error
-    streams.check()
+    check_streams(streams, solo_texts)
     grown = process.memory_info().rss - before
     assert grown < 100 << 20, f"the server's RSS grew by {grown >> 20} MiB"
 
@@ -85,14 +98,16 @@ CLIENT_ERRORS = [  # (route, body, param): each was a 500 with a traceback
 ]
 
 
-@pytest.mark.parametrize("route, extra, param", CLIENT_ERRORS)
-def test_client_errors_of_grammars_and_tools_are_400_naming_the_field(server, clean_log, route, extra, param):
-    if route == "chat":
-        r = chat(server, [{"role": "user", "content": "hi"}], extra)
-    else:
-        r = completion(server, extra)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"].startswith(param), r.json()
+def test_client_errors_of_grammars_and_tools_are_400_naming_the_field(server, clean_log, solo_texts):
+    streams = Streams(server)
+    for route, extra, param in CLIENT_ERRORS * 2:
+        if route == "chat":
+            r = chat(server, [{"role": "user", "content": "hi"}], extra)
+        else:
+            r = completion(server, extra)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"].startswith(param), r.json()
+    check_streams(streams, solo_texts)
 
 
 @pytest.mark.parametrize("arguments, status", [
@@ -140,3 +155,18 @@ def test_hints_of_the_wrong_type_are_400(server, clean_log, field, value):
 def test_a_401_says_how_to_authenticate(server, clean_log):
     r = requests.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
     assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.headers
+
+
+def test_a_grammar_that_fails_while_generating_is_the_clients_400_and_refused_at_once_next_time(server, clean_log):
+    """`start: "a" start` passes its first mask and meets the parser's item limit some tokens later:
+    the request ends as a 400 naming the field, counted as invalid_request (not a server error),
+    and the same grammar is refused before generating from then on."""
+    grammar = 'start: "b" start'  # not used by another test: the first time generates
+    before = server.metric("jaxserve_requests_finished_total", '{finish_reason="error"}')
+    invalid = server.metric("jaxserve_requests_finished_total", '{finish_reason="invalid_request"}')
+    first = completion(server, {"guided_grammar": grammar}, max_tokens=64)
+    assert first.status_code == 400 and first.json()["error"]["param"] == "guided_grammar", first.text
+    again = completion(server, {"guided_grammar": grammar}, max_tokens=64)
+    assert again.status_code == 400 and "cannot be used" in again.json()["error"]["message"], again.text
+    assert server.metric("jaxserve_requests_finished_total", '{finish_reason="error"}') == before
+    assert server.metric("jaxserve_requests_finished_total", '{finish_reason="invalid_request"}') == invalid + 1

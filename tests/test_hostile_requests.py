@@ -111,6 +111,7 @@ class Streams:
     def __init__(self, server, n: int = 3, max_tokens: int = 40):
         self.max_tokens = max_tokens
         self.results: list = [None] * n
+        self.texts: list = [None] * n  # each stream's text (greedy: what it would be alone)
         self.threads = [threading.Thread(target=self._run, args=(server, i), daemon=True) for i in range(n)]
         for thread in self.threads:
             thread.start()
@@ -125,6 +126,7 @@ class Streams:
                 events = [line[6:].decode() for line in response.iter_lines() if line.startswith(b"data: ")]
             chunks = [json.loads(e) for e in events[:-1]]
             reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+            self.texts[index] = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
             self.results[index] = (events[-1], chunks[-1]["usage"]["completion_tokens"], reasons[-1])
         except Exception as e:  # reported by check()
             self.results[index] = repr(e)

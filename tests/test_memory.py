@@ -305,3 +305,16 @@ def test_plan_and_serve_share_the_engine_flags():
         assert fv.model == "smollm2"
     assert len({frozenset(v) for v in names.values()}) == 1
     assert "memory_utilization" in names["jaxserve.commands.plan"]
+
+
+def test_serve_bounds_prefill_beside_decoding_on_the_cpu_unless_told():
+    from jaxserve.commands import serve as serve_command
+    from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
+
+    for argv, expected in ((["jaxserve"], CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD),
+                           (["jaxserve", "--long_prefill_token_threshold=512"], 512)):
+        fv = flags.FlagValues()
+        serve_command.define_flags(fv)
+        fv(argv)
+        assert serve_command.serve_engine_kwargs(fv)["long_prefill_token_threshold"] == expected
+    assert EngineConfig().long_prefill_token_threshold is None  # generate and the library: no bound

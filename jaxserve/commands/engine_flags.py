@@ -43,7 +43,7 @@ _OPEN_DEFAULTS = {
     "speculative_method": "off",
     "speculative_model": "none",
     "speculative_disable_by_batch_size": "never",
-    "long_prefill_token_threshold": "32 on CPU, no bound on GPU",
+    "long_prefill_token_threshold": "serve on CPU: 32; otherwise no bound",
 }
 
 

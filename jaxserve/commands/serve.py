@@ -113,6 +113,19 @@ def sampling_defaults(fv: flags.FlagValues) -> tuple[dict, str]:
     return defaults, f"sampling defaults for fields a request omits: {json.dumps(defaults)} (from {', '.join(sources)})"
 
 
+def serve_engine_kwargs(fv: flags.FlagValues) -> dict:
+    """The engine flags, with serving's own default on the CPU: prefill beside decoding streams
+    bounded (EngineConfig.long_prefill_token_threshold), so their tokens keep coming while a long
+    prompt is prefilled. `generate` keeps the unbounded default: its figure is throughput."""
+    from jaxserve import device_setup
+    from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
+
+    kwargs = engine_flags.engine_kwargs(fv)
+    if "long_prefill_token_threshold" not in kwargs and not device_setup.on_gpu():
+        kwargs["long_prefill_token_threshold"] = CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
+    return kwargs
+
+
 def _log_ready(fv: flags.FlagValues, port: int) -> None:
     """The line a user waits for: where the API (and the web page) answer."""
     host = "127.0.0.1" if fv.host in ("", "0.0.0.0", "::") else fv.host
@@ -151,7 +164,7 @@ def run(fv: flags.FlagValues) -> int:
         from jaxserve.async_engine import build_async_engine
 
         try:
-            engine = build_async_engine(fv.model, **engine_flags.engine_kwargs(fv))
+            engine = build_async_engine(fv.model, **serve_engine_kwargs(fv))
             config.sampling_defaults, defaults_line = sampling_defaults(fv)
         except (ValueError, OSError) as e:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
