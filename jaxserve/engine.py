@@ -390,8 +390,9 @@ class Engine:
 
     def _fail_grammar(self, request: Request) -> RequestOutput:
         """Ends a request whose grammar failed while generating: a limit of the grammar engine met
-        past the first token (its input's doing: the client gets a 400 naming the field). The
-        constraint is forgotten by the compiler, so later requests with it are refused at once."""
+        past the first token (its input's doing: the client gets a 400 naming the field). When
+        llguidance reports the error, the compiler forgets the constraint: later requests with it
+        are refused at admission."""
         constraint, error = request.grammar.constraint, request.grammar.error
         param = constraint.param if constraint is not None else "structured_output"
         message = (f"structured output failed after {request.num_output_tokens} tokens: "
