@@ -117,8 +117,15 @@ class ServerState:
         return {"prompt": tokenizer.decode(token_ids)}
 
     def model_card(self, name: str) -> dict[str, Any]:
+        """OpenAI's model object with vLLM's fields (`root`, `parent`, `max_model_len`, `permission`:
+        `vllm bench serve` reads `root`); `root` is the served model's public id, never a path."""
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-                "max_model_len": self.engine.max_model_len, "sampling_defaults": dict(self.config.sampling_defaults)}
+                "root": self.model_names[0], "parent": None, "max_model_len": self.engine.max_model_len,
+                "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": self.created,
+                                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}],
+                "sampling_defaults": dict(self.config.sampling_defaults)}
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -302,6 +309,7 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
               for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
     shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
                             want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+                            continuous_usage=req.continuous_usage,
                             prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
                             want_prompt_logprobs=req.prompt_logprobs is not None,
                             tool_parser=lambda: ToolCallParser.for_request(req.tools, state.tool_format))

@@ -128,6 +128,7 @@ class GenerationRequest:
     sampling: dict[str, Any]  # the other SamplingParams fields the client set
     prompts: list[str | list[int]] | None = None  # completions: one or more prompts, each text or token ids
     messages: list[dict[str, str]] | None = None  # chat: role/content strings for the template
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     best_of: int = 1  # candidates per prompt, of which the n with the highest cumulative logprob return
     add_special_tokens: bool = True  # the tokenizer's special tokens (BOS): completions yes, chat no (vLLM)
     add_generation_prompt: bool = True  # chat: end the template with the assistant's turn
@@ -294,16 +295,15 @@ def _build(fields: _Fields, served_models: str | tuple[str, ...], *, is_chat: bo
            max_tokens_param: str, logprobs: int | None, prompts: Any = None, messages: Any = None) -> GenerationRequest:
     stream = fields.boolean("stream")
     stream_options = fields.body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if stream_options is not None:
         if not stream:
             raise ProtocolError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if not isinstance(stream_options, dict):
             raise ProtocolError("'stream_options' must be an object", param="stream_options")
         include_usage = _Fields(stream_options).boolean("include_usage")
-        if _Fields(stream_options).boolean("continuous_usage_stats"):
-            raise ProtocolError("'stream_options.continuous_usage_stats' is not supported by this server",
-                                param="stream_options.continuous_usage_stats", code="unsupported_field")
+        # vLLM's: usage in every chunk too (a choice's tokens so far), with include_usage only
+        continuous_usage = _Fields(stream_options).boolean("continuous_usage_stats") and include_usage
     n = fields.integer("n", low=1, high=MAX_CHOICES, default=1)
     best_of = fields.integer("best_of", low=1, high=MAX_CHOICES, default=n)
     if best_of < n:
@@ -338,6 +338,7 @@ def _build(fields: _Fields, served_models: str | tuple[str, ...], *, is_chat: bo
         n=n,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         logprobs=logprobs,
@@ -715,16 +716,19 @@ class ResponseShaper:
     def __init__(self, *, is_chat: bool, model: str, token_text: TokenText, want_logprobs: bool,
                  include_usage: bool = False, prompts: list[tuple[str, list[int]]] | None = None,
                  choices_per_prompt: int = 1, echo: bool = False, want_prompt_logprobs: bool = False,
-                 tool_parser: Callable[[], ToolCallParser | None] | None = None) -> None:
+                 tool_parser: Callable[[], ToolCallParser | None] | None = None,
+                 continuous_usage: bool = False) -> None:
         """`prompts`: (text, token ids) of each prompt, choice i's being prompt i //
         `choices_per_prompt`; `echo` puts a completion's prompt (and its logprobs) before its
         text; `want_prompt_logprobs` adds vLLM's prompt_logprobs; `tool_parser()` gives each chat
-        choice its tool-call parser (None: plain content)."""
+        choice its tool-call parser (None: plain content); `continuous_usage` puts each choice's
+        usage so far in each of its chunks (vLLM's continuous_usage_stats)."""
         self.is_chat = is_chat
         self.model = model
         self.token_text = token_text
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.response_id = new_response_id(is_chat)
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}
@@ -820,6 +824,12 @@ class ResponseShaper:
                             "finish_reason": None})
 
     def delta_chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        chunk = self._delta_chunk(index, output)
+        if self.continuous_usage:
+            chunk["usage"] = usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+        return chunk
+
+    def _delta_chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
         finish_reason = output.finish_reason if output.finished else None
         stop_reason = output.stop_reason if output.finished else None
         entries = output.new_logprobs or []

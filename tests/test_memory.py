@@ -318,3 +318,15 @@ def test_serve_bounds_prefill_beside_decoding_on_the_cpu_unless_told():
         fv(argv)
         assert serve_command.serve_engine_kwargs(fv)["long_prefill_token_threshold"] == expected
     assert EngineConfig().long_prefill_token_threshold is None  # generate and the library: no bound
+
+
+def test_vllm_engine_flag_names_are_aliases():
+    """`--gpu_memory_utilization` (vLLM's, and jaxserve's own before) and the others set the same setting."""
+    from jaxserve.commands import serve as serve_command
+
+    fv = flags.FlagValues()
+    serve_command.define_flags(fv)
+    fv(["jaxserve", "--gpu_memory_utilization=0.5", "--block_size=32", "--num_gpu_blocks_override=100"])
+    config = engine_flags.engine_config(fv)
+    assert (config.memory_utilization, config.page_size, config.num_pages) == (0.5, 32, 100)
+    assert "gpu_memory_utilization" in fv.get_help()

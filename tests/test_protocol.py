@@ -111,7 +111,7 @@ BAD_COMMON_FIELDS = [
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"skip_special_tokens": 0}, "skip_special_tokens"),
     ({"add_special_tokens": "no"}, "add_special_tokens"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "continuous_usage_stats"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"guided_choice": []}, "guided_choice"),

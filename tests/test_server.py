@@ -339,6 +339,27 @@ def test_completion_stream_with_usage(server):
     assert chunks[-1].usage.prompt_tokens == 6
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_with_continuous_usage_stats_as_guidellm_sends_it(server, chat):
+    """vLLM's stream_options.continuous_usage_stats: every content chunk carries the choice's usage
+    so far; the last chunk the whole response's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    client = server.client()
+    if chat:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=5, stream=True, stream_options=options))
+        content = [c for c in chunks[1:-1] if c.choices]  # after the role chunk
+    else:
+        chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True,
+                                                stream_options=options))
+        content = [c for c in chunks[:-1] if c.choices]
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(content) >= 2
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in content)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert content[0].usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+
+
 def test_chat_with_the_openai_client(server):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     result = server.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
@@ -430,6 +451,15 @@ def test_models_and_health(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
     server.engine.alive = False
     assert server.request("GET", "/health")[0] == 503
+
+
+def test_model_entries_carry_vllms_fields(server):
+    """`vllm bench serve` without --model takes `data[0].root`; vLLM's entries also have parent,
+    max_model_len and permission."""
+    entry = server.request("GET", "/v1/models")[2]["data"][0]
+    assert entry["root"] == MODEL and entry["parent"] is None and entry["max_model_len"] == 256
+    assert entry["permission"][0]["object"] == "model_permission" and entry["permission"][0]["allow_sampling"]
+    assert server.request("GET", f"/v1/models/{MODEL}")[2] == entry
 
 
 BAD_REQUESTS = [

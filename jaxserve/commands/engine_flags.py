@@ -33,6 +33,9 @@ _ENGINE_INT_FLAGS = {
     "prompt_lookup_max": "speculative_method=ngram: longest n-gram matched (tried first)",
     "speculative_disable_by_batch_size": "speculative decoding: no speculation in steps with more running sequences",
 }
+# vLLM's engine flag names for the same settings (absl's underscore form), accepted as aliases.
+VLLM_FLAG_ALIASES = {"gpu_memory_utilization": "memory_utilization", "block_size": "page_size",
+                     "num_gpu_blocks_override": "num_pages"}
 # What an unset flag means where the EngineConfig default is None.
 _OPEN_DEFAULTS = {
     "num_pages": "what the memory planner fits (`jaxserve plan` shows it)",
@@ -93,6 +96,8 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("memory_utilization", None, "fraction of the device's memory budget (on CPU: half the "
                        "available RAM) the weights, activations and KV pages may use "
                        f"{_default('memory_utilization')}", lower_bound=0.0, upper_bound=1.0, flag_values=fv)
+    for alias, name in VLLM_FLAG_ALIASES.items():  # a vLLM command line ports by changing dashes
+        flags.DEFINE_alias(alias, name, flag_values=fv)
 
 
 _ENGINE_FLAGS = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend", "quantization",
