@@ -116,6 +116,17 @@ class ServerState:
         token_ids = parse_detokenize_request(_parse_json(raw), self.model_names, len(tokenizer))
         return {"prompt": tokenizer.decode(token_ids)}
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's
+        `tokenizer_backend=remote` reads the special tokens and the chat template, then calls
+        /tokenize and /detokenize)."""
+        tokenizer = self.engine.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": self.engine.max_model_len,
+                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                "unk_token": tokenizer.unk_token, "chat_template": template if isinstance(template, str) else None,
+                "vocab_size": len(tokenizer), "add_bos_token": getattr(tokenizer, "add_bos_token", None)}
+
     def model_card(self, name: str) -> dict[str, Any]:
         """OpenAI's model object with vLLM's fields (`root`, `parent`, `max_model_len`, `permission`:
         `vllm bench serve` reads `root`); `root` is the served model's public id, never a path."""
@@ -145,6 +156,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_get("/v1/models/{model_id:.+}", handle_model)
     app.router.add_post("/tokenize", handle_tokenize)
     app.router.add_post("/detokenize", handle_detokenize)
+    app.router.add_get("/tokenizer_info", handle_tokenizer_info)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     app.on_startup.append(_start_engine)
@@ -225,6 +237,10 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     raw = await _read_body(request)
     return web.json_response(await asyncio.get_running_loop().run_in_executor(state.prepare_pool, state.tokenize, raw))
+
+
+async def handle_tokenizer_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].tokenizer_info())
 
 
 async def handle_detokenize(request: web.Request) -> web.Response:

@@ -149,3 +149,22 @@ def test_echo_and_prompt_logprobs_shapes(server):
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                  "prompt_logprobs": 1})
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_lm_evals_remote_tokenizer_reads_tokenizer_info(models, server):
+    """`tokenizer_backend=remote`: lm-eval's RemoteTokenizer probes /tokenizer_info, then encodes,
+    decodes and applies the chat template as the model's own tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    assert check_remote_tokenizer_support(server.url + "/v1/completions")
+    remote = RemoteTokenizer(server.url + "/v1/completions")
+    local = AutoTokenizer.from_pretrained(models[0])
+    text = "The cat sat on the mat. 1234 émoji 🤗"
+    assert remote.encode(text) == local(text, add_special_tokens=False)["input_ids"]
+    assert remote.decode(remote.encode(text)) == text
+    assert (remote.eos_token, remote.bos_token) == (local.eos_token, local.bos_token)
+    messages = [{"role": "user", "content": "hi"}]
+    assert remote.apply_chat_template(messages) == local.apply_chat_template(messages, tokenize=False,
+                                                                             add_generation_prompt=True)
