@@ -278,9 +278,8 @@ class ToolCallParser:
     def parse(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
         """The whole output -> (content, tool calls, finish_reason: "tool_calls" when there are
         calls and the output ended on its own)."""
-        if self.mode == "named":
-            calls = [tool_call(self.name, text)] if _is_json(text) else []
-            content = None if calls else text
+        if self.mode == "named":  # the output is the call's arguments, complete or cut by max_tokens (as streamed)
+            calls, content = [tool_call(self.name, text)], None
         elif self.mode == "required":
             try:
                 calls = [c for c in (_call_from_json(v) for v in json.loads(text)) if c is not None]

@@ -157,6 +157,23 @@ def test_named_tool_choice_streamed_and_not(server):
     assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
 
 
+def test_a_named_call_cut_by_max_tokens_has_the_same_shape_streamed_or_not(server):
+    """Cut off by max_tokens, a named call is still a tool call (its arguments incomplete JSON,
+    finish_reason "length"), whole or streamed, as vLLM returns it; never plain content."""
+    c = client(server)
+    kwargs = dict(model=server.model, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=5, max_tokens=4,
+                  tool_choice={"type": "function", "function": {"name": "convert"}})
+    choice = c.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "convert" and call.function.arguments
+    chunks = [ch for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices]
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(ch.choices[0].delta.content for ch in chunks)
+
+
 HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}'
                r'\n</tool_call>')
 
