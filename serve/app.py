@@ -24,7 +24,7 @@ from jaxserve.request import InvalidRequestError, SamplingParams, max_token_char
 from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
-from serve.structured import ToolCallParser, template_tool_format
+from serve.structured import ToolCallParser, template_renders_tools, template_tool_format
 from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
                             admission_error, build_sampling_params, check_prompt_chars, error_body,
                             parse_chat_request, parse_completion_request, parse_detokenize_request,
@@ -66,6 +66,7 @@ class ServerState:
         self.token_text = functools.lru_cache(maxsize=65536)(lambda token_id: engine.tokenizer.decode([token_id]))
         self.max_token_chars = max_token_chars(engine.tokenizer)
         self.tool_format = template_tool_format(getattr(engine.tokenizer, "chat_template", None))  # "auto" parsing
+        self.renders_tools = template_renders_tools(engine.tokenizer)
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
                                                                   thread_name_prefix="jaxserve-prepare")
 
@@ -88,6 +89,11 @@ class ServerState:
     def _prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         body = _parse_json(raw)
         request = (parse_chat_request if is_chat else parse_completion_request)(body, self.model_names)
+        if request.tools is not None and request.tools.choice == "auto" and not self.renders_tools:
+            raise ProtocolError("tool_choice 'auto' (the default with 'tools') needs a chat template that shows "
+                                "the model its tools, and this model's does not: the tools would be ignored. Use "
+                                "tool_choice 'required' or a named function (enforced by a grammar), or 'none'",
+                                param="tool_choice")
         max_seq_len = self.engine.max_model_len
         check_prompt_chars(request, max_seq_len, self.max_token_chars)
         prepared = []

@@ -337,6 +337,20 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes the tools it is given into the prompt (a
+    template that ignores them would answer tool_choice "auto" with an invented reply)."""
+    messages = [{"role": "user", "content": "x"}]
+    probe = [{"type": "function", "function": {"name": "jaxserve_probe_tool", "description": "d",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=probe)
+    except Exception:  # no template, or one that fails on tools: it renders none
+        return False
+    return with_tools != plain
+
+
 def template_tool_format(chat_template: Any) -> str | None:
     """The tool-call format a chat template defines: "hermes" when it writes <tool_call> tags."""
     templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]

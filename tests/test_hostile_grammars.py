@@ -170,3 +170,17 @@ def test_a_grammar_that_fails_while_generating_is_the_clients_400_and_refused_at
     assert again.status_code == 400 and "cannot be used" in again.json()["error"]["message"], again.text
     assert server.metric("jaxserve_requests_finished_total", '{finish_reason="error"}') == before
     assert server.metric("jaxserve_requests_finished_total", '{finish_reason="invalid_request"}') == invalid + 1
+
+
+def test_tool_choice_auto_on_a_template_that_ignores_tools_is_refused_never_ignored(server, clean_log):
+    """SmolLM2's chat template does not render tools: "auto" (the default with tools) would answer as
+    if none were given. Refused, naming why; "required" (a grammar) still works."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    for extra in ({"tools": tools}, {"tools": tools, "tool_choice": "auto"}):
+        r = chat(server, [{"role": "user", "content": "hi"}], extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "does not" in r.json()["error"]["message"]
+    r = chat(server, [{"role": "user", "content": "hi"}], {"tools": tools, "tool_choice": "required",
+                                                         "max_tokens": 40})
+    assert r.status_code == 200, r.text
