@@ -35,7 +35,12 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class GrammarRejected(Exception):
-    """The grammar cannot be used: the message says why (for the client's 400)."""
+    """The grammar cannot be used: the message says why (for the client's 400). `transient`: the
+    sandbox failed rather than the grammar (it may pass when sent again)."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def run_on_big_stack(function, *args):
@@ -161,13 +166,17 @@ class GrammarSandbox:
                 self._child = None
                 self._start()
             child = self._child
-            child.stdin.write(json.dumps({"kind": kind, "spec": spec}) + "\n")
-            child.stdin.flush()
-            reply = self._wait(child)
+            try:
+                child.stdin.write(json.dumps({"kind": kind, "spec": spec}) + "\n")
+                child.stdin.flush()
+                reply = self._wait(child)
+            except OSError:  # the child died before reading the job (a broken pipe)
+                self._kill()
+                reply = {"ok": False, "error": "the grammar engine stopped; try again", "transient": True}
             if rss_bytes(child.pid) - self._baseline > self.max_bytes // 2:
                 self._kill()  # memory the child kept after a big grammar: a fresh one for the next
         if not reply.get("ok"):
-            raise GrammarRejected(reply.get("error") or "the grammar engine refused it")
+            raise GrammarRejected(reply.get("error") or "the grammar engine refused it", bool(reply.get("transient")))
         return reply["grammar"], int(reply["bytes"])
 
     def _wait(self, child: subprocess.Popen) -> dict:

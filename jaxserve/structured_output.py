@@ -194,7 +194,8 @@ class GrammarCompiler:
                 grammar, cost = self._sandbox.check(value.kind, value.spec)
                 compiled = grammar_sandbox.run_on_big_stack(grammar_sandbox.build_matcher, tokenizer, grammar)
             except grammar_sandbox.GrammarRejected as e:
-                self.forget(value, f"'{value.param}' cannot be used: {e}")
+                if not e.transient:  # refused from now on without compiling
+                    self.forget(value, f"'{value.param}' cannot be used: {e}")
                 raise StructuredOutputError(f"'{value.param}' cannot be used: {e}", value.param) from None
             entry = (compiled, cost)
             with self._lock:
