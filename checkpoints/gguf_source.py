@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 
 from checkpoints import ConversionError
-from checkpoints.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+from checkpoints.gguf_tokenizer import build_tokenizer
 from checkpoints.layout import describe_slot, source_names
 from checkpoints.rope_freqs import llama3_scaling_from_factors
 from jaxserve.config import ConfigError, ModelConfig
@@ -214,7 +214,7 @@ class GGUFSource:
         checkpoints.gguf_tokenizer); False when the file has no vocabulary."""
         try:
             tokenizer = build_tokenizer(self.reader)
-        except GGUFTokenizerError as e:
+        except Exception as e:  # GGUFTokenizerError, or what tokenizers raises for metadata it cannot take
             raise ConversionError(f"{self.path}: cannot build the tokenizer from GGUF metadata ({e})") from None
         if tokenizer is None:
             return False
