@@ -164,9 +164,10 @@ class GrammarCompiler:
         with self._lock:  # built once (about 0.3 s for a 50k vocabulary), on first use
             if self._ll_tokenizer is None:
                 import llguidance
-                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                tokenizer_json = self._tokenizer_json()  # a few MB of JSON: serialized once, for both
+                self._ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size,
                                                             eos_token=self.eos_token_ids or None)
-                self._sandbox = grammar_sandbox.GrammarSandbox(self._tokenizer_json(), self.vocab_size,
+                self._sandbox = grammar_sandbox.GrammarSandbox(tokenizer_json, self.vocab_size,
                                                                self.eos_token_ids, self.timeout_s, self.max_bytes)
             return self._ll_tokenizer
 
