@@ -1,8 +1,8 @@
 """Progress of a start-up phase (model download, conversion, warm-up compile) that a user waits on.
 
 On a terminal a tqdm bar; otherwise (a log file, a service's journal) an INFO line at most every
-`interval_s` seconds with the count, the time so far and the time left, and one when it ends, so
-a first start is never silent for minutes. Host-side: no jax.
+`interval_s` seconds with the count, the time so far and the time left (the caller logs the end,
+with what the phase produced), so a first start is never silent for minutes. Host-side: no jax.
 """
 from __future__ import annotations
 
