@@ -24,6 +24,8 @@ from jaxserve.request import InvalidRequestError, SamplingParams, max_token_char
 from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
+from serve.responses import (ResponsesRequest, ResponsesShaper, client_error, not_stored_error,
+                             parse_responses_request, sse_events)
 from serve.structured import ToolCallParser, template_renders_tools, template_tool_format
 from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
                             admission_error, build_sampling_params, check_prompt_chars, error_body,
@@ -70,13 +72,14 @@ class ServerState:
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
                                                                   thread_name_prefix="jaxserve-prepare")
 
-    def prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    def prepare(self, raw: bytes, is_chat: bool,
+                parse: Callable | None = None) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         """Body bytes -> (request, [(prompt token ids, sampling parameters)] one per prompt);
         ProtocolError on bad input. Cheap checks first: no text is tokenized that could not fit in
         the context. Whatever else fails here (a library meeting input it cannot take) is a 400
         when it is the input's depth, else a 500 logged on one line: never a traceback."""
         try:
-            return self._prepare(raw, is_chat)
+            return self._prepare(raw, is_chat, parse)
         except ProtocolError:
             raise
         except RecursionError:
@@ -86,9 +89,11 @@ class ServerState:
             raise ProtocolError("the server could not prepare this request", status=500, error_type="server_error",
                                 code="internal_error") from None
 
-    def _prepare(self, raw: bytes, is_chat: bool) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    def _prepare(self, raw: bytes, is_chat: bool,
+                 parse: Callable | None = None) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         body = _parse_json(raw)
-        request = (parse_chat_request if is_chat else parse_completion_request)(body, self.model_names)
+        parse = parse or (parse_chat_request if is_chat else parse_completion_request)
+        request = parse(body, self.model_names)
         if request.tools is not None and request.tools.choice == "auto" and not self.renders_tools:
             raise ProtocolError("tool_choice 'auto' (the default with 'tools') needs a chat template that shows "
                                 "the model its tools, and this model's does not: the tools would be ignored. Use "
@@ -158,6 +163,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     web_ui.setup(app, page=config.web_ui, allowed_origins=config.allowed_origins)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
+    app.router.add_post("/v1/responses", handle_responses)
+    app.router.add_get("/v1/responses/{response_id:.+}", handle_stored_response)
+    app.router.add_delete("/v1/responses/{response_id:.+}", handle_stored_response)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model_id:.+}", handle_model)
     app.router.add_post("/tokenize", handle_tokenize)
@@ -292,6 +300,18 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, is_chat=True)
 
 
+async def handle_responses(request: web.Request) -> web.StreamResponse:
+    """The Responses API: a chat generation in its shapes (serve/responses.py); refusals name its fields."""
+    try:
+        return await _generate(request, is_chat=True, parse=parse_responses_request)
+    except ProtocolError as e:
+        raise client_error(e) from None
+
+
+async def handle_stored_response(request: web.Request) -> web.Response:
+    raise not_stored_error(request.match_info["response_id"])  # responses are never stored
+
+
 def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
@@ -311,7 +331,7 @@ async def _read_body(request: web.Request) -> bytes:
         raise ProtocolError(e.message, code="bad_http_request", headers={"Connection": "close"}) from None
 
 
-async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamResponse:
+async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | None = None) -> web.StreamResponse:
     arrival_time = time.monotonic()
     state = request.app[STATE]
     engine = state.engine
@@ -319,7 +339,7 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
         raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
     raw = await _read_body(request)
     loop = asyncio.get_running_loop()
-    req, prepared = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat)
+    req, prepared = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat, parse)
     # Prompt p's candidates are sequences p * best_of .. (p + 1) * best_of - 1; candidate j's seed is seed + j.
     sequences = []
     for prompt_ids, params in prepared:
@@ -329,12 +349,15 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
                        if params.seed is not None and j else params) for j in range(req.best_of)]
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids)
               for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
-    shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
-                            want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
-                            continuous_usage=req.continuous_usage,
-                            prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
-                            want_prompt_logprobs=req.prompt_logprobs is not None,
-                            tool_parser=lambda: ToolCallParser.for_request(req.tools, state.tool_format))
+    tool_parser = functools.partial(ToolCallParser.for_request, req.tools, state.tool_format)
+    if isinstance(req, ResponsesRequest):
+        shaper = ResponsesShaper(req, prepared[0][1], tool_parser)
+    else:
+        shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
+                                want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+                                continuous_usage=req.continuous_usage,
+                                prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
+                                want_prompt_logprobs=req.prompt_logprobs is not None, tool_parser=tool_parser)
     trackers = [state.metrics.tracker(arrival_time, len(prompt_ids), count_prompt=k % req.best_of == 0)
                 for k, (prompt_ids, _) in enumerate(sequences)]
     fanout = ChoiceFanout(engine, shaper.response_id, sequences,
@@ -357,7 +380,9 @@ async def _generate(request: web.Request, *, is_chat: bool) -> web.StreamRespons
         except ServerStopping as e:
             raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
         if req.stream:
-            return await _stream(request, fanout, shaper, req)
+            stream = _stream_responses(request, fanout, shaper) if isinstance(req, ResponsesRequest) else \
+                _stream(request, fanout, shaper, req)
+            return await stream
         return await _collect(fanout, shaper, req)
     finally:
         state.active.discard(fanout)
@@ -426,6 +451,32 @@ async def _stream(request: web.Request, fanout: ChoiceFanout, shaper: ResponseSh
         if failure is not None:
             await response.write(sse_event(failure))
         await response.write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    return response
+
+
+async def _stream_responses(request: web.Request, fanout: ChoiceFanout, shaper: ResponsesShaper) -> web.StreamResponse:
+    """A Responses API stream: its lifecycle events around the output items' deltas, ending with
+    `response.completed` / `response.incomplete`, or `response.failed` (serve/responses.py)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    try:
+        await response.write(sse_events(shaper.opening_events()))
+        async for _, output in fanout.outputs():
+            await response.write(sse_events(shaper.output_events(output)))
+        closing = [] if shaper.finished else shaper.failure_events("the request was aborted")
+    except ConnectionError:
+        return response  # the client went away; the caller's close() aborts the engine request
+    except ServerStopping as e:
+        closing = shaper.failure_events(str(e))
+    except Exception:
+        logger.exception("streaming failed")
+        closing = shaper.failure_events("internal server error")
+    try:
+        await response.write(sse_events(closing))
         await response.write_eof()
     except ConnectionError:
         pass
