@@ -33,6 +33,7 @@ from serve.structured import ToolCallParser
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 _FORMAT_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 _CHAT_TOOL_FIELD = re.compile(r"^(tools\[\d+\])\.function\.")
+_CHAT_NAME_IN_MESSAGE = re.compile(r"'([^'\s]+)'|\b(max_tokens|response_format(?:\.json_schema\.schema)?)\b")
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
 _KEEP_WHOLE_CONVERSATION = "this server keeps no responses (it is stateless): send the whole conversation in 'input'"
@@ -133,9 +134,11 @@ def responses_name(name: str | None) -> str | None:
 
 
 def client_error(error: ProtocolError) -> ProtocolError:
-    """`error` naming the client's Responses fields (in `param` and where quoted in the message)."""
+    """`error` naming the client's Responses fields: its `param`, and in its message the quoted
+    names and the bare chat names of the length and format fields."""
     error.param = responses_name(error.param)
-    error.message = re.sub(r"'([^'\s]+)'", lambda m: f"'{responses_name(m.group(1))}'", error.message)
+    error.message = _CHAT_NAME_IN_MESSAGE.sub(
+        lambda m: f"'{responses_name(m.group(1))}'" if m.group(1) else responses_name(m.group(2)), error.message)
     return error
 
 

@@ -232,6 +232,8 @@ LONE_SURROGATE = '{"model": "%s", "input": "a\\ud800"}' % MODEL
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"max_output_tokens": "many"}, "max_output_tokens"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
     ({"temperature": -1}, "temperature"),
     ({"metadata": {"k": 1}}, "metadata"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
