@@ -390,9 +390,10 @@ class ResponsesShaper:
 
     def _response(self, status: str, output: list[dict[str, Any]], *, usage: dict[str, Any] | None = None,
                   error: dict[str, Any] | None = None) -> dict[str, Any]:
+        incomplete_details = {"reason": "max_output_tokens"} if status == "incomplete" else None
         response = {"id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
-                    "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
-                    else None, "model": self.model, "output": output, "usage": usage, **self.fields}
+                    "error": error, "incomplete_details": incomplete_details, "model": self.model, "output": output,
+                    "usage": usage, **self.fields}
         if status in ("completed", "incomplete"):
             response["completed_at"] = int(time.time())
         return response

@@ -35,16 +35,30 @@ def fake():
     server.close()
 
 
-def post(server, body, path="/v1/responses"):
-    return requests.post(f"http://127.0.0.1:{server.port}{path}", json=body, timeout=30)
+@pytest.fixture
+def make_server():
+    """FakeEngine servers made with the given engine options, closed after the test."""
+    servers = []
+
+    def make(**engine_kwargs):
+        servers.append(LiveServer(FakeEngine(**engine_kwargs), ServerConfig(drain_timeout_s=2.0)))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def post(server, body):
+    return requests.post(f"http://127.0.0.1:{server.port}/v1/responses", json=body, timeout=30)
 
 
 def raw_events(url, body):
-    """The SSE events of a streamed request: (event line, parsed data), each data strictly validated."""
+    """The events of a streamed request, each checked against its `event:` line and validated strictly."""
     events = []
     with requests.post(url + "/v1/responses", json={**body, "stream": True}, stream=True, timeout=60) as r:
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines(decode_unicode=True)]
+        lines = [line.decode() for line in r.iter_lines()]  # split as SSE splits: at CR / LF only
     for event_line, data_line, blank in zip(lines[0::3], lines[1::3], lines[2::3]):
         assert event_line.startswith("event: ") and data_line.startswith("data: ") and blank == ""
         data = json.loads(data_line[len("data: "):])
@@ -171,19 +185,6 @@ def test_a_failed_generation(make_server):
     assert len(streamed) == 2 and failed["output"][0]["content"][0]["text"] == streamed
     r = post(server, {"model": MODEL, "input": "Hello", "max_output_tokens": 9})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-
-
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(**engine_kwargs):
-        servers.append(LiveServer(FakeEngine(**engine_kwargs), ServerConfig(drain_timeout_s=2.0)))
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.close()
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(fake):
