@@ -599,7 +599,7 @@ def test_metrics_move_with_traffic(make_server):
     server = make_server(token_delay_s=0.02)
     before = metric_samples(server)
     assert before[("jaxserve_kv_pages_used", ())] == 0
-    assert before[("jaxserve_kv_pages_total", ())] == server.engine.num_pages
+    assert before[("jaxserve_kv_pages_capacity", ())] == server.engine.num_pages
     assert before[("jaxserve_generation_tokens_total", ())] == 0
 
     conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
@@ -870,7 +870,7 @@ def test_prompt_tokens_are_counted_once_per_prompt_and_kv_usage_is_a_fraction(ma
     conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
     read_events(response, limit=2)
     during = metric_samples(server)
-    used, total = during[("jaxserve_kv_pages_used", ())], during[("jaxserve_kv_pages_total", ())]
+    used, total = during[("jaxserve_kv_pages_used", ())], during[("jaxserve_kv_pages_capacity", ())]
     assert used > 0 and during[("jaxserve_kv_cache_usage_perc", ())] == used / total
     conn.close()
     assert wait_until(lambda: server.engine.kv_pages_used == 0)
