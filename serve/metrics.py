@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                     1800.0)
-_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+                          5.0, 10.0)
 _STEP_TOKEN_BUCKETS = tuple(2.0 ** i for i in range(14))  # 1 .. 8192 tokens
 _PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
@@ -149,8 +150,8 @@ class ServerMetrics:
         self.time_to_first_token = m(Histogram, "jaxserve_time_to_first_token_seconds", "From arrival to the "
                                      "first token.", buckets=_LATENCY_BUCKETS)
         self.inter_token_latency = m(Histogram, "jaxserve_inter_token_latency_seconds", "Between two deltas of "
-                                     "a request that carry tokens (one per step; a speculative step's delta "
-                                     "may carry several tokens).", buckets=_TOKEN_LATENCY_BUCKETS)
+                                     "a request that carry tokens (a delta holds one step's tokens: several "
+                                     "with speculative or multi-step decoding).", buckets=_TOKEN_LATENCY_BUCKETS)
         self.time_per_output_token = m(Histogram, "jaxserve_time_per_output_token_seconds", "Mean time "
                                        "between output tokens of a request (one sample per request).",
                                        buckets=_TOKEN_LATENCY_BUCKETS)
