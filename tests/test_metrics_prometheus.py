@@ -203,7 +203,8 @@ def test_every_query_of_vllms_dashboard_returns_data_under_the_relabel_rule(scra
         assert_returns_data(prometheus, "vLLM's dashboard", expr)
     reasons = {s["metric"]["finished_reason"] for s in prometheus.query("vllm:request_success_total")}
     assert reasons == {"length"}
-    assert prometheus.value('sum(vllm:request_params_n_count{model_name="tiny"})') == 2 * 4  # one per prompt: two rounds of four
+    num_prompts = 2 * 4  # two rounds of four single-prompt requests
+    assert prometheus.value('sum(vllm:request_params_n_count{model_name="tiny"})') == num_prompts
 
 
 @needs_prometheus
