@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	@touch $@
 
-## Test extras and, for the web UI's browser tests, Debian's chromium with its chromedriver
+## Test extras and, for the web UI's browser tests, Debian's chromium with its chromedriver, and
+## for the metrics test (tests/test_metrics_prometheus.py) Debian's prometheus with promtool
 ## (installed when missing).
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
@@ -26,6 +27,10 @@ install-test: $(BIN)/python
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "note: no chromium + chromedriver, the browser tests will skip (apt-get install chromium chromium-driver)"; fi
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	else echo "note: no prometheus + promtool, the Prometheus metrics test will skip (apt-get install prometheus)"; fi
 
 $(GPU_COMPILE_BIN)/python:
 	$(PYTHON) -m venv $(GPU_COMPILE_VENV)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from jaxserve import speculative
 from jaxserve.config import EngineConfig
 from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
-from jaxserve.outputs import EngineStats, RequestOutput, StepInputError, StepRecord, TokenLogprob
+from jaxserve.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
 from jaxserve.scheduler import PromptLogprobRows, ScheduledBatch, Scheduler, StepPlan
@@ -296,7 +296,7 @@ class Engine:
                 break
             if last:
                 break
-        return deltas[0] if len(deltas) == 1 else _merge_deltas(deltas)
+        return _with_metrics(request, deltas[0] if len(deltas) == 1 else _merge_deltas(deltas))
 
     def _propose(self) -> None:
         """Sets the proposed tokens of every decoding request for the next step, when that step
@@ -339,7 +339,7 @@ class Engine:
     def _close(self, request: Request) -> RequestOutput:
         """The closing delta of a request the core ended without a new token (abort, error)."""
         outputs, _ = self.output_processor.process([self._core_output(request)])
-        return outputs[0]
+        return _with_metrics(request, outputs[0])
 
     def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int) -> None:
         """Keeps the step's StepRecord and hands it to the listeners (a failing listener is logged)."""
@@ -453,6 +453,15 @@ def _prompt_logprob_entries(rows: PromptLogprobRows, out: dict) -> list[TokenLog
                          int(rank))
             for token_id, logprob, rank, top_ids, top_lps in zip(
                 rows.targets, out["logprobs"], out["ranks"], out["top_ids"], out["top_logprobs"])]
+
+
+def _with_metrics(request: Request, output: RequestOutput) -> RequestOutput:
+    """A finished delta with the request's phase times (`RequestMetrics`); others as they are."""
+    if not output.finished:
+        return output
+    finished_time = request.finish_time if request.finish_time is not None else time.monotonic()
+    return dataclasses.replace(output, metrics=RequestMetrics(
+        request.arrival_time, request.first_scheduled_time, request.first_token_time, finished_time))
 
 
 def _merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:

@@ -24,6 +24,41 @@ class TokenLogprob:
     rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1 = the most likely)
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """When the engine saw one request pass its phases (vLLM's RequestMetrics), in `time.monotonic()`
+    seconds of the engine's process: admitted, first scheduled, first output token, finished. A
+    phase the request never reached is None (e.g. aborted while waiting: never scheduled)."""
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Waiting to be scheduled the first time."""
+        return _between(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        """From the first scheduling to the first token (the prompt's prefill)."""
+        return _between(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """From the first token to the end."""
+        return _between(self.first_token_time, self.finished_time)
+
+    @property
+    def inference_seconds(self) -> float | None:
+        """From the first scheduling to the end (prefill and decode)."""
+        return _between(self.first_scheduled_time, self.finished_time)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(end - start, 0.0)
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """One delta of a request: the tokens and text produced since the previous delta."""
@@ -42,6 +77,7 @@ class RequestOutput:
     # With prompt_logprobs, in the request's first delta: one entry per prompt token from the second
     # (the first token has no logprob: nothing precedes it).
     prompt_logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None  # in the finished delta: the request's phase times
 
 
 @dataclasses.dataclass

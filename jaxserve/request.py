@@ -280,6 +280,7 @@ class Request:
         self.page_ids: list[int] = []
         self.num_cached_tokens = 0
         self.seed = self.params.seed if self.params.seed is not None else _system_random.getrandbits(63)
+        self.first_scheduled_time: float | None = None  # set by the scheduler (not again after a preemption)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.error_message: str | None = None

@@ -448,6 +448,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             plan.prefill.append((request, num_new))
             budget -= num_new

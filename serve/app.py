@@ -59,7 +59,7 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.model_names = tuple(config.served_model_names) or (engine.model_name,)
-        self.metrics = ServerMetrics(engine.stats, self.model_names[0])
+        self.metrics = ServerMetrics(engine.stats, self.model_names[0], engine.max_model_len)
         if hasattr(engine, "add_step_listener"):  # step time and tokens per step (serve/metrics.py)
             engine.add_step_listener(self.metrics.observe_step)
         self.active: set[ChoiceFanout] = set()
@@ -358,8 +358,8 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
                                 continuous_usage=req.continuous_usage,
                                 prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
                                 want_prompt_logprobs=req.prompt_logprobs is not None, tool_parser=tool_parser)
-    trackers = [state.metrics.tracker(arrival_time, len(prompt_ids), count_prompt=k % req.best_of == 0)
-                for k, (prompt_ids, _) in enumerate(sequences)]
+    trackers = state.metrics.trackers(arrival_time, [(len(ids), params.max_tokens) for ids, params in prepared],
+                                      choices_per_prompt=req.best_of, n=req.n)
     fanout = ChoiceFanout(engine, shaper.response_id, sequences,
                           on_output=lambda i, output: trackers[i].observe(output))
     state.active.add(fanout)

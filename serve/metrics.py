@@ -1,28 +1,35 @@
 """Prometheus metrics of the server, in a registry of its own (one per app).
 
-Request counters and latency histograms are fed by the handlers; the engine gauges (running,
+Request counters and histograms are fed by the handlers through a `RequestTracker` per choice:
+token counts, latencies seen by the client (TTFT, inter-token, end to end) and, from the finished
+delta's `RequestMetrics`, the engine's phases (queue, prefill, decode); the engine gauges (running,
 waiting, KV pages and their used fraction, preemptions, prefix cache) are read from
 `engine.stats()` at scrape time; the step histograms (time and tokens per step, by kind) are fed
 by the engine's `StepRecord`s (`observe_step`, an engine step listener, called on the engine
-thread). Every sample carries a `model_name` label (the served model's id), as vLLM's do.
+thread). Every sample carries a `model_name` label (the served model's id), as vLLM's do, and the
+names follow vLLM's (docs/metrics.md lists them).
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jaxserve.outputs import EngineStats, RequestOutput, StepRecord
+from jaxserve.outputs import EngineStats, RequestMetrics, RequestOutput, StepRecord
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+                          5.0, 10.0)
 _STEP_TOKEN_BUCKETS = tuple(2.0 ** i for i in range(14))  # 1 .. 8192 tokens
+_PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 class _EngineStatsCollector:
@@ -43,14 +50,17 @@ class _EngineStatsCollector:
         yield gauge("jaxserve_num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("jaxserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("jaxserve_kv_pages_used", "KV cache pages held by requests.", s.kv_pages_used)
-        yield gauge("jaxserve_kv_pages_total", "KV cache pages requests can use (the pool less its null page).",
+        yield gauge("jaxserve_kv_pages_capacity", "KV cache pages requests can use (the pool less its null page).",
                     s.kv_pages_total)
         yield gauge("jaxserve_kv_cache_usage_perc", "Fraction of the KV cache pages in use (0 to 1; vLLM's "
                     "kv_cache_usage_perc).", s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0)
         yield gauge("jaxserve_weights_bytes", "Bytes of the model weights on the devices (quantized "
                     "sizes when quantized).", s.weights_bytes)
         yield gauge("jaxserve_kv_cache_bytes", "Bytes of the KV page pool (int8 scales included).", s.kv_cache_bytes)
-        yield counter("jaxserve_preemptions", "Requests preempted (recomputed) for lack of pages.", s.num_preemptions)
+        yield counter("jaxserve_num_preemptions", "Requests preempted (recomputed) for lack of pages.",
+                      s.num_preemptions)
+        yield counter("jaxserve_preemptions", "The same count as jaxserve_num_preemptions (jaxserve's first name).",
+                      s.num_preemptions)
         yield counter("jaxserve_step_failures", "Engine steps that failed; their requests ended with an error.",
                       s.num_step_failures)
         yield counter("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -95,39 +105,87 @@ class _Labeled:
         return getattr(self._child, name)
 
 
+def token_count_buckets(max_model_len: int | None) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the first bound at or past `max_model_len` (vLLM's 1-2-5
+    buckets of token counts); without it, up to 1e6."""
+    limit, buckets = max_model_len or 1_000_000, []
+    for exponent in itertools.count():
+        for mantissa in (1, 2, 5):
+            buckets.append(float(mantissa * 10 ** exponent))
+            if buckets[-1] >= limit:
+                return tuple(buckets)
+
+
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str = "model") -> None:
+    """The server's metrics. Names are vLLM's with `jaxserve_` for `vllm:` wherever jaxserve
+    measures the same thing, so that one relabel rule serves vLLM's dashboards (docs/metrics.md)."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str = "model",
+                 max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
         self.model_name = model_name
+        self._define_request_metrics(token_count_buckets(max_model_len))
+        self._define_step_metrics()
+        self.registry.register(_EngineStatsCollector(engine_stats, model_name))
 
-        def metric(kind, name, documentation, labels=(), **kwargs):
-            return _Labeled(kind(name, documentation, ["model_name", *labels], registry=r, **kwargs), model_name,
-                            bool(labels))
+    def _metric(self, kind: type, name: str, documentation: str, labels: tuple[str, ...] = (),
+                **kwargs: Any) -> _Labeled:
+        metric = kind(name, documentation, ["model_name", *labels], registry=self.registry, **kwargs)
+        return _Labeled(metric, self.model_name, bool(labels))
 
-        self.http_requests = metric(Counter, "jaxserve_http_requests", "HTTP requests by route and status code.",
-                                    ["route", "status"])
-        self.requests_finished = metric(Counter, "jaxserve_requests_finished", "Generation requests (choices) by "
-                                        "finish reason (invalid_request: ended by a limit its own input met, "
-                                        "e.g. of its grammar; error: the server's).", ["finish_reason"])
-        self.prompt_tokens = metric(Counter, "jaxserve_prompt_tokens", "Prompt tokens of finished requests (each "
-                                    "prompt once, however many choices it has).")
-        self.generation_tokens = metric(Counter, "jaxserve_generation_tokens", "Tokens generated.")
-        self.time_to_first_token = metric(Histogram, "jaxserve_time_to_first_token_seconds", "From arrival to the "
-                                          "first token.", buckets=_LATENCY_BUCKETS)
-        self.time_per_output_token = metric(Histogram, "jaxserve_time_per_output_token_seconds", "Mean time "
-                                            "between output tokens of a request.", buckets=_TOKEN_LATENCY_BUCKETS)
-        self.e2e_latency = metric(Histogram, "jaxserve_e2e_request_latency_seconds", "From arrival to the last "
-                                  "token.", buckets=_LATENCY_BUCKETS)
-        self.step_seconds = metric(Histogram, "jaxserve_step_duration_seconds", "Engine step time (device and host) "
-                                   "by kind: decode, prefill, mixed or verify (speculative).", ["kind"], buckets=_TOKEN_LATENCY_BUCKETS)
-        self.step_device_seconds = metric(Counter, "jaxserve_step_device_seconds", "Device time of engine steps "
-                                          "(forward and sampler) by kind.", ["kind"])
-        self.step_tokens = metric(Histogram, "jaxserve_step_tokens", "Tokens computed per engine step by kind.",
-                                  ["kind"], buckets=_STEP_TOKEN_BUCKETS)
-        self.step_padded_tokens = metric(Counter, "jaxserve_step_padded_tokens", "Token rows the compiled steps "
-                                         "computed, padding included (tokens / this: padding efficiency).")
-        r.register(_EngineStatsCollector(engine_stats, model_name))
+    def _define_request_metrics(self, token_buckets: tuple[float, ...]) -> None:
+        m = self._metric
+        self.http_requests = m(Counter, "jaxserve_http_requests", "HTTP requests by route and status code.",
+                               ("route", "status"))
+        self.request_success = m(Counter, "jaxserve_request_success", "Generation requests (choices) finished, "
+                                 "by finish reason (vLLM's request_success; stop, length, abort, error, "
+                                 "invalid_request).", ("finished_reason",))
+        self.requests_finished = m(Counter, "jaxserve_requests_finished", "The same count as "
+                                   "jaxserve_request_success under jaxserve's first name and label "
+                                   "(finish_reason; invalid_request: ended by a limit its own input met, e.g. "
+                                   "of its grammar; error: the server's).", ("finish_reason",))
+        self.prompt_tokens = m(Counter, "jaxserve_prompt_tokens", "Prompt tokens of finished requests (each "
+                               "prompt once, however many choices it has).")
+        self.generation_tokens = m(Counter, "jaxserve_generation_tokens", "Tokens generated.")
+        self.time_to_first_token = m(Histogram, "jaxserve_time_to_first_token_seconds", "From arrival to the "
+                                     "first token.", buckets=_LATENCY_BUCKETS)
+        self.inter_token_latency = m(Histogram, "jaxserve_inter_token_latency_seconds", "Between two deltas of "
+                                     "a request that carry tokens (a delta holds one step's tokens: several "
+                                     "with speculative or multi-step decoding).", buckets=_TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = m(Histogram, "jaxserve_time_per_output_token_seconds", "Mean time "
+                                       "between output tokens of a request (one sample per request).",
+                                       buckets=_TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = m(Histogram, "jaxserve_e2e_request_latency_seconds", "From arrival to the last "
+                             "token.", buckets=_LATENCY_BUCKETS)
+        phases = {"queue": "Waiting in the engine's queue until first scheduled.",
+                  "prefill": "From first scheduled to the first token.",
+                  "decode": "From the first token to the end.",
+                  "inference": "From first scheduled to the end (prefill and decode)."}
+        self.phase_time = {phase: m(Histogram, f"jaxserve_request_{phase}_time_seconds", text,
+                                    buckets=_LATENCY_BUCKETS) for phase, text in phases.items()}
+        self.request_prompt_tokens = m(Histogram, "jaxserve_request_prompt_tokens", "Prompt tokens per "
+                                       "request (choice).", buckets=token_buckets)
+        self.request_generation_tokens = m(Histogram, "jaxserve_request_generation_tokens", "Tokens "
+                                           "generated per request (choice).", buckets=token_buckets)
+        self.request_max_tokens = m(Histogram, "jaxserve_request_params_max_tokens", "The max_tokens of "
+                                    "each request (choice).", buckets=token_buckets)
+        self.request_n = m(Histogram, "jaxserve_request_params_n", "The n of each prompt.",
+                           buckets=_PARAMS_N_BUCKETS)
+        self.request_max_generation_tokens = m(Histogram, "jaxserve_request_max_num_generation_tokens",
+                                               "Per prompt, the most tokens one of its choices generated.",
+                                               buckets=token_buckets)
+
+    def _define_step_metrics(self) -> None:
+        m = self._metric
+        self.step_seconds = m(Histogram, "jaxserve_step_duration_seconds", "Engine step time (device and host) "
+                              "by kind: decode, prefill, mixed or verify (speculative).", ("kind",),
+                              buckets=_TOKEN_LATENCY_BUCKETS)
+        self.step_device_seconds = m(Counter, "jaxserve_step_device_seconds", "Device time of engine steps "
+                                     "(forward and sampler) by kind.", ("kind",))
+        self.step_tokens = m(Histogram, "jaxserve_step_tokens", "Tokens computed per engine step by kind.",
+                             ("kind",), buckets=_STEP_TOKEN_BUCKETS)
+        self.step_padded_tokens = m(Counter, "jaxserve_step_padded_tokens", "Token rows the compiled steps "
+                                    "computed, padding included (tokens / this: padding efficiency).")
 
     def observe_step(self, record: StepRecord) -> None:
         """One engine step (an engine step listener; thread-safe)."""
@@ -140,20 +198,48 @@ class ServerMetrics:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def tracker(self, arrival_time: float, num_prompt_tokens: int, count_prompt: bool = True) -> "RequestTracker":
-        return RequestTracker(self, arrival_time, num_prompt_tokens, count_prompt)
+    def trackers(self, arrival_time: float, prompts: Sequence[tuple[int, int]], choices_per_prompt: int = 1,
+                 n: int = 1) -> list["RequestTracker"]:
+        """The trackers of one HTTP request's choices, in sequence order (prompt p's choices are
+        p * choices_per_prompt ..). `prompts`: (prompt tokens, max_tokens) of each prompt; `n`: the
+        request's n (observed once per prompt)."""
+        trackers = []
+        for num_prompt_tokens, max_tokens in prompts:
+            group = _PromptGroup(self, choices_per_prompt, n)
+            trackers += [RequestTracker(self, arrival_time, num_prompt_tokens, max_tokens, group, count_prompt=j == 0)
+                         for j in range(choices_per_prompt)]
+        return trackers
+
+
+class _PromptGroup:
+    """The choices of one prompt: when the last one ends, the prompt's n and its longest output
+    are observed."""
+
+    def __init__(self, metrics: ServerMetrics, num_choices: int, n: int) -> None:
+        self.metrics, self.num_left, self.n = metrics, num_choices, n
+        self.max_generation_tokens = 0
+
+    def choice_finished(self, num_output_tokens: int) -> None:
+        self.num_left -= 1
+        self.max_generation_tokens = max(self.max_generation_tokens, num_output_tokens)
+        if self.num_left == 0:
+            self.metrics.request_n.observe(self.n)
+            self.metrics.request_max_generation_tokens.observe(self.max_generation_tokens)
 
 
 class RequestTracker:
     """Timing of one choice; `observe` is called with every delta the engine yields. Only the
     first choice of a prompt (`count_prompt`) adds its prompt tokens to jaxserve_prompt_tokens."""
 
-    def __init__(self, metrics: ServerMetrics, arrival_time: float, num_prompt_tokens: int,
-                 count_prompt: bool = True) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival_time: float, num_prompt_tokens: int, max_tokens: int,
+                 group: _PromptGroup, count_prompt: bool = True) -> None:
         self.metrics = metrics
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.group = group
         self.count_prompt = count_prompt
         self.num_output_tokens = 0
         self.done = False
@@ -168,20 +254,34 @@ class RequestTracker:
             if self.first_token_time is None:
                 self.first_token_time = now
                 m.time_to_first_token.observe(now - self.arrival_time)
+            else:
+                m.inter_token_latency.observe(now - self.last_token_time)
+            self.last_token_time = now
         if output.finished:  # an error the request's own input caused (its grammar) is not the server's
             reason = "invalid_request" if output.error_param is not None else output.finish_reason
-            self.finish(reason or "abort", now)
+            self.finish(reason or "abort", now, output.metrics)
 
-    def finish(self, finish_reason: str, now: float | None = None) -> None:
-        """Records the end of the request once (later calls do nothing)."""
+    def finish(self, finish_reason: str, now: float | None = None, phases: RequestMetrics | None = None) -> None:
+        """Records the end of the request once (later calls do nothing); `phases`: the engine's
+        times of the request, when its finished delta came."""
         if self.done:
             return
         now = time.monotonic() if now is None else now
         self.done = True
         m = self.metrics
+        m.request_success.labels(finished_reason=finish_reason).inc()
         m.requests_finished.labels(finish_reason=finish_reason).inc()
         if self.count_prompt:
             m.prompt_tokens.inc(self.num_prompt_tokens)
         m.e2e_latency.observe(now - self.arrival_time)
         if self.first_token_time is not None and self.num_output_tokens > 1:
             m.time_per_output_token.observe((now - self.first_token_time) / (self.num_output_tokens - 1))
+        m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        m.request_generation_tokens.observe(self.num_output_tokens)
+        m.request_max_tokens.observe(self.max_tokens)
+        if phases is not None:
+            for phase, seconds in (("queue", phases.queue_seconds), ("prefill", phases.prefill_seconds),
+                                   ("decode", phases.decode_seconds), ("inference", phases.inference_seconds)):
+                if seconds is not None:
+                    m.phase_time[phase].observe(seconds)
+        self.group.choice_finished(self.num_output_tokens)

@@ -254,6 +254,26 @@ def test_abort_frees_pages_at_once(params):
     assert_all_pages_free(engine)
 
 
+def test_the_finished_delta_carries_the_phase_times_of_its_request(params):
+    engine = make_engine(params, max_num_seqs=1)  # b waits for a to finish; c is aborted while it waits
+    for request_id in "abc":
+        engine.add_request(request_id, list(range(3, 13)), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))
+    finished = {"c": engine.abort("c")}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert (out.metrics is not None) == out.finished
+            if out.finished:
+                finished[out.request_id] = out
+    a, b, c = (finished[r].metrics for r in "abc")
+    for m in (a, b):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.inference_seconds == pytest.approx(m.prefill_seconds + m.decode_seconds)
+    assert b.first_scheduled_time >= a.finished_time and b.queue_seconds >= a.inference_seconds
+    assert c.first_scheduled_time is None and c.first_token_time is None and c.finished_time >= c.arrival_time
+    assert (c.queue_seconds, c.prefill_seconds, c.decode_seconds, c.inference_seconds) == (None,) * 4
+
+
 def test_logprobs_are_returned_per_token(params):
     engine = make_engine(params)
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3,

@@ -177,6 +177,8 @@ def test_preempts_most_recent_and_recomputes_it():
         plan = scheduler.schedule()
         scheduler.update(plan, device.run(plan))
     assert scheduler.allocator.num_free_pages == 0 and old.num_tokens == new.num_tokens == 5
+    first_scheduled = new.first_scheduled_time
+    assert first_scheduled is not None and queued.first_scheduled_time is None
     plan = scheduler.schedule()  # both need a third page
     assert plan.preempted == [new] and plan.decode == [old] and plan.prefill == []
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.page_ids == []
@@ -187,6 +189,8 @@ def test_preempts_most_recent_and_recomputes_it():
     for request in (old, new, queued):
         assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
     assert scheduler.allocator.num_used_pages == 0
+    assert new.first_scheduled_time == first_scheduled  # the first scheduling, not the one after preemption
+    assert queued.first_scheduled_time > first_scheduled
 
 
 def test_shared_system_prompt_is_computed_once():

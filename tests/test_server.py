@@ -33,9 +33,10 @@ from transformers import PreTrainedTokenizerFast
 from jaxserve import cli
 from jaxserve.commands import engine_flags
 from jaxserve.commands import serve as serve_command
-from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, TokenLogprob
+from jaxserve.outputs import EngineStats, QueueFullError, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import RequestLimits, check_request
 from serve.app import ServerConfig, create_app
+from serve.metrics import ServerMetrics, token_count_buckets
 from serve.server import serve_until_stopped
 
 MODEL = "fake-model"
@@ -599,7 +600,7 @@ def test_metrics_move_with_traffic(make_server):
     server = make_server(token_delay_s=0.02)
     before = metric_samples(server)
     assert before[("jaxserve_kv_pages_used", ())] == 0
-    assert before[("jaxserve_kv_pages_total", ())] == server.engine.num_pages
+    assert before[("jaxserve_kv_pages_capacity", ())] == server.engine.num_pages
     assert before[("jaxserve_generation_tokens_total", ())] == 0
 
     conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
@@ -622,9 +623,35 @@ def test_metrics_move_with_traffic(make_server):
     assert after[("jaxserve_time_to_first_token_seconds_count", ())] == 2
     assert after[("jaxserve_e2e_request_latency_seconds_count", ())] == 2
     assert after[("jaxserve_time_per_output_token_seconds_count", ())] == 2
+    assert after[("jaxserve_request_success_total", (("finished_reason", "length"),))] == 1  # vLLM's name and label
+    assert after[("jaxserve_request_success_total", (("finished_reason", "abort"),))] == 1
+    assert after[("jaxserve_inter_token_latency_seconds_count", ())] >= 4  # every delta after the first
+    assert after[("jaxserve_request_generation_tokens_sum", ())] == after[("jaxserve_generation_tokens_total", ())]
+    assert after[("jaxserve_request_prompt_tokens_sum", ())] == 2 * len(encode("abc"))
+    assert after[("jaxserve_request_params_max_tokens_sum", ())] == 50 + 4
+    assert after[("jaxserve_request_params_n_count", ())] == 2
     assert after[("jaxserve_prefix_cache_hit_rate", ())] == 0.5  # the fake engine hits half of every prompt
     assert after[("jaxserve_prefix_cache_queries_total", ())] == 2 * len(encode("abc"))
     assert after[("jaxserve_num_requests_running", ())] == 0
+
+
+def test_the_engine_phase_times_of_a_finished_delta_feed_the_phase_histograms():
+    metrics = ServerMetrics(lambda: EngineStats(0, 0, 0, 10, 0, 0, 0), MODEL, max_model_len=100)
+    first, second = metrics.trackers(0.0, [(3, 5)], choices_per_prompt=2, n=2)
+    phases = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25, finished_time=13.0)
+    first.observe(RequestOutput("a", [7, 8], "xy", True, "length", 3, 2, metrics=phases))
+    second.observe(RequestOutput("b", [], "", True, "abort", 3, 0,
+                                 metrics=RequestMetrics(10.0, None, None, 10.125)))  # never scheduled
+    samples = {(s.name, s.labels.get("le")): s.value
+               for family in text_string_to_metric_families(metrics.render()[0].decode()) for s in family.samples}
+    for phase, seconds in (("queue", 0.5), ("prefill", 0.75), ("decode", 1.75), ("inference", 2.5)):
+        assert samples[(f"jaxserve_request_{phase}_time_seconds_sum", None)] == seconds
+        assert samples[(f"jaxserve_request_{phase}_time_seconds_count", None)] == 1  # not the one never scheduled
+    assert samples[("jaxserve_request_max_num_generation_tokens_sum", None)] == 2  # once the prompt's last choice ends
+    assert samples[("jaxserve_request_params_n_sum", None)] == 2
+    assert [le for name, le in samples if name == "jaxserve_request_prompt_tokens_bucket"] == [
+        "1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]  # 1-2-5 buckets up to max_model_len
+    assert token_count_buckets(300)[-1] == 500 and token_count_buckets(None)[-1] == 1_000_000
 
 
 def test_api_key(make_server):
@@ -870,7 +897,7 @@ def test_prompt_tokens_are_counted_once_per_prompt_and_kv_usage_is_a_fraction(ma
     conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 50, "stream": True})
     read_events(response, limit=2)
     during = metric_samples(server)
-    used, total = during[("jaxserve_kv_pages_used", ())], during[("jaxserve_kv_pages_total", ())]
+    used, total = during[("jaxserve_kv_pages_used", ())], during[("jaxserve_kv_pages_capacity", ())]
     assert used > 0 and during[("jaxserve_kv_cache_usage_perc", ())] == used / total
     conn.close()
     assert wait_until(lambda: server.engine.kv_pages_used == 0)
