@@ -56,6 +56,11 @@ class EngineConfig:
     max_logprobs: int = 20
     memory_utilization: float = 0.9
     warmup: bool = True
+    # Compiled step executables (jaxserve.executables): None keeps them automatically beside the
+    # compilation cache; `executables` loads them from a folder `save_executables` wrote (refused
+    # when they were saved for another jax, device, model or flags).
+    executables: str | None = None
+    save_executables: str | None = None
     tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
     quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading

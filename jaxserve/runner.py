@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import decode_loop, device_setup, prompt_logprobs, sampler, speculative, structured_output
+from jaxserve import decode_loop, device_setup, executables, prompt_logprobs, sampler, speculative, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import StepInputError
 from jaxserve.progress import Progress
@@ -255,6 +255,31 @@ class ModelRunner:
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
         self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, bias)
+        self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
+
+    def _open_executable_store(self, engine_config: EngineConfig, step_config: ModelConfig,
+                               shardings) -> executables.ExecutableStore | None:
+        """Where warm-up loads and saves its compiled shapes: the folder of --executables (strict),
+        of --save_executables, else the automatic store beside the compilation cache (single
+        process only: a multi-host job compiles together)."""
+        if jax.process_count() > 1:
+            return None
+        description = {  # everything the step functions' code and shapes depend on besides the source
+            "model": repr(step_config), "backend": self.backend, "buckets": repr(self.buckets),
+            "prompt_logprob_buckets": repr(self.prompt_logprob_buckets), "page_size": str(self.page_size),
+            "num_pages": str(self.num_pages), "max_model_len": str(self.max_model_len),
+            "max_logprobs": str(self.max_logprobs), "eos_token_ids": repr(self.eos_token_ids),
+            "num_scheduler_steps": str(self.num_scheduler_steps),
+            "cpu_int8_activations": str(self.cpu_int8_activations),
+            "mesh": "none" if shardings is None else repr(shardings.mesh),
+            "params": executables.abstract_signature(self._step_params),
+            "kv_cache": executables.abstract_signature(self.kv_cache)}
+        if engine_config.executables is not None:
+            return executables.ExecutableStore(engine_config.executables, description, mode="load")
+        if engine_config.save_executables is not None:
+            return executables.ExecutableStore(engine_config.save_executables, description, mode="save")
+        directory = executables.default_directory()
+        return None if directory is None else executables.ExecutableStore(directory, description)
 
     # ---- shapes ---------------------------------------------------------------------------
     def bucket_for(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
@@ -463,31 +488,43 @@ class ModelRunner:
         buckets = self.all_buckets()
 
         hidden_info = []  # the forward's prefill rows (shape, dtype), for the prompt-logprob function
+        store = self._executable_store
+
+        def load_or_compile(key, lower):
+            """The executable of `key`: from the store, else `lower()` compiled (and saved)."""
+            compiled = store.load(key) if store is not None else None
+            if compiled is None:
+                compiled = lower().compile()
+                if store is not None:
+                    store.save(key, compiled)
+            return compiled
 
         def compile_bucket(bucket):
-            batch = self.empty_batch(bucket)
             forward = self._verify_forward if bucket.num_verify else self._forward
-            lowered = forward.lower(self._step_params, self.kv_cache, batch)
+            compiled = load_or_compile(("forward", bucket), lambda: forward.lower(
+                self._step_params, self.kv_cache, self.empty_batch(bucket)))
             if bucket.num_prefill_tokens:
-                hidden_info.append(lowered.out_info[2])
-            self._compiled_forward[bucket] = lowered.compile()
+                hidden_info.append(compiled.out_info[2])
+            self._compiled_forward[bucket] = compiled
 
         def compile_prompt_logprobs(num_rows):
             hidden = jax.ShapeDtypeStruct(hidden_info[0].shape, hidden_info[0].dtype)
             rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
-            self._compiled_prompt_logprobs[num_rows] = self._prompt_logprobs.lower(
-                self._head, hidden, rows, rows).compile()
+            self._compiled_prompt_logprobs[num_rows] = load_or_compile(
+                ("prompt_logprobs", num_rows), lambda: self._prompt_logprobs.lower(self._head, hidden, rows, rows))
 
         def compile_sampler(num_rows, penalties, bias):
             logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
             sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties,
                                                      bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
-            self._compiled_sample[num_rows, penalties, bias] = self._sample.lower(logits, sampling).compile()
+            self._compiled_sample[num_rows, penalties, bias] = load_or_compile(
+                ("sample", num_rows, penalties, bias), lambda: self._sample.lower(logits, sampling))
 
         def compile_multi_step(bucket, bias):
             arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps, bias)
-            self._compiled_multi_step[bucket, bias] = self._multi_step.lower(
-                self._step_params, self.kv_cache, arrays, sampling, num_steps).compile()
+            self._compiled_multi_step[bucket, bias] = load_or_compile(
+                ("multi_step", bucket, bias), lambda: self._multi_step.lower(
+                    self._step_params, self.kv_cache, arrays, sampling, num_steps))
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
         samplers = [(n, penalties, bias) for n in row_counts for penalties in (False, True) for bias in (False, True)]
@@ -509,8 +546,9 @@ class ModelRunner:
                     + [(compile_multi_step, *m) for m in multi_steps])
             run_all([(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets])
         log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties, logit "
-                 "biases), %d prompt-logprob shapes and %d multi-step shapes in %.1fs", len(buckets), len(samplers),
-                 len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start)
+                 "biases), %d prompt-logprob shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
+                 len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start,
+                 "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
         return len(buckets)
 
     def _run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):

@@ -96,6 +96,12 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("memory_utilization", None, "fraction of the device's memory budget (on CPU: half the "
                        "available RAM) the weights, activations and KV pages may use "
                        f"{_default('memory_utilization')}", lower_bound=0.0, upper_bound=1.0, flag_values=fv)
+    flags.DEFINE_string("executables", None, "load the compiled step shapes from this folder (written by "
+                        "--save_executables) instead of compiling them; refused when they were saved for another "
+                        "jax, device, model or engine flags (default: kept automatically beside the compilation "
+                        "cache)", flag_values=fv)
+    flags.DEFINE_string("save_executables", None, "compile every step shape and save the executables in this "
+                        "folder, for --executables", flag_values=fv)
     for alias, name in VLLM_FLAG_ALIASES.items():  # a vLLM command line ports by changing dashes
         flags.DEFINE_alias(alias, name, flag_values=fv)
 
@@ -103,7 +109,8 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
 _ENGINE_FLAGS = list(_ENGINE_INT_FLAGS) + ["enable_prefix_caching", "dtype", "attention_backend", "quantization",
                                            "quantize_embedding",
                                            "kv_cache_dtype", "cpu_int8_activations", "memory_utilization",
-                                           "speculative_method", "speculative_model"]
+                                           "speculative_method", "speculative_model", "executables",
+                                           "save_executables"]
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:

@@ -1,0 +1,207 @@
+"""Compiled step executables kept on disk, so that a restart skips tracing, lowering and compiling.
+
+JAX's persistent compilation cache skips only XLA's compile: every shape is still traced and
+lowered (most of a warm restart's warm-up on the CPU). An `ExecutableStore` keeps the compiled
+executables themselves (`jax.experimental.serialize_executable`), one file per shape, in a folder
+named by the engine's fingerprint: everything the executables depend on (jax and jaxlib versions,
+the platform and its devices, XLA_FLAGS, the source of the packages the step is built from, and
+the runner's own description: model config, buckets' settings, argument shapes, dtypes and
+shardings). A different fingerprint is a different folder, so a stale executable is never loaded.
+
+Two uses:
+- automatic: `executables/` under the compilation cache's root ($JAXSERVE_CACHE, else
+  ~/.cache/jaxserve; off when $JAXSERVE_COMPILATION_CACHE is set empty), filled on first start;
+- explicit (`serve --executables=DIR`): executables saved by `--save_executables=DIR`, loaded
+  strictly: a fingerprint that differs, or a shape missing, is refused with what differs.
+
+The files are Python pickles of the executables and their argument trees: load only folders this
+installation (or one you trust) wrote, as with any cache.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import tempfile
+from typing import Any, Hashable
+
+import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+
+_MANIFEST = "manifest.json"
+CACHE_FOLDERS_KEPT = 8  # the automatic store keeps the executables of this many engines (most recently used)
+_SOURCE_PACKAGES = ("jaxserve", "pallas_kernels", "cpu_kernels")  # the code a step is built from
+_SOURCE_SUFFIXES = (".py", ".cc", ".h")
+
+
+class ExecutablesMismatch(ValueError):
+    """Saved executables that this engine cannot use (another jax, device, model or flags)."""
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the source files of the packages a step is built from (any edit is a new digest)."""
+    import importlib.util
+    digest = hashlib.sha256()
+    for package in _SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        root = os.path.dirname(spec.origin) if spec and spec.origin else None
+        if root is None:
+            continue
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(_SOURCE_SUFFIXES):
+                    path = os.path.join(folder, name)
+                    digest.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        digest.update(f.read())
+    return digest.hexdigest()
+
+
+def abstract_signature(tree: Any) -> str:
+    """The structure, shapes, dtypes and shardings of a tree of arrays, as text."""
+    def describe(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        return f"{getattr(leaf, 'dtype', type(leaf).__name__)}{list(getattr(leaf, 'shape', ()))}@{sharding}"
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return f"{treedef}|" + ";".join(describe(leaf) for leaf in leaves)
+
+
+def environment() -> dict[str, str]:
+    """What an executable depends on besides the engine: jax, the devices, XLA flags, the source."""
+    import jaxlib
+    devices = jax.devices()
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
+            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_digest()}
+
+
+def default_directory() -> str | None:
+    """`executables/` beside the persistent compilation cache; None when that cache is switched off."""
+    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
+    if os.environ.get("JAXSERVE_COMPILATION_CACHE") == "":
+        return None
+    return os.path.join(root, "executables")
+
+
+class ExecutableStore:
+    """Compiled executables of one engine, by shape key, in one folder.
+
+    `description` names what the executables were built from (text values). Modes:
+    - "cache": in `root/<fingerprint>/`; what is missing or unreadable is compiled and saved;
+    - "load": from `root` as saved by "save"; another description, a missing shape or an
+      unreadable file is refused (ExecutablesMismatch) with what differs;
+    - "save": into `root` (its previous executables removed); everything compiled and saved."""
+
+    def __init__(self, root: str, description: dict[str, str], mode: str = "cache") -> None:
+        if mode not in ("cache", "load", "save"):
+            raise ValueError(f"unknown executable store mode {mode!r}")
+        self.description = {**environment(), **description}
+        self.fingerprint = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:24]
+        self.mode = mode
+        self.strict = mode == "load"
+        self.directory = os.path.join(root, self.fingerprint) if mode == "cache" else root
+        self.loaded = self.saved = 0
+        if mode == "cache":
+            _prune(root, keep=CACHE_FOLDERS_KEPT, using=self.directory)
+        elif mode == "load":
+            self._check_manifest()
+        elif mode == "save":
+            self._clear()
+
+    def _clear(self) -> None:
+        if os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if name.endswith(".exe") or name == _MANIFEST:
+                    os.remove(os.path.join(self.directory, name))
+
+    def _check_manifest(self) -> None:
+        path = os.path.join(self.directory, _MANIFEST)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            raise ExecutablesMismatch(f"{self.directory} holds no saved executables (no {_MANIFEST}; "
+                                      "save them with --save_executables)") from None
+        except (OSError, ValueError) as e:
+            raise ExecutablesMismatch(f"{path} is unreadable: {e}") from None
+        differ = sorted(k for k in set(saved) | set(self.description) if saved.get(k) != self.description.get(k))
+        if differ:
+            shown = "; ".join(f"{k}: saved {_short(saved.get(k))}, here {_short(self.description.get(k))}"
+                              for k in differ)
+            raise ExecutablesMismatch(f"the executables in {self.directory} were saved for another engine "
+                                      f"({shown}); save them again with these flags")
+
+    def _path(self, key: Hashable) -> str:
+        return os.path.join(self.directory, hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".exe")
+
+    def load(self, key: Hashable) -> jax.stages.Compiled | None:
+        """The saved executable of `key`, or None (not saved, or unreadable: logged)."""
+        if self.mode == "save":
+            return None
+        path = self._path(key)
+        if not os.path.exists(path):
+            if self.strict:
+                raise ExecutablesMismatch(f"{self.directory} has no executable for the shape {key}; "
+                                          "save them again with these flags")
+            return None
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a torn or foreign file: compile instead (strict: refuse)
+            if self.strict:
+                raise ExecutablesMismatch(f"{path} could not be loaded: {e}") from None
+            log.warning("could not load the saved executable %s (%s); compiling it", path, e)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: Hashable, compiled: jax.stages.Compiled) -> None:
+        """Writes `key`'s executable (atomically: a reader never sees half a file). Errors are logged."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self._write_manifest()
+            data = pickle.dumps(serialize_executable.serialize(compiled))
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._path(key))
+            self.saved += 1
+        except Exception as e:  # a full disk or an executable that cannot be serialized: serve anyway
+            log.warning("could not save the executable of %s in %s: %s", key, self.directory, e)
+
+    def _write_manifest(self) -> None:
+        path = os.path.join(self.directory, _MANIFEST)
+        if not os.path.exists(path):
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.description, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+
+
+def _prune(root: str, *, keep: int, using: str) -> None:
+    """Removes all but the `keep` most recently used engine folders under `root` (`using` counts
+    as just used), so that the automatic store does not grow with every code or flag change."""
+    import shutil
+    try:
+        os.makedirs(using, exist_ok=True)
+        os.utime(using)
+        folders = sorted((os.path.join(root, name) for name in os.listdir(root)),
+                         key=lambda path: os.stat(path).st_mtime, reverse=True)
+        for stale in folders[keep:]:
+            shutil.rmtree(stale, ignore_errors=True)
+    except OSError as e:  # a read-only or vanished cache: nothing to prune
+        log.debug("could not prune %s: %s", root, e)
+
+
+def _short(value: str | None) -> str:
+    if value is None:
+        return "nothing"
+    return value if len(value) <= 60 else value[:57] + "..."

@@ -1,0 +1,105 @@
+"""Saved step executables: a restart loads every warm-up shape instead of compiling it, serves the
+same tokens, and a folder saved for another engine (or missing a shape) is refused by name."""
+import os
+
+import numpy as np
+import pytest
+
+from jaxserve import executables
+from jaxserve.config import ModelConfig
+from jaxserve.engine import Engine, EngineConfig
+from jaxserve.models import weights
+from jaxserve.request import SamplingParams
+from tests.test_engine import recorded_compilations, run_staggered
+
+TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=1,
+                   num_q_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256,
+                   eos_token_ids=(2,))
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_num_prefill_seqs=2, page_size=8,
+              num_pages=48, max_model_len=128, warmup=True)
+SAMPLING = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=10, temperature=0.9, seed=7, repetition_penalty=1.3, ignore_eos=True,
+                           logit_bias={5: 4.0}, logprobs=2)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return weights.random_params(TINY, seed=3)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
+    return tmp_path / "cache" / "executables"
+
+
+def serve_some(engine, seed=11):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, TINY.vocab_size, rng.integers(1, 50)).tolist() for _ in range(6)]
+    return [run_staggered(engine, prompts, sampling) for sampling in SAMPLING]
+
+
+def test_a_restart_loads_every_shape_and_serves_the_same_tokens(params, cache):
+    first = Engine(TINY, params, None, EngineConfig(**ENGINE))
+    store = first.runner._executable_store
+    total = store.saved
+    assert total > 0 and store.loaded == 0
+    assert sorted(os.listdir(cache)) == [store.fingerprint]
+    expected = serve_some(first)
+    del first
+
+    with recorded_compilations() as without_warmup:  # what building an engine traces (its KV cache)
+        Engine(TINY, params, None, EngineConfig(**{**ENGINE, "warmup": False}))
+    with recorded_compilations() as compiles:  # tracing counts: warm-up traces, lowers and compiles nothing
+        second = Engine(TINY, params, None, EngineConfig(**ENGINE))
+        assert len(compiles) == len(without_warmup)
+        assert (second.runner._executable_store.loaded, second.runner._executable_store.saved) == (total, 0)
+        assert serve_some(second) == expected
+        assert len(compiles) == len(without_warmup)  # and serving compiles nothing either
+
+
+def test_other_flags_are_another_folder_and_old_folders_are_pruned(params, cache, monkeypatch):
+    monkeypatch.setattr(executables, "CACHE_FOLDERS_KEPT", 2)
+    folders = []
+    for max_num_seqs in (2, 4, 8):
+        engine = Engine(TINY, params, None, EngineConfig(**{**ENGINE, "max_num_seqs": max_num_seqs}))
+        folders.append(engine.runner._executable_store.fingerprint)
+        assert engine.runner._executable_store.loaded == 0  # nothing another engine saved is loaded
+    assert len(set(folders)) == 3
+    assert sorted(os.listdir(cache)) == sorted(folders[1:])  # the least recently used one is gone
+
+
+def test_a_torn_file_is_compiled_again(params, cache, caplog):
+    store = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner._executable_store
+    victim = sorted(f for f in os.listdir(store.directory) if f.endswith(".exe"))[0]
+    with open(os.path.join(store.directory, victim), "r+b") as f:
+        f.truncate(100)
+    again = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner._executable_store
+    assert (again.loaded, again.saved) == (store.saved - 1, 1)
+    assert "could not load the saved executable" in caplog.text
+
+
+def test_explicit_folder_saved_then_loaded_strictly(params, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", "")  # no automatic store: only the explicit folder
+    folder = str(tmp_path / "exe")
+    saved = Engine(TINY, params, None, EngineConfig(**ENGINE, save_executables=folder)).runner._executable_store
+    assert saved.saved > 0 and os.path.exists(os.path.join(folder, "manifest.json"))
+    loaded = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder)).runner._executable_store
+    assert (loaded.loaded, loaded.saved) == (saved.saved, 0)
+
+    with pytest.raises(executables.ExecutablesMismatch, match=r"saved for another engine \(buckets: saved"):
+        Engine(TINY, params, None, EngineConfig(**{**ENGINE, "max_num_seqs": 2}, executables=folder))
+    with pytest.raises(executables.ExecutablesMismatch, match="no manifest.json"):
+        Engine(TINY, params, None, EngineConfig(**ENGINE, executables=str(tmp_path / "nothing")))
+    os.remove(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".exe"))[0]))
+    with pytest.raises(executables.ExecutablesMismatch, match="has no executable for the shape"):
+        Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder))
+
+
+def test_the_fingerprint_follows_jax_devices_and_source(monkeypatch):
+    env = executables.environment()
+    assert {"jax", "jaxlib", "platform", "devices", "xla_flags", "source"} <= set(env)
+    store = executables.ExecutableStore("/nonexistent", {"model": "x"}, mode="save")
+    monkeypatch.setattr(executables, "source_digest", lambda: "edited")
+    assert executables.ExecutableStore("/nonexistent", {"model": "x"}, mode="save").fingerprint != store.fingerprint
