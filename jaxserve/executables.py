@@ -19,6 +19,7 @@ installation (or one you trust) wrote, as with any cache.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -80,6 +81,19 @@ def environment() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
             "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_digest()}
+
+
+@contextlib.contextmanager
+def persistent_cache_off():
+    """JAX's persistent compilation cache switched off meanwhile (process-wide). An executable
+    served by that cache cannot be serialized again on the CPU (its loaded copy fails with
+    "Function ... not found"), so shapes to be saved are compiled afresh."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def default_directory() -> str | None:

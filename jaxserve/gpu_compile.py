@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve import compat, memory, quantization, sampler, sharding
+from jaxserve import compat, executables, memory, quantization, sampler, sharding
 from jaxserve.config import ModelConfig
 from jaxserve.gpu_targets import target_config, target_memory_budget_bytes
 from jaxserve.models import llama, weights
@@ -112,13 +112,9 @@ def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
     """Lowers and compiles for the abstract GPU mesh. The persistent compilation cache is off
     meanwhile: a deviceless GPU executable cannot be loaded back, and must not crowd the cache."""
     start = time.perf_counter()
-    cache_enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), quiet_pallas_deprecations():
-            compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_enabled)
+    with executables.persistent_cache_off(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+            quiet_pallas_deprecations():
+        compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
     return compiled, time.perf_counter() - start
 
 

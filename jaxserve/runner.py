@@ -17,6 +17,7 @@ bucket of rows) turns the wanted ones into logprobs, ranks and top-k on device; 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -533,7 +534,9 @@ class ModelRunner:
         threads = os.cpu_count() or 1
         log.info("warm-up: compiling %d shapes on %d threads (a filled compilation cache makes this seconds)",
                  total, threads)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, \
+        # Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both.
+        fresh = executables.persistent_cache_off() if store is not None and store.mode != "load" else contextlib.nullcontext()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
                 Progress(total, "warm-up", "shapes compiled", log) as progress:
             def run_all(calls):
                 jobs = [pool.submit(*call) for call in calls]

@@ -79,3 +79,19 @@ def test_prompt_too_long_is_refused_before_running(tiny_chat_model_dir, tmp_path
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "prompt": "word " * 300})])
     assert generate(tiny_chat_model_dir, inp, tmp_path / "out.jsonl") == 2
     assert "the prompt has 301 tokens, leaving no room for a completion" in capsys.readouterr().err
+
+
+def test_saved_executables_load_and_a_mismatch_exits_2(tiny_chat_model_dir, tmp_path, capsys):
+    inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "prompt": "The quick brown fox"})])
+    folder = tmp_path / "executables"
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "a.jsonl", "--max_tokens=4", "--ignore_eos",
+                    f"--save_executables={folder}") == 0
+    assert (folder / "manifest.json").exists()
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "b.jsonl", "--max_tokens=4", "--ignore_eos",
+                    f"--executables={folder}") == 0
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    capsys.readouterr()
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "c.jsonl", f"--executables={folder}",
+                    "--max_num_seqs=2") == 2
+    err = capsys.readouterr().err
+    assert "saved for another engine (buckets: saved" in err and "Traceback" not in err

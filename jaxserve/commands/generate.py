@@ -135,8 +135,10 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: {e}", file=sys.stderr)
         return 2
     try:
-        # Offline: compile each step shape when first used instead of all of them up front.
-        engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=False))
+        # Offline: compile each step shape when first used instead of all of them up front, unless
+        # saved executables are to be loaded or written (a warm-up does that).
+        warmup = fv.executables is not None or fv.save_executables is not None
+        engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=warmup))
     except (ValueError, OSError) as e:
         print(f"jaxserve generate: cannot load {fv.model!r}: {e}", file=sys.stderr)
         return 2
