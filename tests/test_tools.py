@@ -13,11 +13,11 @@ import openai
 import pytest
 import requests
 
-from jaxserve.engine import Engine, EngineConfig
 from jaxserve.request import encode_chat
+from serve.app import ServerConfig
 from serve.protocol import parse_chat_request, prompt_token_ids
 from serve.tool_parsers import HermesToolParser, ToolCallParser
-from tests.test_server_engine import LiveServer
+from tests.chat_parsing import serve_with_template
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call functions. Their signatures, within <tools></tools> tags:
@@ -76,13 +76,11 @@ def hermes_model_dir(tiny_chat_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(hermes_model_dir):
-    engine = Engine.from_model(hermes_model_dir, EngineConfig(
-        max_num_seqs=16, max_num_batched_tokens=256, page_size=8, num_pages=800, max_model_len=512, warmup=False))
-    live = LiveServer(engine)
-    live.model = engine.model_name
-    yield live
-    live.close()
+def server(tiny_chat_engine):
+    """The shared tiny engine, served with the Hermes template."""
+    with serve_with_template(tiny_chat_engine, HERMES_TEMPLATE, ServerConfig(drain_timeout_s=2.0)) as live:
+        live.model = tiny_chat_engine.model_name
+        yield live
 
 
 def client(server):
