@@ -170,3 +170,15 @@ def test_chat_template_kwargs_reach_the_template_and_its_refusal_names_them(fami
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
     else:
         assert r.status_code == 200, r.text
+
+
+def test_an_empty_tool_calls_list_is_a_turn_without_calls(family):
+    """Clients send `tool_calls: []` on plain assistant turns; both templates test for the key
+    (Llama's would refuse the turn, Mistral's open a call list), so it is left out."""
+    _, _, tokenizer, _ = family
+
+    def prompt(**extra):
+        messages = MESSAGES + [{"role": "assistant", "content": "Earlier answer", **extra},
+                               {"role": "user", "content": "And Rome?"}]
+        return tokenizer.decode(prompt_token_ids(tokenizer, parse_chat_request({"messages": messages}, "m")))
+    assert prompt(tool_calls=[]) == prompt() and "Earlier answer" in prompt()
