@@ -70,9 +70,7 @@ def choice_output_factory(request: Any, *, tool_format: ToolParser | None, new_c
     reasoning is split unless the parser does not apply to the request (thinking turned off) or a
     JSON grammar (a schema, json_object, tool_choice "required" or named) writes the whole output."""
     tools = request.tools
-    tool_mode = None if tools is None or tools.choice == "none" else tools.choice
-    if tool_mode == "auto" and tool_format is None:
-        tool_mode = None  # a template with no tool-call format: plain content
+    tool_mode = None if ToolCallParser.for_request(tools, tool_format) is None else tools.choice
     structured = request.structured_output
     json_grammar = tool_mode in ("named", "required") or (structured is not None and structured.kind in (
         "json_schema", "json_object"))
@@ -81,8 +79,8 @@ def choice_output_factory(request: Any, *, tool_format: ToolParser | None, new_c
         return lambda: None
 
     def make() -> ChoiceOutput:
-        parser = ToolCallParser(tool_mode, tools.name, tool_format, new_call_id) if tool_mode else None
-        return ChoiceOutput(parser, reasoning if splits else None, needs_end=structured is not None,
+        return ChoiceOutput(ToolCallParser.for_request(tools, tool_format, new_call_id),
+                            reasoning if splits else None, needs_end=structured is not None,
                             include_reasoning=request.include_reasoning, reasoning_fields=reasoning is not None)
 
     return make

@@ -231,6 +231,16 @@ class ToolCallParser:
         self._sent = 0  # characters of the text already streamed as content (auto) or arguments (named)
         self._call_id: str | None = None
 
+    @classmethod
+    def for_request(cls, tools: Any, format: ToolParser | None,
+                    new_id: CallIds = vllm_call_id) -> "ToolCallParser | None":
+        """The parser of a request's `tools` (serve.structured.ToolsRequest) on a server whose
+        "auto" parses `format`; None where the output is plain content (no tools, "none", or
+        "auto" with no format)."""
+        if tools is None or tools.choice == "none" or (tools.choice == "auto" and format is None):
+            return None
+        return cls(tools.choice, tools.name, format if tools.choice == "auto" else None, new_id)
+
     def _calls(self, calls: list[Call]) -> list[dict[str, Any]]:
         return [{"id": self.new_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
                 for name, arguments in calls]

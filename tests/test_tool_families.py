@@ -144,8 +144,9 @@ def test_mistral_calls_keep_special_tokens_in_the_text(family):
     tokens in the text (vLLM does the same) unless the request says otherwise."""
     name, _, _, server = family
     engine = server.async_engine  # its prepare step only, on the server's tokenizer
-    state = ServerState(types.SimpleNamespace(tokenizer=engine.tokenizer, model_name="m", stats=engine.stats,
-                                              max_model_len=engine.max_model_len), ServerConfig(**FAMILIES[name]["config"]))
+    stub = types.SimpleNamespace(tokenizer=engine.tokenizer, model_name="m", stats=engine.stats,
+                                 max_model_len=engine.max_model_len)
+    state = ServerState(stub, ServerConfig(**FAMILIES[name]["config"]))
     try:
         def params(**body):
             raw = json.dumps({"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **body}).encode()
