@@ -9,7 +9,7 @@ import requests
 
 from serve.app import ServerConfig
 from serve.chat_output import ChoiceOutput, choice_output_factory
-from serve.protocol import ProtocolError, parse_chat_request, parse_tokenize_request
+from serve.protocol import ProtocolError, parse_chat_request, parse_tokenize_request, prompt_token_ids
 from serve.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from serve.tool_parsers import HermesToolParser, ToolCallParser
 from tests.chat_parsing import chat_template, parsed_streamed, parsed_whole, serve_with_template, splits
@@ -180,3 +180,25 @@ def test_include_reasoning_false(server, stream):
     with_it = chat(server, stream, guided_regex=regex)
     without = chat(server, stream, guided_regex=regex, include_reasoning=False)
     assert with_it[0] and without[0] is None and without[1] == with_it[1]
+
+
+def test_a_turn_with_reasoning_and_a_call_goes_back_through_the_template(server):
+    """The answer's reasoning and tool call, given back with the tool's result, render as the
+    Qwen3-style template writes them (it shows the reasoning of the last assistant turn only)."""
+    regex = r"<think>\n[a-z]{4}\n</think>\n\n" + CALL.replace("{", r"\{").replace("}", r"\}")
+    r = requests.post(server.url + "/v1/chat/completions", json={
+        "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "guided_regex": regex}, timeout=120)
+    message = r.json()["choices"][0]["message"]
+    turn = {key: message[key] for key in ("role", "content", "tool_calls", "reasoning")}
+    tokenizer = server.async_engine.tokenizer
+
+    def prompt(messages, **body):
+        request = parse_chat_request({"messages": messages, "tools": TOOLS, **body}, "m")
+        return tokenizer.decode(prompt_token_ids(tokenizer, request))
+    ended = prompt(MESSAGES + [turn], add_generation_prompt=False)
+    assert ended.endswith(f"<|im_start|>assistant\n<think>\n{message['reasoning'].strip()}\n</think>\n\n" + CALL +
+                          "<|im_end|>\n")
+    answered = prompt(MESSAGES + [turn, {"role": "tool", "tool_call_id": turn["tool_calls"][0]["id"],
+                                         "content": "Sunny, 24 C"}])
+    assert "<|im_start|>assistant\n" + CALL in answered and "<tool_response>\nSunny, 24 C\n</tool_response>" in answered
+    assert "<think>" not in answered.split("<|im_start|>user")[-2]  # an earlier turn's reasoning is left out
