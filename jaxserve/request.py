@@ -343,12 +343,14 @@ class Request:
 # ---- prompt encoding (Hugging Face tokenizers), shared by the server and the CLI ----------------
 
 def encode_chat(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of `messages` under the model's chat template, generation prompt added (the
     template writes the special tokens itself, so the tokenizer adds none by default: vLLM's).
-    `tools` (OpenAI's function tools) go to the template, which describes them as it defines."""
+    `tools` (OpenAI's function tools) go to the template, which describes them as it defines;
+    `chat_template_kwargs` are more variables for it (e.g. Qwen3's `enable_thinking`)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+                                         tools=tools, **(chat_template_kwargs or {}))
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 

@@ -26,7 +26,10 @@ from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
 from serve.responses import (ResponsesRequest, ResponsesShaper, client_error, not_stored_error,
                              parse_responses_request, sse_events)
-from serve.structured import ToolCallParser, template_renders_tools, template_tool_format
+from serve.chat_output import choice_output_factory
+from serve.reasoning import REASONING_PARSERS
+from serve.structured import resolve_auto_tool_choice
+from serve.tool_parsers import TOOL_PARSERS, ToolCallParser, mistral_call_id, vllm_call_id
 from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
                             admission_error, build_sampling_params, check_prompt_chars, error_body,
                             parse_chat_request, parse_completion_request, parse_detokenize_request,
@@ -52,6 +55,10 @@ class ServerConfig:
     # Sampling values for fields a request omits (jaxserve.request.SAMPLING_DEFAULT_FIELDS, checked
     # by the caller): the model's generation_config.json and --default_sampling.
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # tool_choice "auto" and reasoning (vLLM's flags; see serve.structured.resolve_auto_tool_choice)
+    tool_call_parser: str | None = None  # None: the format the chat template asks for
+    enable_auto_tool_choice: bool | None = None  # None: "auto" wherever the template renders tools
+    reasoning_parser: str | None = None  # serve/reasoning.py's REASONING_PARSERS; None: no reasoning split
 
 
 class ServerState:
@@ -67,8 +74,15 @@ class ServerState:
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=65536)(lambda token_id: engine.tokenizer.decode([token_id]))
         self.max_token_chars = max_token_chars(engine.tokenizer)
-        self.tool_format = template_tool_format(getattr(engine.tokenizer, "chat_template", None))  # "auto" parsing
-        self.renders_tools = template_renders_tools(engine.tokenizer)
+        # ToolConfigError (a ValueError) for tool flags the chat template cannot serve
+        self.auto_tools = resolve_auto_tool_choice(engine.tokenizer, config.tool_call_parser,
+                                                   config.enable_auto_tool_choice)
+        self.tool_format = TOOL_PARSERS[self.auto_tools.format]() if self.auto_tools.format else None
+        self.new_call_id = mistral_call_id if self.auto_tools.format == "mistral" else vllm_call_id
+        if config.reasoning_parser is not None and config.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{config.reasoning_parser!r}")
+        self.reasoning = REASONING_PARSERS[config.reasoning_parser]() if config.reasoning_parser else None
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
                                                                   thread_name_prefix="jaxserve-prepare")
 
@@ -94,11 +108,11 @@ class ServerState:
         body = _parse_json(raw)
         parse = parse or (parse_chat_request if is_chat else parse_completion_request)
         request = parse(body, self.model_names)
-        if request.tools is not None and request.tools.choice == "auto" and not self.renders_tools:
-            raise ProtocolError("tool_choice 'auto' (the default with 'tools') needs a chat template that shows "
-                                "the model its tools, and this model's does not: the tools would be ignored. Use "
-                                "tool_choice 'required' or a named function (enforced by a grammar), or 'none'",
-                                param="tool_choice")
+        if request.tools is not None and request.tools.choice == "auto":
+            if self.auto_tools.refusal is not None:
+                raise ProtocolError(self.auto_tools.refusal, param="tool_choice")
+            if self.auto_tools.format == "mistral":  # [TOOL_CALLS] is a special token: keep it in the text (vLLM)
+                request.sampling.setdefault("skip_special_tokens", False)
         max_seq_len = self.engine.max_model_len
         check_prompt_chars(request, max_seq_len, self.max_token_chars)
         prepared = []
@@ -349,15 +363,18 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
                        if params.seed is not None and j else params) for j in range(req.best_of)]
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids)
               for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
-    tool_parser = functools.partial(ToolCallParser.for_request, req.tools, state.tool_format)
     if isinstance(req, ResponsesRequest):
-        shaper = ResponsesShaper(req, prepared[0][1], tool_parser)
+        shaper = ResponsesShaper(req, prepared[0][1], functools.partial(
+            ToolCallParser.for_request, req.tools, state.tool_format, state.new_call_id))
     else:
         shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
                                 want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
                                 continuous_usage=req.continuous_usage,
                                 prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
-                                want_prompt_logprobs=req.prompt_logprobs is not None, tool_parser=tool_parser)
+                                want_prompt_logprobs=req.prompt_logprobs is not None,
+                                output_parser=choice_output_factory(req, tool_format=state.tool_format,
+                                                                    new_call_id=state.new_call_id,
+                                                                    reasoning=state.reasoning))
     trackers = state.metrics.trackers(arrival_time, [(len(ids), params.max_tokens) for ids, params in prepared],
                                       choices_per_prompt=req.best_of, n=req.n)
     fanout = ChoiceFanout(engine, shaper.response_id, sequences,

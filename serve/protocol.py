@@ -23,7 +23,8 @@ import jinja2
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.request import InvalidRequestError, SamplingParams, encode_chat, encode_text, is_valid_unicode
 from jaxserve.structured_output import StructuredOutputParams
-from serve.structured import (StructuredRequestError, ToolCallParser, ToolsRequest, parse_structured_output,
+from serve.chat_output import ChoiceOutput
+from serve.structured import (StructuredRequestError, ToolsRequest, nesting_depth, parse_structured_output,
                               parse_tool_call_message, parse_tools)
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "modalities": lambda v: v == ["text"], "prediction": _only_null, "reasoning_effort": _only_null,
     "web_search_options": _only_null, "verbosity": _only_null, "store": _is_false,
     "continue_final_message": _is_false, "documents": _only_null, "chat_template": _only_null,
-    "chat_template_kwargs": _is_empty,
 }
 # Fields read elsewhere in this module, or that change nothing in the output (OpenAI's end-user and
 # caching hints: `user`, `metadata`, `prompt_cache_key`, `safety_identifier`).
@@ -81,7 +81,13 @@ _SERVED_COMMON = {
 }
 _SERVED_COMPLETION_FIELDS = _SERVED_COMMON | {"prompt", "suffix"}
 _SERVED_CHAT_FIELDS = _SERVED_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                        "functions"}
+                                        "functions", "chat_template_kwargs", "include_reasoning"}
+# apply_chat_template's own arguments and the variables it sets: not for chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+MAX_TEMPLATE_KWARGS_DEPTH = 64  # nesting of chat_template_kwargs' values (templates recurse)
 
 
 class ProtocolError(Exception):
@@ -136,6 +142,8 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt (and with logprobs its logprobs) before the completion
     structured_output: StructuredOutputParams | None = None  # response_format / guided_*
     tools: ToolsRequest | None = None  # chat: tools and tool_choice
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra variables for the template (enable_thinking)
+    include_reasoning: bool = True  # chat, with a reasoning parser: false leaves the reasoning out
 
     @property
     def num_prompts(self) -> int:
@@ -223,7 +231,26 @@ def parse_chat_request(body: Any, served_model: str) -> GenerationRequest:
     request = _build(fields, served_model, is_chat=True, max_tokens=fields.integer(max_tokens_param),
                      max_tokens_param=max_tokens_param, logprobs=logprobs,
                      messages=_parse_messages(body.get("messages")))
+    request.chat_template_kwargs = _parse_chat_template_kwargs(body.get("chat_template_kwargs"))
+    request.include_reasoning = fields.boolean("include_reasoning", default=True)
     return _with_structured_fields(request, fields)
+
+
+def _parse_chat_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs`: a JSON object of variables for the chat template (e.g.
+    {"enable_thinking": false}); none of apply_chat_template's own arguments."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    for key in value:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise ProtocolError(f"'chat_template_kwargs' may not set {key!r}: it is a field of its own or the "
+                                "server's", param=f"chat_template_kwargs.{key}")
+    if nesting_depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise ProtocolError(f"'chat_template_kwargs' is nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
+                            param="chat_template_kwargs")
+    return value
 
 
 def _with_structured_fields(request: GenerationRequest, fields: _Fields) -> GenerationRequest:
@@ -405,14 +432,31 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
         parsed.append({"role": role, "content": _message_text(content, role, f"{param}.content")})
         if role == "assistant" and message.get("tool_calls") is not None:  # a turn that called tools
             try:
-                parsed[-1]["tool_calls"] = parse_tool_call_message(message, param)
+                calls = parse_tool_call_message(message, param)
             except StructuredRequestError as e:
                 raise ProtocolError(str(e), param=e.param) from None
+            if calls:  # an empty list is no calls (templates test for the key)
+                parsed[-1]["tool_calls"] = calls
+        if role == "assistant":
+            parsed[-1].update(_message_reasoning(message, param))
         if role == "tool":  # a tool's result: which call it answers
             for name in ("tool_call_id", "name"):
                 if isinstance(message.get(name), str):
                     parsed[-1][name] = message[name]
     return parsed
+
+
+def _message_reasoning(message: dict[str, Any], param: str) -> dict[str, str]:
+    """An assistant turn's reasoning (`reasoning`, or its former name `reasoning_content`), given
+    to the template under both names (Qwen3's reads `reasoning_content`); {} without one."""
+    for name in ("reasoning", "reasoning_content"):
+        value = message.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ProtocolError(f"'{param}.{name}' must be a string", param=f"{param}.{name}")
+        return {"reasoning": _text(value, f"{param}.{name}"), "reasoning_content": value}
+    return {}
 
 
 def _text(value: str, param: str) -> str:
@@ -447,7 +491,7 @@ def _message_text(content: Any, role: str, param: str) -> str:
 def num_prompt_chars(request: GenerationRequest, index: int = 0) -> int:
     """Characters of the client's text: prompt `index`, or the messages' contents (0 for token ids)."""
     if request.is_chat:
-        return sum(len(m["content"]) for m in request.messages)
+        return sum(len(m["content"]) + len(m.get("reasoning", "")) for m in request.messages)
     prompt = request.prompts[index]
     return len(prompt) if isinstance(prompt, str) else 0
 
@@ -471,18 +515,38 @@ def prompt_token_ids(tokenizer: Any, request: GenerationRequest, index: int = 0)
     unless the client turned it off), else the tokenizer (with its special tokens, e.g. BOS,
     unless `add_special_tokens` is false) or the client's own ids."""
     if request.is_chat:
-        try:
-            return encode_chat(tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt,
-                               add_special_tokens=request.add_special_tokens,
-                               tools=request.tools.template_tools if request.tools is not None else None)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise ProtocolError(f"the chat template rejected the messages: {e}", param="messages") from None
-        except RecursionError:
-            raise ProtocolError("the messages are nested too deeply for the chat template", param="messages") from None
+        return _encode_chat_request(tokenizer, request)
     prompt = request.prompts[index]
     if isinstance(prompt, str):
         return encode_text(tokenizer, prompt, add_special_tokens=request.add_special_tokens)
     return list(prompt)
+
+
+# What a chat template may raise on a request's messages or variables (its raise_exception is a TemplateError).
+_TEMPLATE_ERRORS = (ValueError, TypeError, ArithmeticError, LookupError, AttributeError, jinja2.TemplateError)
+
+
+def _encode_chat_request(tokenizer: Any, request: GenerationRequest, with_kwargs: bool = True) -> list[int]:
+    """The chat template's token ids; a template that refuses the request is a 400 naming
+    `chat_template_kwargs` when the messages alone render, else `messages`."""
+    kwargs = request.chat_template_kwargs if with_kwargs else None
+    try:
+        return encode_chat(tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt,
+                           add_special_tokens=request.add_special_tokens, chat_template_kwargs=kwargs,
+                           tools=request.tools.template_tools if request.tools is not None else None)
+    except _TEMPLATE_ERRORS as e:
+        error = e
+    except RecursionError:
+        raise ProtocolError("the messages are nested too deeply for the chat template", param="messages") from None
+    if kwargs:
+        try:
+            _encode_chat_request(tokenizer, request, with_kwargs=False)
+        except ProtocolError:
+            pass
+        else:
+            raise ProtocolError(f"the chat template rejected 'chat_template_kwargs': {error}",
+                                param="chat_template_kwargs")
+    raise ProtocolError(f"the chat template rejected the messages: {error}", param="messages")
 
 
 def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_seq_len: int,
@@ -525,17 +589,18 @@ def admission_error(error: InvalidRequestError, request: GenerationRequest) -> P
 # ---- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------------
 
 _UNSUPPORTED_TOKENIZE_FIELDS = {name: UNSUPPORTED_CHAT_FIELDS[name] for name in (
-    "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")}
+    "continue_final_message", "chat_template", "documents", "mm_processor_kwargs")}
 _UNSUPPORTED_TOKENIZE_FIELDS["tools"] = _is_empty
 _SERVED_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                           "return_token_strs"}
+                           "return_token_strs", "chat_template_kwargs"}
 
 
 def parse_tokenize_request(body: Any, served_models: str | tuple[str, ...]) -> tuple[GenerationRequest, bool]:
     """A /tokenize body: {"prompt": text} or {"messages": [...]}, with `add_special_tokens`
     (default: true for a prompt, false for messages, as vLLM), `add_generation_prompt` (messages,
     default true) and `return_token_strs`. Returns the prompt as a GenerationRequest (so it is
-    encoded exactly as generation would) and whether token strings were asked for."""
+    encoded exactly as generation would; `chat_template_kwargs` too) and whether token strings were
+    asked for."""
     fields = _common_checks(body, served_models)
     _check_field_support(body, _UNSUPPORTED_TOKENIZE_FIELDS, _SERVED_TOKENIZE_FIELDS)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -552,6 +617,8 @@ def parse_tokenize_request(body: Any, served_models: str | tuple[str, ...]) -> t
         messages=_parse_messages(body["messages"]) if has_messages else None,
         add_special_tokens=fields.boolean("add_special_tokens", default=has_prompt),
         add_generation_prompt=fields.boolean("add_generation_prompt", default=True))
+    if has_messages:
+        request.chat_template_kwargs = _parse_chat_template_kwargs(body.get("chat_template_kwargs"))
     return request, fields.boolean("return_token_strs")
 
 
@@ -716,13 +783,14 @@ class ResponseShaper:
     def __init__(self, *, is_chat: bool, model: str, token_text: TokenText, want_logprobs: bool,
                  include_usage: bool = False, prompts: list[tuple[str, list[int]]] | None = None,
                  choices_per_prompt: int = 1, echo: bool = False, want_prompt_logprobs: bool = False,
-                 tool_parser: Callable[[], ToolCallParser | None] | None = None,
+                 output_parser: Callable[[], ChoiceOutput | None] | None = None,
                  continuous_usage: bool = False) -> None:
         """`prompts`: (text, token ids) of each prompt, choice i's being prompt i //
         `choices_per_prompt`; `echo` puts a completion's prompt (and its logprobs) before its
-        text; `want_prompt_logprobs` adds vLLM's prompt_logprobs; `tool_parser()` gives each chat
-        choice its tool-call parser (None: plain content); `continuous_usage` puts each choice's
-        usage so far in each of its chunks (vLLM's continuous_usage_stats)."""
+        text; `want_prompt_logprobs` adds vLLM's prompt_logprobs; `output_parser()` gives each chat
+        choice its parser of reasoning and tool calls (serve/chat_output.py; None: plain content);
+        `continuous_usage` puts each choice's usage so far in each of its chunks (vLLM's
+        continuous_usage_stats)."""
         self.is_chat = is_chat
         self.model = model
         self.token_text = token_text
@@ -736,15 +804,16 @@ class ResponseShaper:
         self.choices_per_prompt = choices_per_prompt
         self.echo = echo and not is_chat
         self.want_prompt_logprobs = want_prompt_logprobs
-        self.tool_parser = tool_parser or (lambda: None)
-        self._tool_parsers: dict[int, ToolCallParser | None] = {}  # streaming: per choice
+        self.output_parser = output_parser or (lambda: None)
+        self._output_parsers: dict[int, ChoiceOutput | None] = {}  # streaming: per choice
         self._started: set[int] = set()  # streaming: choices whose first chunk was built
 
     def _prompt(self, index: int) -> tuple[str, list[int]]:
         return self.prompts[index // self.choices_per_prompt] if self.prompts else ("", [])
 
     def _structured_item(self, item: dict[str, Any], index: int, choice: ChoiceState) -> None:
-        """Echo and prompt logprobs (completions), tool calls (chat) on one choice of a full response."""
+        """Echo and prompt logprobs (completions), reasoning and tool calls (chat) on one choice of a
+        full response."""
         text, prompt_ids = self._prompt(index)
         if self.echo:
             item["text"] = text + item["text"]
@@ -753,23 +822,21 @@ class ResponseShaper:
                                                  completion_logprobs(choice.logprobs, self.token_text, len(text)))
         if self.want_prompt_logprobs and not self.is_chat:
             item["prompt_logprobs"] = prompt_logprobs_field(choice.prompt_logprobs, self.token_text)
-        parser = self.tool_parser() if self.is_chat else None
+        parser = self.output_parser() if self.is_chat else None
         if parser is not None:
-            content, calls, item["finish_reason"] = parser.parse(choice.text, choice.finish_reason)
-            item["message"]["content"] = content
-            if calls:
-                item["message"]["tool_calls"] = calls
+            fields, item["finish_reason"] = parser.parse(choice.text, choice.finish_reason)
+            item["message"].update(fields)
 
     def _structured_chunk(self, chunk: dict[str, Any], index: int, output: RequestOutput) -> dict[str, Any]:
         """Echo and prompt logprobs on a choice's first chunk; a chat choice's delta through its
-        tool-call parser."""
+        reasoning and tool-call parser."""
         choice = chunk["choices"][0]
         first = index not in self._started
         self._started.add(index)
         if self.is_chat:
-            if index not in self._tool_parsers:
-                self._tool_parsers[index] = self.tool_parser()
-            parser = self._tool_parsers[index]
+            if index not in self._output_parsers:
+                self._output_parsers[index] = self.output_parser()
+            parser = self._output_parsers[index]
             if parser is not None:
                 choice["delta"], choice["finish_reason"] = parser.stream(
                     output.new_text, output.finished, output.finish_reason if output.finished else None)

@@ -10,7 +10,7 @@ sampling. Chat's field names in its refusals are turned into the Responses ones 
 Nothing is stored: `store` may be false or absent, and no response can be fetched later.
 
 Responses: `ResponsesShaper` builds the Response (an assistant message and/or function calls, the
-calls parsed by `serve.structured.ToolCallParser` as on chat) and, streamed, OpenAI's events in
+calls parsed by `serve.tool_parsers.ToolCallParser` as on chat) and, streamed, OpenAI's events in
 OpenAI's order, each numbered by `sequence_number`. No jax and no aiohttp here.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxserve.request import SamplingParams, is_valid_unicode
 from serve.protocol import (UNSUPPORTED_CHAT_FIELDS, ChoiceState, GenerationRequest, ProtocolError,
                             _check_field_support, _is_empty, _is_false, _only_null, _printable, parse_chat_request,
                             total_usage)
-from serve.structured import ToolCallParser
+from serve.tool_parsers import ToolCallParser
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 _FORMAT_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")

@@ -1,32 +1,26 @@
-"""Structured output and tool calling, the protocol side (no jax).
+"""Structured output and tool calling, the request side (no jax).
 
 Requests: OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (or `structured_outputs` with the same keys)
 become one `StructuredOutputParams` (`parse_structured_output`); chat's `tools` and `tool_choice`
 become a `ToolsRequest` (`parse_tools`). "required" and a named function are enforced by a JSON
-schema grammar (`ToolsRequest.grammar`); "auto" lets the model choose and parses its tool-call
-format where the chat template defines one (Hermes: `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`, as Qwen's templates); "none" leaves the tools out of the prompt.
-
-Responses: `ToolCallParser` turns a choice's text into (content, tool_calls), whole or as a stream
-of deltas (content streams until a tool call starts; a named function's arguments stream as they
-come; other tool calls are sent complete when the choice ends).
+schema grammar (`ToolsRequest.grammar`); "auto" lets the model choose, and the server parses the
+tool-call format of its chat template or of `--tool_call_parser` (`resolve_auto_tool_choice`;
+the formats are serve/tool_parsers.py's); "none" leaves the tools out of the prompt.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import uuid
 from typing import Any
 
 from jaxserve.structured_output import StructuredOutputParams
+from serve.tool_parsers import TOOL_PARSERS, detect_tool_format
 
 MAX_TOOLS = 128
 MAX_ARGUMENT_DEPTH = 64  # nesting of a tool call's arguments given back in messages (templates recurse)
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 # vLLM's guided_* fields and the keys of its structured_outputs object, with the kind each names.
 _GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -198,7 +192,7 @@ def parse_tool_call_message(message: dict[str, Any], param: str) -> list[dict[st
                 pass
         elif not isinstance(arguments, dict):
             raise StructuredRequestError(f"'{where}.function.arguments' must be a JSON string", where)
-        if isinstance(arguments, dict) and _depth(arguments) > MAX_ARGUMENT_DEPTH:
+        if isinstance(arguments, dict) and nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
             raise StructuredRequestError(f"'{where}.function.arguments' is nested deeper than {MAX_ARGUMENT_DEPTH} "
                                          "levels", f"{where}.function.arguments")
         parsed.append({"id": str(call.get("id", "")), "type": "function",
@@ -206,7 +200,7 @@ def parse_tool_call_message(message: dict[str, Any], param: str) -> list[dict[st
     return parsed
 
 
-def _depth(value: Any, limit: int = 1000) -> int:
+def nesting_depth(value: Any, limit: int = 1000) -> int:
     """How deeply lists and dicts nest in `value` (iteratively: no recursion limit to meet)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -217,124 +211,6 @@ def _depth(value: Any, limit: int = 1000) -> int:
                 return deepest
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
-    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-    return call if index is None else {"index": index, **call}
-
-
-def _call_from_json(value: Any) -> dict[str, Any] | None:
-    """{"name": str, "arguments": object} (Hermes calls "parameters" too) -> a tool call, else None."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return tool_call(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                            ensure_ascii=False))
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-style output -> (content before the first call or None, tool calls). Text with a
-    call that is not valid JSON is all content (no calls), as vLLM's parser does."""
-    if HERMES_START not in text:
-        return text, []
-    calls = []
-    for match in _HERMES_CALL.finditer(text):
-        try:
-            call = _call_from_json(json.loads((match.group(1) or match.group(2) or "").strip()))
-        except (ValueError, RecursionError):
-            call = None
-        if call is None:
-            return text, []
-        calls.append(call)
-    content = text[:text.index(HERMES_START)]
-    return (content if content.strip() else None), calls
-
-
-class ToolCallParser:
-    """The tool calls in one choice's output. `mode`: "named" (the text is the function's
-    arguments), "required" (a JSON array of {"name", "arguments"}), "hermes" (auto, on a
-    template with Hermes tool calls)."""
-
-    def __init__(self, mode: str, name: str | None = None) -> None:
-        self.mode = mode
-        self.name = name
-        self._text = ""
-        self._sent = 0  # characters of the text already streamed as content (hermes) or arguments (named)
-        self._call_id: str | None = None
-
-    @classmethod
-    def for_request(cls, tools: ToolsRequest | None, template_format: str | None) -> "ToolCallParser | None":
-        if tools is None or tools.choice == "none":
-            return None
-        if tools.choice in ("named", "required"):
-            return cls(tools.choice, tools.name)
-        return cls("hermes") if template_format == "hermes" else None
-
-    def parse(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
-        """The whole output -> (content, tool calls, finish_reason: "tool_calls" when there are
-        calls and the output ended on its own)."""
-        if self.mode == "named":  # the output is the call's arguments, complete or cut by max_tokens (as streamed)
-            calls, content = [tool_call(self.name, text)], None
-        elif self.mode == "required":
-            try:
-                calls = [c for c in (_call_from_json(v) for v in json.loads(text)) if c is not None]
-            except (ValueError, TypeError, RecursionError):
-                calls = []
-            content = None if calls else text
-        else:
-            content, calls = parse_hermes(text)
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return content, calls, finish_reason
-
-    def stream(self, delta: str, finished: bool, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """One text delta -> (the chat delta to send: "content" and/or "tool_calls" keys, possibly
-        empty; the finish reason to report)."""
-        self._text += delta
-        out: dict[str, Any] = {}
-        if self.mode == "named":  # arguments stream as they come
-            if self._call_id is None and (delta or finished):
-                self._call_id = new_call_id()
-                out["tool_calls"] = [{"index": 0, "id": self._call_id, "type": "function",
-                                      "function": {"name": self.name, "arguments": delta}}]
-            elif delta:
-                out["tool_calls"] = [{"index": 0, "function": {"arguments": delta}}]
-            return out, ("tool_calls" if finished and finish_reason == "stop" else finish_reason)
-        if self.mode == "hermes":  # content until a tool call may be starting
-            start = self._text.find(HERMES_START)
-            safe = start if start >= 0 else len(self._text) - _partial_suffix(self._text, HERMES_START)
-            if safe > self._sent:
-                out["content"] = self._text[self._sent:safe]
-                self._sent = safe
-        if not finished:
-            return out, finish_reason
-        content, calls, finish_reason = self.parse(self._text, finish_reason)
-        if calls:
-            out["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        elif content and len(content) > self._sent:  # no call after all: the rest is content
-            out["content"] = out.get("content", "") + content[self._sent:]
-        return out, finish_reason
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -351,7 +227,49 @@ def template_renders_tools(tokenizer: Any) -> bool:
     return with_tools != plain
 
 
-def template_tool_format(chat_template: Any) -> str | None:
-    """The tool-call format a chat template defines: "hermes" when it writes <tool_call> tags."""
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    return "hermes" if any(HERMES_START in str(t) for t in templates) else None
+class ToolConfigError(ValueError):
+    """Tool flags the model's chat template cannot serve (a startup error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoToolChoice:
+    """What tool_choice "auto" does on this server: `format`, the tool-call format parsed from
+    the output (None: plain content), or `refusal`, why it is a 400; `source` says where the
+    format came from (for the startup log)."""
+    format: str | None
+    refusal: str | None = None
+    source: str = ""
+
+
+_NOT_RENDERED = ("tool_choice 'auto' (the default with 'tools') needs a chat template that shows the model its tools, "
+                 "and this model's does not: the tools would be ignored. Use tool_choice 'required' or a named "
+                 "function (enforced by a grammar), or 'none'")
+
+
+def resolve_auto_tool_choice(tokenizer: Any, tool_call_parser: str | None = None,
+                             enable_auto_tool_choice: bool | None = None) -> AutoToolChoice:
+    """"auto" for the server's flags (vLLM's --tool_call_parser and --enable_auto_tool_choice).
+
+    Neither flag: the format the chat template asks for, if any (a template that does not render
+    tools refuses "auto"). `tool_call_parser` chooses the format; `enable_auto_tool_choice` true
+    requires one (the flag's or the template's), false refuses "auto" as vLLM does without it.
+    Raises ToolConfigError where a flag cannot work: a parser for a template that never shows the
+    model its tools, or auto tool choice with no format to parse."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ToolConfigError(f"--tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    renders = template_renders_tools(tokenizer)
+    if tool_call_parser is not None and not renders:
+        raise ToolConfigError(f"--tool_call_parser={tool_call_parser}: the model's chat template does not show the "
+                              "model its tools, so it would never write such calls")
+    detected = detect_tool_format(getattr(tokenizer, "chat_template", None))
+    format, source = (tool_call_parser, "--tool_call_parser") if tool_call_parser else (detected, "the chat template")
+    if enable_auto_tool_choice and not renders:
+        raise ToolConfigError("--enable_auto_tool_choice: the model's chat template does not show the model its "
+                              "tools, so it would never call one")
+    if enable_auto_tool_choice and format is None:
+        raise ToolConfigError("--enable_auto_tool_choice needs --tool_call_parser (" + ", ".join(TOOL_PARSERS) +
+                              "): the model's chat template asks for no tool-call format jaxserve recognizes")
+    if enable_auto_tool_choice is False:
+        return AutoToolChoice(format, "tool_choice 'auto' is turned off on this server (--noenable_auto_tool_choice): "
+                                      "use 'required', a named function or 'none'", source)
+    return AutoToolChoice(format, None if renders else _NOT_RENDERED, source)

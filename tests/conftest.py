@@ -19,3 +19,16 @@ def tiny_chat_model_dir(tmp_path_factory) -> str:
     out_dir = str(tmp_path_factory.mktemp("tiny_chat") / "model")
     convert_checkpoint(hf_dir, out_dir)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_engine(tiny_chat_model_dir, tmp_path_factory):
+    """One Engine on the tiny chat model (1024 positions: room for tools' descriptions; a random
+    model works at any length), shared by servers that differ only in their chat template
+    (tests/chat_parsing.py's serve_with_template), so that each costs no engine build."""
+    from jaxserve.engine import Engine, EngineConfig
+    from tests.chat_parsing import model_with_template
+
+    folder = model_with_template(tiny_chat_model_dir, str(tmp_path_factory.mktemp("tiny_chat_1024") / "model"))
+    return Engine.from_model(folder, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, page_size=8,
+                                                  num_pages=800, max_model_len=768, warmup=False))

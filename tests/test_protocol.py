@@ -389,12 +389,11 @@ NOT_NEUTRAL = {
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "reasoning_effort": "low", "web_search_options": {}, "verbosity": "low", "store": True,
     "continue_final_message": True, "documents": [{"text": "x"}], "chat_template": "{{ 1 }}",
-    "chat_template_kwargs": {"enable_thinking": False},
 }
 NEUTRAL = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "bad_words": [],
            "priority": 0, "logits_processors": [], "return_token_ids": False, "service_tier": "auto",
            "modalities": ["text"], "store": False, "function_call": "none", "continue_final_message": False,
-           "chat_template_kwargs": {}, "request_id": None, "user": "u-1", "metadata": {"a": "b"},
+           "request_id": None, "user": "u-1", "metadata": {"a": "b"},
            "prompt_cache_key": "k", "safety_identifier": "s"}
 
 

@@ -349,7 +349,8 @@ def test_step_data_and_output_side_modules_do_not_import_jax():
     import subprocess
     import sys
     code = ("import sys, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs, jaxserve.structured_output, "
-            "serve.structured; assert 'jax' not in sys.modules, 'jax imported'")
+            "serve.structured, serve.tool_parsers, serve.reasoning, serve.chat_output, serve.protocol; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -5,6 +5,7 @@ them; tool calls and tool results in the history go through the chat template; b
 naming the field."""
 import json
 import os
+import re
 import shutil
 
 import jsonschema
@@ -12,11 +13,11 @@ import openai
 import pytest
 import requests
 
-from jaxserve.engine import Engine, EngineConfig
 from jaxserve.request import encode_chat
+from serve.app import ServerConfig
 from serve.protocol import parse_chat_request, prompt_token_ids
-from serve.structured import ToolCallParser, parse_hermes
-from tests.test_server_engine import LiveServer
+from serve.tool_parsers import HermesToolParser, ToolCallParser
+from tests.chat_parsing import serve_with_template
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call functions. Their signatures, within <tools></tools> tags:
@@ -75,13 +76,11 @@ def hermes_model_dir(tiny_chat_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(hermes_model_dir):
-    engine = Engine.from_model(hermes_model_dir, EngineConfig(
-        max_num_seqs=16, max_num_batched_tokens=256, page_size=8, num_pages=800, max_model_len=512, warmup=False))
-    live = LiveServer(engine)
-    live.model = engine.model_name
-    yield live
-    live.close()
+def server(tiny_chat_engine):
+    """The shared tiny engine, served with the Hermes template."""
+    with serve_with_template(tiny_chat_engine, HERMES_TEMPLATE, ServerConfig(drain_timeout_s=2.0)) as live:
+        live.model = tiny_chat_engine.model_name
+        yield live
 
 
 def client(server):
@@ -91,7 +90,7 @@ def client(server):
 def assert_valid_calls(calls, allowed):
     assert calls, "no tool call"
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call.id)  # vLLM's ids
         assert call.function.name in allowed
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
@@ -250,24 +249,23 @@ def test_bad_tools_are_refused_naming_the_field(server, body, param):
 
 
 def test_hermes_parser():
-    content, calls = parse_hermes('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-                                  '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    parse = HermesToolParser().parse
+    content, calls = parse('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+                           '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
     assert content == "Let me check.\n"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("a", {"x": 1}),
-                                                                                                 ("b", {})]
-    assert parse_hermes("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
-    assert parse_hermes("plain") == ("plain", [])
-    _, calls = parse_hermes('<tool_call>{"name": "a", "arguments": {}}')  # no closing tag: to the end
-    assert calls[0]["function"]["name"] == "a"
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == [("a", {"x": 1}), ("b", {})]
+    assert parse("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    assert parse("plain") == ("plain", [])
+    assert parse('<tool_call>{"name": "a", "arguments": {}}') == (None, [("a", "{}")])  # no closing tag: to the end
 
 
 def test_hermes_stream_holds_back_what_may_be_a_tag():
-    parser = ToolCallParser("hermes")
+    parser = ToolCallParser("auto", format=HermesToolParser())
     sent = [parser.stream(piece, False, None)[0].get("content", "") for piece in ["Hi <tool", "s> and <t"]]
     assert sent == ["Hi ", "<tools> and "]
     delta, finish_reason = parser.stream("ool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", True, "stop")
     assert finish_reason == "tool_calls" and "content" not in delta
     assert delta["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
-    plain = ToolCallParser("hermes")
+    plain = ToolCallParser("auto", format=HermesToolParser())
     assert plain.stream("a <tool", False, None)[0] == {"content": "a "}
     assert plain.stream("", True, "length") == ({"content": "<tool"}, "length")

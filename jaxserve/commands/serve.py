@@ -15,6 +15,9 @@ API_KEY_ENV = "JAXSERVE_API_KEY"
 
 
 def define_flags(fv: flags.FlagValues) -> None:
+    from serve.reasoning import REASONING_PARSERS
+    from serve.tool_parsers import TOOL_PARSERS
+
     flags.DEFINE_string("host", "127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)",
                         flag_values=fv)
     flags.DEFINE_integer("port", 8000, "TCP port", lower_bound=0, upper_bound=65535, flag_values=fv)
@@ -52,6 +55,17 @@ def define_flags(fv: flags.FlagValues) -> None:
                         "e.g. '{\"temperature\": 0.7, \"top_p\": 0.9}' (fields: temperature, top_p, top_k, min_p, "
                         "repetition_penalty, presence_penalty, frequency_penalty, max_tokens)", flag_values=fv)
     flags.register_validator("default_sampling", _valid_default_sampling, flag_values=fv)
+    flags.DEFINE_boolean("enable_auto_tool_choice", None, "tool_choice 'auto' (vLLM's flag): true requires a tool-call "
+                         "format (--tool_call_parser or the one the chat template asks for; exit 2 without one), "
+                         "false (--noenable_auto_tool_choice) refuses 'auto' with a 400. Default: 'auto' wherever "
+                         "the chat template shows the model its tools", flag_values=fv)
+    flags.DEFINE_enum("tool_call_parser", None, list(TOOL_PARSERS), "the tool-call format parsed from the "
+                      "output under tool_choice 'auto' (vLLM's names: hermes for Qwen, llama3_json for Llama 3.x, "
+                      "mistral). Default: the one the chat template asks for. Exit 2 on a template that does not "
+                      "render tools", flag_values=fv)
+    flags.DEFINE_enum("reasoning_parser", None, list(REASONING_PARSERS), "split the <think>...</think> part of chat "
+                      "output into 'reasoning' (and 'reasoning_content') apart from 'content' (vLLM's names: qwen3, "
+                      "deepseek_r1). Default: none, the output is all content", flag_values=fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
     engine_flags.define_distributed_flags(fv)
@@ -134,6 +148,20 @@ def _log_ready(fv: flags.FlagValues, port: int) -> None:
     logging.getLogger(__name__).info("ready: the OpenAI API at %s/v1%s", base, page)
 
 
+def _log_chat_parsing(app) -> None:
+    """One line on what tool_choice "auto" does, and which reasoning parser splits the output."""
+    from serve.app import STATE
+    state = app[STATE]
+    auto = state.auto_tools
+    if auto.refusal is not None:
+        line = f"tool_choice auto: refused ({auto.refusal})"
+    elif auto.format is None:
+        line = "tool_choice auto: plain content (the chat template asks for no tool-call format jaxserve parses)"
+    else:
+        line = f"tool_choice auto: {auto.format} tool calls parsed (from {auto.source})"
+    logging.getLogger(__name__).info("%s; reasoning parser: %s", line, state.config.reasoning_parser or "none")
+
+
 def run(fv: flags.FlagValues) -> int:
     logging.basicConfig(level=fv.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):  # checkpoint-restore chatter, missing TPU plugin
@@ -155,6 +183,9 @@ def run(fv: flags.FlagValues) -> int:
         served_model_names=tuple(name for name in fv.served_model_name or () if name),
         web_ui=not fv.no_web_ui,
         allowed_origins=parse_allowed_origins(fv.allowed_origins or ()),
+        tool_call_parser=fv.tool_call_parser,
+        enable_auto_tool_choice=fv.enable_auto_tool_choice,
+        reasoning_parser=fv.reasoning_parser,
     )
 
     limits = ConnectionLimits(max_connections=fv.max_connections or None, header_timeout_s=fv.header_timeout_s,
@@ -185,8 +216,13 @@ def run(fv: flags.FlagValues) -> int:
             from serve.app import ServerStopping  # a failed job answers 503, naming the failure
             engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
-            await serve_until_stopped(create_app(engine, config), fv.host, fv.port, limits=limits,
-                                      on_ready=lambda port: _log_ready(fv, port))
+            app = create_app(engine, config)
+        except ValueError as e:  # tool or reasoning flags the model's chat template cannot serve
+            print(f"jaxserve serve: {e}", file=sys.stderr)
+            return 2
+        _log_chat_parsing(app)
+        try:
+            await serve_until_stopped(app, fv.host, fv.port, limits=limits, on_ready=lambda port: _log_ready(fv, port))
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1
