@@ -25,7 +25,7 @@ from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
 from serve.responses import (ResponsesRequest, ResponsesShaper, client_error, not_stored_error,
-                             parse_responses_request, sse_events)
+                             parse_responses_request, responses_call_ids, sse_events)
 from serve.chat_output import choice_output_factory
 from serve.reasoning import REASONING_PARSERS
 from serve.structured import resolve_auto_tool_choice
@@ -365,7 +365,7 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
               for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
     if isinstance(req, ResponsesRequest):
         shaper = ResponsesShaper(req, prepared[0][1], functools.partial(
-            ToolCallParser.for_request, req.tools, state.tool_format, state.new_call_id))
+            ToolCallParser.for_request, req.tools, state.tool_format, responses_call_ids(state.new_call_id)))
     else:
         shaper = ResponseShaper(is_chat=is_chat, model=req.model, token_text=state.token_text,
                                 want_logprobs=req.logprobs is not None, include_usage=req.include_usage,

@@ -28,7 +28,7 @@ from jaxserve.request import SamplingParams, is_valid_unicode
 from serve.protocol import (UNSUPPORTED_CHAT_FIELDS, ChoiceState, GenerationRequest, ProtocolError,
                             _check_field_support, _is_empty, _is_false, _only_null, _printable, parse_chat_request,
                             total_usage)
-from serve.tool_parsers import ToolCallParser
+from serve.tool_parsers import ToolCallParser, vllm_call_id
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 _FORMAT_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
@@ -64,17 +64,24 @@ UNSUPPORTED_RESPONSES_FIELDS = {
     "media_io_kwargs": _is_empty, "enable_response_messages": _is_false, "previous_input_messages": _only_null,
     **{name: UNSUPPORTED_CHAT_FIELDS[name] for name in (
         "service_tier", "priority", "cache_salt", "kv_transfer_params", "mm_processor_kwargs", "vllm_xargs",
-        "request_id", "chat_template_kwargs")},
+        "request_id")},
 }
 # Fields passed to the chat parser as they are: OpenAI's, and vLLM's extensions of the Responses API.
 _CHAT_FIELDS = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "metadata",
                 "prompt_cache_key", "safety_identifier", "top_k", "repetition_penalty", "seed", "stop", "ignore_eos",
-                "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "structured_outputs")
+                "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "structured_outputs",
+                "chat_template_kwargs")
 _SERVED_RESPONSES_FIELDS = set(_CHAT_FIELDS) | {"input", "instructions", "max_output_tokens", "tools", "tool_choice",
                                                 "text"}
 # Function tool fields OpenAI defines that change how a call is made or answered: not implemented.
 _UNSUPPORTED_TOOL_FIELDS = ("defer_loading", "allowed_callers", "async", "output_schema", "namespace")
 
+
+
+def responses_call_ids(server_ids: Callable[[], str]) -> Callable[[], str]:
+    """The call ids of a Responses output: OpenAI's `call_...` form, unless the server's tool-call
+    format needs its own (Mistral's 9 characters, which its template checks in the history)."""
+    return (lambda: f"call_{uuid.uuid4().hex}") if server_ids is vllm_call_id else server_ids
 
 @dataclasses.dataclass
 class ResponsesRequest(GenerationRequest):
