@@ -262,6 +262,12 @@ def _with_structured_fields(request: GenerationRequest, fields: _Fields) -> Gene
     except StructuredRequestError as e:
         raise ProtocolError(str(e), param=e.param) from None
     if request.tools is not None and request.tools.grammar() is not None and request.structured_output is not None:
+        if request.structured_output.param.startswith("response_format"):
+            # A forced call is the whole output and `response_format` shapes a text answer, which this
+            # output cannot hold (OpenAI accepts both; vLLM's tool schema replaces the format): the
+            # call's grammar applies. The Agents SDK sends both for an agent with an output_type.
+            request.structured_output = None
+            return request
         raise ProtocolError(f"'tool_choice' {request.tools.choice!r} constrains the output: it cannot be combined "
                             f"with '{request.structured_output.param}'", param="tool_choice")
     return request

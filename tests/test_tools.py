@@ -173,6 +173,19 @@ def test_a_named_call_cut_by_max_tokens_has_the_same_shape_streamed_or_not(serve
     assert not any(ch.choices[0].delta.content for ch in chunks)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_takes_over_response_format(server, tool_choice):
+    """A forced call with a `response_format` (OpenAI accepts both; the Agents SDK sends both for
+    an agent with an output_type): the call's grammar writes the output, as vLLM's does."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "convert", "schema": CONVERT}}
+    choice = client(server).chat.completions.create(
+        model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+        response_format=response_format, temperature=0, max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    assert_valid_calls(choice.message.tool_calls, SCHEMAS if tool_choice == "required" else {"get_weather"})
+
+
 HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}'
                r'\n</tool_call>')
 
@@ -237,7 +250,7 @@ def test_history_with_tool_calls_and_results_goes_through_the_template(hermes_mo
     ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
       "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "[a-z]+"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": "nope"}]}, "messages[1].tool_calls"),
 ])
