@@ -27,10 +27,12 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from typing import Any, Hashable
 
 import jax
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 log = logging.getLogger(__name__)
 
@@ -78,22 +80,48 @@ def environment() -> dict[str, str]:
     """What an executable depends on besides the engine: jax, the devices, XLA flags, the source."""
     import jaxlib
     devices = jax.devices()
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
-            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_digest()}
+    env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
+           "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_digest()}
+    if env["platform"] == "cpu":  # the step calls the C++ kernels where they are built: registered
+        import cpu_kernels       # here, since a loaded executable is never traced (tracing registers them)
+        env["cpu_kernels"] = "registered" if cpu_kernels.available() else "off"
+    return env
 
 
 @contextlib.contextmanager
 def persistent_cache_off():
     """JAX's persistent compilation cache switched off meanwhile (process-wide). An executable
-    served by that cache cannot be serialized again on the CPU (its loaded copy fails with
-    "Function ... not found"), so shapes to be saved are compiled afresh."""
+    served by that cache cannot be serialized again on the CPU (loaded in another process it fails
+    with "Function ... not found"), so shapes to be saved are compiled afresh. jax decides once per
+    process whether the cache is used: `reset_cache` makes it decide again, on and after."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
+_compile_events = threading.local()  # per compiling thread: whether jax's last compile was a cache hit
+
+
+def _note_cache_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compile_events.cache_hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
+
+def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
+    """`lowered.compile()`, and whether XLA compiled it (False: the persistent cache served it,
+    and such an executable must not be saved; see persistent_cache_off)."""
+    _compile_events.cache_hit = False
+    compiled = lowered.compile()
+    return compiled, not _compile_events.cache_hit
 
 
 def default_directory() -> str | None:

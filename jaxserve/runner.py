@@ -495,8 +495,8 @@ class ModelRunner:
             """The executable of `key`: from the store, else `lower()` compiled (and saved)."""
             compiled = store.load(key) if store is not None else None
             if compiled is None:
-                compiled = lower().compile()
-                if store is not None:
+                compiled, fresh = executables.compile_fresh(lower())
+                if store is not None and fresh:
                     store.save(key, compiled)
             return compiled
 
