@@ -273,6 +273,9 @@ class ModelRunner:
             "num_scheduler_steps": str(self.num_scheduler_steps),
             "cpu_int8_activations": str(self.cpu_int8_activations),
             "mesh": "none" if shardings is None else repr(shardings.mesh),
+            # the devices themselves (a data-parallel replica's executables run on its own group)
+            "device_ids": repr(sorted({d.id for leaf in jax.tree_util.tree_leaves(self.kv_cache)
+                                       for d in leaf.sharding.device_set})),
             "params": executables.abstract_signature(self._step_params),
             "kv_cache": executables.abstract_signature(self.kv_cache)}
         if engine_config.executables is not None:

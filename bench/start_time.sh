@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Seconds from launching `jaxserve serve` to /health 200, for several starts in a row (the first
+# one fills the caches when they are empty), with each start's warm-up line (shapes compiled,
+# loaded from the saved executables, saved).
+#   bash bench/start_time.sh [STARTS=3] [PORT=8321] [extra serve flags...]
+# JAXSERVE_CACHE=<empty dir> measures a cold start (the model is then fetched and converted too).
+set -euo pipefail
+starts=${1:-3}; port=${2:-8321}; shift $(( $# < 2 ? $# : 2 ))
+jaxserve=${JAXSERVE:-$(dirname "$0")/../.venv/bin/jaxserve}
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+for i in $(seq 1 "$starts"); do
+  begin=$(date +%s.%N)
+  "$jaxserve" serve --port="$port" "$@" >"$log" 2>&1 &
+  pid=$!
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "start $i: the server exited"; tail -5 "$log"; exit 1; fi
+    sleep 0.1
+  done
+  ready=$(date +%s.%N)
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  printf 'start %d: /health 200 after %.1f s; %s\n' "$i" "$(echo "$ready - $begin" | bc)" \
+    "$(grep -o 'warm-up compiled.*' "$log" | head -1)"
+done
