@@ -48,7 +48,7 @@ serve: install
 ## Install with the test extras and run the whole suite; then the GPU compile check (its tests
 ## skip in the first run) in its own environment.
 test: install-test install-gpu-compile
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py tests/test_kernel_gpu_compile.py
 
 generate: install

@@ -90,6 +90,7 @@ def sampler_seconds(engine, rows: int, constrained: bool, repeats: int = 20) -> 
     or every row constrained by a mask llguidance computed inside a JSON string."""
     import jax
     from jaxserve import sampler, structured_output
+    from jaxserve.runner import ALWAYS_BIAS
     from jaxserve.scheduler import RowParams
     from jaxserve.request import SamplingParams
     runner = engine.runner
@@ -97,14 +98,14 @@ def sampler_seconds(engine, rows: int, constrained: bool, repeats: int = 20) -> 
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=1.0)
     inputs = sampler.build_sampling_inputs([RowParams(params, seed=i) for i in range(rows)], num_rows,
-                                           runner.max_model_len, False, False, runner.eos_token_ids, vocab_size=vocab)
+                                           runner.max_model_len, False, ALWAYS_BIAS, runner.eos_token_ids, vocab_size=vocab)
     if constrained:
         state = engine.grammar_compiler.new_state(structured_output.StructuredOutputParams("json_schema", SCHEMA))
         for token in engine.tokenizer.encode('{"notes": "The city', add_special_tokens=False):
             assert state.accept(token)
         structured_output.fill_bitmasks([(i, state) for i in range(rows)], inputs["token_bitmask"])
     logits = jax.device_put(np.random.default_rng(0).standard_normal((num_rows, vocab)).astype(np.float32))
-    key = (num_rows, False, False)
+    key = (num_rows, False, ALWAYS_BIAS)
     sample = runner._compiled_sample.get(key, runner._sample)
     jax.block_until_ready(sample(logits, inputs))  # compiles when not warmed up
     times = []

@@ -31,10 +31,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxserve import decode_loop, sampler, speculative
+from jaxserve import decode_loop, speculative
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.runner import Bucket, geometric_buckets
+from jaxserve.runner import ALWAYS_BIAS, Bucket, geometric_buckets
 from jaxserve.scheduler import row_params, uses_penalties
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class DraftProposer:
         self._verify_forward = jax.jit(functools.partial(forward, max_query_len=verify_width), donate_argnums=(1,))
         self._propose_steps = jax.jit(self._propose_steps_impl, donate_argnums=(1,))
         self._compiled_mirror: dict[Bucket, jax.stages.Compiled] = {}
-        self._compiled_propose: dict[tuple[DraftShape, bool, bool], jax.stages.Compiled] = {}
+        self._compiled_propose: dict[tuple[DraftShape, bool], jax.stages.Compiled] = {}  # (shape, penalties)
 
     # ---- keeping the cache in step --------------------------------------------------------
     def mirror(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> None:
@@ -108,7 +108,7 @@ class DraftProposer:
             return llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)[:2]
         return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, self.k, page_size=self.page_size)
 
-    def _inputs(self, requests: Sequence, shape: DraftShape, penalties: bool, bias: bool):
+    def _inputs(self, requests: Sequence, shape: DraftShape, penalties: bool):
         """`decode_loop.pack_inputs` of a proposal pass: each request's last token at its position,
         its pages and then its scratch pages, sampled as the target will sample there."""
         rows = []
@@ -118,7 +118,7 @@ class DraftProposer:
                          list(request.page_ids) + scratch.tolist(), row_params(request)))
         return decode_loop.pack_inputs(rows, num_rows=shape.num_rows, table_width=shape.pages_per_seq,
                                        num_steps=self.k, history_len=self.max_model_len, penalties=penalties,
-                                       bias=bias, eos_token_ids=self.eos_token_ids)
+                                       bias=ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
 
     def propose(self, requests: Sequence, k: int) -> list[list[int]]:
         """Up to `k` proposed tokens for each request (decoding: its last token not yet computed)."""
@@ -126,10 +126,8 @@ class DraftProposer:
             return []
         shape = self._shape(len(requests))
         penalties = any(uses_penalties(r.params) for r in requests)
-        # (a row's bias entries only shrink over the pass: min_tokens masking ends, logit_bias stays)
-        bias = any(sampler.bias_entries(row_params(r), self.eos_token_ids) for r in requests)
-        arrays, sampling = self._inputs(requests, shape, penalties, bias)
-        compiled = self._compiled_propose.get((shape, penalties, bias))
+        arrays, sampling = self._inputs(requests, shape, penalties)
+        compiled = self._compiled_propose.get((shape, penalties))
         if compiled is None:
             proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling)
         else:
@@ -140,7 +138,8 @@ class DraftProposer:
     # ---- compiling ------------------------------------------------------------------------
     def warmup(self, target_buckets: Sequence[Bucket]) -> int:
         """Compiles the mirror of every target bucket and the proposal pass for every row bucket
-        (with and without penalties and biases). Returns the number of shapes."""
+        (with and without penalties; the bias stage always runs, as the target's). Returns the number
+        of shapes."""
         start = time.perf_counter()
 
         def compile_mirror(bucket):
@@ -148,13 +147,13 @@ class DraftProposer:
             self._compiled_mirror[bucket] = forward.lower(self._step_params, self.kv_cache,
                                                           self.target.empty_batch(bucket)).compile()
 
-        def compile_propose(rows, penalties, bias):
+        def compile_propose(rows, penalties):
             shape = self._shape(rows)
-            arrays, sampling = self._inputs([], shape, penalties, bias)
-            self._compiled_propose[shape, penalties, bias] = self._propose_steps.lower(
+            arrays, sampling = self._inputs([], shape, penalties)
+            self._compiled_propose[shape, penalties] = self._propose_steps.lower(
                 self._step_params, self.kv_cache, arrays, sampling).compile()
 
-        variants = [(rows, p, b) for rows in self.row_buckets for p in (False, True) for b in (False, True)]
+        variants = [(rows, p) for rows in self.row_buckets for p in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             jobs = [pool.submit(compile_mirror, b) for b in target_buckets]
             jobs += [pool.submit(compile_propose, *v) for v in variants]

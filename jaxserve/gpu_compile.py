@@ -34,7 +34,7 @@ from jaxserve import compat, executables, memory, quantization, sampler, shardin
 from jaxserve.config import ModelConfig
 from jaxserve.gpu_targets import target_config, target_memory_budget_bytes
 from jaxserve.models import llama, weights
-from jaxserve.runner import Bucket, BucketSet
+from jaxserve.runner import ALWAYS_BIAS, Bucket, BucketSet
 from pallas_kernels import kv_quant
 from pallas_kernels.compat import quiet_pallas_deprecations
 
@@ -196,7 +196,7 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     samplers = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
-        for penalties, bias in itertools.product((False, True), (False, True)):  # the variants the engine warms up
+        for penalties, bias in itertools.product((False, True), (ALWAYS_BIAS,)):  # the variants the engine warms up
             inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
                       sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
                                                     model_config.eos_token_ids,

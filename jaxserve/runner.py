@@ -61,6 +61,11 @@ class Bucket:
     num_verify: int = 0
 
 
+# The sampler's logit-bias stage runs in every step (a row without entries pads it): it costs
+# under 0.1 ms per call at 1-8 rows beside a ~20 ms SmolLM2 decode step (bench/sampler_variants.py),
+# and so each row count compiles two sampler variants (with and without penalties), not four.
+ALWAYS_BIAS = True
+
 # Decode-only buckets of the CPU (XLA) path below the smallest decode bucket, from
 # bench/step_profile.py --row_sweep (see BucketSet).
 CPU_SMALL_DECODE_BUCKETS = (1, 2, 4)
@@ -246,7 +251,7 @@ class ModelRunner:
                                        in_shardings=(param_shardings, kv, shardings.replicated, shardings.replicated,
                                                      shardings.replicated),
                                        out_shardings=(shardings.replicated, kv))
-        self._compiled_multi_step: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}  # (bucket, bias)
+        self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
         self._sample = jax.jit(sample) if shardings is None else jax.jit(
             sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
@@ -255,7 +260,7 @@ class ModelRunner:
                                                           max_logprobs=max_logprobs))
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
-        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, bias)
+        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, ALWAYS_BIAS)
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
 
     def _open_executable_store(self, engine_config: EngineConfig, step_config: ModelConfig,
@@ -378,25 +383,23 @@ class ModelRunner:
             return forward(params, kv_cache, batch)[:2]
         return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, num_steps, page_size=self.page_size)
 
-    def _multi_step_inputs(self, bucket: Bucket, rows: Sequence, num_steps: int, bias: bool | None):
+    def _multi_step_inputs(self, bucket: Bucket, rows: Sequence, num_steps: int):
         """The arrays and stacked per-step sampling inputs of `decode_loop.decode_steps` for the
         decode `rows` (ScheduledRows; padded to the bucket); step i samples output step + i."""
-        if bias is None:
-            bias = any(sampler.bias_entries(row.sampling, self.eos_token_ids) for row in rows)
         try:
             arrays, sampling = decode_loop.pack_inputs(
                 [(row.token_ids[0], row.start, row.page_ids, row.sampling) for row in rows],
                 num_rows=bucket.num_decode, table_width=bucket.pages_per_seq, num_steps=self.num_scheduler_steps,
-                history_len=self.max_model_len, penalties=False, bias=bias, eos_token_ids=self.eos_token_ids)
+                history_len=self.max_model_len, penalties=False, bias=ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
         return arrays, sampling, np.int32(num_steps)
 
     def _execute_multi_step(self, batch: ScheduledBatch, start: float) -> StepOutput:
         bucket = self.bucket_for(len(batch.decode), 0, batch.max_pages_per_seq)
-        arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps, None)
+        arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps)
         device_start = time.perf_counter()
-        compiled = self._compiled_multi_step.get((bucket, sampler.has_bias(sampling)), self._multi_step)
+        compiled = self._compiled_multi_step.get(bucket, self._multi_step)
         tokens, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling, num_steps)
         tokens = np.asarray(jax.device_get(tokens))[:len(batch.decode), :batch.num_steps]  # [rows, num_steps]
         device_seconds = time.perf_counter() - device_start
@@ -407,8 +410,8 @@ class ModelRunner:
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         try:
             return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
-                                                 len(rows), self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                                 vocab_size=self.config.vocab_size)
+                                                 len(rows), self.max_model_len, bias=ALWAYS_BIAS,
+                                                 eos_token_ids=self.eos_token_ids, vocab_size=self.config.vocab_size)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
 
@@ -524,15 +527,15 @@ class ModelRunner:
             self._compiled_sample[num_rows, penalties, bias] = load_or_compile(
                 ("sample", num_rows, penalties, bias), lambda: self._sample.lower(logits, sampling))
 
-        def compile_multi_step(bucket, bias):
-            arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps, bias)
-            self._compiled_multi_step[bucket, bias] = load_or_compile(
-                ("multi_step", bucket, bias), lambda: self._multi_step.lower(
+        def compile_multi_step(bucket):
+            arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps)
+            self._compiled_multi_step[bucket] = load_or_compile(
+                ("multi_step", bucket), lambda: self._multi_step.lower(
                     self._step_params, self.kv_cache, arrays, sampling, num_steps))
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
-        samplers = [(n, penalties, bias) for n in row_counts for penalties in (False, True) for bias in (False, True)]
-        multi_steps = [(b, bias) for b in self.multi_step_buckets() for bias in (False, True)]
+        samplers = [(n, penalties, ALWAYS_BIAS) for n in row_counts for penalties in (False, True)]
+        multi_steps = self.multi_step_buckets()
         total = len(buckets) + len(samplers) + len(multi_steps) + len(self.prompt_logprob_buckets)
         threads = os.cpu_count() or 1
         log.info("warm-up: compiling %d shapes on %d threads (a filled compilation cache makes this seconds)",
@@ -549,10 +552,9 @@ class ModelRunner:
                     job.result()
 
             run_all([(compile_bucket, b) for b in buckets] + [(compile_sampler, *v) for v in samplers]
-                    + [(compile_multi_step, *m) for m in multi_steps])
+                    + [(compile_multi_step, m) for m in multi_steps])
             run_all([(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets])
-        log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties, logit "
-                 "biases), %d prompt-logprob shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
+        log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties), %d prompt-logprob shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
                  len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start,
                  "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
         return len(buckets)

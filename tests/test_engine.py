@@ -124,7 +124,7 @@ def test_no_compilation_after_warmup(params, warmup):
         rng = np.random.default_rng(seed)
         prompts = random_prompts(rng, 50, 1, 120)
         sampling = []
-        for _ in prompts:  # every sampler variant: with and without penalties, logit biases, min_tokens masks
+        for _ in prompts:  # every sampler variant: with and without penalties; logit biases, min_tokens masks
             max_tokens = int(rng.integers(1, 40))
             sampling.append(SamplingParams(
                 max_tokens=max_tokens, temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5])),
@@ -140,7 +140,7 @@ def test_no_compilation_after_warmup(params, warmup):
         engine.runner._run_step = recording_run_step
         results = run_staggered_mixed(engine, prompts, sampling)
     assert all(r for r in results), f"seed {seed}"
-    assert variants == {(False, False), (False, True), (True, False), (True, True)}, f"seed {seed}"
+    assert variants == {(False, True), (True, True)}, f"seed {seed}"  # the bias stage always runs (runner.ALWAYS_BIAS)
     if warmup:
         assert compiles == [], f"seed {seed}"
     else:  # the counter sees compilations when there was no warm-up
