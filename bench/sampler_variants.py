@@ -12,14 +12,19 @@ bias stage (or the penalty stage) on every step can be read off.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+from jaxserve import sampler  # noqa: E402
 
 
 def measure(rows: int, vocab: int, history: int, penalties: bool, bias: bool, iters: int) -> tuple[float, float]:
@@ -46,7 +51,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; vocab {args.vocab}, history {args.history}")
+    print(common.machine_line(common.machine_info(with_jax=True)))
+    print(f"vocab {args.vocab}, history {args.history}, median of {args.iters} calls")
     print(f"{'rows':>5} {'variant':<20} {'compile s':>9} {'run ms':>8} {'vs plain':>8}")
     for rows in (int(r) for r in args.rows.split(",")):
         plain = None

@@ -12,12 +12,20 @@ from jaxserve.config import EngineConfig, ModelConfig
 from pallas_kernels import dispatch, kv_quant
 
 
+def cache_root() -> str:
+    """Where jaxserve keeps what it builds: $JAXSERVE_CACHE, else ~/.cache/jaxserve."""
+    return os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
+
+
+def compilation_cache_dir() -> str | None:
+    """$JAXSERVE_COMPILATION_CACHE, else `xla/` under cache_root(); None when set empty (off)."""
+    return os.environ.get("JAXSERVE_COMPILATION_CACHE", os.path.join(cache_root(), "xla")) or None
+
+
 def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache, so that restarts skip compiling the step shapes:
-    $JAXSERVE_COMPILATION_CACHE, else `xla/` under the model cache ($JAXSERVE_CACHE, else
-    ~/.cache/jaxserve)."""
-    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
-    cache_dir = os.environ.get("JAXSERVE_COMPILATION_CACHE", os.path.join(root, "xla"))
+    """JAX's persistent compilation cache, so that restarts skip compiling the step shapes
+    (compilation_cache_dir)."""
+    cache_dir = compilation_cache_dir()
     if jax.config.jax_compilation_cache_dir is None and cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 from typing import Any, Hashable
@@ -33,6 +35,8 @@ from typing import Any, Hashable
 import jax
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
+
+from jaxserve import device_setup
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,6 @@ class ExecutablesMismatch(ValueError):
 @functools.cache
 def source_digest() -> str:
     """sha256 of the source files of the packages a step is built from (any edit is a new digest)."""
-    import importlib.util
     digest = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
         spec = importlib.util.find_spec(package)
@@ -126,10 +129,9 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
 
 def default_directory() -> str | None:
     """`executables/` beside the persistent compilation cache; None when that cache is switched off."""
-    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
-    if os.environ.get("JAXSERVE_COMPILATION_CACHE") == "":
+    if device_setup.compilation_cache_dir() is None:
         return None
-    return os.path.join(root, "executables")
+    return os.path.join(device_setup.cache_root(), "executables")
 
 
 class ExecutableStore:
@@ -147,7 +149,6 @@ class ExecutableStore:
         self.description = {**environment(), **description}
         self.fingerprint = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:24]
         self.mode = mode
-        self.strict = mode == "load"
         self.directory = os.path.join(root, self.fingerprint) if mode == "cache" else root
         self.loaded = self.saved = 0
         if mode == "cache":
@@ -189,7 +190,7 @@ class ExecutableStore:
             return None
         path = self._path(key)
         if not os.path.exists(path):
-            if self.strict:
+            if self.mode == "load":
                 raise ExecutablesMismatch(f"{self.directory} has no executable for the shape {key}; "
                                           "save them again with these flags")
             return None
@@ -198,7 +199,7 @@ class ExecutableStore:
                 payload, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # a torn or foreign file: compile instead (strict: refuse)
-            if self.strict:
+            if self.mode == "load":
                 raise ExecutablesMismatch(f"{path} could not be loaded: {e}") from None
             log.warning("could not load the saved executable %s (%s); compiling it", path, e)
             return None
@@ -231,7 +232,6 @@ class ExecutableStore:
 def _prune(root: str, *, keep: int, using: str) -> None:
     """Removes all but the `keep` most recently used engine folders under `root` (`using` counts
     as just used), so that the automatic store does not grow with every code or flag change."""
-    import shutil
     try:
         os.makedirs(using, exist_ok=True)
         os.utime(using)
