@@ -173,7 +173,7 @@ class ServerProcess:
         import subprocess
         import time
 
-        command = [sys.executable, "-m", "jaxserve.cli", "serve", f"--model={self.model}", "--host=127.0.0.1",
+        command = [sys.executable, "-m", "jaxserve.commands.cli", "serve", f"--model={self.model}", "--host=127.0.0.1",
                    f"--port={self.port}", *self.extra_args]
         self._log = open(self.log_path, "w")
         start = time.monotonic()

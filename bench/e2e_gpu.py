@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve import memory  # noqa: E402
-from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.async_engine import AsyncEngine  # noqa: E402
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.models import weights  # noqa: E402
-from jaxserve.request import SamplingParams  # noqa: E402
+from jaxserve.planning import memory  # noqa: E402
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,

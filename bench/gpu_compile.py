@@ -26,8 +26,8 @@ platforms.default_to_cpu_without_gpu()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve import gpu_compile  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.planning import gpu_compile  # noqa: E402
 from pallas_kernels.paged_decode import paged_decode_attention  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_paged_attention  # noqa: E402
 

@@ -23,9 +23,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from checkpoints import default_model, load  # noqa: E402
-from jaxserve import memory  # noqa: E402
+from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
-from jaxserve.request import SamplingParams  # noqa: E402
+from jaxserve.planning import memory  # noqa: E402
 
 
 def rss_bytes() -> int:

@@ -50,7 +50,7 @@ def models(args):
 
 def run_batch(engine, prompts, output_len) -> dict:
     """One batch to completion; per-token wall, device and host seconds and the tokens."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.step_records.clear()
     start = time.perf_counter()

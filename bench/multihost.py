@@ -1,11 +1,11 @@
-"""Multi-host serving (jaxserve.multihost) on this machine: what sending each step to the other
+"""Multi-host serving (jaxserve.parallel.multihost) on this machine: what sending each step to the other
 processes costs, and tokens/s for 1, 2 and 3 processes.
 
     .venv/bin/python bench/multihost.py [--out=bench/out/multihost.json] [--parts=transport,engine]
 
 transport: N processes x 1 CPU device joined by jax.distributed on 127.0.0.1. Each step process 0
   sends a payload of S bytes to the others, through the distributed runtime's key-value store
-  (jaxserve.multihost.StepChannel, what the engine uses) or `multihost_utils.broadcast_one_to_all`
+  (jaxserve.parallel.multihost.StepChannel, what the engine uses) or `multihost_utils.broadcast_one_to_all`
   (a device collective), then every process runs a small jitted all-reduce over the global mesh
   (the lockstep that a real step imposes). The overhead of a transport is the median step time
   minus that of the same loop without sending.
@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 def _join(args) -> None:
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
     multihost.join(multihost.JoinOptions(f"127.0.0.1:{args.port}", args.num_processes, args.process_id))
 
 
@@ -67,7 +67,7 @@ def transport_child(args) -> dict | None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
 
     _join(args)
     pid = args.process_id
@@ -112,12 +112,12 @@ def transport_child(args) -> dict | None:
 
 
 def engine_child(args) -> dict | None:
-    from jaxserve import multihost
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
+    from jaxserve.parallel import multihost
     import numpy as np
 
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     if args.num_processes > 1:
         _join(args)

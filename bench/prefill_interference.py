@@ -27,7 +27,7 @@ from bench import common  # noqa: E402
 
 def measure(engine, prompts, long_prompt, decode_steps: int) -> dict:
     """One run: the decode-only step, the gaps of the decoding streams beside the long prefill, its TTFT."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)  # more than the run takes
     for i, prompt in enumerate(prompts):

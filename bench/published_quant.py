@@ -100,10 +100,10 @@ def run(variant: str, source_path: str, model_dir: str, args) -> dict:
     import jax.numpy as jnp
 
     from checkpoints import load
-    from jaxserve import quantization
+    from jaxserve.core.request import SamplingParams
     from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import quantization
     from jaxserve.models import weights
-    from jaxserve.request import SamplingParams
 
     source = load.ModelSource.open(model_dir)
     params = source.load_params(jnp.float32)

@@ -51,10 +51,11 @@ def record_steps(engine) -> list[tuple[int, int, float]]:
 def run_variant(name: str, model_config, params, args) -> dict:
     import jax
 
-    from jaxserve import memory, quantization
-    from jaxserve.models import weights
+    from jaxserve.core.request import SamplingParams
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.request import SamplingParams
+    from jaxserve.models import quantization
+    from jaxserve.models import weights
+    from jaxserve.planning import memory
 
     max_model_len = args.input_len + args.output_len + 16
     cfg = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens,

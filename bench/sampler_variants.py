@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from jaxserve import sampler  # noqa: E402
+from jaxserve.executor import sampler  # noqa: E402
 
 
 def measure(rows: int, vocab: int, history: int, penalties: bool, bias: bool, iters: int) -> tuple[float, float]:

@@ -51,7 +51,7 @@ def build_engine(model_config, params, variant, args):
     variant = variant.removesuffix("+float_activations")
     quantization = None if variant == "float" else variant
     if variant.endswith("+embed"):  # the embedding and tied lm_head in int8 too
-        from jaxserve import quantization as quantization_lib
+        from jaxserve.models import quantization as quantization_lib
         params = quantization_lib.quantize_embedding(params)
         quantization = None if variant == "float+embed" else variant[:-len("+embed")]
     max_model_len = args.max_model_len
@@ -63,7 +63,7 @@ def build_engine(model_config, params, variant, args):
 
 def jaxserve_request(engine, prompt, output_len):
     """(TTFT seconds, [seconds of each later token], token ids) of one request run alone."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     tokens, token_times = [], []

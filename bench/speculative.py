@@ -123,7 +123,7 @@ SMOKE = dict(prompts_per_class=1, repeats=1, max_tokens=8, ks="2", draft_k=2, si
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    from jaxserve.request import encode_chat  # the server's encoding: template text, then its tokens
+    from jaxserve.core.request import encode_chat  # the server's encoding: template text, then its tokens
 
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
 
@@ -169,7 +169,7 @@ def spec_counters(engine):
 
 def single_request(rec: Recorded, prompt, max_tokens) -> dict:
     """One request alone through `Engine.step`: timings, tokens, speculation deltas, its steps."""
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     engine = rec.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -304,7 +304,7 @@ def run_single_stream(args, model, prompts, info):
 
 
 def run_concurrency(args, model, prompts, info):
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     disables = [int(d) for d in args.disable_by_batch_size.split(",") if d.strip()]

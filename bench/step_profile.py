@@ -59,8 +59,8 @@ def decode_batch(rows, min_context, max_context, page_size, num_pages, max_pages
 def engine_decode_steps(config, params, args, page_size, max_pages) -> list:
     """StepRecords of `args.repeats` engine steps that decode all `args.rows` sequences (contexts
     uniform in [min_context, max_context]); the first such step, which compiles, is left out."""
+    from jaxserve.core.request import SamplingParams
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.request import SamplingParams
 
     engine = Engine(config, params, None, EngineConfig(
         max_num_seqs=args.rows, max_num_batched_tokens=max(256, args.rows), page_size=page_size,
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from checkpoints import default_model, load
-    from jaxserve import quantization
+    from jaxserve.models import quantization
     from jaxserve.models import llama
     from pallas_kernels import dispatch
 

@@ -33,7 +33,7 @@ PROMPT = "Write a JSON object with long notes about the history of the city of P
 
 def timed_fill_bitmasks():
     """Wraps structured_output.fill_bitmasks (what the runner calls) to record its seconds per call."""
-    from jaxserve import structured_output
+    from jaxserve.core import structured_output
     original = structured_output.fill_bitmasks
     seconds: list[float] = []
 
@@ -48,8 +48,8 @@ def timed_fill_bitmasks():
 
 def start_decoding(engine, rows: int, steps: int, grammar: bool, seed: int) -> list[str]:
     """Adds `rows` sequences and steps until every one decodes; returns their ids."""
-    from jaxserve.request import SamplingParams
-    from jaxserve.structured_output import StructuredOutputParams
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.core.structured_output import StructuredOutputParams
     prompt = engine.tokenizer.encode(PROMPT)
     constraint = StructuredOutputParams("json_schema", SCHEMA, "guided_json") if grammar else None
     ids = [f"{'g' if grammar else 'p'}{seed}-{i}" for i in range(rows)]
@@ -89,10 +89,11 @@ def sampler_seconds(engine, rows: int, constrained: bool, repeats: int = 20) -> 
     """The compiled sampler alone on a decode step's rows: every bit set (the mask stage skipped)
     or every row constrained by a mask llguidance computed inside a JSON string."""
     import jax
-    from jaxserve import sampler, structured_output
-    from jaxserve.runner import ALWAYS_BIAS
-    from jaxserve.scheduler import RowParams
-    from jaxserve.request import SamplingParams
+    from jaxserve.core import structured_output
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.core.step import RowParams
+    from jaxserve.executor import sampler
+    from jaxserve.executor.sampler import ALWAYS_BIAS
     runner = engine.runner
     num_rows = len(runner.empty_batch(runner.bucket_for(rows, 0, 1))["logits_indices"])
     vocab = engine.model_config.vocab_size

@@ -82,9 +82,9 @@ def build_engine(model_dir, engine_kwargs):
     request after warm-up (a step shape warm-up compiled with the fresh KV cache compiles again
     once the cache is a step's output; the request absorbs that before anything is timed)."""
     from checkpoints import load
-    from jaxserve import device_setup
+    from jaxserve.core.request import SamplingParams
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.request import SamplingParams
+    from jaxserve.executor import device_setup
 
     config = EngineConfig(warmup=False, **engine_kwargs)
     start = time.perf_counter()
@@ -102,7 +102,7 @@ def build_engine(model_dir, engine_kwargs):
 
 
 def run_jaxserve(engine, recorder, workload):
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
 
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in workload]
     first_step = len(recorder.steps)

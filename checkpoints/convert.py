@@ -22,7 +22,7 @@ from checkpoints.gguf_source import GGUFSource
 from checkpoints.hf_source import HFSource
 from checkpoints.layout import ParamBuffers
 from jaxserve.config import ModelConfig
-from jaxserve.progress import Progress
+from jaxserve.core.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +60,12 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
 
     `dtype` (float32, bfloat16, float16) defaults to float32 for GGUF sources and to the
     embedding table's dtype for Hugging Face sources. `quantization` ("int8", "int4", ... see
-    jaxserve.quantization) stores the linear layers quantized (checkpoints.quantized).
+    jaxserve.models.quantization) stores the linear layers quantized (checkpoints.quantized).
     Raises ConversionError on bad input.
     """
     fmt = None
     if quantization:
-        from jaxserve.quantization import parse_format
+        from jaxserve.models.quantization import parse_format
         try:
             fmt = parse_format(quantization)
         except ValueError as e:

@@ -178,7 +178,7 @@ def model_sampling_defaults(model_dir: str) -> tuple[dict, list[str]]:
     config auto`): its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
     max_tokens), named as SamplingParams fields. Returns (defaults, problems): a value jaxserve
     would refuse in a request is left out and described in `problems`; no file gives ({}, [])."""
-    from jaxserve.request import InvalidRequestError, check_sampling_defaults
+    from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
 
     path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
     if not os.path.isfile(path):

@@ -79,7 +79,7 @@ class ModelSource:
         quantized in their own dtypes; all with `sharding` (default: none)."""
         import jax.numpy as jnp
 
-        from jaxserve.quantization import checkpoint_structs
+        from jaxserve.models.quantization import checkpoint_structs
         return checkpoint_structs(self.param_shapes(), jnp.dtype(dtype), self.quantization, sharding)
 
     def load_params(self, dtype, shardings=None) -> dict:
@@ -95,7 +95,7 @@ class ModelSource:
         if shardings is None:
             target = self.abstract_params(dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         else:
-            from jaxserve.sharding import quantized_checkpoint_shardings
+            from jaxserve.parallel.sharding import quantized_checkpoint_shardings
             structs = self.abstract_params(dtype)
             try:
                 array_shardings = quantized_checkpoint_shardings(shardings, structs)

@@ -2,7 +2,7 @@
 
 A Hugging Face folder whose config.json has a `quantization_config` is read here: the integer
 codes, scales, zero points and groups of every quantized linear layer are carried into jaxserve's
-own weight formats (jaxserve.quantization) without a float round trip. Every published format is
+own weight formats (jaxserve.models.quantization) without a float round trip. Every published format is
 an integer code u in [0, 2^bits) per weight, a scale and a zero point per (output, group):
 
     w[o, i] = (u[o, i] - zero[o, g(i)]) * scale[o, g(i)]
@@ -30,7 +30,7 @@ name says _bf16 / _f32 when not float16). A group size jaxserve does not have (p
 and zero repeated: the same numbers. GPTQ act-order (a g_idx that is not i // group_size) puts
 inputs of one group far apart; the rows are stored sorted by group (a stable sort, so each group
 is contiguous) with the permutation (`perm`), and the matmul gathers its input in that order
-(jaxserve.quantization.linear): x[perm] @ W[perm] = x @ W exactly.
+(jaxserve.models.quantization.linear): x[perm] @ W[perm] = x @ W exactly.
 
 Layers the checkpoint leaves unquantized (`ignore`, `modules_to_not_convert`, lm_head) stay as
 stored. A leaf ("layers/w_down", ...) is stacked over the layers in one format; when its layers
@@ -51,7 +51,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints import ConversionError
-from jaxserve import quantization as qz
+from jaxserve.models import quantization as qz
 
 METHODS = ("compressed-tensors", "gptq", "awq")
 # compressed-tensors formats whose weights this module reads

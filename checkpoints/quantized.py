@@ -1,4 +1,4 @@
-"""Quantized checkpoints: linear layers stored as int8 / int4 (see jaxserve.quantization).
+"""Quantized checkpoints: linear layers stored as int8 / int4 (see jaxserve.models.quantization).
 
 Conversion quantizes each layer's tensor as it streams in. GGUF Q8_0, Q4_0 and Q4_1 tensors are
 copied block for block, with no float round trip: a block is 32 inputs of one output row with a
@@ -21,8 +21,8 @@ import numpy as np
 
 from checkpoints import ConversionError
 from checkpoints.layout import ParamBuffers
-from jaxserve import quantization as qz
 from jaxserve.config import ModelConfig
+from jaxserve.models import quantization as qz
 from jaxserve.models import weights
 
 BLOCK_SIZE = 32

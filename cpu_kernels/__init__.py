@@ -116,7 +116,7 @@ def _cpu_flags() -> str:
 
 def supports(weight) -> bool:
     """Whether the kernel takes this quantized weight (or, stacked, its layers): int8 or int4 codes
-    in jaxserve.quantization's stored layout, float16 scale and zero (the --quantization
+    in jaxserve.models.quantization's stored layout, float16 scale and zero (the --quantization
     formats), groups a multiple of BLOCK inputs."""
     if not isinstance(weight, dict) or set(weight) - {"q", "scale", "zero"} or "q" not in weight:
         return False

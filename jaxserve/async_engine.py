@@ -11,9 +11,9 @@ import queue
 import threading
 from typing import Callable
 
+from jaxserve.core.outputs import EngineStats, QueueFullError, RequestOutput, StepRecord
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.outputs import EngineStats, QueueFullError, RequestOutput, StepRecord
-from jaxserve.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,6 @@ def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
     engine = Engine.from_model(model, config)
     replicas = getattr(engine, "replicas", None)  # data parallel: one AsyncEngine per replica
     if replicas is not None:
-        from jaxserve.data_parallel import DataParallelAsyncEngine
+        from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
         return DataParallelAsyncEngine([AsyncEngine(e) for e in replicas])
     return AsyncEngine(engine)

@@ -35,7 +35,7 @@ CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD = 32
 class EngineConfig:
     """The engine's settings, and the one source of their defaults: `jaxserve serve`, `generate`
     and `plan` define their engine flags from these (jaxserve/commands/engine_flags.py), and
-    `jaxserve.memory.plan_engine` sizes the KV pool from the whole config."""
+    `jaxserve.planning.memory.plan_engine` sizes the KV pool from the whole config."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_num_prefill_seqs: int = 2
@@ -56,16 +56,16 @@ class EngineConfig:
     max_logprobs: int = 20
     memory_utilization: float = 0.9
     warmup: bool = True
-    # Compiled step executables (jaxserve.executables): None keeps them automatically beside the
+    # Compiled step executables (jaxserve.executor.executables): None keeps them automatically beside the
     # compilation cache; `executables` loads them from a folder `save_executables` wrote (refused
     # when they were saved for another jax, device, model or flags).
     executables: str | None = None
     save_executables: str | None = None
     tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
     data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
-    quantization: str | None = None  # int8 | int4 (jaxserve.quantization): linear layers, after loading
+    quantization: str | None = None  # int8 | int4 (jaxserve.models.quantization): linear layers, after loading
     # The token embedding in int8 (one scale per vocabulary row) and with it the tied lm_head (an
-    # untied one per output channel), after loading: jaxserve.quantization.quantize_embedding.
+    # untied one per output channel), after loading: jaxserve.models.quantization.quantize_embedding.
     quantize_embedding: bool = False
     kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
     # Quantized weights on the CPU: steps of up to 64 rows quantize their activations to int8 and
@@ -73,9 +73,9 @@ class EngineConfig:
     # llama.cpp does); False: XLA dequantizes the weights to float, as on every other device.
     cpu_int8_activations: bool = True
     # Multi-step decoding: in a step of decoding rows only, up to this many tokens per row in one
-    # device call (jaxserve.decode_loop); the host sees the tokens, and stops, after the call.
+    # device call (jaxserve.executor.decode_loop); the host sees the tokens, and stops, after the call.
     num_scheduler_steps: int = 1
-    # Speculative decoding (jaxserve.speculative): None (off) | ngram (prompt lookup) | draft (a second model).
+    # Speculative decoding (jaxserve.speculative.verification): None (off) | ngram (prompt lookup) | draft (a second model).
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # most tokens proposed per row and step
     speculative_model: str | None = None  # the draft model (speculative_method="draft"), as --model takes it

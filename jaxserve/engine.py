@@ -5,7 +5,7 @@ delta per request that advanced). `jaxserve.async_engine.AsyncEngine` runs it fo
 
 The engine is the core: scheduling, the model step, stop tokens and length limits, recovery from
 a failed step. Each step's per-request results go, as `CoreOutput`s, to the output side
-(`jaxserve.output_processor`: detokenization, stop strings, logprobs), and each step that ran
+(`jaxserve.core.output_processor`: detokenization, stop strings, logprobs), and each step that ran
 leaves one `StepRecord` (shape, work, device and host time) for benchmarks and metrics.
 """
 from __future__ import annotations
@@ -17,14 +17,15 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from jaxserve import speculative
 from jaxserve.config import EngineConfig
-from jaxserve.output_processor import CoreOutput, OutputProcessor, RowLogprobs
-from jaxserve.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
-from jaxserve.scheduler import PromptLogprobRows, ScheduledBatch, Scheduler, StepPlan
-from jaxserve.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
+from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
+from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
+from jaxserve.core.page_allocator import PageAllocator
+from jaxserve.core.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
+from jaxserve.core.scheduler import Scheduler, StepPlan
+from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
+from jaxserve.speculative import ngram, verification
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,11 @@ class Engine:
         for `device_memory_bytes` (default: the device's budget, read now). With
         speculative_method="draft", `draft_model` is the draft's (ModelConfig, params); default:
         loaded from `speculative_model`."""
-        from jaxserve import runner as runner_lib  # jax lives behind the runner
-        from jaxserve import device_setup
+        from jaxserve.executor import runner as runner_lib  # jax lives behind the runner
+        from jaxserve.executor import device_setup
 
         cfg = engine_config or EngineConfig()
-        speculative.check_speculative_config(cfg)
+        verification.check_speculative_config(cfg)
         if shardings is None and cfg.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs the replica's shardings; "
                              f"build the engine with Engine.from_model or data_parallel.build_engine")
@@ -111,9 +112,9 @@ class Engine:
         # Speculative decoding: what proposes the tokens a verification step checks.
         self.proposer = None
         if cfg.speculative_method == "ngram":
-            self.proposer = speculative.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            self.proposer = ngram.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         elif cfg.speculative_method == "draft":
-            from jaxserve.draft_proposer import DraftProposer
+            from jaxserve.speculative.draft_proposer import DraftProposer
             draft_config, draft_params = draft_model
             self.proposer = self.runner.draft = DraftProposer(
                 draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
@@ -131,7 +132,8 @@ class Engine:
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
         Raises ValueError when the model cannot be split over the requested devices."""
         from checkpoints import load
-        from jaxserve import data_parallel, device_setup, multihost
+        from jaxserve.executor import device_setup
+        from jaxserve.parallel import data_parallel, multihost
 
         multihost.initialize()
         cfg = device_setup.platform_config(engine_config or EngineConfig())

@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from jaxserve.outputs import QueueFullError, RequestOutput
-from jaxserve.request import InvalidRequestError, SamplingParams, max_token_chars
+from jaxserve.core.outputs import QueueFullError, RequestOutput
+from jaxserve.core.request import InvalidRequestError, SamplingParams, max_token_chars
 from serve import web_ui
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.metrics import ServerMetrics
@@ -52,7 +52,7 @@ class ServerConfig:
     num_prepare_threads: int = 2  # JSON parsing and tokenizing run here, never on the event loop
     web_ui: bool = True  # the chat page at / (serve/web_ui.py); open without the API key
     allowed_origins: tuple[str, ...] = ()  # CORS on the /v1 routes for these origins; () = same-origin only
-    # Sampling values for fields a request omits (jaxserve.request.SAMPLING_DEFAULT_FIELDS, checked
+    # Sampling values for fields a request omits (jaxserve.core.request.SAMPLING_DEFAULT_FIELDS, checked
     # by the caller): the model's generation_config.json and --default_sampling.
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     # tool_choice "auto" and reasoning (vLLM's flags; see serve.structured.resolve_auto_tool_choice)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jaxserve.outputs import EngineStats, RequestMetrics, RequestOutput, StepRecord
+from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepRecord
 
 logger = logging.getLogger(__name__)
 

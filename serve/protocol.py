@@ -3,7 +3,7 @@ deltas -> completion / chat JSON objects and SSE chunks.
 
 Requests: this module reads the JSON (types, the OpenAI fields the server supports, the text of prompts and
 messages; fields OpenAI or vLLM define that the server does not implement are refused, fields of
-neither API ignored and logged); the bounds of every value are the engine's admission check (`jaxserve.request.
+neither API ignored and logged); the bounds of every value are the engine's admission check (`jaxserve.core.request.
 check_request`), whose refusals `admission_error` turns into the same 400s. Every problem becomes
 a ProtocolError carrying the HTTP status and the fields of an OpenAI-style error body.
 Responses: plain dicts; `token_text(token_id) -> str` turns a token id into its text for logprobs.
@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import jinja2
 
-from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.request import InvalidRequestError, SamplingParams, encode_chat, encode_text, is_valid_unicode
-from jaxserve.structured_output import StructuredOutputParams
+from jaxserve.core.outputs import RequestOutput, TokenLogprob
+from jaxserve.core.request import InvalidRequestError, SamplingParams, encode_chat, encode_text, is_valid_unicode
+from jaxserve.core.structured_output import StructuredOutputParams
 from serve.chat_output import ChoiceOutput
 from serve.structured import (StructuredRequestError, ToolsRequest, nesting_depth, parse_structured_output,
                               parse_tool_call_message, parse_tools)
@@ -558,7 +558,7 @@ def _encode_chat_request(tokenizer: Any, request: GenerationRequest, with_kwargs
 def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_seq_len: int,
                           defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams for one choice: the client's fields, then the server's `defaults` (the
-    model's generation config or --default_sampling; `jaxserve.request.SAMPLING_DEFAULT_FIELDS`),
+    model's generation config or --default_sampling; `jaxserve.core.request.SAMPLING_DEFAULT_FIELDS`),
     then SamplingParams'. max_tokens defaults to vLLM's (the rest of the context for chat, 16 for
     completions), capped by a default max_tokens. Checked by the engine at admission."""
     defaults = dict(defaults or {})

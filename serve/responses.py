@@ -23,8 +23,8 @@ import time
 import uuid
 from typing import Any, Callable
 
-from jaxserve.outputs import RequestOutput
-from jaxserve.request import SamplingParams, is_valid_unicode
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.request import SamplingParams, is_valid_unicode
 from serve.protocol import (UNSUPPORTED_CHAT_FIELDS, ChoiceState, GenerationRequest, ProtocolError,
                             _check_field_support, _is_empty, _is_false, _only_null, _printable, parse_chat_request,
                             total_usage)

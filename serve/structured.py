@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from jaxserve.structured_output import StructuredOutputParams
+from jaxserve.core.structured_output import StructuredOutputParams
 from serve.tool_parsers import TOOL_PARSERS, detect_tool_format
 
 MAX_TOOLS = 128

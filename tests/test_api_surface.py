@@ -10,9 +10,9 @@ import openai
 import pytest
 import requests
 
-from jaxserve import cli
+from jaxserve.commands import cli
+from jaxserve.core.request import encode_chat
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.request import encode_chat
 from serve.app import ServerConfig
 from tests.test_server_engine import LiveServer
 

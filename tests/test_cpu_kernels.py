@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from jaxserve import quantization as qz
+from jaxserve.models import quantization as qz
 from pallas_kernels import dispatch
 
 SEED = int(os.environ.get("JAXSERVE_TEST_SEED", "20261130"))

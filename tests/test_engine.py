@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from jaxserve import sampler
 from jaxserve.config import ModelConfig
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.executor import sampler
 from jaxserve.models import weights
-from jaxserve.request import SamplingParams
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
                    num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
@@ -140,7 +140,7 @@ def test_no_compilation_after_warmup(params, warmup):
         engine.runner._run_step = recording_run_step
         results = run_staggered_mixed(engine, prompts, sampling)
     assert all(r for r in results), f"seed {seed}"
-    assert variants == {(False, True), (True, True)}, f"seed {seed}"  # the bias stage always runs (runner.ALWAYS_BIAS)
+    assert variants == {(False, True), (True, True)}, f"seed {seed}"  # the bias stage always runs (sampler.ALWAYS_BIAS)
     if warmup:
         assert compiles == [], f"seed {seed}"
     else:  # the counter sees compilations when there was no warm-up
@@ -152,7 +152,7 @@ def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
     """Structured-output rows (their bitmasks), prompt-logprob rows (any count up to the step's
     limit), logprobs and penalties in every mix: all served by the warmed-up shapes."""
     from checkpoints import default_model, load
-    from jaxserve.structured_output import StructuredOutputParams
+    from jaxserve.core.structured_output import StructuredOutputParams
     tokenizer = load.load_tokenizer(default_model.resolve_model("smollm2"))
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_layers=1,
                          num_q_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256,
@@ -359,7 +359,7 @@ def test_a_failed_device_step_fails_only_its_requests_and_the_engine_recovers(pa
 
 def test_a_request_whose_inputs_cannot_be_packed_fails_alone(params):
     """Should a value that admission let through still not fit its array, only its request fails."""
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
     prompt = [5, 6, 7, 8, 9]
     alone = run_alone(make_engine(params), [prompt])[0]
     engine = make_engine(params)
@@ -377,7 +377,7 @@ def test_a_request_whose_inputs_cannot_be_packed_fails_alone(params):
 def test_the_runner_works_from_a_scheduled_batch_alone(params):
     """The runner needs nothing but the plain step data: batches written by hand (no scheduler, no
     Request) give the engine's greedy tokens."""
-    from jaxserve.scheduler import RowParams, ScheduledBatch, ScheduledRow
+    from jaxserve.core.step import RowParams, ScheduledBatch, ScheduledRow
     prompt = list(range(5, 15))  # 10 tokens: two pages of 8
     expected = make_engine(params).generate([prompt], SamplingParams(max_tokens=3, temperature=0.0,
                                                                      ignore_eos=True))[0].token_ids

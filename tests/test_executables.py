@@ -5,11 +5,11 @@ import os
 import numpy as np
 import pytest
 
-from jaxserve import executables
 from jaxserve.config import ModelConfig
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.executor import executables
 from jaxserve.models import weights
-from jaxserve.request import SamplingParams
 from tests.test_engine import recorded_compilations, run_staggered
 
 TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=1,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.commands import cli
 
 ENGINE_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=64", "--num_pages=64", "--page_size=8",
                 "--max_model_len=128", "--noprogress"]

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxserve import cli, gpu_compile, gpu_targets, memory
+from jaxserve.commands import cli
 from jaxserve.config import ModelConfig
 from jaxserve.engine import EngineConfig
+from jaxserve.planning import gpu_compile, gpu_targets, memory
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 

@@ -1,4 +1,4 @@
-"""jaxserve.grammar_sandbox: grammars tried in a child process first. A fuzz of the grammar shapes
+"""jaxserve.core.grammar_sandbox: grammars tried in a child process first. A fuzz of the grammar shapes
 that recurse in llguidance (rule chains, nesting, alternations, repeats, schema references), each
 as large as the 64 KB limit allows, never crashes the child; crashes, runaways and memory hogs are
 refused with a reason, and the child comes back for the next grammar."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from jaxserve.grammar_sandbox import COMPILE_STACK_BYTES, GrammarRejected, GrammarSandbox, run_on_big_stack
-from jaxserve.structured_output import MAX_SPEC_CHARS
+from jaxserve.core.grammar_sandbox import COMPILE_STACK_BYTES, GrammarRejected, GrammarSandbox, run_on_big_stack
+from jaxserve.core.structured_output import MAX_SPEC_CHARS
 
 
 def _largest(make) -> str:

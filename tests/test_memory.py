@@ -6,12 +6,13 @@ import sys
 import pytest
 from absl import flags
 
-from jaxserve import cli, memory
+from jaxserve.commands import cli
 from jaxserve.commands import engine_flags
 from jaxserve.commands import plan as plan_command
 from jaxserve.config import ModelConfig
 from jaxserve.engine import EngineConfig
 from jaxserve.models import weights
+from jaxserve.planning import memory
 
 LLAMA2_7B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
@@ -96,8 +97,8 @@ def test_tensor_parallel_head_split_rules():
 
 
 def test_tensor_parallel_rules_are_shardings():
-    """The planner refuses exactly the splits jaxserve.sharding refuses, with its message."""
-    from jaxserve import sharding
+    """The planner refuses exactly the splits jaxserve.parallel.sharding refuses, with its message."""
+    from jaxserve.parallel import sharding
     for cfg in (LLAMA3_8B, SMOLLM2_135M, dict(LLAMA3_8B, intermediate_size=14000)):
         m = model(cfg)
         for tp in range(1, 33):
@@ -111,7 +112,7 @@ def test_tensor_parallel_rules_are_shardings():
 
 
 def test_quantized_weight_dtypes_are_the_quantization_formats():
-    from jaxserve import quantization
+    from jaxserve.models import quantization
     m = model(LLAMA3_8B)
     assert memory.quant_format("int8_g32_zp") == quantization.parse_format("int8_g32_zp")
     assert memory.quant_format("bfloat16") is None
@@ -209,7 +210,7 @@ def test_host_and_cpu_device_budgets():
 
 
 def test_memory_module_does_not_import_jax():
-    code = "import sys, jaxserve.memory, jaxserve.commands.plan; print('jax' in sys.modules)"
+    code = "import sys, jaxserve.planning.memory, jaxserve.commands.plan; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"

@@ -16,7 +16,7 @@ import pytest
 
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
-from jaxserve import cli
+from jaxserve.commands import cli
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import llama, weights
 from tests.tiny_models import copy_smollm2_tokenizer, hf_logits, prefill_batch

@@ -1,4 +1,4 @@
-"""Multi-host serving (jaxserve.multihost) on this machine: several processes joined by
+"""Multi-host serving (jaxserve.parallel.multihost) on this machine: several processes joined by
 jax.distributed on 127.0.0.1, CPU devices, JAX's CPU collectives (gloo) between them.
 
 Each job runs the real CLI (`jaxserve generate` / `jaxserve serve`) once per process with the
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import requests
 
-from jaxserve import multihost, sharding
+from jaxserve.parallel import multihost, sharding
 from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ class Job:
             log = open(tmp_path / f"{command}-{i}.log", "w+")
             self.logs.append(log)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxserve.cli", command, *flags, f"--coordinator_address={coordinator}",
+                [sys.executable, "-m", "jaxserve.commands.cli", command, *flags, f"--coordinator_address={coordinator}",
                  f"--num_processes={num_processes}", f"--process_id={i}"],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
 
@@ -133,7 +133,7 @@ def test_join_options_flags_then_environment_then_cluster():
 
 
 def test_every_replica_spans_every_process():
-    from jaxserve import sharding
+    from jaxserve.parallel import sharding
     devices = [types.SimpleNamespace(id=p * 100 + i, process_index=p, platform="cpu")
                for p in range(2) for i in range(4)]
     grid = sharding._process_spanning_grid(devices, [0, 1], tp=4, dp=2)
@@ -151,7 +151,7 @@ def test_every_replica_spans_every_process():
     ("serve", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=5"], "must be in"),
 ])
 def test_cli_refuses_bad_combinations(command, flags, message):
-    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", command, *flags], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.commands.cli", command, *flags], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -182,7 +182,7 @@ def _generate(tmp_path, model, name, num_processes=1, devices=1, flags=(), promp
             *SMALL, *flags]
     if num_processes == 1:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", *args], cwd=REPO, env=env,
+        proc = subprocess.run([sys.executable, "-m", "jaxserve.commands.cli", "generate", *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs = [proc.stderr]

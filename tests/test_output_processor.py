@@ -5,9 +5,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.output_processor import (REPLACEMENT_CHAR, CoreOutput, IncrementalDetokenizer, OutputProcessor,
+from jaxserve.core.output_processor import (REPLACEMENT_CHAR, CoreOutput, IncrementalDetokenizer, OutputProcessor,
                                        RowLogprobs, StopChecker, find_stop_string, partial_stop_suffix_len)
-from jaxserve.request import SamplingParams
+from jaxserve.core.request import SamplingParams
 
 TEXT = "héllo wörld, 日本語 😀 the café end"
 

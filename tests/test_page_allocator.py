@@ -1,7 +1,7 @@
 import pytest
 
-from jaxserve.page_allocator import NULL_PAGE, PageAllocator, hash_page_tokens
-from jaxserve.request import Request
+from jaxserve.core.page_allocator import NULL_PAGE, PageAllocator, hash_page_tokens
+from jaxserve.core.request import Request
 
 
 def computed_request(allocator, request_id, token_ids):

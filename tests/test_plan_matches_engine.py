@@ -1,7 +1,7 @@
 """`jaxserve plan` reports the KV pool `jaxserve serve` allocates for the same flags.
 
 Both come from one place: the engine flags' defaults are EngineConfig's, and the page count is
-`jaxserve.memory.plan_engine` for plan and for the engine. Each case runs the plan command and
+`jaxserve.planning.memory.plan_engine` for plan and for the engine. Each case runs the plan command and
 builds the engine the way `serve` does (build_async_engine from the serve flags; warm-up off,
 which does not change the pool), on the tiny converted model of tests/conftest.py.
 """
@@ -10,10 +10,11 @@ import json
 import pytest
 from absl import flags
 
-from jaxserve import cli, memory
+from jaxserve.commands import cli
 from jaxserve.commands import engine_flags
 from jaxserve.commands import serve as serve_command
 from jaxserve.engine import EngineConfig
+from jaxserve.planning import memory
 
 NON_DEFAULT = ["--max_num_seqs=8", "--page_size=8", "--max_model_len=128", "--dtype=bfloat16",
                "--kv_cache_dtype=int8"]

@@ -1,9 +1,9 @@
-"""jaxserve.progress: a start-up phase's count, time so far and time left, as log lines off a terminal."""
+"""jaxserve.core.progress: a start-up phase's count, time so far and time left, as log lines off a terminal."""
 import logging
 import threading
 
-from jaxserve import progress as progress_module
-from jaxserve.progress import Progress
+from jaxserve.core import progress as progress_module
+from jaxserve.core.progress import Progress
 
 
 def test_log_lines_count_and_estimate_the_time_left(caplog, monkeypatch):

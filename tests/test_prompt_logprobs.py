@@ -8,9 +8,9 @@ import torch
 
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
+from jaxserve.core.request import InvalidRequestError, SamplingParams
+from jaxserve.core.step import MAX_PROMPT_LOGPROB_ROWS
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.request import InvalidRequestError, SamplingParams
-from jaxserve.scheduler import MAX_PROMPT_LOGPROB_ROWS
 from tests.tiny_models import hf_logits, make_tiny_hf_model
 
 # float32 on both sides; jax and torch sum in different orders: logits differ by ~1e-6, logprobs

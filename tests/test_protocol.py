@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.request import InvalidRequestError, RequestLimits, check_request
+from jaxserve.core.outputs import RequestOutput, TokenLogprob
+from jaxserve.core.request import InvalidRequestError, RequestLimits, check_request
 from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS,
                             ChoiceState, ProtocolError, ResponseShaper, admission_error, build_sampling_params,
                             check_prompt_chars, completion_logprobs, parse_chat_request, parse_completion_request,

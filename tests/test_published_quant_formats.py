@@ -27,10 +27,11 @@ torch = pytest.importorskip("torch")
 from checkpoints import ConversionError  # noqa: E402
 from checkpoints.convert import convert_checkpoint  # noqa: E402
 from checkpoints.load import ModelSource  # noqa: E402
-from jaxserve import device_setup, quantization as qz  # noqa: E402
+from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
+from jaxserve.executor import device_setup
+from jaxserve.models import quantization as qz  # noqa: E402
 from jaxserve.models import llama, weights  # noqa: E402
-from jaxserve.request import SamplingParams  # noqa: E402
 from tests import published_checkpoints as pc  # noqa: E402
 from tests.test_convert import run_convert_command  # noqa: E402
 from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch  # noqa: E402
@@ -245,9 +246,9 @@ def test_planner_and_engine_count_the_stored_bytes(converted):
 
 _TP_CODE = """
 import json, sys
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve import sharding
-from jaxserve.request import SamplingParams
+from jaxserve.parallel import sharding
 import jax
 out = {}
 for tp in (1, 2, 4):

@@ -13,13 +13,15 @@ import cpu_kernels
 from checkpoints import ConversionError, default_model, load
 from checkpoints.convert import convert_checkpoint
 from checkpoints.quantized import GGUFBlocks
-from jaxserve import device_setup, memory, quantization as qz
 from jaxserve.commands import convert as convert_command, engine_flags
 from jaxserve.config import ModelConfig
+from jaxserve.core.outputs import EngineStats
+from jaxserve.core.request import SamplingParams, encode_chat
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.executor import device_setup
+from jaxserve.models import quantization as qz
 from jaxserve.models import llama, weights
-from jaxserve.outputs import EngineStats
-from jaxserve.request import SamplingParams, encode_chat
+from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.request import SamplingParams
-from jaxserve.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties, bias_entries,
+from jaxserve.core.request import SamplingParams
+from jaxserve.executor.sampler import (NUM_CANDIDATES, RowInputError, RowParams, allowed_tokens, apply_penalties, bias_entries,
                               bias_width, build_sampling_inputs, has_bias, has_histories, row_key_data, sample)
 
 VOCAB = 1000  # not a multiple of any block size: exercises the -inf padding

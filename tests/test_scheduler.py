@@ -4,10 +4,10 @@ import random
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import NULL_PAGE, PageAllocator
-from jaxserve.request import Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import (MAX_PROMPT_LOGPROB_ROWS, RowParams, ScheduledBatch, ScheduledRow, Scheduler,
-                                StepPlan)
+from jaxserve.core.page_allocator import NULL_PAGE, PageAllocator
+from jaxserve.core.request import Request, RequestStatus, SamplingParams
+from jaxserve.core.scheduler import Scheduler, StepPlan
+from jaxserve.core.step import MAX_PROMPT_LOGPROB_ROWS, RowParams, ScheduledBatch, ScheduledRow
 
 
 def next_token(context):
@@ -348,7 +348,7 @@ def test_to_batch_is_a_plain_immutable_snapshot_of_the_plan():
 def test_step_data_and_output_side_modules_do_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, jaxserve.scheduler, jaxserve.output_processor, jaxserve.outputs, jaxserve.structured_output, "
+    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.output_processor, jaxserve.core.outputs, jaxserve.core.structured_output, "
             "serve.structured, serve.tool_parsers, serve.reasoning, serve.chat_output, serve.protocol; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

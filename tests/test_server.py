@@ -30,11 +30,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve import cli
+from jaxserve.commands import cli
 from jaxserve.commands import engine_flags
 from jaxserve.commands import serve as serve_command
-from jaxserve.outputs import EngineStats, QueueFullError, RequestMetrics, RequestOutput, TokenLogprob
-from jaxserve.request import RequestLimits, check_request
+from jaxserve.core.outputs import EngineStats, QueueFullError, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.core.request import RequestLimits, check_request
 from serve.app import ServerConfig, create_app
 from serve.metrics import ServerMetrics, token_count_buckets
 from serve.server import serve_until_stopped
@@ -734,7 +734,7 @@ import sys
 from tests.test_server import _fake_engine_module
 built = []
 sys.modules["jaxserve.async_engine"] = _fake_engine_module(built)
-from jaxserve import cli
+from jaxserve.commands import cli
 code = cli.main(["jaxserve", "serve", *sys.argv[1:]])
 print("engine kwargs:", built, file=sys.stderr)
 sys.exit(code)

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from jaxserve import sharding
 from jaxserve.config import ModelConfig
-from jaxserve.outputs import EngineStats
+from jaxserve.core.outputs import EngineStats
+from jaxserve.parallel import sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_FAKE_DEVICES = 8
@@ -39,16 +39,16 @@ def _kv_layout(engine) -> dict:
 
 
 def _greedy_tokens(engine, prompts, max_tokens=16) -> list:
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, params)]
 
 
 def _serve_through_router(engine, prompts) -> list:
     """The prompts as concurrent server requests over AsyncEngine replicas behind the router."""
-    from jaxserve.data_parallel import DataParallelAsyncEngine
     from jaxserve.async_engine import AsyncEngine
-    from jaxserve.request import SamplingParams
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     router = DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])
 
@@ -69,9 +69,9 @@ def _tiny_runs() -> dict:
     import numpy as np
     from jax import monitoring
 
-    from jaxserve import data_parallel
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.models import weights
+    from jaxserve.parallel import data_parallel
     params = weights.random_params(TINY, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, TINY.vocab_size, n).tolist() for n in (5, 17, 30, 9)]
@@ -108,10 +108,10 @@ def _tiny_quantized_runs() -> dict:
     groups cannot be split."""
     import jax
 
-    from jaxserve import data_parallel
-    from jaxserve import quantization as qz
     from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import quantization as qz
     from jaxserve.models import weights
+    from jaxserve.parallel import data_parallel
     params = weights.random_params(TINY, seed=3)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 9)]
     runs = {}
@@ -141,9 +141,9 @@ def _tiny_quantized_runs() -> dict:
 def _tiny_speculative_runs() -> dict:
     """Speculative decoding on a sharded target (ngram; a draft, the target itself, on the first
     device of each replica) and multi-step decoding, against one device without either."""
-    from jaxserve import data_parallel
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.models import weights
+    from jaxserve.parallel import data_parallel
     params = weights.random_params(TINY, seed=3)
     prompts = [([7, 90, 31, 5] * 10)[:n] for n in (9, 21, 30, 14)]
     runs = {}
@@ -171,8 +171,8 @@ def _smollm2_runs(model_dir: str) -> dict:
 
     from checkpoints.convert import convert_checkpoint
     from checkpoints.default_model import smollm2_gguf_path
+    from jaxserve.core.request import encode_text
     from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.request import encode_text
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:  # Q4_1 blocks copied into an int4 checkpoint
         int4_dir = os.path.join(tmp, "int4")
@@ -296,7 +296,7 @@ def test_cli_refuses_a_split_that_does_not_divide(tmp_path):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"id": 1, "prompt": "Hello"}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "generate", "--model=smollm2", "--tensor_parallel_size=2",
+        [sys.executable, "-m", "jaxserve.commands.cli", "generate", "--model=smollm2", "--tensor_parallel_size=2",
          f"--input={prompts}", f"--output={tmp_path / 'out.jsonl'}"],
         cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **FAKE_DEVICES_ENV})
     assert proc.returncode == 2, proc.stderr
@@ -354,7 +354,7 @@ class _StubReplica:
 
     def generate(self, request_id, prompt_token_ids, params):
         from jaxserve.async_engine import RequestStream
-        from jaxserve.outputs import RequestOutput
+        from jaxserve.core.outputs import RequestOutput
         self.requests.append(request_id)
         deltas = asyncio.Queue()
 
@@ -370,7 +370,7 @@ class _StubReplica:
 
 
 def test_async_router_sends_each_request_to_the_least_busy_replica():
-    from jaxserve.data_parallel import DataParallelAsyncEngine
+    from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
     a, b = _StubReplica("a", 3), _StubReplica("b", 1)
     router = DataParallelAsyncEngine([a, b])
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxserve import speculative
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.page_allocator import PageAllocator
+from jaxserve.core.request import Request, RequestStatus, SamplingParams
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine import Engine
 from jaxserve.models import weights
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request, RequestStatus, SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.speculative import ngram, verification
 from tests.test_engine import TINY, assert_all_pages_free, recorded_compilations, run_staggered_mixed
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -56,20 +56,20 @@ def repetitive_prompts(rng, n, low=8, high=60):
 
 # ---- host side --------------------------------------------------------------------------------
 def test_ngram_proposes_what_followed_the_latest_longest_match():
-    proposer = speculative.NgramProposer(min_n=1, max_n=3)
+    proposer = ngram.NgramProposer(min_n=1, max_n=3)
     # The suffix [7, 8] last occurred at index 5, followed by 1 2 3; [8] alone at 1 would give 9.
     assert proposer.propose_tokens([5, 8, 9, 4, 4, 7, 8, 1, 2, 3, 0, 7, 8], 3) == [1, 2, 3]
     assert proposer.propose_tokens([5, 8, 9, 4, 4, 7, 8, 1, 2, 3, 0, 7, 8], 10) == [1, 2, 3, 0, 7, 8]
     assert proposer.propose_tokens([1, 2, 3, 4], 3) == []  # nothing recurs
-    assert speculative.NgramProposer(min_n=2, max_n=3).propose_tokens([1, 9, 2, 1], 3) == []  # [2, 1] is new
+    assert ngram.NgramProposer(min_n=2, max_n=3).propose_tokens([1, 9, 2, 1], 3) == []  # [2, 1] is new
     assert proposer.propose_tokens([3, 3, 3], 2) == [3]  # the latest earlier match, then what follows it
 
 
 def test_accepted_tokens_are_the_matching_draws_plus_one():
-    assert speculative.accepted_tokens([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
-    assert speculative.accepted_tokens([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]  # all, and the bonus draw
-    assert speculative.accepted_tokens([4, 5, 6], [8, 5, 6, 1]) == [8]
-    assert speculative.accepted_tokens([], [8]) == [8]
+    assert verification.accepted_tokens([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
+    assert verification.accepted_tokens([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]  # all, and the bonus draw
+    assert verification.accepted_tokens([4, 5, 6], [8, 5, 6, 1]) == [8]
+    assert verification.accepted_tokens([], [8]) == [8]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -83,7 +83,7 @@ def test_accepted_tokens_are_the_matching_draws_plus_one():
 ])
 def test_bad_speculation_settings_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
-        speculative.check_speculative_config(EngineConfig(**change))
+        verification.check_speculative_config(EngineConfig(**change))
 
 
 def decoding_request(scheduler, prompt_len=10, **params):
@@ -328,7 +328,7 @@ def test_smollm2_greedy_output_is_unchanged_on_real_prompts():
     import jax.numpy as jnp
 
     from checkpoints import default_model, load
-    from jaxserve.request import encode_chat
+    from jaxserve.core.request import encode_chat
     model_dir = default_model.resolve_model("smollm2")
     config, tokenizer = load.load_config(model_dir), load.load_tokenizer(model_dir)
     params = load.load_params(model_dir, jnp.float32)
@@ -366,7 +366,7 @@ def test_generate_cli_speculates_and_reports_the_acceptance_rate(tiny_chat_model
 def test_metrics_count_proposed_and_accepted_tokens():
     from prometheus_client import generate_latest
 
-    from jaxserve.outputs import EngineStats
+    from jaxserve.core.outputs import EngineStats
     from serve.metrics import ServerMetrics
     stats = EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=10, num_preemptions=0,
                         prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, spec_verify_steps=5,

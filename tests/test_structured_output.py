@@ -8,9 +8,9 @@ import re
 import jsonschema
 import pytest
 
+from jaxserve.core.request import InvalidRequestError, SamplingParams
+from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputParams
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.request import InvalidRequestError, SamplingParams
-from jaxserve.structured_output import GrammarCompiler, StructuredOutputParams
 
 NUM_SAMPLES = 20
 # Bounded schemas (strings with maxLength, arrays with maxItems, no extra properties): every path

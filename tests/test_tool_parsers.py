@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.commands import cli
 from serve.chat_output import ChoiceOutput
 from serve.structured import ToolConfigError, resolve_auto_tool_choice
 from serve.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,

@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from jaxserve.request import encode_chat
+from jaxserve.core.request import encode_chat
 from serve.app import ServerConfig
 from serve.protocol import parse_chat_request, prompt_token_ids
 from serve.tool_parsers import HermesToolParser, ToolCallParser

@@ -21,7 +21,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve import cli
+from jaxserve.commands import cli
 from serve import web_ui
 from serve.app import STATE, ServerConfig
 from tests import test_server

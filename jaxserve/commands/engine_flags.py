@@ -148,8 +148,8 @@ def sampling_kwargs(fv: flags.FlagValues) -> dict:
 
 
 def define_distributed_flags(fv: flags.FlagValues) -> None:
-    """The flags of a multi-host job (`serve` and `generate`; see jaxserve.multihost)."""
-    from jaxserve import multihost
+    """The flags of a multi-host job (`serve` and `generate`; see jaxserve.parallel.multihost)."""
+    from jaxserve.parallel import multihost
 
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 of a multi-host job (every process "
                         "runs the same command; default: $JAXSERVE_COORDINATOR_ADDRESS, else a SLURM / Open MPI "
@@ -172,13 +172,13 @@ def join_options(fv: flags.FlagValues):
     """The multihost.JoinOptions the distributed flags describe (flags > $JAXSERVE_ variables >
     SLURM / Open MPI), None for a single process; ValueError for settings that cannot work,
     including tensor / data parallel sizes that do not span the processes."""
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
 
     options = multihost.resolve_join_options(fv.coordinator_address, fv.num_processes, fv.process_id,
                                              heartbeat_timeout_s=fv.heartbeat_timeout_s)
     if options is not None and options.num_processes:
         defaults = EngineConfig()
-        from jaxserve import sharding
+        from jaxserve.parallel import sharding
         sharding.check_parallel_sizes(fv.tensor_parallel_size or defaults.tensor_parallel_size,
                                       fv.data_parallel_size or defaults.data_parallel_size, options.num_processes)
     return options
@@ -212,7 +212,7 @@ def join_job(options, command: str) -> int | None:
     import logging
     import sys
 
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
     # Every process of a job logs its role, its share of the weights and how the job ends.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "jax._src.distributed"):
@@ -236,8 +236,8 @@ def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
 
     import jax
 
-    from jaxserve import multihost
     from jaxserve.engine import Engine
+    from jaxserve.parallel import multihost
 
     pid = jax.process_index()
     # SIGTERM (a Kubernetes pod deletion reaches every process at once): keep following until
@@ -264,7 +264,7 @@ def run_front(engine, work, command: str, fv: flags.FlagValues) -> int:
     then tells the others to stop. A failed job exits at once with 1, naming the failure."""
     import sys
 
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
 
     try:
         front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)

@@ -15,7 +15,7 @@ import time
 from absl import flags
 
 from jaxserve.commands import engine_flags
-from jaxserve.request import encode_chat, encode_text
+from jaxserve.core.request import encode_chat, encode_text
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
                    "top_k": int, "seed": int, "stop": (str, list)}
@@ -98,7 +98,7 @@ def _percentiles(values: list[float]) -> str:
 
 
 def run(fv: flags.FlagValues) -> int:
-    from jaxserve.request import SamplingParams, check_sampling_params
+    from jaxserve.core.request import SamplingParams, check_sampling_params
 
     if not fv.input or not fv.output:
         print("jaxserve generate: --input and --output are required", file=sys.stderr)
@@ -127,10 +127,10 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
-    from jaxserve import speculative
     from jaxserve.engine import Engine
+    from jaxserve.speculative import verification
     try:
-        speculative.check_speculative_config(engine_flags.engine_config(fv))
+        verification.check_speculative_config(engine_flags.engine_config(fv))
     except ValueError as e:
         print(f"jaxserve generate: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """`jaxserve plan`: the engine `jaxserve serve` (and `generate`) would build with the same flags,
 sized for one device: weights, KV bytes per token, activations, the KV pages (the pool the engine
 allocates) and the concurrency. With `--target=h100 --compile`, the GPU build compiled for that
-GPU without one (jaxserve.gpu_compile)."""
+GPU without one (jaxserve.planning.gpu_compile)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import sys
 
 from absl import flags
 
-from jaxserve import memory
 from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.planning import memory
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -51,7 +51,7 @@ def _device_memory_bytes(fv: flags.FlagValues) -> int:
             raise memory.MemoryPlanError(f"--device_memory_gb must be positive, got {fv.device_memory_gb}")
         return int(fv.device_memory_gb * memory.GiB)
     if fv.target is not None:
-        from jaxserve.gpu_targets import target_memory_budget_bytes
+        from jaxserve.planning.gpu_targets import target_memory_budget_bytes
         return target_memory_budget_bytes(fv.target)
     return memory.device_memory_budget_bytes()
 
@@ -66,7 +66,9 @@ def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
     import jax
     from jax.sharding import AbstractMesh
 
-    from jaxserve import device_setup, quantization, sharding
+    from jaxserve.executor import device_setup
+    from jaxserve.models import quantization
+    from jaxserve.parallel import sharding
     params = source.abstract_params(cfg.dtype)
     if cfg.quantization:
         params = jax.eval_shape(lambda p: quantization.quantize_params(p, cfg.quantization, source.config), params)
@@ -82,20 +84,20 @@ def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
 
 def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> memory.MemoryPlan:
     """memory.plan_engine for the engine the flags describe: on the --target GPU, else on this
-    machine with its defaults, as the engine resolves them (jaxserve.device_setup)."""
+    machine with its defaults, as the engine resolves them (jaxserve.executor.device_setup)."""
     cfg = engine_flags.engine_config(fv)
     if fv.target is not None:
         on_gpu = True
     else:
-        from jaxserve import device_setup
+        from jaxserve.executor import device_setup
         on_gpu = device_setup.on_gpu()
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
     memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
     if cfg.quantize_embedding and cfg.tensor_parallel_size * cfg.data_parallel_size > 1:
         raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1)")
-    from jaxserve import speculative
-    speculative.check_speculative_config(cfg)
+    from jaxserve.speculative import verification
+    verification.check_speculative_config(cfg)
     draft = None
     if cfg.speculative_method == "draft":
         from checkpoints.load import open_model
@@ -159,7 +161,7 @@ def run(fv: flags.FlagValues) -> int:
 
 
 def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
-    from jaxserve import gpu_compile
+    from jaxserve.planning import gpu_compile
     cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
         report = gpu_compile.compile_for_gpu(

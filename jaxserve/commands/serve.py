@@ -89,7 +89,7 @@ def _valid_generation_config(value: str) -> bool:
 
 
 def _parse_default_sampling(value: str | None) -> dict:
-    from jaxserve.request import InvalidRequestError, check_sampling_defaults
+    from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
     if not value:
         return {}
     try:
@@ -131,8 +131,8 @@ def serve_engine_kwargs(fv: flags.FlagValues) -> dict:
     """The engine flags, with serving's own default on the CPU: prefill beside decoding streams
     bounded (EngineConfig.long_prefill_token_threshold), so their tokens keep coming while a long
     prompt is prefilled. `generate` keeps the unbounded default: its figure is throughput."""
-    from jaxserve import device_setup
     from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
+    from jaxserve.executor import device_setup
 
     kwargs = engine_flags.engine_kwargs(fv)
     if "long_prefill_token_threshold" not in kwargs and not device_setup.on_gpu():
@@ -203,7 +203,7 @@ def run(fv: flags.FlagValues) -> int:
         logging.getLogger(__name__).info("%s", defaults_line)
         front = None
         if join is not None:  # steps go to every process; a lost process fails the job loudly
-            from jaxserve import multihost
+            from jaxserve.parallel import multihost
             try:
                 front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
                 front.attach(engine)

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
-from jaxserve import sharding
 from jaxserve.config import ModelConfig
-from jaxserve import quantization
-from jaxserve.quantization import linear
+from jaxserve.models import quantization
+from jaxserve.models.quantization import linear
+from jaxserve.parallel import sharding
 from pallas_kernels import dispatch, kv_quant
 
 Params = dict[str, Any]
@@ -223,7 +223,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
             prefill_hidden_rows: int = 0, max_query_len: int | None = None) -> tuple[jax.Array, ...]:
     """One model step over a batch of decode tokens followed by prefill chunks.
 
-    With a `mesh` (tensor parallel, see jaxserve.sharding), the KV write and attention run per
+    With a `mesh` (tensor parallel, see jaxserve.parallel.sharding), the KV write and attention run per
     device under shard_map over its "model" axis; XLA partitions the rest from the weights.
 
     batch (all int32):

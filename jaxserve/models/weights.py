@@ -12,9 +12,9 @@
 
 Per-layer weights are stacked on a leading "layers" axis (the step scans over it) and sit under
 `layers/`. From this one declaration come: the shapes (`param_shapes`), random weights
-(`random_params`), the tensor-parallel partition specs (`jaxserve.sharding` maps logical axes to
+(`random_params`), the tensor-parallel partition specs (`jaxserve.parallel.sharding` maps logical axes to
 mesh axes), the quantizable set (`linear_leaves`), the planner's per-device byte counts
-(`jaxserve.memory`) and the checkpoint names (`checkpoints/`). The computation is
+(`jaxserve.planning.memory`) and the checkpoint names (`checkpoints/`). The computation is
 `jaxserve.models.llama.forward`.
 """
 from __future__ import annotations

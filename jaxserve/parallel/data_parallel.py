@@ -17,8 +17,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from jaxserve import multihost, sharding
-from jaxserve.outputs import EngineStats
+from jaxserve.core.outputs import EngineStats
+from jaxserve.parallel import multihost, sharding
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
     `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
     single device. The split is checked before any weight is loaded (ValueError), and each
     replica's memory budget is read before its weights take memory (the planner subtracts them)."""
-    from jaxserve import device_setup
+    from jaxserve.executor import device_setup
 
     tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
     if tp == 1 and dp == 1:
@@ -60,7 +60,7 @@ def _agreed_memory_budget(shardings, index: int) -> int:
     """Several processes (jax.distributed): the memory budget of this process's first device of
     the replica, the smallest over the processes, so that every process plans the same KV pool."""
     import jax
-    from jaxserve import memory
+    from jaxserve.planning import memory
     device = next(d for d in shardings.mesh.devices.flat if d.process_index == jax.process_index())
     return multihost.agree_min(f"memory_budget/{index}", memory.device_memory_budget_bytes(device))
 

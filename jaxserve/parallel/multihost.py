@@ -458,7 +458,7 @@ class Front:
             self._wrap(replica.runner, index)
 
     def _wrap(self, runner, index: int) -> None:
-        from jaxserve import structured_output
+        from jaxserve.core import structured_output
 
         original, replicated = runner._run_step, _replicated_sharding(runner)
         original_recover = runner.recover
@@ -642,7 +642,7 @@ def follow(engine, *, idle_wait_s: float = 1.0) -> int:
                      compilations())
             return steps
         run_step, replicated = runners[message.replica]
-        from jaxserve.runner import Bucket
+        from jaxserve.core.step import Bucket
         try:
             run_global_step(run_step, replicated, Bucket(*message.bucket), message.arrays, message.sampling,
                             message.prompt_rows)

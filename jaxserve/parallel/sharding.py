@@ -12,7 +12,7 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
   embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
                                                          does not divide); logits are gathered
   norms (q_norm / k_norm over head_dim too)              replicated
-  quantized linear {q, scale[, zero]} (jaxserve.quantization): q as its float weight; scale and
+  quantized linear {q, scale[, zero]} (jaxserve.models.quantization): q as its float weight; scale and
     zero [L, groups, out] too, except per-output-channel scales of a row-sharded weight (one group:
     replicated); a row-sharded weight's groups must divide evenly over the devices
   KV cache [L*pages, page_size, kv_heads, hd]            sharded on kv_heads (dim 2)
@@ -117,7 +117,7 @@ def check_parallel_sizes(tensor_parallel_size: int, data_parallel_size: int, num
 
 def _process_spanning_grid(devices, processes, tp: int, dp: int) -> np.ndarray:
     """Devices of several processes (jax.distributed): every replica (row) takes tp / processes
-    devices of each process, so that every process runs every step (jaxserve.multihost's
+    devices of each process, so that every process runs every step (jaxserve.parallel.multihost's
     lockstep); within a process, consecutive local devices."""
     check_parallel_sizes(tp, dp, len(processes))
     per_process = tp // len(processes)
@@ -248,7 +248,7 @@ def _out_features(weight) -> int:
 
 def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
     """The sharding of one weight: `float_sharding` itself for a float array; for a quantized
-    dict ({q, scale[, zero]}, see jaxserve.quantization) a dict with one sharding per array.
+    dict ({q, scale[, zero]}, see jaxserve.models.quantization) a dict with one sharding per array.
 
     q is split like the float weight. scale / zero [L, groups, out] follow it on the output axis;
     on the input axis (row-parallel weights) they are split with the input when there are several

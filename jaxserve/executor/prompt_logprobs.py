@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve import sampler
+from jaxserve.executor import sampler
 from jaxserve.models import llama
 
 _TOP_BLOCK = 64

@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.request import SamplingParams
+from jaxserve.core.outputs import RequestOutput, TokenLogprob
+from jaxserve.core.request import SamplingParams
 
 
 REPLACEMENT_CHAR = "\ufffd"

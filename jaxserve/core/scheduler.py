@@ -13,7 +13,7 @@ device arrays. The runner never sees a `Request`, so nothing on the device side 
 host bookkeeping (a row's `RowParams.grammar`, the request's structured-output state, is only
 read there: the engine advances it). No jax here.
 
-Speculative decoding (jaxserve.speculative): in a step with no prefill work, decoding requests
+Speculative decoding (jaxserve.speculative.verification): in a step with no prefill work, decoding requests
 that carry proposed tokens (`Request.spec_token_ids`) make it a *verification step*: every decode
 row becomes a `ScheduledBatch.verify` row of its last token plus its proposals (trimmed to the
 free pages, the token budget and the request's limits; pages are never preempted for a proposal),
@@ -36,119 +36,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Sequence
 
-from jaxserve import speculative
 from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request, RequestStatus, SamplingParams
-
-# The most prompt-logprob rows one step computes (each is a [vocab] row of logits on the device;
-# the runner compiles that function for row counts up to this, or max_num_batched_tokens if lower).
-MAX_PROMPT_LOGPROB_ROWS = 256
-
-
-def prompt_logprob_rows_limit(config: EngineConfig) -> int:
-    return min(MAX_PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RowParams:
-    """How one row is sampled: the request's sampling parameters (read only), where its random
-    stream is, and its token history (needed, and filled by the scheduler, only with a penalty)."""
-
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    seed: int = 0
-    step: int = 0  # number of output tokens so far
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    # The request's structured_output.GrammarState (read only here: the runner writes its allowed
-    # tokens into the row's bitmask; the engine advances it after the step).
-    grammar: Any = None
-
-    @property
-    def has_penalties(self) -> bool:
-        return uses_penalties(self.params)
-
-
-def uses_penalties(params: SamplingParams) -> bool:
-    """Whether sampling reads the token history (repetition, presence or frequency penalty)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PromptLogprobRows:
-    """Prompt logprobs computed in a prefill chunk: positions `first .. first + len(targets) - 1`
-    each predict the prompt token after it, `targets[i]` (whose logprob and rank are returned,
-    with the top `num_logprobs`)."""
-
-    first: int
-    targets: tuple[int, ...]
-    num_logprobs: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledRow:
-    """One sequence's part of a step: `token_ids` at positions `start ..` of the sequence whose
-    K/V pages are `page_ids` (positions before `start` are already in the cache)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # computed this step: one for a decode row, a chunk for prefill
-    start: int  # position of token_ids[0]
-    page_ids: tuple[int, ...]  # the sequence's block-table row; holds positions up to `end`
-    sampling: RowParams | None  # None: a prefill chunk short of the sequence's end (its sample is dropped)
-    prompt_logprobs: PromptLogprobRows | None = None  # prompt positions of the chunk whose logprobs are wanted
-
-    @property
-    def end(self) -> int:
-        """Context length after the step (positions 0 .. end - 1 are in the cache)."""
-        return self.start + len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledBatch:
-    """One step: decode rows (one token each) and prefill chunks, in the order of the sampled ids;
-    or, in a verification step, only `verify` rows: a decoding sequence's last token and its
-    proposed tokens, sampled at every position (`sampling` is the first position's; the runner
-    derives the others)."""
-
-    decode: tuple[ScheduledRow, ...] = ()
-    prefill: tuple[ScheduledRow, ...] = ()
-    verify: tuple[ScheduledRow, ...] = ()
-    num_steps: int = 1  # multi-step decoding: tokens per decode row, drawn on the device one after another
-
-    @property
-    def rows(self) -> tuple[ScheduledRow, ...]:
-        return self.decode + self.prefill + self.verify
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(len(row.token_ids) for row in self.prefill)
-
-    @property
-    def num_verify_tokens(self) -> int:
-        return sum(len(row.token_ids) for row in self.verify)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step computes (multi-step: every decode row's n steps)."""
-        return len(self.decode) * self.num_steps + self.num_prefill_tokens + self.num_verify_tokens
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        """Block-table width the step needs: pages of its widest row."""
-        return max((len(row.page_ids) for row in self.rows), default=0)
-
-    @property
-    def num_attention_pairs(self) -> int:
-        """(query, key) pairs the step's causal attention covers: a query at position p sees p + 1 keys."""
-        return sum(len(row.token_ids) * row.start + len(row.token_ids) * (len(row.token_ids) + 1) // 2
-                   for row in self.rows)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.verify
-
+from jaxserve.core.page_allocator import PageAllocator
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.speculative import verification
+from jaxserve.core.step import (PromptLogprobRows, RowParams, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit,
+                                uses_penalties)
 
 @dataclasses.dataclass
 class StepPlan:
@@ -267,8 +161,8 @@ class Scheduler:
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
-        self.max_verify_rows = speculative.max_verify_rows(config) if self.max_spec_tokens else 0
-        self.spec_stats = speculative.SpeculationStats(self.max_spec_tokens)
+        self.max_verify_rows = verification.max_verify_rows(config) if self.max_spec_tokens else 0
+        self.spec_stats = verification.SpeculationStats(self.max_spec_tokens)
         if not 1 <= config.num_scheduler_steps <= 64:
             raise ValueError(f"num_scheduler_steps must be in [1, 64], got {config.num_scheduler_steps}")
         self.num_scheduler_steps = config.num_scheduler_steps
@@ -496,7 +390,7 @@ class Scheduler:
 
     def _verified_tokens(self, proposed: tuple[int, ...], draws) -> list[int]:
         """A verified row's accepted tokens (counted in spec_stats)."""
-        tokens = speculative.accepted_tokens(proposed, draws[:len(proposed) + 1])
+        tokens = verification.accepted_tokens(proposed, draws[:len(proposed) + 1])
         if proposed:
             self.spec_stats.record(len(proposed), len(tokens) - 1)
         return tokens
@@ -523,7 +417,7 @@ class Scheduler:
 
         `sampled_token_ids` holds one id per decode request, then one per prefill entry; in a
         verification step, one sequence per decode request: its draws at each position (the
-        accepted ones, up to the request's limits, are appended; `speculative.accepted_tokens`).
+        accepted ones, up to the request's limits, are appended; `verification.accepted_tokens`).
         Returns the requests that got new output tokens (a prefill chunk only when it reached the
         end of the sequence; with max_tokens 0, the chunk that ended the prompt: no token, finished
         with FINISHED_LENGTH). Requests that hit max_tokens or the length limit come back already finished

@@ -2,8 +2,8 @@
 
 `plan_engine` is the one sizing of an engine: `jaxserve plan` prints it and the engine allocates
 its `num_pages` for the same EngineConfig. Pure host code (no jax at import time; the
-quantization formats and the tensor-parallel split rules are jaxserve.quantization's and
-jaxserve.sharding's, imported when used). Every byte count is per device: with tensor parallelism
+quantization formats and the tensor-parallel split rules are jaxserve.models.quantization's and
+jaxserve.parallel.sharding's, imported when used). Every byte count is per device: with tensor parallelism
 the attention heads, the MLP columns and the vocabulary are split over `tensor_parallel_size`
 devices, norms are replicated, and KV heads are split (or replicated when there are fewer KV
 heads than devices).
@@ -49,7 +49,7 @@ class MemoryPlanError(ValueError):
     """The requested configuration does not fit in the memory budget (or makes no sense)."""
 
 
-# Weight dtypes: a float dtype, or a jaxserve.quantization format name (int8, int4, int4_g64,
+# Weight dtypes: a float dtype, or a jaxserve.models.quantization format name (int8, int4, int4_g64,
 # int8_g32_zp, ...; see quantization.parse_format), which stores the decoder's linear layers
 # quantized and the rest (embeddings, lm_head, norms, biases) in QUANTIZED_COMPUTE_DTYPE.
 WEIGHT_DTYPES = tuple(FLOAT_DTYPE_BYTES) + ("int8", "int4")
@@ -102,11 +102,11 @@ def normalize_dtype(name: str, allowed) -> str:
 
 
 def quant_format(weight_dtype: str):
-    """The `jaxserve.quantization.QuantFormat` a weight dtype names, or None for a float dtype.
+    """The `jaxserve.models.quantization.QuantFormat` a weight dtype names, or None for a float dtype.
     MemoryPlanError for a name that is neither."""
     if weight_dtype in FLOAT_DTYPE_BYTES:
         return None
-    from jaxserve.quantization import parse_format  # imports jax: only when quantized weights are planned
+    from jaxserve.models.quantization import parse_format  # imports jax: only when quantized weights are planned
     try:
         return parse_format(weight_dtype)
     except ValueError as e:
@@ -127,8 +127,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
 
 def kv_heads_per_device(model: ModelConfig, tensor_parallel_size: int) -> int:
     """KV heads on each of `tensor_parallel_size` devices (replicated when fewer than devices).
-    MemoryPlanError when the model cannot be split that way (jaxserve.sharding's rules)."""
-    from jaxserve import sharding  # imports jax: the split rules live with the partition rules
+    MemoryPlanError when the model cannot be split that way (jaxserve.parallel.sharding's rules)."""
+    from jaxserve.parallel import sharding  # imports jax: the split rules live with the partition rules
     try:
         sharding.check_tensor_parallel(model, tensor_parallel_size)
     except ValueError as e:
@@ -141,8 +141,8 @@ def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, .
     (jaxserve.models.weights) and the partition rules: with KV heads replicated up to `tp`, every
     axis the rules split is divided over the devices."""
     kv_heads_per_device(model, tp)  # MemoryPlanError when the model cannot be split this way
-    from jaxserve import sharding  # imports jax, as the declaration does
     from jaxserve.models import weights
+    from jaxserve.parallel import sharding  # imports jax, as the declaration does
     run = sharding.sharded_model_config(model, tp)
     rules = sharding.logical_axis_rules(run, tp)
     return [(info.role, tuple(math.ceil(n / tp) if rules.get(axis) else n for n, axis in zip(info.shape, info.axes)))
@@ -158,7 +158,7 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
     fmt = quant_format(weight_dtype)
     if fmt is None:
         return in_features * out_features * FLOAT_DTYPE_BYTES[weight_dtype]
-    from jaxserve.quantization import quantized_dtypes
+    from jaxserve.models.quantization import quantized_dtypes
     group = fmt.group_size or in_features
     packed = math.ceil(in_features * out_features * fmt.bits / 8)
     per_group = sum(dtype.itemsize for key, dtype in quantized_dtypes(fmt).items() if key != "q")  # scale, zero
@@ -414,9 +414,9 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
 
 def draft_scratch_pages(cfg: EngineConfig) -> int:
     """The pages a draft model's cache has beyond the target's: scratch for the positions its
-    proposal pass writes past a row's pages (jaxserve.draft_proposer), for every row that verifies."""
-    from jaxserve import speculative  # host code, no jax
-    return speculative.max_verify_rows(cfg) * speculative.draft_scratch_pages_per_row(
+    proposal pass writes past a row's pages (jaxserve.speculative.draft_proposer), for every row that verifies."""
+    from jaxserve.speculative import verification  # host code, no jax
+    return verification.max_verify_rows(cfg) * verification.draft_scratch_pages_per_row(
         cfg.num_speculative_tokens, cfg.page_size)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve import grammar_sandbox
+from jaxserve.core import grammar_sandbox
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65536  # a schema / regex / grammar's text; llguidance's parser limits bound the rest
@@ -124,7 +124,7 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe (the server compiles in its pool).
 
     A constraint the compiler has not seen is tried first in a child process
-    (jaxserve.grammar_sandbox: a crash, a runaway or a memory hog is refused there), then compiled
+    (jaxserve.core.grammar_sandbox: a crash, a runaway or a memory hog is refused there), then compiled
     here on a thread with a stack sized for the longest grammars, its first token mask built (so
     the engine's first step with it does not pay for its lexer). Compiled grammars are cached by
     the memory they took, up to CACHE_BYTES; constraints that cannot be used are remembered as

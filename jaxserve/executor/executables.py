@@ -36,7 +36,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve import device_setup
+from jaxserve.executor import device_setup
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ class GrammarSandbox:
 
     def _start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self._child = subprocess.Popen([sys.executable, "-m", "jaxserve.grammar_sandbox"], stdin=subprocess.PIPE,
+        self._child = subprocess.Popen([sys.executable, "-m", "jaxserve.core.grammar_sandbox"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self._child.stdin.write(self._hello)
         self._child.stdin.flush()

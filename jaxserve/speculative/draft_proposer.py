@@ -11,7 +11,7 @@ Proposing (`propose`) is one k-step pass per target step, over the rows that wil
 step i feeds the row's last token (i = 0) or its previous proposal, at position n - 1 + i, and
 draws the next token with the sampler and the parameters the target will use at that position,
 including the random key of (seed, output step). So a draft that agrees with the target proposes
-exactly the token the target then draws, and the target (jaxserve.speculative) accepts it.
+exactly the token the target then draws, and the target (jaxserve.speculative.verification) accepts it.
 Positions past the row's allocated pages write into the row's scratch pages; the step's K/V there
 is thrown away (the verification step's mirror writes the real one). The k steps stay on the
 device: each step's sampled ids are the next step's input, and one `device_get` returns them all.
@@ -31,11 +31,12 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxserve import decode_loop, speculative
 from jaxserve.config import ModelConfig
+from jaxserve.core.scheduler import row_params
+from jaxserve.core.step import Bucket, geometric_buckets, uses_penalties
+from jaxserve.executor import decode_loop, sampler
 from jaxserve.models import llama
-from jaxserve.runner import ALWAYS_BIAS, Bucket, geometric_buckets
-from jaxserve.scheduler import row_params, uses_penalties
+from jaxserve.speculative import verification
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class DraftProposer:
         self.k = num_speculative_tokens
         self.page_size = target_runner.page_size
         self.num_target_pages = target_runner.num_pages
-        self.scratch_pages_per_row = speculative.draft_scratch_pages_per_row(num_speculative_tokens, self.page_size)
+        self.scratch_pages_per_row = verification.draft_scratch_pages_per_row(num_speculative_tokens, self.page_size)
         self.row_buckets = geometric_buckets(1, max_rows)
         num_pages = self.num_target_pages + max_rows * self.scratch_pages_per_row
         self.max_model_len = target_runner.max_model_len
@@ -102,7 +103,7 @@ class DraftProposer:
         return DraftShape(rows, self.target.max_pages_per_seq + self.scratch_pages_per_row)
 
     def _propose_steps_impl(self, params, kv_cache, arrays, sampling):
-        """The k draft decode steps of a proposal pass (jaxserve.decode_loop; `arrays` and
+        """The k draft decode steps of a proposal pass (jaxserve.executor.decode_loop; `arrays` and
         `sampling` as there). Returns (proposals int32[rows, k], kv_cache)."""
         def step_logits(kv_cache, batch):
             return llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)[:2]
@@ -118,7 +119,7 @@ class DraftProposer:
                          list(request.page_ids) + scratch.tolist(), row_params(request)))
         return decode_loop.pack_inputs(rows, num_rows=shape.num_rows, table_width=shape.pages_per_seq,
                                        num_steps=self.k, history_len=self.max_model_len, penalties=penalties,
-                                       bias=ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
+                                       bias=sampler.ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
 
     def propose(self, requests: Sequence, k: int) -> list[list[int]]:
         """Up to `k` proposed tokens for each request (decoding: its last token not yet computed)."""

@@ -1,6 +1,6 @@
 """ModelRunner: ScheduledBatch -> fixed-shape numpy arrays -> one jitted step -> sampled ids.
 
-The runner works from the scheduler's plain step data (`jaxserve.scheduler.ScheduledBatch`) alone; it never
+The runner works from the scheduler's plain step data (`jaxserve.core.step.ScheduledBatch`) alone; it never
 sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
 tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
 context present); every step pads to the smallest bucket that holds it, so after warm-up no step
@@ -29,149 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import decode_loop, device_setup, executables, prompt_logprobs, sampler, speculative, structured_output
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.outputs import StepInputError
-from jaxserve.progress import Progress
+from jaxserve.core import structured_output
+from jaxserve.core.outputs import StepInputError
+from jaxserve.core.progress import Progress
+from jaxserve.core.step import Bucket, BucketSet, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
+from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler
 from jaxserve.models import llama
-from jaxserve.scheduler import ScheduledBatch, prompt_logprob_rows_limit
+from jaxserve.speculative import verification
 
 log = logging.getLogger(__name__)
-
-
-def geometric_buckets(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
-    """low, factor*low, factor**2*low, ... capped by high (which is always included)."""
-    sizes, size = [], min(low, high)
-    while size < high:
-        sizes.append(size)
-        size *= factor
-    sizes.append(high)
-    return tuple(sizes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """One compiled step shape."""
-    num_decode: int  # decode rows
-    num_prefill_tokens: int  # prefill tokens (0: no prefill part)
-    pages_per_seq: int  # block table width: pages per sequence the step may read
-    # A verification step (speculative decoding): this many rows of K + 1 tokens each, through the
-    # prefill (ragged) path as one chunk per row, with logits at every token; num_decode is 0
-    # and num_prefill_tokens num_verify * (K + 1).
-    num_verify: int = 0
-
-
-# The sampler's logit-bias stage runs in every step (a row without entries pads it): it costs
-# under 0.1 ms per call at 1-8 rows beside a ~20 ms SmolLM2 decode step (bench/sampler_variants.py),
-# and so each row count compiles two sampler variants (with and without penalties), not four.
-ALWAYS_BIAS = True
-
-# Decode-only buckets of the CPU (XLA) path below the smallest decode bucket, from
-# bench/step_profile.py --row_sweep (see BucketSet).
-CPU_SMALL_DECODE_BUCKETS = (1, 2, 4)
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketSet:
-    """The step shapes an engine compiles: every combination of its decode rows, prefill tokens
-    and block-table widths (but not the empty step).
-
-    Rows and tokens double from bucket to bucket, so a step pays for at most twice its work (on
-    CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row bucket took
-    twice as long); context buckets are coarser (x4), as few steps need them. The XLA CPU path
-    has one table width, since its cost follows the longest context present, not the width.
-
-    On the CPU, decode-only steps also get `decode_only` buckets below the smallest decode bucket
-    (CPU_SMALL_DECODE_BUCKETS): a decode step's cost there is its weight and K/V bytes plus work
-    per row, so one or two streams in an 8-row bucket would pay for six idle rows (SmolLM2,
-    ~500-token contexts, bench/step_profile.py --row_sweep in bench/RESULTS.md). They are not
-    combined with prefill buckets, whose tokens outweigh a few padded decode rows."""
-    decode: tuple[int, ...]
-    prefill: tuple[int, ...]
-    pages: tuple[int, ...]
-    max_num_prefill_seqs: int
-    decode_only: tuple[int, ...] = ()  # decode rows of decode-only steps, below min(decode[1:])
-    verify: tuple[int, ...] = ()  # rows of verification steps (speculative decoding; none without)
-    verify_row_tokens: int = 0  # K + 1: a verify row's last token and at most K proposals
-
-    @classmethod
-    def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
-               max_num_prefill_seqs: int, max_model_len: int, page_size: int,
-               speculative_tokens: int = 0, max_verify_rows: int = 0) -> "BucketSet":
-        """The buckets of an engine; with `speculative_tokens` K > 0 also verification buckets of
-        1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens."""
-        max_pages_per_seq = -(-max_model_len // page_size)
-        pages = ((max_pages_per_seq,) if backend == "xla" else
-                 geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
-        decode = geometric_buckets(8, max_num_seqs, 2)
-        small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
-        verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
-        return cls((0,) + decode, (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages,
-                   max_num_prefill_seqs, small, verify, speculative_tokens + 1 if speculative_tokens else 0)
-
-    def all(self) -> list[Bucket]:
-        return ([Bucket(d, 0, n) for d in self.decode_only for n in self.pages]
-                + [Bucket(d, p, n) for d in self.decode for p in self.prefill for n in self.pages if d or p]
-                + [self._verify_bucket(rows, n) for rows in self.verify for n in self.pages])
-
-    def _verify_bucket(self, rows: int, pages: int) -> Bucket:
-        return Bucket(0, rows * self.verify_row_tokens, pages, rows)
-
-    def fit_verify(self, num_rows: int, pages_per_seq: int) -> Bucket:
-        """The smallest verification bucket that holds a verification step."""
-        return self._verify_bucket(next(b for b in self.verify if b >= num_rows),
-                                   next(b for b in self.pages if b >= pages_per_seq))
-
-    def smallest_and_largest(self) -> list[Bucket]:
-        """The corner shapes: smallest and largest of each kind (a compile check CI can afford)."""
-        def ends(sizes):  # 0 (no part of that kind) where allowed, the smallest size, the largest
-            nonzero = [size for size in sizes if size]
-            return sorted({size for size in sizes if size == 0} | {nonzero[0], nonzero[-1]})
-        return [Bucket(d, p, n) for d in ends(self.decode) for p in ends(self.prefill) for n in ends(self.pages)
-                if d or p]
-
-    def fit(self, num_decode: int, num_prefill_tokens: int, pages_per_seq: int) -> Bucket:
-        """The smallest bucket that holds a step."""
-        if num_prefill_tokens == 0 and num_decode <= max(self.decode_only, default=0):
-            return Bucket(next(b for b in self.decode_only if b >= num_decode), 0,
-                          next(b for b in self.pages if b >= pages_per_seq))
-        return Bucket(next(b for b in self.decode if b >= num_decode),
-                      next(b for b in self.prefill if b >= num_prefill_tokens),
-                      next(b for b in self.pages if b >= pages_per_seq))
-
-    def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
-        """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
-        dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.pages_per_seq
-        num_prefill_seqs = bucket.num_verify or (self.max_num_prefill_seqs if pre else 0)
-        T = dec + pre
-        num_rows = T if bucket.num_verify else dec + num_prefill_seqs  # verification: logits at every token
-        return dict(
-            token_ids=np.zeros(T, np.int32),  # [T]
-            positions=np.zeros(T, np.int32),  # [T]
-            slot_mapping=np.zeros(T, np.int32),  # [T]
-            decode_block_table=np.zeros((dec, P), np.int32),  # [num_decode, pages]
-            decode_seq_lens=np.zeros(dec, np.int32),  # [num_decode]
-            prefill_block_table=np.zeros((num_prefill_seqs, P), np.int32),  # [num_prefill_seqs, pages]
-            prefill_seq_lens=np.zeros(num_prefill_seqs, np.int32),  # [num_prefill_seqs]
-            prefill_query_start_loc=np.zeros(num_prefill_seqs + 1, np.int32),  # [num_prefill_seqs + 1]
-            logits_indices=np.zeros(num_rows, np.int32))  # [rows]
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """Host copies of what one step sampled, one row per row of its batch (decode rows, then
-    prefill chunks; in a verification step one row per verify row, with a draw at each of its
-    K + 1 positions: an extra axis after the rows), and what the step cost."""
-    token_ids: np.ndarray  # int32[num_rows] (verification: [num_rows, K + 1]; multi-step: [num_rows, n])
-    logprobs: np.ndarray | None  # float32[num_rows]; None when no row asked for logprobs
-    top_ids: np.ndarray | None  # int32[num_rows, max_logprobs]
-    top_logprobs: np.ndarray | None  # float32[num_rows, max_logprobs]
-    bucket: Bucket  # the compiled shape the step ran in
-    device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
-    host_seconds: float  # the runner's host work: packing the arrays, slicing the results
-    # Per row of the batch: None, or for a prefill chunk with prompt-logprob rows the arrays of
-    # `prompt_logprobs.compute` for them (logprobs, ranks [n]; top_ids, top_logprobs [n, max_logprobs]).
-    prompt_logprobs: list[dict[str, np.ndarray] | None] | None = None
 
 
 class ModelRunner:
@@ -209,7 +76,7 @@ class ModelRunner:
             backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size,
             speculative_tokens=engine_config.speculative_tokens,
-            max_verify_rows=speculative.max_verify_rows(engine_config) if engine_config.speculative_tokens else 0)
+            max_verify_rows=verification.max_verify_rows(engine_config) if engine_config.speculative_tokens else 0)
         # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
@@ -260,7 +127,7 @@ class ModelRunner:
                                                           max_logprobs=max_logprobs))
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
-        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, ALWAYS_BIAS)
+        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, sampler.ALWAYS_BIAS)
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
 
     def _open_executable_store(self, engine_config: EngineConfig, step_config: ModelConfig,
@@ -390,7 +257,7 @@ class ModelRunner:
             arrays, sampling = decode_loop.pack_inputs(
                 [(row.token_ids[0], row.start, row.page_ids, row.sampling) for row in rows],
                 num_rows=bucket.num_decode, table_width=bucket.pages_per_seq, num_steps=self.num_scheduler_steps,
-                history_len=self.max_model_len, penalties=False, bias=ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
+                history_len=self.max_model_len, penalties=False, bias=sampler.ALWAYS_BIAS, eos_token_ids=self.eos_token_ids)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
         return arrays, sampling, np.int32(num_steps)
@@ -410,7 +277,7 @@ class ModelRunner:
     def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
         try:
             return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
-                                                 len(rows), self.max_model_len, bias=ALWAYS_BIAS,
+                                                 len(rows), self.max_model_len, bias=sampler.ALWAYS_BIAS,
                                                  eos_token_ids=self.eos_token_ids, vocab_size=self.config.vocab_size)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
@@ -534,7 +401,7 @@ class ModelRunner:
                     self._step_params, self.kv_cache, arrays, sampling, num_steps))
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
-        samplers = [(n, penalties, ALWAYS_BIAS) for n in row_counts for penalties in (False, True)]
+        samplers = [(n, penalties, sampler.ALWAYS_BIAS) for n in row_counts for penalties in (False, True)]
         multi_steps = self.multi_step_buckets()
         total = len(buckets) + len(samplers) + len(multi_steps) + len(self.prompt_logprob_buckets)
         threads = os.cpu_count() or 1

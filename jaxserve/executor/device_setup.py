@@ -7,8 +7,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxserve import memory, quantization
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models import quantization
+from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant
 
 

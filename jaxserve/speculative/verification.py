@@ -1,4 +1,4 @@
-"""Speculative decoding, the host side: proposers, the acceptance rule and its counters (no jax).
+"""Speculative decoding, the host side: its settings, the acceptance rule and its counters (no jax).
 
 A decoding request may carry up to K proposed tokens (`Request.spec_token_ids`, set by the engine
 after each step). The scheduler then runs a *verification step*: every decode row becomes a
@@ -17,7 +17,7 @@ the target's, and with a seed the output is the same token sequence as without s
 computed inside a multi-token verification chunk may round differently from the same position in
 a one-token decode step, which can flip a near-tie. For a deterministic proposal (ngram) the
 acceptance probability is p(d), as in standard rejection sampling; for a draft model the draft
-draws with the same key (`jaxserve.draft_proposer`), so its proposal equals the target's draw
+draws with the same key (`jaxserve.speculative.draft_proposer`), so its proposal equals the target's draw
 whenever both distributions put the same Gumbel-max winner first. Standard rejection sampling
 would accept min(1, p/q) of a draft's tokens, a little more often, but it cannot keep the
 seeded sequence of non-speculative decoding, which this rule does.
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
-
-import numpy as np
 
 METHODS = ("ngram", "draft")
 
@@ -74,34 +72,6 @@ def max_verify_rows(cfg) -> int:
     if cfg.speculative_disable_by_batch_size is not None:
         rows = min(rows, cfg.speculative_disable_by_batch_size)
     return max(rows, 1)
-
-
-class NgramProposer:
-    """Prompt lookup: the longest suffix n-gram (max_n down to min_n tokens) that occurred earlier
-    in the sequence (prompt + output) proposes the tokens that followed its latest occurrence."""
-
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, requests: Sequence, k: int) -> list[list[int]]:
-        """Up to `k` tokens to follow each request's tokens (the proposer interface)."""
-        return [self.propose_tokens(request.all_token_ids, k) for request in requests]
-
-    def propose_tokens(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens to follow `token_ids`; [] when no suffix n-gram recurs."""
-        if k < 1 or len(token_ids) < self.min_n + 1:
-            return []
-        tokens = np.asarray(token_ids, np.int64)  # [L]
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n:]
-            # Starts i < L - n whose n tokens equal the suffix (the suffix itself excluded).
-            starts = np.flatnonzero(tokens[:length - n] == suffix[0])
-            starts = starts[starts + n < length]
-            for i in starts[::-1]:  # the latest occurrence first
-                if np.array_equal(tokens[i:i + n], suffix):
-                    return tokens[i + n:i + n + k].tolist()
-        return []
 
 
 def accepted_tokens(proposed: Sequence[int], sampled: Sequence[int]) -> list[int]:

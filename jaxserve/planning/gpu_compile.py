@@ -8,7 +8,7 @@ and sampler shape down to ptxas for the target. Each compiled step reports XLA's
 next to the planner's activation estimate, and the number of Pallas kernel calls in it (a silent
 fallback to XLA attention shows as 0).
 
-Targets are XLA `GpuTargetConfig` text protos shipped in `jaxserve/gpu_targets/` (h100, h200,
+Targets are XLA `GpuTargetConfig` text protos shipped in `jaxserve/planning/gpu_targets/` (h100, h200,
 a100). Needs the `gpu-compile` extra (jax's CUDA plugin and ptxas, not the CUDA runtime) and
 `JAX_PLATFORMS=cpu` set before jax starts (the plugin cannot start without a GPU).
 """
@@ -30,11 +30,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve import compat, executables, memory, quantization, sampler, sharding
+from jaxserve import compat
 from jaxserve.config import ModelConfig
-from jaxserve.gpu_targets import target_config, target_memory_budget_bytes
+from jaxserve.core.step import Bucket, BucketSet
+from jaxserve.executor import executables, sampler
+from jaxserve.models import quantization
 from jaxserve.models import llama, weights
-from jaxserve.runner import ALWAYS_BIAS, Bucket, BucketSet
+from jaxserve.parallel import sharding
+from jaxserve.planning import memory
+from jaxserve.planning.gpu_targets import target_config, target_memory_budget_bytes
 from pallas_kernels import kv_quant
 from pallas_kernels.compat import quiet_pallas_deprecations
 
@@ -159,7 +163,7 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     if quantization_format:
         params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format, run_config), params)
     params = _abstract(params, sharding.quantized_checkpoint_shardings(shardings.params, params))
-    plan_weight_dtype = quantization_format or float_dtype.name  # any jaxserve.quantization format
+    plan_weight_dtype = quantization_format or float_dtype.name  # any jaxserve.models.quantization format
     plan = memory.plan_memory(
         model_config, device_memory_bytes=target_memory_budget_bytes(target), memory_utilization=memory_utilization,
         weight_dtype=plan_weight_dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
@@ -196,7 +200,7 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
     samplers = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
-        for penalties, bias in itertools.product((False, True), (ALWAYS_BIAS,)):  # the variants the engine warms up
+        for penalties, bias in itertools.product((False, True), (sampler.ALWAYS_BIAS,)):  # the variants the engine warms up
             inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
                       sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
                                                     model_config.eos_token_ids,

@@ -2,7 +2,7 @@
 
 Used where the host has nothing to decide between the steps: the engine's multi-step decoding
 (`EngineConfig.num_scheduler_steps`: one host round trip per n tokens of every row) and the draft
-model's proposal pass (jaxserve.draft_proposer). The loop is a `lax.fori_loop` over a dynamic
+model's proposal pass (jaxserve.speculative.draft_proposer). The loop is a `lax.fori_loop` over a dynamic
 number of steps, so one compiled shape serves every count up to the sampling inputs' length.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampler
+from jaxserve.executor import sampler
 
 
 def pack_inputs(rows: Sequence[tuple], *, num_rows: int, table_width: int, num_steps: int, history_len: int,

@@ -14,7 +14,7 @@ import hashlib
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
 
 NULL_PAGE = 0
 

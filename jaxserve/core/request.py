@@ -13,7 +13,7 @@ import random
 import time
 from typing import Any
 
-from jaxserve.structured_output import StructuredOutputError, StructuredOutputParams, check_structured_output
+from jaxserve.core.structured_output import StructuredOutputError, StructuredOutputParams, check_structured_output
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the engine may allow fewer)
 MAX_STOP_SEQUENCES = 16
@@ -293,7 +293,7 @@ class Request:
         self.prompt_logprobs: list | None = [] if self.params.prompt_logprobs is not None else None
         self.grammar = None  # a structured_output.GrammarState, set by the engine at admission
         # Speculative decoding: tokens proposed to follow the last one, verified in the next step
-        # (set by the engine after each step while the request decodes; jaxserve.speculative).
+        # (set by the engine after each step while the request decodes; jaxserve.speculative.verification).
         self.spec_token_ids: list[int] = []
 
     @property

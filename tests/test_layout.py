@@ -1,0 +1,95 @@
+"""The package's shape (README, "Architecture"): which room may import which, and a jax-free core.
+
+Read from the source with `ast` (imports inside functions count too), so the checks cost
+milliseconds; the jax-free check imports the host modules in a fresh interpreter.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Rooms from the bottom up: a module may import its own room and the rooms listed before it.
+LAYERS = [
+    ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
+    ("jaxserve.compat", "jaxserve.platforms", "jaxserve.config"),
+    ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram"),  # host side, no jax
+    # device side: model code, the step and its setup, parallelism, the draft model, memory planning
+    ("jaxserve.models", "jaxserve.executor", "jaxserve.parallel", "jaxserve.speculative.draft_proposer",
+     "jaxserve.planning"),
+    ("checkpoints",),
+    ("jaxserve.engine", "jaxserve.async_engine"),
+    ("serve",),
+    ("jaxserve.commands",),
+]
+HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> list[pathlib.Path]:
+    return sorted(p for package in ("jaxserve", "serve", "checkpoints", "pallas_kernels", "cpu_kernels")
+                  for p in (ROOT / package).rglob("*.py"))
+
+
+def imported_names(path: pathlib.Path) -> set[str]:
+    """Every module the file imports, at the top or in a function (`from a import b` gives a.b
+    where a.b is a module of the project, else a)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            for alias in node.names:
+                candidate = ROOT.joinpath(*node.module.split("."), alias.name)
+                if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+                    names.add(f"{node.module}.{alias.name}")
+    return names
+
+
+def layer_of(name: str) -> int | None:
+    for index, rooms in enumerate(LAYERS):
+        if any(name == room or name.startswith(room + ".") for room in rooms):
+            return index
+    return None
+
+
+def test_every_module_has_a_room():
+    homeless = [module_name(p) for p in project_modules()
+                if layer_of(module_name(p)) is None and module_name(p) not in ("jaxserve", "jaxserve.speculative")]
+    assert not homeless, f"modules in no room of LAYERS: {homeless}"
+
+
+def test_imports_point_down():
+    upward = []
+    for path in project_modules():
+        own = layer_of(module_name(path))
+        for name in imported_names(path):
+            target = layer_of(name)
+            if own is not None and target is not None and target > own:
+                upward.append(f"{module_name(path)} -> {name}")
+    assert not upward, "imports that run up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_host_rooms_import_no_device_code():
+    for path in project_modules():
+        name = module_name(path)
+        if any(name == room or name.startswith(room + ".") for room in HOST_ROOMS):
+            device = {n for n in imported_names(path) if n == "jax" or n.startswith(("jax.", "jaxlib", "flax"))}
+            assert not device, f"{name} imports {device}"
+
+
+def test_host_modules_do_not_import_jax():
+    host = [module_name(p) for p in project_modules()
+            if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]
+    host += ["serve.protocol", "serve.tool_parsers", "serve.reasoning"]
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {host!r}]; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
