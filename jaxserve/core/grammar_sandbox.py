@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 COMPILE_STACK_BYTES = 256 << 20  # the fuzz test's longest rule chains under the 64 KB limit need ~16 MiB
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_BYTES = 128 << 20  # a JSON schema's grammar takes a few MiB; `(f{1000}){1000}` 150
@@ -83,7 +85,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def grammar_text(kind: str, spec) -> str:
     """The llguidance grammar of a constraint (structured_output.StructuredOutputParams' kind and
     spec). Raises ValueError or TypeError for a spec llguidance cannot translate."""
-    import llguidance
+    import llguidance  # imported on first use: a machine without it serves everything but grammars
 
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -100,8 +102,7 @@ def build_matcher(tokenizer, grammar: str):
     """An llguidance matcher for `grammar`, its first token mask computed (which builds the lexer's
     first states: where a pathological regex spends its time and memory). Raises GrammarRejected
     with llguidance's first error line."""
-    import llguidance
-    import numpy as np
+    import llguidance  # imported on first use: a machine without it serves everything but grammars
 
     limits = llguidance.LLParserLimits(verbose_errors=False)
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
@@ -213,7 +214,7 @@ def _translate_and_build(tokenizer, kind: str, spec):
 
 def _child_main() -> None:
     """The child: builds the tokenizer, then compiles one grammar per input line."""
-    import llguidance
+    import llguidance  # imported on first use: a machine without it serves everything but grammars
 
     hello = json.loads(sys.stdin.readline())
     tokenizer = llguidance.LLTokenizer(hello["tokenizer"], n_vocab=hello["vocab_size"],

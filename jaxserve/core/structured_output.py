@@ -163,7 +163,7 @@ class GrammarCompiler:
     def _tokenizer(self):
         with self._lock:  # built once (about 0.3 s for a 50k vocabulary), on first use
             if self._ll_tokenizer is None:
-                import llguidance
+                import llguidance  # on first use: a machine without it serves everything but grammars
                 tokenizer_json = self._tokenizer_json()  # a few MB of JSON: serialized once, for both
                 self._ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size,
                                                             eos_token=self.eos_token_ids or None)
@@ -230,7 +230,7 @@ class GrammarCompiler:
         """llguidance's thread pool for filling many rows' masks at once."""
         with self._lock:
             if self._executor is None:
-                import llguidance
+                import llguidance  # on first use: a machine without it serves everything but grammars
                 self._executor = llguidance.LLExecutor(num_threads=2)
             return self._executor
 

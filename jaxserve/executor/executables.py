@@ -33,6 +33,7 @@ import threading
 from typing import Any, Hashable
 
 import jax
+import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -81,7 +82,6 @@ def abstract_signature(tree: Any) -> str:
 
 def environment() -> dict[str, str]:
     """What an executable depends on besides the engine: jax, the devices, XLA flags, the source."""
-    import jaxlib
     devices = jax.devices()
     env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
