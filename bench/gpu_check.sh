@@ -38,10 +38,13 @@ rm -f "$SUMMARY"
 MODE=$([ "$DRY_RUN" = 1 ] && echo dry-run || echo gpu)
 status=0
 
-# step NAME LIMIT_S REPORT|- COMMAND...: runs COMMAND under LIMIT_S seconds, its output in $OUT/NAME.log
+# step NAME LIMIT_S REPORT|- COMMAND...: runs COMMAND under LIMIT_S seconds (the GPU run's limit; the
+# dry run on a shared 2-core CPU gets $GPU_CHECK_DRY_RUN_SCALE times it), its output in $OUT/NAME.log
 # (machine: none), then folds its rc, wall time and REPORT's figures into summary.json.
+SCALE=$([ "$DRY_RUN" = 1 ] && echo "${GPU_CHECK_DRY_RUN_SCALE:-4}" || echo 1)
 step() {
-  local name="$1" limit="$2" report="$3"; shift 3
+  local name="$1" gpu_limit="$2" report="$3"; shift 3
+  local limit=$((gpu_limit * SCALE))
   local log="$OUT/$name.log" start end rc
   [ "$name" = machine ] && log="$WORK/machine.log"
   echo "== $name (limit ${limit} s)"
@@ -50,7 +53,7 @@ step() {
   rc=$?
   end=$EPOCHREALTIME
   [ "$rc" = 0 ] || status=1
-  "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="$limit" \
+  "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="$limit" --gpu-limit="$gpu_limit" \
     --start="$start" --end="$end" --mode="$MODE" --started="$STARTED" \
     $([ "$name" = machine ] || echo --log="$log") $([ "$report" = - ] || echo --report="$report") || status=1
   tail -n 4 "$log"

@@ -1,7 +1,7 @@
 """The one JSON summary of bench/gpu_check.sh, written again after every step, and its table.
 
     python bench/gpu_check_summary.py machine OUT.json          # what the machine has (no jax start-up needed)
-    python bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S --log=LOG [--report=J]
+    python bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S --gpu-limit=S --log=LOG [--report=J]
     python bench/gpu_check_summary.py table SUMMARY             # the short table printed last
 
 The summary: {"check": ..., "steps": [{"name", "rc", "wall_s", "timeout_s", "timed_out", "log",
@@ -140,7 +140,7 @@ def add(args) -> int:
                 report = json.load(f)
         except ValueError as e:
             error = f"unreadable report: {e}"
-    step = {"name": args.name, "rc": args.rc, "wall_s": round(args.end - args.start, 1), "timeout_s": args.timeout,
+    step = {"name": args.name, "rc": args.rc, "wall_s": round(args.end - args.start, 1), "timeout_s": args.timeout, "gpu_limit_s": args.gpu_limit,
             "timed_out": args.rc in (124, 137), "log": os.path.basename(args.log) if args.log else None}
     try:
         step["figures"] = figures(args.name, report, log_text)
@@ -188,12 +188,12 @@ def short(name: str, fig: dict) -> str:
 def table(path: str) -> int:
     with open(path) as f:
         summary = json.load(f)
-    print(f"{'step':<13}{'rc':>4}{'wall s':>8}{'limit':>7}  key figures")
+    print(f"{'step':<13}{'rc':>4}{'wall s':>8}{'limit':>7}  key figures (limit: the GPU run's)")
     for step in summary["steps"]:
         line = step.get("error") or short(step["name"], step.get("figures") or {})
-        print(f"{step['name']:<13}{step['rc']:>4}{step['wall_s']:>8.1f}{step['timeout_s']:>7}  {line}")
+        print(f"{step['name']:<13}{step['rc']:>4}{step['wall_s']:>8.1f}{step['gpu_limit_s']:>7}  {line}")
     total = sum(s["wall_s"] for s in summary["steps"])
-    print(f"{'total':<13}{'':>4}{total:>8.1f}{sum(s['timeout_s'] for s in summary['steps']):>7}  "
+    print(f"{'total':<13}{'':>4}{total:>8.1f}{sum(s['gpu_limit_s'] for s in summary['steps']):>7}  "
           f"{'all ok' if summary.get('ok') else 'FAILED'} ({summary.get('mode')})")
     return 0
 
@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     adding.add_argument("--start", type=float, required=True, help="epoch seconds")
     adding.add_argument("--end", type=float, required=True)
     adding.add_argument("--timeout", type=int, required=True)
+    adding.add_argument("--gpu-limit", type=int, required=True, help="the step's limit on the GPU")
     adding.add_argument("--log")
     adding.add_argument("--report")
     adding.add_argument("--mode")
