@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md): the step
-# limits add up to 470 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
+# limits add up to 455 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
 #   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
