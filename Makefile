@@ -3,10 +3,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 GPU_COMPILE_VENV ?= .venv-gpu-compile
 GPU_COMPILE_BIN := $(GPU_COMPILE_VENV)/bin
+GPU_REHEARSAL_VENV ?= .venv-gpu-rehearsal
+GPU_REHEARSAL_BIN := $(GPU_REHEARSAL_VENV)/bin
+GPU_REHEARSAL_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+## The lent GPU machine's packages (../shared/GPU.md) at its versions where known; there, the CUDA 13
+## plugin runs the GPU, here it and ptxas serve the deviceless compile step. Not gguf, llguidance, torch.
+GPU_REHEARSAL_PACKAGES := jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2 \
+	nvidia-cuda-nvcc flax orbax-checkpoint transformers==5.17.* tokenizers safetensors sentencepiece jinja2 \
+	aiohttp absl-py prometheus-client tqdm numpy psutil pytest
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: install install-test install-gpu-compile serve test generate bench
+.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal serve test generate bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,15 +49,32 @@ $(GPU_COMPILE_BIN)/python:
 install-gpu-compile: $(GPU_COMPILE_BIN)/python
 	$(GPU_COMPILE_BIN)/pip install -q -e '.[gpu-compile]' pytest
 
+## An environment shaped like the lent GPU machine, to rehearse bench/gpu_check.sh on the CPU
+## (`make gpu-rehearsal`): Python 3.12 (pyenv's, or GPU_REHEARSAL_PYTHON=...), the machine's package
+## set, the project installed with --no-deps as it is run there. Installs once per pyproject.toml.
+install-gpu-rehearsal: $(GPU_REHEARSAL_VENV)/.installed
+$(GPU_REHEARSAL_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(GPU_REHEARSAL_PYTHON)" || { echo "no Python 3.12 (pyenv install 3.12, or GPU_REHEARSAL_PYTHON=...)"; exit 1; }
+	test -x $(GPU_REHEARSAL_BIN)/python || $(GPU_REHEARSAL_PYTHON) -m venv $(GPU_REHEARSAL_VENV)
+	$(GPU_REHEARSAL_BIN)/pip install -q --upgrade pip
+	$(GPU_REHEARSAL_BIN)/pip install -q $(GPU_REHEARSAL_PACKAGES)
+	$(GPU_REHEARSAL_BIN)/pip install -q --no-deps -e .
+	@touch $@
+
+## The device check's dry run (every step on the CPU at small sizes) in that environment.
+gpu-rehearsal: install-gpu-rehearsal
+	PYTHON=$(GPU_REHEARSAL_BIN)/python bash bench/gpu_check.sh --dry-run
+
 ## Install, fetch + convert the default model on first use, and serve it on 127.0.0.1:$(PORT).
 serve: install
 	$(BIN)/jaxserve serve --model=$(MODEL) --port=$(PORT)
 
-## Install with the test extras and run the whole suite; then the GPU compile check (its tests
-## skip in the first run) in its own environment.
-test: install-test install-gpu-compile
+## Install with the test extras and run the whole suite; then the GPU compile check and the device
+## check's dry run (their tests skip in the first run) in their own environments.
+test: install-test install-gpu-compile install-gpu-rehearsal
 	$(BIN)/python -m pytest -q --durations=25 tests
 	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py tests/test_kernel_gpu_compile.py
+	$(GPU_REHEARSAL_BIN)/python -m pytest -q tests/test_gpu_check.py
 
 generate: install
 	$(BIN)/jaxserve generate --model=$(MODEL) --input=$(INPUT) --output=$(OUTPUT)

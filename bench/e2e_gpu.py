@@ -3,9 +3,11 @@
 Measures, in one process: offline throughput, in-process serving at several concurrencies
 (TTFT / TPOT / P99 through AsyncEngine, no HTTP), the decode step time against its roofline
 (weights + KV bytes read per step / measured copy bandwidth), and planner vs measured device
-memory. `--quick` shrinks everything to a tiny model so that the script can be checked on a CPU.
+memory. `--small` (alias `--quick`) shrinks the sizes only (a tiny bf16 Llama, small loads), the code
+path is the one a GPU runs, so that the script can be rehearsed on a CPU (bench/gpu_check.sh --dry-run,
+with JAXSERVE_ATTENTION_BACKEND=interpret for the Pallas kernels).
 
-    python bench/e2e_gpu.py --out=results.json [--quick]
+    python bench/e2e_gpu.py --out=results.json [--small]
 """
 from __future__ import annotations
 
@@ -129,14 +131,15 @@ def decode_roofline(engine: Engine, batch: int, context: int, bandwidth: float, 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true", help="tiny model and loads (CPU smoke run)")
+    parser.add_argument("--small", "--quick", dest="small", action="store_true",
+                        help="tiny bf16 model and loads, same code path (CPU rehearsal)")
     args = parser.parse_args(argv)
-    quick = args.quick
+    quick = args.small
     cfg = TINY if quick else LLAMA3_8B
-    dtype = jnp.float32 if quick else jnp.bfloat16
+    dtype = jnp.bfloat16
     rng = np.random.default_rng(0)
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "model": "tiny" if quick else "llama3-8b-shaped random bf16"}
+              "model": "tiny random bf16" if quick else "llama3-8b-shaped random bf16"}
     report["copy_bandwidth_GBps"] = copy_bandwidth(1 << (24 if quick else 30)) / 1e9
 
     start = time.perf_counter()
@@ -146,7 +149,9 @@ def main(argv=None) -> int:
                               max_num_prefill_seqs=2 if quick else 4, max_model_len=512 if quick else 4096,
                               warmup=True)
     engine = Engine(cfg, params, None, engine_cfg, model_name=report["model"])
-    report["startup_s"] = time.perf_counter() - start
+    report["startup_s"] = time.perf_counter() - start  # random weights + the warm-up's compiles
+    report["attention_backend"] = engine.runner.backend
+    report["num_step_shapes"] = len(engine.runner.all_buckets())
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     plan = memory.plan_memory(cfg, device_memory_bytes=memory.device_memory_budget_bytes(device),

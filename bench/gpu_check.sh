@@ -1,33 +1,94 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run (< 10 minutes on one H200). Results go under $OUT
-# (default bench/out/gpu). Run from the repository root on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_check.sh
+# Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md): the step
+# limits add up to 455 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
+#   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
+# and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
+#   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
+# It writes 5 files under $OUT, none in a folder: summary.json (every step: name, rc, wall seconds,
+# limit, key figures and the step's whole JSON report; written again as each step ends) and one log
+# per step that runs a program (kernel_tests, kernels, e2e, gpu_compile). A short table comes last.
+# Steps run most valuable first, so a call cut short still brings back what matters most.
+# $PYTHON picks the interpreter (default: python). Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-bench/out/gpu}"
+DRY_RUN=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+PY="${PYTHON:-python}"
+if [ "$DRY_RUN" = 1 ]; then
+  OUT="${OUT:-bench/out/gpu-dry-run}"
+  export JAX_PLATFORMS=cpu  # the CUDA plugin is installed (as on the lent machine) but there is no GPU
+else
+  OUT="${OUT:-bench/out/gpu}"
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# ptxas for the deviceless compile: CUDA 13's nvcc wheel keeps it in nvidia/cu13/bin, off PATH.
+if ! command -v ptxas >/dev/null; then
+  PTXAS_DIR="$("$PY" -c 'import glob, nvidia; print(next(iter(glob.glob(p + "/cu*/bin") for p in nvidia.__path__), [""])[0])' 2>/dev/null)"
+  [ -n "$PTXAS_DIR" ] && [ -x "$PTXAS_DIR/ptxas" ] && export PATH="$PTXAS_DIR:$PATH"
+fi
+WORK="$(mktemp -d)"  # each step's own JSON, folded into summary.json as the step ends
+trap 'rm -rf "$WORK"' EXIT
+SUMMARY="$OUT/summary.json"
+rm -f "$SUMMARY"
+MODE=$([ "$DRY_RUN" = 1 ] && echo dry-run || echo gpu)
 status=0
-{
-  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c 'import jax; print("jax", jax.__version__, jax.devices())'
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
 
-echo "== 1. kernel tests, interpret off (numerics vs the reference on device)"
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py --junitxml="$OUT/kernel_tests.xml" \
-  > "$OUT/kernel_tests.txt" 2>&1 || status=1
-tail -3 "$OUT/kernel_tests.txt"
+# step NAME LIMIT_S REPORT|- COMMAND...: runs COMMAND under LIMIT_S seconds (the GPU run's limit; the
+# dry run on a shared 2-core CPU gets $GPU_CHECK_DRY_RUN_SCALE times it), its output in $OUT/NAME.log
+# (machine: none), then folds its rc, wall time and REPORT's figures into summary.json.
+SCALE=$([ "$DRY_RUN" = 1 ] && echo "${GPU_CHECK_DRY_RUN_SCALE:-4}" || echo 1)
+step() {
+  local name="$1" gpu_limit="$2" report="$3"; shift 3
+  local limit=$((gpu_limit * SCALE))
+  local log="$OUT/$name.log" start end rc
+  [ "$name" = machine ] && log="$WORK/machine.log"
+  echo "== $name (limit ${limit} s)"
+  start=$EPOCHREALTIME
+  timeout -k 3 "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  end=$EPOCHREALTIME
+  [ "$rc" = 0 ] || status=1
+  "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="$limit" --gpu-limit="$gpu_limit" \
+    --start="$start" --end="$end" --mode="$MODE" --started="$STARTED" \
+    $([ "$name" = machine ] || echo --log="$log") $([ "$report" = - ] || echo --report="$report") || status=1
+  tail -n 4 "$log"
+}
+STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 
-echo "== 2. kernel roofline: decode bandwidth, ragged FLOP/s, copy ceiling"
-timeout 180 python bench/kernels.py --out "$OUT/kernels.json" --with-reference > "$OUT/kernels.txt" 2>&1 || status=1
-tail -15 "$OUT/kernels.txt"
+step machine 15 "$WORK/machine.json" "$PY" bench/gpu_check_summary.py machine "$WORK/machine.json"
 
-echo "== 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model; planner vs measured"
-timeout 300 python bench/e2e_gpu.py --out "$OUT/e2e.json" > "$OUT/e2e.txt" 2>&1 || status=1
-tail -12 "$OUT/e2e.txt"
-echo "== 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), to set beside 3+4"
-JAX_PLATFORMS=cpu timeout 240 python bench/gpu_compile.py --quick --runs=llama-3-8b:h200:1 \
-  --out "$OUT/gpu_compile.json" > "$OUT/gpu_compile.txt" 2>&1 || status=1
-grep '^{' "$OUT/gpu_compile.txt" | tail -3
+# 1. kernel tests, interpret off on the GPU (numerics vs the reference on device); the dry run
+#    collects them all (imports) and runs one decode and one ragged case with 8B-like heads.
+if [ "$DRY_RUN" = 1 ]; then
+  KERNEL_TESTS=("tests/test_kernels.py::test_paged_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
+                "tests/test_kernels.py::test_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]")
+  step kernel_tests 90 - bash -c '"$0" -m pytest -q --collect-only -p no:cacheprovider tests/test_kernels.py | tail -n 1 &&
+    "$0" -m pytest -v -p no:cacheprovider "$@"' "$PY" "${KERNEL_TESTS[@]}"
+else
+  step kernel_tests 90 - "$PY" -m pytest -v -p no:cacheprovider tests/test_kernels.py
+fi
+
+# 2. kernel roofline: decode bandwidth vs the copy ceiling, ragged FLOP/s vs the bf16 matmul ceiling.
+step kernels 70 "$WORK/kernels.json" "$PY" bench/kernels.py --out "$WORK/kernels.json" --with-reference \
+  $([ "$DRY_RUN" = 1 ] && echo --quick --interpret)
+
+# 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through
+#      the interpreted Pallas kernels); planner vs measured device memory.
+if [ "$DRY_RUN" = 1 ]; then
+  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 225 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
+else
+  step e2e 225 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
+fi
+
+# 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4.
+JAX_PLATFORMS=cpu step gpu_compile 55 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
+  --runs="$([ "$DRY_RUN" = 1 ] && echo smollm2-135m:h100:1 || echo llama-3-8b:h200:1)" --out "$WORK/gpu_compile.json"
+
+echo "== summary ($SUMMARY)"
+"$PY" bench/gpu_check_summary.py table "$SUMMARY" || status=1
 exit $status

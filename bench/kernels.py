@@ -3,7 +3,8 @@
 Decode: achieved HBM bandwidth against the bytes the kernel must move (the K/V pages in use,
 q and the output), batch 64 at contexts 1k/4k/8k with Llama-3-8B heads (32 query heads, 8 KV
 heads, head_dim 128, bfloat16, page size 16). Ragged: TFLOP/s of causal attention for 8 prefills
-of 512 tokens. A device-to-device copy measured in the same run gives the bandwidth ceiling.
+of 512 tokens. A device-to-device copy and a bf16 matmul measured in the same run give the
+bandwidth and FLOP/s ceilings.
 
   python bench/kernels.py --out bench/out/kernels.json            # on a GPU
   python bench/kernels.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
@@ -26,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import paged_decode, ragged_prefill, reference  # noqa: E402
 
 FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_dim=128,
-            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, repeats=20)
+            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, matmul=8192, repeats=20)
 QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
-             page_size=16, prefills=2, prefill_len=24, copy_mib=4, repeats=2)
+             page_size=16, prefills=2, prefill_len=24, copy_mib=4, matmul=128, repeats=2)
 
 
 def time_call(function, *args, repeats):
@@ -49,6 +50,17 @@ def copy_bandwidth(mib, repeats):
     seconds = time_call(copy, source, repeats=repeats)
     moved = 2 * source.nbytes
     return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9}
+
+
+def matmul_rate(n, repeats):
+    """bf16 n x n x n matmul (float32 accumulation, bf16 out): FLOP/s, the compute ceiling."""
+    key_a, key_b = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(key_a, (n, n), jnp.bfloat16)
+    b = jax.random.normal(key_b, (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    seconds = time_call(matmul, a, b, repeats=repeats)
+    flops = 2 * n**3
+    return {"n": n, "flops": flops, "seconds": seconds, "tflop_per_s": flops / seconds / 1e12}
 
 
 def paged_cache(rng, seq_lens, shape, dtype):
@@ -149,11 +161,13 @@ def main(argv=None):
         "mode": "interpret" if args.interpret else "pallas",
         "shapes": {k: v for k, v in config.items() if k != "repeats"},
         "copy": copy_bandwidth(config["copy_mib"], config["repeats"]),
+        "matmul": matmul_rate(config["matmul"], config["repeats"]),
     }
     report["decode"] = bench_decode(config, rng, args.interpret, args.with_reference)
     for row in report["decode"]:
         row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
     report["ragged"] = bench_ragged(config, rng, args.interpret, args.with_reference)
+    report["ragged"]["fraction_of_matmul_rate"] = report["ragged"]["tflop_per_s"] / report["matmul"]["tflop_per_s"]
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     with open(args.out, "w") as handle:
