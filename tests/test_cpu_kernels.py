@@ -199,7 +199,7 @@ def test_a_kernel_call_registers_the_kernels_itself():
     import subprocess
     import sys
     code = ("import jax, jax.numpy as jnp, numpy as np\n"
-            "from jaxserve import quantization as qz\n"
+            "from jaxserve.models import quantization as qz\n"
             "w = qz.with_kernel_layout(qz.quantize(np.ones((64, 32), np.float32), qz.parse_format('int4')))\n"
             "print(float(jax.jit(qz.linear)(jnp.ones((1, 64), jnp.float32), w)[0, 0]))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

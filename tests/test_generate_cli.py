@@ -90,7 +90,7 @@ def test_saved_executables_load_and_a_mismatch_exits_2(tiny_chat_model_dir, tmp_
     # Loaded in a new process: nothing traced there registers the C++ kernels the decode step calls.
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-c", "import sys; from jaxserve import cli; sys.exit(cli.main(sys.argv))",
+    proc = subprocess.run([sys.executable, "-c", "import sys; from jaxserve.commands import cli; sys.exit(cli.main(sys.argv))",
                            "generate", f"--model={tiny_chat_model_dir}", f"--input={inp}",
                            f"--output={tmp_path / 'b.jsonl'}", *ENGINE_FLAGS, "--max_tokens=4", "--ignore_eos",
                            f"--executables={folder}"], capture_output=True, text=True, timeout=300)

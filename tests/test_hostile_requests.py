@@ -29,7 +29,7 @@ PAGE_SIZE, NUM_PAGES = 8, 30
 POOL_TOKENS = (NUM_PAGES - 1) * PAGE_SIZE  # 232: page 0 is the null page; the model's context is 256
 FD_LIMIT = 1024
 HEADER_TIMEOUT_S = 6.0  # how long the slowloris test waits for the server to close idle connections
-_SERVE = "import sys; from jaxserve import cli; sys.exit(cli.main(['jaxserve', 'serve', *sys.argv[1:]]))"
+_SERVE = "import sys; from jaxserve.commands import cli; sys.exit(cli.main(['jaxserve', 'serve', *sys.argv[1:]]))"
 
 
 class ServeProcess:
