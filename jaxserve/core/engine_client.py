@@ -74,5 +74,5 @@ class EngineClient(Protocol):
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> DeltaStream:
         """Admits one request and returns the stream of its deltas. Admission happens here,
         synchronously: InvalidRequestError (a ValueError: the engine's admission check), another
-        ValueError (a duplicate id), QueueFullError, or RuntimeError (not running) mean the engine
-        never saw the request."""
+        ValueError (a duplicate id), QueueFullError, RuntimeError (not running) or a front's own
+        refusal (a failed multi-host job) mean the engine never saw the request."""
