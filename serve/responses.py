@@ -337,7 +337,7 @@ def sse_events(events: list[dict[str, Any]]) -> bytes:
 
 
 def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Chat's usage object (`serve.protocol.usage`) with the Responses API's names."""
+    """Chat's usage object (`serve.shaping.usage`) with the Responses API's names."""
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
