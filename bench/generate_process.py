@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from checkpoints import default_model, load
-    from jaxserve.core.request import encode_text
+    from serve.prompts import encode_text
 
     model_dir = default_model.resolve_model(args.model) if args.model == "smollm2" else args.model
     tokenizer = load.load_tokenizer(model_dir)

@@ -123,7 +123,7 @@ SMOKE = dict(prompts_per_class=1, repeats=1, max_tokens=8, ks="2", draft_k=2, si
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    from jaxserve.core.request import encode_chat  # the server's encoding: template text, then its tokens
+    from serve.prompts import encode_chat  # the server's encoding: template text, then its tokens
 
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
 

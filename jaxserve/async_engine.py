@@ -1,7 +1,8 @@
 """AsyncEngine: an `Engine` stepping in a background thread, feeding asyncio consumers.
 
 Each request is admitted synchronously and then is one async iterator of deltas (a
-`RequestStream`); the event loop never waits on the device.
+`RequestStream`); the event loop never waits on the device. An `EngineClient`
+(jaxserve/core/engine_client.py): what the server needs of an engine.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 from jaxserve.core.outputs import EngineStats, QueueFullError, RequestOutput, StepRecord
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
+from jaxserve.parallel.data_parallel import DataParallelAsyncEngine, DataParallelEngine
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +199,6 @@ def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
     `engine_kwargs`: EngineConfig fields (None: the default)."""
     config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
     engine = Engine.from_model(model, config)
-    replicas = getattr(engine, "replicas", None)  # data parallel: one AsyncEngine per replica
-    if replicas is not None:
-        from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
-        return DataParallelAsyncEngine([AsyncEngine(e) for e in replicas])
+    if isinstance(engine, DataParallelEngine):  # one AsyncEngine per replica
+        return DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])
     return AsyncEngine(engine)

@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+from checkpoints import load  # Engine.from_model and the draft model open what --model names
 from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
@@ -131,8 +132,7 @@ class Engine:
         Weights are restored straight into each device's shards. With data_parallel_size > 1
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
         Raises ValueError when the model cannot be split over the requested devices."""
-        from checkpoints import load
-        from jaxserve.executor import device_setup
+        from jaxserve.executor import device_setup  # jax lives behind the runner (see __init__)
         from jaxserve.parallel import data_parallel, multihost
 
         multihost.initialize()
@@ -442,7 +442,6 @@ class Engine:
 
 def _load_draft(cfg: EngineConfig):
     """The draft model of `cfg.speculative_model` (anything --model takes): (ModelConfig, params)."""
-    from checkpoints import load
     source = load.open_model(cfg.speculative_model)
     return source.config, source.load_params(cfg.dtype or "float32", None)
 

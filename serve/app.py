@@ -15,25 +15,28 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
-from jaxserve.core.outputs import QueueFullError, RequestOutput
-from jaxserve.core.request import InvalidRequestError, SamplingParams, max_token_chars
+from jaxserve.core.engine_client import EngineClient
+from jaxserve.core.outputs import QueueFullError
+from jaxserve.core.request import InvalidRequestError, SamplingParams
 from serve import web_ui
+from serve.chat_output import choice_output_factory
 from serve.connections import BodyTimeout, MalformedBody, read_body
+from serve.fanout import ChoiceFanout, ServerStopping
 from serve.metrics import ServerMetrics
+from serve.prompts import check_prompt_chars, max_token_chars, prompt_token_ids
+from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params, error_body,
+                            parse_chat_request, parse_completion_request, parse_detokenize_request,
+                            parse_tokenize_request)
+from serve.reasoning import REASONING_PARSERS
 from serve.responses import (ResponsesRequest, ResponsesShaper, client_error, not_stored_error,
                              parse_responses_request, responses_call_ids, sse_events)
-from serve.chat_output import choice_output_factory
-from serve.reasoning import REASONING_PARSERS
+from serve.shaping import SSE_DONE, ChoiceState, ResponseShaper, select_best, sse_event, total_usage
 from serve.structured import resolve_auto_tool_choice
 from serve.tool_parsers import TOOL_PARSERS, ToolCallParser, mistral_call_id, vllm_call_id
-from serve.protocol import (SSE_DONE, ChoiceState, GenerationRequest, ProtocolError, ResponseShaper,
-                            admission_error, build_sampling_params, check_prompt_chars, error_body,
-                            parse_chat_request, parse_completion_request, parse_detokenize_request,
-                            parse_tokenize_request, prompt_token_ids, select_best, sse_event, total_usage)
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +65,12 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, engine: Any, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.model_names = tuple(config.served_model_names) or (engine.model_name,)
         self.metrics = ServerMetrics(engine.stats, self.model_names[0], engine.max_model_len)
-        if hasattr(engine, "add_step_listener"):  # step time and tokens per step (serve/metrics.py)
-            engine.add_step_listener(self.metrics.observe_step)
+        engine.add_step_listener(self.metrics.observe_step)  # step time and tokens per step (serve/metrics.py)
         self.active: set[ChoiceFanout] = set()
         self.draining = False
         self.created = int(time.time())
@@ -167,8 +169,8 @@ class ServerState:
 STATE = web.AppKey("jaxserve_state", ServerState)
 
 
-def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
-    """The app serving `engine` (see jaxserve.async_engine.AsyncEngine for the interface it needs)."""
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.Application:
+    """The app serving `engine` (jaxserve.core.engine_client.EngineClient: what it needs of one)."""
     config = config or ServerConfig()
     # CORS preflights (only with allowed_origins) are answered before the API-key check.
     middlewares = [_error_middleware, *web_ui.cors_middlewares(config.allowed_origins), _auth_middleware]
@@ -278,14 +280,10 @@ async def handle_detokenize(request: web.Request) -> web.Response:
                                                                               raw))
 
 
-def engine_is_alive(engine: Any) -> bool:
-    """`engine.is_alive()` when the engine has it; otherwise whether `engine.stats()` answers."""
+def engine_is_alive(engine: EngineClient) -> bool:
+    """`engine.is_alive()`; an engine whose check raises is not alive (the error is logged)."""
     try:
-        is_alive = getattr(engine, "is_alive", None)
-        if callable(is_alive):
-            return bool(is_alive())
-        engine.stats()
-        return True
+        return bool(engine.is_alive())
     except Exception:
         logger.exception("health check failed")
         return False
@@ -297,8 +295,7 @@ async def handle_health(request: web.Request) -> web.Response:
         return web.json_response({"status": "shutting down"}, status=503)
     if not engine_is_alive(state.engine):
         return web.json_response({"status": "engine not running"}, status=503)
-    health = getattr(state.engine, "health", None)
-    return web.json_response({"status": "ok", **(health() if callable(health) else {})})
+    return web.json_response({"status": "ok", **state.engine.health()})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
@@ -525,116 +522,3 @@ async def _stop_engine(app: web.Application) -> None:
 
 async def _stop_prepare_pool(app: web.Application) -> None:
     app[STATE].prepare_pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ---- the n choices behind one request -----------------------------------------------------------
-
-_END = object()  # a choice's generator ended
-
-
-async def _close_quietly(stream: Any) -> None:
-    try:
-        await stream.aclose()
-    except Exception:
-        logger.exception("closing an engine stream failed")
-
-
-class ServerStopping(Exception):
-    """The server gave up on this request while shutting down."""
-
-
-class ChoiceFanout:
-    """Runs the engine requests behind one HTTP request (prompts x choices) and merges their deltas
-    in arrival order.
-
-    `start()` admits every choice (the engine's synchronous `generate`: a refusal raises there, and
-    the choices already admitted are aborted), then waits for each choice's first event, so an early
-    failure surfaces before the HTTP response is committed. `close()` (always called) cancels what
-    is still running: the engine aborts those requests and frees their pages.
-    """
-
-    def __init__(self, engine: Any, request_id: str, sequences: list[tuple[list[int], Any]],
-                 on_output: Callable[[int, RequestOutput], None] | None = None) -> None:
-        """`sequences`: (prompt token ids, sampling parameters) of each engine request, in choice order."""
-        self.engine = engine
-        self.request_ids = [f"{request_id}-{i}" if len(sequences) > 1 else request_id for i in range(len(sequences))]
-        self.sequences = sequences
-        self.on_output = on_output
-        self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._buffered: list[tuple[int, Any]] = []
-        self._tasks: list[asyncio.Task] = []
-        self._stop_reason: str | None = None
-        self.num_admitted = 0  # choices the engine accepted (each ends with a finish reason)
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.sequences)
-
-    async def _pump(self, index: int, stream: Any) -> None:
-        try:
-            async for output in stream:
-                if self.on_output is not None:
-                    self.on_output(index, output)
-                self._events.put_nowait((index, output))
-            self._events.put_nowait((index, _END))
-        except Exception as e:  # handed to the consumer, which decides the HTTP outcome
-            self._events.put_nowait((index, e))
-        finally:
-            await _close_quietly(stream)
-
-    async def start(self) -> None:
-        """Admits every choice, then waits for each one's first event. Re-raises an engine refusal
-        (after aborting the choices already admitted) or an early failure."""
-        streams = []
-        try:
-            for index, (token_ids, params) in enumerate(self.sequences):
-                streams.append(self.engine.generate(self.request_ids[index], token_ids, params))
-                self.num_admitted += 1
-        except BaseException:
-            for stream in streams:
-                await _close_quietly(stream)
-            raise
-        self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(streams)]
-        started: set[int] = set()
-        while len(started) < self.num_choices:
-            index, event = await self._next_event()
-            if isinstance(event, Exception):
-                raise event
-            started.add(index)
-            self._buffered.append((index, event))
-
-    async def _next_event(self) -> tuple[int, Any]:
-        index, event = await self._events.get()
-        if index < 0:
-            raise ServerStopping(self._stop_reason)
-        return index, event
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields (choice index, delta) until every choice has finished.
-
-        Raises the engine's exception if one fails mid-way, ServerStopping after `stop()`.
-        A generator that ends without a finished delta counts as aborted.
-        """
-        num_open = self.num_choices
-        while num_open:
-            if self._stop_reason is not None:
-                raise ServerStopping(self._stop_reason)
-            index, event = self._buffered.pop(0) if self._buffered else await self._next_event()
-            if isinstance(event, Exception):
-                raise event
-            if event is _END:
-                num_open -= 1
-                continue
-            yield index, event
-
-    def stop(self, reason: str) -> None:
-        """Ends the iteration with ServerStopping (used at shutdown once the drain time is over)."""
-        self._stop_reason = reason
-        self._events.put_nowait((-1, None))
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []

@@ -1,29 +1,22 @@
-"""The OpenAI protocol, both ways: JSON bodies -> GenerationRequest -> SamplingParams, and engine
-deltas -> completion / chat JSON objects and SSE chunks.
+"""The OpenAI protocol's requests: JSON bodies -> GenerationRequest -> SamplingParams, and the
+errors every refusal becomes.
 
-Requests: this module reads the JSON (types, the OpenAI fields the server supports, the text of prompts and
+This module reads the JSON (types, the OpenAI fields the server supports, the text of prompts and
 messages; fields OpenAI or vLLM define that the server does not implement are refused, fields of
-neither API ignored and logged); the bounds of every value are the engine's admission check (`jaxserve.core.request.
-check_request`), whose refusals `admission_error` turns into the same 400s. Every problem becomes
-a ProtocolError carrying the HTTP status and the fields of an OpenAI-style error body.
-Responses: plain dicts; `token_text(token_id) -> str` turns a token id into its text for logprobs.
+neither API ignored and logged); the bounds of every value are the engine's admission check
+(`jaxserve.core.request.check_request`), whose refusals `admission_error` turns into the same 400s.
+Every problem becomes a ProtocolError carrying the HTTP status and the fields of an OpenAI-style
+error body. Prompts are encoded by `serve.prompts`, responses shaped by `serve.shaping`.
 No jax here: this module is unit-tested in milliseconds.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import time
-import uuid
 from typing import Any, Callable
 
-import jinja2
-
-from jaxserve.core.outputs import RequestOutput, TokenLogprob
-from jaxserve.core.request import InvalidRequestError, SamplingParams, encode_chat, encode_text, is_valid_unicode
+from jaxserve.core.request import InvalidRequestError, SamplingParams, is_valid_unicode
 from jaxserve.core.structured_output import StructuredOutputParams
-from serve.chat_output import ChoiceOutput
 from serve.structured import (StructuredRequestError, ToolsRequest, nesting_depth, parse_structured_output,
                               parse_tool_call_message, parse_tools)
 
@@ -35,37 +28,38 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # what OpenAI and vLLM use when a completion
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _is_false(value: Any) -> bool:
+# Neutral-value tests of unsupported fields (here and in serve/responses.py); null always is neutral.
+def is_false(value: Any) -> bool:
     return value is False
 
 
-def _is_empty(value: Any) -> bool:
+def is_empty(value: Any) -> bool:
     return value in ([], {}, "")
 
 
-def _only_null(value: Any) -> bool:
+def only_null(value: Any) -> bool:
     return False
 
 
 # Fields OpenAI or vLLM define that jaxserve does not implement, each with the test of its neutral
 # value (null always is): a request that sets one to anything else gets a 400 naming the field,
 # never an answer that silently ignored it. Fields of neither API are ignored, as vLLM does, with
-# one WARNING line naming them (`_check_field_support`).
+# one WARNING line naming them (`check_field_support`).
 _UNSUPPORTED_COMMON = {
-    "use_beam_search": _is_false, "length_penalty": lambda v: v == 1 and not isinstance(v, bool),
-    "spaces_between_special_tokens": lambda v: v is True, "truncate_prompt_tokens": _only_null,
-    "allowed_token_ids": _only_null, "bad_words": _is_empty, "priority": lambda v: v == 0 and v is not False,
-    "logits_processors": _is_empty, "return_tokens_as_token_ids": _is_false, "return_token_ids": _is_false,
-    "prompt_embeds": _only_null, "cache_salt": _only_null, "kv_transfer_params": _only_null,
-    "vllm_xargs": _only_null, "mm_processor_kwargs": _is_empty, "request_id": _only_null,
+    "use_beam_search": is_false, "length_penalty": lambda v: v == 1 and not isinstance(v, bool),
+    "spaces_between_special_tokens": lambda v: v is True, "truncate_prompt_tokens": only_null,
+    "allowed_token_ids": only_null, "bad_words": is_empty, "priority": lambda v: v == 0 and v is not False,
+    "logits_processors": is_empty, "return_tokens_as_token_ids": is_false, "return_token_ids": is_false,
+    "prompt_embeds": only_null, "cache_salt": only_null, "kv_transfer_params": only_null,
+    "vllm_xargs": only_null, "mm_processor_kwargs": is_empty, "request_id": only_null,
     "service_tier": lambda v: v in ("auto", "default"),
 }
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = {
-    **_UNSUPPORTED_COMMON, "function_call": lambda v: v == "none", "audio": _only_null,
-    "modalities": lambda v: v == ["text"], "prediction": _only_null, "reasoning_effort": _only_null,
-    "web_search_options": _only_null, "verbosity": _only_null, "store": _is_false,
-    "continue_final_message": _is_false, "documents": _only_null, "chat_template": _only_null,
+    **_UNSUPPORTED_COMMON, "function_call": lambda v: v == "none", "audio": only_null,
+    "modalities": lambda v: v == ["text"], "prediction": only_null, "reasoning_effort": only_null,
+    "web_search_options": only_null, "verbosity": only_null, "store": is_false,
+    "continue_final_message": is_false, "documents": only_null, "chat_template": only_null,
 }
 # Fields read elsewhere in this module, or that change nothing in the output (OpenAI's end-user and
 # caching hints: `user`, `metadata`, `prompt_cache_key`, `safety_identifier`).
@@ -204,7 +198,7 @@ def _range_text(low: int | None, high: int | None) -> str:
 def parse_completion_request(body: Any, served_model: str) -> GenerationRequest:
     """Validates a /v1/completions body."""
     fields = _common_checks(body, served_model)
-    _check_field_support(body, UNSUPPORTED_COMPLETION_FIELDS, _SERVED_COMPLETION_FIELDS)
+    check_field_support(body, UNSUPPORTED_COMPLETION_FIELDS, _SERVED_COMPLETION_FIELDS)
     if fields.present("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
     request = _build(fields, served_model, is_chat=False, max_tokens=fields.integer("max_tokens"),
@@ -217,7 +211,7 @@ def parse_completion_request(body: Any, served_model: str) -> GenerationRequest:
 def parse_chat_request(body: Any, served_model: str) -> GenerationRequest:
     """Validates a /v1/chat/completions body."""
     fields = _common_checks(body, served_model)
-    _check_field_support(body, UNSUPPORTED_CHAT_FIELDS, _SERVED_CHAT_FIELDS)
+    check_field_support(body, UNSUPPORTED_CHAT_FIELDS, _SERVED_CHAT_FIELDS)
     if body.get("functions"):
         raise ProtocolError("'functions' is not supported: use 'tools'", param="functions")
     if fields.boolean("echo"):
@@ -281,7 +275,7 @@ def _common_checks(body: Any, served_models: str | tuple[str, ...]) -> _Fields:
         raise ProtocolError("'model' must be a string", param="model")
     served = (served_models,) if isinstance(served_models, str) else served_models
     if model is not None and model not in served:
-        raise ProtocolError(f"The model `{_printable(model)}` does not exist", status=404, param="model",
+        raise ProtocolError(f"The model `{printable(model)}` does not exist", status=404, param="model",
                             code="model_not_found")
     for hint in ("user", "prompt_cache_key", "safety_identifier"):  # hints: unused, but typed as OpenAI types them
         if body.get(hint) is not None and not isinstance(body[hint], str):
@@ -291,7 +285,7 @@ def _common_checks(body: Any, served_models: str | tuple[str, ...]) -> _Fields:
     return _Fields(body)
 
 
-def _check_field_support(body: dict[str, Any], unsupported: dict[str, Callable[[Any], bool]],
+def check_field_support(body: dict[str, Any], unsupported: dict[str, Callable[[Any], bool]],
                          served: set[str]) -> None:
     """400 for an OpenAI / vLLM field jaxserve does not implement set to a non-neutral value; one
     WARNING line for fields of neither API (ignored, as vLLM does)."""
@@ -301,7 +295,7 @@ def _check_field_support(body: dict[str, Any], unsupported: dict[str, Callable[[
             raise ProtocolError(f"'{name}' is not supported by this server", param=name, code="unsupported_field")
     unknown = [name for name in body if name not in served and name not in unsupported]
     if unknown:
-        shown = ", ".join(repr(_printable(name, 40)) for name in unknown[:5])
+        shown = ", ".join(repr(printable(name, 40)) for name in unknown[:5])
         logger.warning("request fields ignored (neither OpenAI nor vLLM fields): %s%s", shown,
                        f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
 
@@ -317,7 +311,7 @@ def _parse_logit_bias(value: Any) -> dict[int, float] | None:
     for key, bias in value.items():
         token = key.strip()
         if not (token.isascii() and token.isdigit()) or len(token) > 10:
-            raise ProtocolError(f"'logit_bias' keys must be token ids, got {_printable(key, 20)!r}", param="logit_bias")
+            raise ProtocolError(f"'logit_bias' keys must be token ids, got {printable(key, 20)!r}", param="logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
             raise ProtocolError(f"'logit_bias' values must be numbers, got {bias!r} for {token}", param="logit_bias")
         parsed[int(token)] = bias
@@ -472,7 +466,7 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _printable(value: str, limit: int = 100) -> str:
+def printable(value: str, limit: int = 100) -> str:
     """A client string safe to echo in an error: valid Unicode, at most `limit` characters."""
     text = value.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= limit else text[:limit] + "..."
@@ -494,65 +488,6 @@ def _message_text(content: Any, role: str, param: str) -> str:
     raise ProtocolError(f"'{param}' must be a string or a list of text parts", param=param)
 
 
-def num_prompt_chars(request: GenerationRequest, index: int = 0) -> int:
-    """Characters of the client's text: prompt `index`, or the messages' contents (0 for token ids)."""
-    if request.is_chat:
-        return sum(len(m["content"]) + len(m.get("reasoning", "")) for m in request.messages)
-    prompt = request.prompts[index]
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
-def check_prompt_chars(request: GenerationRequest, max_seq_len: int, max_token_chars: int) -> None:
-    """Refuses, before any tokenizing, text that is longer than the context could hold even if
-    every token were the vocabulary's longest (`max_token_chars` characters)."""
-    for index in range(request.num_prompts):
-        num_chars = num_prompt_chars(request, index)
-        if num_chars > max_seq_len * max_token_chars:
-            which = f"prompt {index} has" if request.num_prompts > 1 else "prompt has"
-            raise ProtocolError(
-                f"This model's maximum context length is {max_seq_len} tokens; the {which} {num_chars} "
-                f"characters, which is at least {-(-num_chars // max_token_chars)} tokens (no token is longer "
-                f"than {max_token_chars} characters)", param="messages" if request.is_chat else "prompt",
-                code="context_length_exceeded")
-
-
-def prompt_token_ids(tokenizer: Any, request: GenerationRequest, index: int = 0) -> list[int]:
-    """The token ids of prompt `index`: the chat template for chat (with the generation prompt
-    unless the client turned it off), else the tokenizer (with its special tokens, e.g. BOS,
-    unless `add_special_tokens` is false) or the client's own ids."""
-    if request.is_chat:
-        return _encode_chat_request(tokenizer, request)
-    prompt = request.prompts[index]
-    if isinstance(prompt, str):
-        return encode_text(tokenizer, prompt, add_special_tokens=request.add_special_tokens)
-    return list(prompt)
-
-
-# What a chat template may raise on a request's messages or variables (its raise_exception is a TemplateError).
-_TEMPLATE_ERRORS = (ValueError, TypeError, ArithmeticError, LookupError, AttributeError, jinja2.TemplateError)
-
-
-def _encode_chat_request(tokenizer: Any, request: GenerationRequest, with_kwargs: bool = True) -> list[int]:
-    """The chat template's token ids; a template that refuses the request is a 400 naming
-    `chat_template_kwargs` when the messages alone render, else `messages`."""
-    kwargs = request.chat_template_kwargs if with_kwargs else None
-    try:
-        return encode_chat(tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt,
-                           add_special_tokens=request.add_special_tokens, chat_template_kwargs=kwargs,
-                           tools=request.tools.template_tools if request.tools is not None else None)
-    except _TEMPLATE_ERRORS as e:
-        error = e
-    except RecursionError:
-        raise ProtocolError("the messages are nested too deeply for the chat template", param="messages") from None
-    if kwargs:
-        try:
-            _encode_chat_request(tokenizer, request, with_kwargs=False)
-        except ProtocolError:
-            pass
-        else:
-            raise ProtocolError(f"the chat template rejected 'chat_template_kwargs': {error}",
-                                param="chat_template_kwargs")
-    raise ProtocolError(f"the chat template rejected the messages: {error}", param="messages")
 
 
 def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_seq_len: int,
@@ -596,7 +531,7 @@ def admission_error(error: InvalidRequestError, request: GenerationRequest) -> P
 
 _UNSUPPORTED_TOKENIZE_FIELDS = {name: UNSUPPORTED_CHAT_FIELDS[name] for name in (
     "continue_final_message", "chat_template", "documents", "mm_processor_kwargs")}
-_UNSUPPORTED_TOKENIZE_FIELDS["tools"] = _is_empty
+_UNSUPPORTED_TOKENIZE_FIELDS["tools"] = is_empty
 _SERVED_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                            "return_token_strs", "chat_template_kwargs"}
 
@@ -608,7 +543,7 @@ def parse_tokenize_request(body: Any, served_models: str | tuple[str, ...]) -> t
     encoded exactly as generation would; `chat_template_kwargs` too) and whether token strings were
     asked for."""
     fields = _common_checks(body, served_models)
-    _check_field_support(body, _UNSUPPORTED_TOKENIZE_FIELDS, _SERVED_TOKENIZE_FIELDS)
+    check_field_support(body, _UNSUPPORTED_TOKENIZE_FIELDS, _SERVED_TOKENIZE_FIELDS)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise ProtocolError("give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -631,7 +566,7 @@ def parse_tokenize_request(body: Any, served_models: str | tuple[str, ...]) -> t
 def parse_detokenize_request(body: Any, served_models: str | tuple[str, ...], vocab_size: int) -> list[int]:
     """A /detokenize body: {"tokens": [ids]} -> the ids (each in [0, vocab_size))."""
     _common_checks(body, served_models)
-    _check_field_support(body, {}, {"model", "tokens"})
+    check_field_support(body, {}, {"model", "tokens"})
     tokens = _parse_token_ids(body.get("tokens"), "tokens", allow_empty=True)
     if tokens is None:
         raise ProtocolError("'tokens' is required", param="tokens")
@@ -640,286 +575,3 @@ def parse_detokenize_request(body: Any, served_models: str | tuple[str, ...], vo
         raise ProtocolError(f"token id {bad} is not in [0, {vocab_size})", param="tokens")
     return tokens
 
-
-# ---- responses -----------------------------------------------------------------------------------
-
-TokenText = Callable[[int], str]
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def new_response_id(is_chat: bool) -> str:
-    return f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-class ChoiceState:
-    """What one choice has produced so far (for non-streaming responses and usage)."""
-
-    def __init__(self) -> None:
-        self.text_parts: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.error: str | None = None
-        self.error_param: str | None = None  # the client's field that caused the error, if it did
-        self.num_prompt_tokens = 0
-        self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 2.. (with the first delta)
-
-    def add(self, output: RequestOutput) -> None:
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
-        self.text_parts.append(output.new_text)
-        self.logprobs.extend(output.new_logprobs or [])
-        self.num_prompt_tokens = output.num_prompt_tokens
-        self.num_output_tokens = output.num_output_tokens
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.finished:
-            self.finish_reason = output.finish_reason
-            self.stop_reason = output.stop_reason
-            self.error = output.error
-            self.error_param = output.error_param
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    @property
-    def cumulative_logprob(self) -> float:
-        """Sum of the sampled tokens' logprobs (what best_of ranks candidates by)."""
-        return sum(entry.logprob for entry in self.logprobs)
-
-
-def total_usage(choices: list[ChoiceState], choices_per_prompt: int | None = None) -> dict[str, Any]:
-    """Usage of a response whose choices come in groups of `choices_per_prompt` per prompt (default:
-    one prompt): each prompt is counted once (as OpenAI does for n > 1), completion tokens add up."""
-    per_prompt = choices_per_prompt or len(choices)
-    firsts = choices[::per_prompt]
-    return usage(sum(c.num_prompt_tokens for c in firsts), sum(c.num_output_tokens for c in choices),
-                 sum(c.num_cached_tokens for c in firsts))
-
-
-def select_best(choices: list[ChoiceState], best_of: int, n: int) -> list[ChoiceState]:
-    """Of each prompt's `best_of` candidates (consecutive), the `n` with the highest cumulative
-    logprob, best first (ties keep candidate order)."""
-    selected = []
-    for start in range(0, len(choices), best_of):
-        candidates = choices[start:start + best_of]
-        selected += sorted(candidates, key=lambda c: -c.cumulative_logprob)[:n]
-    return selected
-
-
-def completion_logprobs(entries: list[TokenLogprob], token_text: TokenText, text_offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs object; `text_offset` is where these tokens start in the text.
-    Each `top_logprobs` dict holds the top k and the sampled token (up to k + 1 entries, as OpenAI)."""
-    tokens, offsets = [], []
-    for entry in entries:
-        text = token_text(entry.token_id)
-        tokens.append(text)
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": [{token_text(entry.token_id): entry.logprob, **{token_text(t): lp for t, lp in entry.top}}
-                         for entry in entries],
-        "text_offset": offsets,
-    }
-
-
-def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob] | None, token_text: TokenText,
-                  completion: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The completions logprobs object of an echoed prompt (its first token has none), followed by
-    the `completion`'s (built with text offsets after the prompt's tokens)."""
-    tokens = [token_text(t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    entries = entries or []
-    shaped = {
-        "tokens": tokens,
-        "token_logprobs": [None] + [entry.logprob for entry in entries],
-        "top_logprobs": [None] + [{token_text(entry.token_id): entry.logprob, **{token_text(t): lp for t, lp in entry.top}}
-                                  for entry in entries],
-        "text_offset": offsets,
-    }
-    for name, values in (completion or {}).items():
-        shaped[name] = shaped[name] + values
-    return shaped
-
-
-def prompt_logprobs_field(entries: list[TokenLogprob] | None, token_text: TokenText) -> list[Any]:
-    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict of token
-    id (as text) -> {logprob, rank, decoded_token} holding the prompt token and the top k."""
-    shaped: list[Any] = [None]
-    for entry in entries or []:
-        item = {str(t): {"logprob": lp, "rank": rank, "decoded_token": token_text(t)}
-                for rank, (t, lp) in enumerate(entry.top, 1)}
-        item[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
-                                     "decoded_token": token_text(entry.token_id)}
-        shaped.append(item)
-    return shaped
-
-
-def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [
-        {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top]}
-        for entry in entries
-    ]}
-
-
-class ResponseShaper:
-    """Builds every object of one HTTP response (all chunks share id, created and model)."""
-
-    def __init__(self, *, is_chat: bool, model: str, token_text: TokenText, want_logprobs: bool,
-                 include_usage: bool = False, prompts: list[tuple[str, list[int]]] | None = None,
-                 choices_per_prompt: int = 1, echo: bool = False, want_prompt_logprobs: bool = False,
-                 output_parser: Callable[[], ChoiceOutput | None] | None = None,
-                 continuous_usage: bool = False) -> None:
-        """`prompts`: (text, token ids) of each prompt, choice i's being prompt i //
-        `choices_per_prompt`; `echo` puts a completion's prompt (and its logprobs) before its
-        text; `want_prompt_logprobs` adds vLLM's prompt_logprobs; `output_parser()` gives each chat
-        choice its parser of reasoning and tool calls (serve/chat_output.py; None: plain content);
-        `continuous_usage` puts each choice's usage so far in each of its chunks (vLLM's
-        continuous_usage_stats)."""
-        self.is_chat = is_chat
-        self.model = model
-        self.token_text = token_text
-        self.want_logprobs = want_logprobs
-        self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
-        self.response_id = new_response_id(is_chat)
-        self.created = int(time.time())
-        self._text_offsets: dict[int, int] = {}
-        self.prompts = prompts or []
-        self.choices_per_prompt = choices_per_prompt
-        self.echo = echo and not is_chat
-        self.want_prompt_logprobs = want_prompt_logprobs
-        self.output_parser = output_parser or (lambda: None)
-        self._output_parsers: dict[int, ChoiceOutput | None] = {}  # streaming: per choice
-        self._started: set[int] = set()  # streaming: choices whose first chunk was built
-
-    def _prompt(self, index: int) -> tuple[str, list[int]]:
-        return self.prompts[index // self.choices_per_prompt] if self.prompts else ("", [])
-
-    def _structured_item(self, item: dict[str, Any], index: int, choice: ChoiceState) -> None:
-        """Echo and prompt logprobs (completions), reasoning and tool calls (chat) on one choice of a
-        full response."""
-        text, prompt_ids = self._prompt(index)
-        if self.echo:
-            item["text"] = text + item["text"]
-            if item["logprobs"] is not None:
-                item["logprobs"] = echo_logprobs(prompt_ids, choice.prompt_logprobs, self.token_text,
-                                                 completion_logprobs(choice.logprobs, self.token_text, len(text)))
-        if self.want_prompt_logprobs and not self.is_chat:
-            item["prompt_logprobs"] = prompt_logprobs_field(choice.prompt_logprobs, self.token_text)
-        parser = self.output_parser() if self.is_chat else None
-        if parser is not None:
-            fields, item["finish_reason"] = parser.parse(choice.text, choice.finish_reason)
-            item["message"].update(fields)
-
-    def _structured_chunk(self, chunk: dict[str, Any], index: int, output: RequestOutput) -> dict[str, Any]:
-        """Echo and prompt logprobs on a choice's first chunk; a chat choice's delta through its
-        reasoning and tool-call parser."""
-        choice = chunk["choices"][0]
-        first = index not in self._started
-        self._started.add(index)
-        if self.is_chat:
-            if index not in self._output_parsers:
-                self._output_parsers[index] = self.output_parser()
-            parser = self._output_parsers[index]
-            if parser is not None:
-                choice["delta"], choice["finish_reason"] = parser.stream(
-                    output.new_text, output.finished, output.finish_reason if output.finished else None)
-        elif first and self.echo:
-            text, prompt_ids = self._prompt(index)
-            choice["text"] = text + choice["text"]
-            self._text_offsets[index] = self._text_offsets.get(index, 0) + len(text)
-            if choice["logprobs"] is not None:
-                choice["logprobs"] = echo_logprobs(prompt_ids, output.prompt_logprobs, self.token_text,
-                                                   completion_logprobs(output.new_logprobs or [], self.token_text,
-                                                                       len(text)))
-        if first and self.want_prompt_logprobs:
-            shaped = prompt_logprobs_field(output.prompt_logprobs, self.token_text)
-            (chunk if self.is_chat else choice)["prompt_logprobs"] = shaped
-        return chunk
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def full_response(self, choices: list[ChoiceState], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The whole response; choice i gets index i (prompt p, choice j: p * n + j, as OpenAI).
-        `usage` defaults to `total_usage(choices)` (one prompt)."""
-        shaped = []
-        for index, choice in enumerate(choices):
-            if self.is_chat:
-                item = {"index": index, "message": {"role": "assistant", "content": choice.text},
-                        "logprobs": chat_logprobs(choice.logprobs, self.token_text) if self.want_logprobs else None}
-            else:
-                item = {"index": index, "text": choice.text,
-                        "logprobs": (completion_logprobs(choice.logprobs, self.token_text, 0)
-                                     if self.want_logprobs else None)}
-            item["finish_reason"] = choice.finish_reason
-            item["stop_reason"] = choice.stop_reason
-            self._structured_item(item, index, choice)
-            shaped.append(item)
-        response = self._envelope("chat.completion" if self.is_chat else "text_completion", shaped)
-        if self.want_prompt_logprobs and self.is_chat and choices:  # vLLM: chat's is the response's
-            response["prompt_logprobs"] = prompt_logprobs_field(choices[0].prompt_logprobs, self.token_text)
-        response["usage"] = usage if usage is not None else total_usage(choices)
-        return response
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [choice])
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def role_chunk(self, index: int) -> dict[str, Any]:
-        """The first chat chunk of a choice: the assistant role and no content."""
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
-
-    def delta_chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
-        chunk = self._delta_chunk(index, output)
-        if self.continuous_usage:
-            chunk["usage"] = usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
-        return chunk
-
-    def _delta_chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
-        finish_reason = output.finish_reason if output.finished else None
-        stop_reason = output.stop_reason if output.finished else None
-        entries = output.new_logprobs or []
-        if self.is_chat:
-            delta = {"content": output.new_text} if output.new_text or not output.finished else {}
-            logprobs = chat_logprobs(entries, self.token_text) if self.want_logprobs else None
-            return self._structured_chunk(self._chunk({"index": index, "delta": delta, "logprobs": logprobs,
-                                                       "finish_reason": finish_reason, "stop_reason": stop_reason}),
-                                          index, output)
-        offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + len(output.new_text)
-        logprobs = completion_logprobs(entries, self.token_text, offset) if self.want_logprobs else None
-        return self._structured_chunk(self._chunk({"index": index, "text": output.new_text, "logprobs": logprobs,
-                                                   "finish_reason": finish_reason, "stop_reason": stop_reason}),
-                                      index, output)
-
-    def usage_chunk(self, choices: list[ChoiceState], choices_per_prompt: int | None = None) -> dict[str, Any]:
-        chunk = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [])
-        chunk["usage"] = total_usage(choices, choices_per_prompt)
-        return chunk

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.request import SamplingParams, is_valid_unicode
-from serve.protocol import (UNSUPPORTED_CHAT_FIELDS, ChoiceState, GenerationRequest, ProtocolError,
-                            _check_field_support, _is_empty, _is_false, _only_null, _printable, parse_chat_request,
-                            total_usage)
+from serve.protocol import (UNSUPPORTED_CHAT_FIELDS, GenerationRequest, ProtocolError, check_field_support,
+                            is_empty, is_false, only_null, parse_chat_request, printable)
+from serve.shaping import ChoiceState, total_usage
 from serve.tool_parsers import ToolCallParser, vllm_call_id
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
@@ -45,23 +45,23 @@ def _all_null(value: Any) -> bool:
 
 # Fields that need stored responses, refused with the reason (null, and `store`/`background` false, pass).
 _STATEFUL_FIELDS = {
-    "store": (_is_false, "'store': true is not supported: " + _KEEP_WHOLE_CONVERSATION + " and send 'store' false "
+    "store": (is_false, "'store': true is not supported: " + _KEEP_WHOLE_CONVERSATION + " and send 'store' false "
               "or leave it out"),
-    "previous_response_id": (_only_null, "'previous_response_id' is not supported: " + _KEEP_WHOLE_CONVERSATION),
-    "conversation": (_only_null, "'conversation' is not supported: " + _KEEP_WHOLE_CONVERSATION),
-    "background": (_is_false, "'background' is not supported: it needs stored responses, and this server keeps none"),
-    "prompt": (_only_null, "'prompt' (a stored prompt template) is not supported: send the text in 'input'"),
+    "previous_response_id": (only_null, "'previous_response_id' is not supported: " + _KEEP_WHOLE_CONVERSATION),
+    "conversation": (only_null, "'conversation' is not supported: " + _KEEP_WHOLE_CONVERSATION),
+    "background": (is_false, "'background' is not supported: it needs stored responses, and this server keeps none"),
+    "prompt": (only_null, "'prompt' (a stored prompt template) is not supported: send the text in 'input'"),
 }
 # Responses fields (OpenAI's, vLLM's) jaxserve does not implement, each with the test of its neutral
 # value (null always is): anything else is a 400 naming the field, as on chat.
 UNSUPPORTED_RESPONSES_FIELDS = {
     **{name: test for name, (test, _) in _STATEFUL_FIELDS.items()},
-    "include": _is_empty, "max_tool_calls": _only_null, "truncation": lambda v: v == "disabled",
-    "reasoning": _all_null, "top_logprobs": lambda v: v == 0 and v is not False, "context_management": _is_empty,
+    "include": is_empty, "max_tool_calls": only_null, "truncation": lambda v: v == "disabled",
+    "reasoning": _all_null, "top_logprobs": lambda v: v == 0 and v is not False, "context_management": is_empty,
     "stream_options": lambda v: v in ({}, {"include_obfuscation": False}),
-    "prompt_cache_retention": lambda v: v == "in_memory", "prompt_cache_options": _only_null,
-    "moderation": _only_null, "image": _only_null, "access_programs": _only_null, "background_options": _only_null,
-    "media_io_kwargs": _is_empty, "enable_response_messages": _is_false, "previous_input_messages": _only_null,
+    "prompt_cache_retention": lambda v: v == "in_memory", "prompt_cache_options": only_null,
+    "moderation": only_null, "image": only_null, "access_programs": only_null, "background_options": only_null,
+    "media_io_kwargs": is_empty, "enable_response_messages": is_false, "previous_input_messages": only_null,
     **{name: UNSUPPORTED_CHAT_FIELDS[name] for name in (
         "service_tier", "priority", "cache_salt", "kv_transfer_params", "mm_processor_kwargs", "vllm_xargs",
         "request_id")},
@@ -98,7 +98,7 @@ def parse_responses_request(body: Any, served_models: str | tuple[str, ...]) -> 
     for name, (is_neutral, message) in _STATEFUL_FIELDS.items():
         if body.get(name) is not None and not is_neutral(body[name]):
             raise ProtocolError(message, param=name, code="unsupported_field")
-    _check_field_support(body, UNSUPPORTED_RESPONSES_FIELDS, _SERVED_RESPONSES_FIELDS)
+    check_field_support(body, UNSUPPORTED_RESPONSES_FIELDS, _SERVED_RESPONSES_FIELDS)
     instructions = body.get("instructions")
     if instructions is not None:
         _checked_text(instructions, "instructions")
@@ -151,7 +151,7 @@ def client_error(error: ProtocolError) -> ProtocolError:
 
 def not_stored_error(response_id: str) -> ProtocolError:
     """The answer to fetching, deleting or cancelling a response by id: none is ever stored."""
-    return ProtocolError(f"Response with id '{_printable(response_id)}' not found: {_KEEP_WHOLE_CONVERSATION}",
+    return ProtocolError(f"Response with id '{printable(response_id)}' not found: {_KEEP_WHOLE_CONVERSATION}",
                          status=404, code="not_found")
 
 
@@ -203,7 +203,7 @@ def _input_messages(value: Any, instructions: str | None) -> list[dict[str, Any]
             raise ProtocolError(f"'{param}': item references are not supported: {_KEEP_WHOLE_CONVERSATION}",
                                 param=f"{param}.type", code="unsupported_field")
         else:
-            raise ProtocolError(f"'{param}.type' {_printable(str(kind), 40)!r} is not supported: input items are "
+            raise ProtocolError(f"'{param}.type' {printable(str(kind), 40)!r} is not supported: input items are "
                                 "messages, function_call and function_call_output", param=f"{param}.type",
                                 code="unsupported_field")
     return messages
@@ -247,7 +247,7 @@ def _add_function_call(messages: list[dict[str, Any]], item: dict[str, Any], par
 def _function_call_output(item: dict[str, Any], param: str, call_names: dict[str, str]) -> dict[str, Any]:
     call_id = _checked_text(item.get("call_id"), f"{param}.call_id")
     if call_id not in call_names:
-        raise ProtocolError(f"'{param}.call_id' {_printable(call_id, 64)!r} answers no function_call before it in "
+        raise ProtocolError(f"'{param}.call_id' {printable(call_id, 64)!r} answers no function_call before it in "
                             f"'input' ({_KEEP_WHOLE_CONVERSATION})", param=f"{param}.call_id")
     return {"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
             "content": _content_text(item.get("output"), f"{param}.output")}
@@ -266,7 +266,7 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise ProtocolError(f"'{param}' must be a function tool {{'type': 'function', 'name', 'parameters'}}; "
-                                f"hosted tools ({_printable(str(kind), 40)!r}) are not supported", param=param)
+                                f"hosted tools ({printable(str(kind), 40)!r}) are not supported", param=param)
         for name in _UNSUPPORTED_TOOL_FIELDS:
             if tool.get(name) not in (None, False):
                 raise ProtocolError(f"'{param}.{name}' is not supported by this server", param=f"{param}.{name}",
@@ -337,7 +337,7 @@ def sse_events(events: list[dict[str, Any]]) -> bytes:
 
 
 def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Chat's usage object (`serve.protocol.usage`) with the Responses API's names."""
+    """Chat's usage object (`serve.shaping.usage`) with the Responses API's names."""
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},

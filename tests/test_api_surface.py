@@ -11,9 +11,9 @@ import pytest
 import requests
 
 from jaxserve.commands import cli
-from jaxserve.core.request import encode_chat
 from jaxserve.engine import Engine, EngineConfig
 from serve.app import ServerConfig
+from serve.prompts import encode_chat
 from tests.test_server_engine import LiveServer
 
 MODEL = "tiny-chat"

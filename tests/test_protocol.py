@@ -7,11 +7,11 @@ import pytest
 
 from jaxserve.core.outputs import RequestOutput, TokenLogprob
 from jaxserve.core.request import InvalidRequestError, RequestLimits, check_request
+from serve.prompts import check_prompt_chars, prompt_token_ids
 from serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS,
-                            ChoiceState, ProtocolError, ResponseShaper, admission_error, build_sampling_params,
-                            check_prompt_chars, completion_logprobs, parse_chat_request, parse_completion_request,
-                            parse_detokenize_request, parse_tokenize_request, prompt_token_ids, select_best,
-                            total_usage)
+                            ProtocolError, admission_error, build_sampling_params, parse_chat_request,
+                            parse_completion_request, parse_detokenize_request, parse_tokenize_request)
+from serve.shaping import ChoiceState, ResponseShaper, completion_logprobs, select_best, total_usage
 
 MODEL = "tiny"
 

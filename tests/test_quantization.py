@@ -16,13 +16,14 @@ from checkpoints.quantized import GGUFBlocks
 from jaxserve.commands import convert as convert_command, engine_flags
 from jaxserve.config import ModelConfig
 from jaxserve.core.outputs import EngineStats
-from jaxserve.core.request import SamplingParams, encode_chat
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.executor import device_setup
 from jaxserve.models import quantization as qz
 from jaxserve.models import llama, weights
 from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
+from serve.prompts import encode_chat
 from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf
 from tests.test_kernel_lowering import pallas_custom_calls

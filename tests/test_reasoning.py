@@ -9,7 +9,8 @@ import requests
 
 from serve.app import ServerConfig
 from serve.chat_output import ChoiceOutput, choice_output_factory
-from serve.protocol import ProtocolError, parse_chat_request, parse_tokenize_request, prompt_token_ids
+from serve.prompts import prompt_token_ids
+from serve.protocol import ProtocolError, parse_chat_request, parse_tokenize_request
 from serve.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from serve.tool_parsers import HermesToolParser, ToolCallParser
 from tests.chat_parsing import chat_template, parsed_streamed, parsed_whole, serve_with_template, splits

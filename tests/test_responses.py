@@ -15,7 +15,7 @@ from typing_extensions import Literal
 
 from jaxserve.engine import Engine, EngineConfig
 from serve.app import ServerConfig
-from serve.protocol import prompt_token_ids
+from serve.prompts import prompt_token_ids
 from serve.responses import parse_responses_request
 from tests.test_server import MODEL, FakeEngine, LiveServer, chat_prompt_ids, fake_text
 from tests.test_server_engine import LiveServer as EngineServer

@@ -129,6 +129,12 @@ class FakeEngine:
     def is_alive(self) -> bool:
         return self.alive
 
+    def health(self) -> dict:
+        return {}
+
+    def add_step_listener(self, listener) -> None:
+        """The fake runs no steps: the listener is never called."""
+
     def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
         self._abort_requested.add(request_id)

@@ -171,8 +171,8 @@ def _smollm2_runs(model_dir: str) -> dict:
 
     from checkpoints.convert import convert_checkpoint
     from checkpoints.default_model import smollm2_gguf_path
-    from jaxserve.core.request import encode_text
     from jaxserve.engine import Engine, EngineConfig
+    from serve.prompts import encode_text
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:  # Q4_1 blocks copied into an int4 checkpoint
         int4_dir = os.path.join(tmp, "int4")

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from checkpoints import default_model, load
-from jaxserve.core.request import SamplingParams, encode_chat
+from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import llama
+from serve.prompts import encode_chat
 from tests.tiny_models import hf_logits, prefill_batch
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",

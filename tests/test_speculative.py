@@ -328,7 +328,7 @@ def test_smollm2_greedy_output_is_unchanged_on_real_prompts():
     import jax.numpy as jnp
 
     from checkpoints import default_model, load
-    from jaxserve.core.request import encode_chat
+    from serve.prompts import encode_chat
     model_dir = default_model.resolve_model("smollm2")
     config, tokenizer = load.load_config(model_dir), load.load_tokenizer(model_dir)
     params = load.load_params(model_dir, jnp.float32)

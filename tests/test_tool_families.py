@@ -11,7 +11,8 @@ import pytest
 import requests
 
 from serve.app import ServerConfig, ServerState
-from serve.protocol import parse_chat_request, prompt_token_ids
+from serve.prompts import prompt_token_ids
+from serve.protocol import parse_chat_request
 from tests.chat_parsing import chat_template, serve_with_template
 from tests.test_tools import MESSAGES, TOOLS
 
@@ -145,7 +146,7 @@ def test_mistral_calls_keep_special_tokens_in_the_text(family):
     name, _, _, server = family
     engine = server.async_engine  # its prepare step only, on the server's tokenizer
     stub = types.SimpleNamespace(tokenizer=engine.tokenizer, model_name="m", stats=engine.stats,
-                                 max_model_len=engine.max_model_len)
+                                 max_model_len=engine.max_model_len, add_step_listener=lambda listener: None)
     state = ServerState(stub, ServerConfig(**FAMILIES[name]["config"]))
     try:
         def params(**body):

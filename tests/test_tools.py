@@ -13,9 +13,9 @@ import openai
 import pytest
 import requests
 
-from jaxserve.core.request import encode_chat
 from serve.app import ServerConfig
-from serve.protocol import parse_chat_request, prompt_token_ids
+from serve.prompts import encode_chat, prompt_token_ids
+from serve.protocol import parse_chat_request
 from serve.tool_parsers import HermesToolParser, ToolCallParser
 from tests.chat_parsing import serve_with_template
 

@@ -15,7 +15,7 @@ import time
 from absl import flags
 
 from jaxserve.commands import engine_flags
-from jaxserve.core.request import encode_chat, encode_text
+from serve.prompts import encode_chat, encode_text
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
                    "top_k": int, "seed": int, "stop": (str, list)}

@@ -213,7 +213,7 @@ def run(fv: flags.FlagValues) -> int:
             except multihost.MultiHostError as e:  # a process lost before the first step
                 print(f"jaxserve serve: the multi-host job failed: {e}", file=sys.stderr)
                 multihost.exit_now(1)
-            from serve.app import ServerStopping  # a failed job answers 503, naming the failure
+            from serve.fanout import ServerStopping  # a failed job answers 503, naming the failure
             engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
             app = create_app(engine, config)

@@ -1,5 +1,6 @@
 """Host-side request state: sampling parameters, status and the token bookkeeping of one request,
-the one admission check (`check_request`), and prompt encoding (`encode_text`, `encode_chat`).
+and the one admission check (`check_request`). Prompts are encoded by the server and the CLI
+(`serve.prompts`).
 
 No jax here: the scheduler and the allocator work on these plain objects and are unit-tested in
 milliseconds.
@@ -340,25 +341,6 @@ class Request:
         )
 
 
-# ---- prompt encoding (Hugging Face tokenizers), shared by the server and the CLI ----------------
-
-def encode_chat(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False, tools: list[dict] | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of `messages` under the model's chat template, generation prompt added (the
-    template writes the special tokens itself, so the tokenizer adds none by default: vLLM's).
-    `tools` (OpenAI's function tools) go to the template, which describes them as it defines;
-    `chat_template_kwargs` are more variables for it (e.g. Qwen3's `enable_thinking`)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **(chat_template_kwargs or {}))
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
-def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a plain prompt, with the tokenizer's own special tokens (e.g. BOS) by default."""
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
 # ---- server-wide sampling defaults ---------------------------------------------------------------
 
 # The SamplingParams fields a server may default (from the model's generation_config.json or
@@ -378,13 +360,3 @@ def check_sampling_defaults(defaults: Any) -> dict[str, Any]:
                                       f"{', '.join(SAMPLING_DEFAULT_FIELDS)})", param=name)
     check_sampling_params(SamplingParams(**defaults))
     return dict(defaults)
-
-
-def max_token_chars(tokenizer: Any) -> int:
-    """Characters of the vocabulary's longest token, as the tokenizer stores it.
-
-    For byte-level BPE a stored character is one byte of text, and every character of text is at
-    least one byte, so a text of N characters has at least N / max_token_chars tokens: a bound
-    that refuses an oversized prompt without tokenizing it."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max(len(t) for t in tokens if t is not None)

@@ -691,18 +691,31 @@ def exit_now(code: int) -> None:
 
 
 class FrontAsyncEngine:
-    """The server's engine on process 0 of a multi-host job: the AsyncEngine (or replica router)
-    it wraps, except that a failed job is not alive (/health answers 503), its health names the
-    failure, and new requests are refused with it."""
+    """The server's engine on process 0 of a multi-host job (an EngineClient): the AsyncEngine (or
+    replica router) it wraps, except that a failed job is not alive (/health answers 503), its
+    health names the failure, and new requests are refused with it."""
 
     def __init__(self, engine, front: Front, refusal: type[Exception] = MultiHostError):
         """`refusal`: the exception new requests get once the job failed (the server's 503 type)."""
         self._engine = engine
         self.front = front
         self._refusal = refusal
+        self.tokenizer, self.model_name, self.max_model_len = engine.tokenizer, engine.model_name, engine.max_model_len
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+    async def start(self) -> None:
+        await self._engine.start()
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
+
+    def stats(self):
+        return self._engine.stats()
+
+    def add_step_listener(self, listener: Callable) -> None:
+        self._engine.add_step_listener(listener)
+
+    def compile_structured_output(self, params) -> None:
+        self._engine.compile_structured_output(params)
 
     def is_alive(self) -> bool:
         return self.front.failure is None and self._engine.is_alive()

@@ -1,0 +1,78 @@
+"""What the server needs from an engine: the `EngineClient` protocol.
+
+`serve.app.create_app` takes any object with these members. The fronts that have them are
+`jaxserve.async_engine.AsyncEngine` (one engine stepping in a background thread),
+`jaxserve.parallel.data_parallel.DataParallelAsyncEngine` (replicas, each request to the least
+busy) and `jaxserve.parallel.multihost.FrontAsyncEngine` (process 0 of a multi-host job); they
+satisfy it structurally (tests/test_engine_client.py checks every member). Every member is
+required: a front with nothing to add answers with the defined empty result (`health()` -> {}),
+so the server never probes for one. No jax here.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from jaxserve.core.outputs import EngineStats, RequestOutput, StepRecord
+from jaxserve.core.request import SamplingParams
+
+
+class DeltaStream(Protocol):
+    """The deltas of one admitted request, ending after its finished delta."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """The stream itself."""
+
+    async def __anext__(self) -> RequestOutput:
+        """The request's next delta; StopAsyncIteration after the finished one."""
+
+    async def aclose(self) -> None:
+        """Ends the stream; before the finished delta this aborts the request (its pages return).
+        Calling it again, or after the end, does nothing."""
+
+
+class EngineClient(Protocol):
+    """The engine behind the OpenAI server (serve/app.py), as the event loop sees it."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (encode, decode, chat template, special tokens); the
+        server tokenizes prompts with it in its own threads."""
+
+    @property
+    def model_name(self) -> str:
+        """The served model's id, when the server is given no names of its own."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The context a request can really use: prompt plus output tokens."""
+
+    async def start(self) -> None:
+        """Starts stepping (on the running event loop's behalf); requests are admitted after it."""
+
+    async def shutdown(self) -> None:
+        """Stops stepping: requests still running end with an error delta."""
+
+    def is_alive(self) -> bool:
+        """Whether the engine steps: False before `start`, after `shutdown`, or once it failed for
+        good (a multi-host job that lost a process). /health answers 503 on False."""
+
+    def health(self) -> dict[str, Any]:
+        """What /health reports beyond liveness (JSON values: failed steps, the last one's error,
+        a multi-host failure); {} when there is nothing to add."""
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (requests, pages, prefix cache): cheap, from any thread."""
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """Calls `listener(record)` after every engine step that ran, on the engine's thread."""
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be
+        used). Thread-safe: the server calls it from its prepare threads, so admission finds it
+        compiled."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> DeltaStream:
+        """Admits one request and returns the stream of its deltas. Admission happens here,
+        synchronously: InvalidRequestError (a ValueError: the engine's admission check), another
+        ValueError (a duplicate id), QueueFullError, RuntimeError (not running) or a front's own
+        refusal (a failed multi-host job) mean the engine never saw the request."""
