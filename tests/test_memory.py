@@ -301,7 +301,7 @@ def test_plan_and_serve_share_the_engine_flags():
         fv = flags.FlagValues()
         command.define_flags(fv)
         fv(["jaxserve"])
-        names[command.__name__] = {name for name in engine_flags._ENGINE_FLAGS if name in fv}
+        names[command.__name__] = {name for name in engine_flags.ENGINE_FLAGS if name in fv}
         assert engine_flags.engine_config(fv) == EngineConfig()
         assert fv.model == "smollm2"
     assert len({frozenset(v) for v in names.values()}) == 1
