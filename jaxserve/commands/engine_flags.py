@@ -7,12 +7,16 @@ commands run, and plan for, the same engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import signal
+import sys
 import typing
 
 from absl import flags
 
 from checkpoints.default_model import DEFAULT_MODEL
 from jaxserve.config import EngineConfig, Flag
+from jaxserve.parallel import multihost  # jax only inside its functions: `plan` starts without jax
 
 _DEFINE = {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_boolean, str: flags.DEFINE_string}
 
@@ -92,8 +96,6 @@ def sampling_kwargs(fv: flags.FlagValues) -> dict:
 
 def define_distributed_flags(fv: flags.FlagValues) -> None:
     """The flags of a multi-host job (`serve` and `generate`; see jaxserve.parallel.multihost)."""
-    from jaxserve.parallel import multihost
-
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 of a multi-host job (every process "
                         "runs the same command; default: $JAXSERVE_COORDINATOR_ADDRESS, else a SLURM / Open MPI "
                         "job's, else a single process)", flag_values=fv)
@@ -115,13 +117,11 @@ def join_options(fv: flags.FlagValues):
     """The multihost.JoinOptions the distributed flags describe (flags > $JAXSERVE_ variables >
     SLURM / Open MPI), None for a single process; ValueError for settings that cannot work,
     including tensor / data parallel sizes that do not span the processes."""
-    from jaxserve.parallel import multihost
-
     options = multihost.resolve_join_options(fv.coordinator_address, fv.num_processes, fv.process_id,
                                              heartbeat_timeout_s=fv.heartbeat_timeout_s)
     if options is not None and options.num_processes:
         defaults = EngineConfig()
-        from jaxserve.parallel import sharding
+        from jaxserve.parallel import sharding  # imports jax: only for a multi-host job
         sharding.check_parallel_sizes(fv.tensor_parallel_size or defaults.tensor_parallel_size,
                                       fv.data_parallel_size or defaults.data_parallel_size, options.num_processes)
     return options
@@ -132,8 +132,6 @@ def enter_job(fv: flags.FlagValues, command: str, **follow_overrides):
     process; None to go on as process 0 or alone, else the exit code this process ends with:
     2 for settings that cannot work, 1 when it cannot join, a worker's after following process 0
     (`follow_front` with `follow_overrides`))."""
-    import sys
-
     try:
         options = join_options(fv)
     except ValueError as e:
@@ -152,10 +150,6 @@ def enter_job(fv: flags.FlagValues, command: str, **follow_overrides):
 def join_job(options, command: str) -> int | None:
     """Joins the multi-host job; this process's index (0: the front), or None after printing why
     it could not join."""
-    import logging
-    import sys
-
-    from jaxserve.parallel import multihost
     # Every process of a job logs its role, its share of the weights and how the job ends.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "jax._src.distributed"):
@@ -165,7 +159,7 @@ def join_job(options, command: str) -> int | None:
     except Exception as e:  # the runtime raises XlaRuntimeError / ValueError / RuntimeError
         print(f"jaxserve {command}: cannot join the multi-host job: {e}", file=sys.stderr)
         return None
-    import jax
+    import jax  # deferred, as below: single-process commands (and `plan`) start without jax here
     return jax.process_index()
 
 
@@ -173,14 +167,9 @@ def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
     """A worker process (process_id > 0) of `command`: builds the same engine as process 0, then
     runs the steps process 0 sends until it says stop (0), or fails loudly: 2 when the engine
     cannot be built (process 0 fails the same way), 1 when process 0 is lost or a step fails."""
-    import logging
-    import signal
-    import sys
-
     import jax
 
-    from jaxserve.engine import Engine
-    from jaxserve.parallel import multihost
+    from jaxserve.engine import Engine  # imports jax: a worker process only
 
     pid = jax.process_index()
     # SIGTERM (a Kubernetes pod deletion reaches every process at once): keep following until
@@ -205,9 +194,7 @@ def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
 def run_front(engine, work, command: str, fv: flags.FlagValues) -> int:
     """Process 0 of a multi-host job: routes the engine's steps to every process, runs `work()`,
     then tells the others to stop. A failed job exits at once with 1, naming the failure."""
-    import sys
 
-    from jaxserve.parallel import multihost
 
     try:
         front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
