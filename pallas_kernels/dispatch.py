@@ -10,14 +10,12 @@ Backends:
   "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
                only when this backend is asked for.
 Default: "pallas" when jax's default backend is a GPU with the Pallas GPU lowering available,
-"xla" otherwise. An explicit override, else the JAXSERVE_ATTENTION_BACKEND environment
-variable, wins.
+"xla" otherwise; a backend named explicitly wins (jaxserve passes EngineConfig.attention_backend,
+else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backend).
 
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
-
-import os
 
 import jax
 
@@ -26,19 +24,14 @@ from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_p
 from pallas_kernels.common import softmax_scale
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
-BACKEND_ENV_VAR = "JAXSERVE_ATTENTION_BACKEND"
 
 
-def attention_backend(override: str | None = None) -> str:
-    """Backend name to use: `override`, else $JAXSERVE_ATTENTION_BACKEND, else by platform."""
-    choice = override or os.environ.get(BACKEND_ENV_VAR) or None
-    if choice is not None:
+def attention_backend(choice: str | None = None) -> str:
+    """Backend name to use: `choice` (any case), else by platform. ValueError for an unknown name."""
+    if choice:
         choice = choice.strip().lower()
         if choice not in BACKENDS:
-            source = "override" if override else BACKEND_ENV_VAR
-            raise ValueError(
-                f"unknown attention backend {choice!r} from {source}; expected one of {BACKENDS}"
-            )
+            raise ValueError(f"unknown attention backend {choice!r}; expected one of {BACKENDS}")
         return choice
     if jax.default_backend() in ("gpu", "cuda", "rocm") and compat.has_pallas_triton():
         return "pallas"

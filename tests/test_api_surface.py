@@ -10,6 +10,7 @@ import openai
 import pytest
 import requests
 
+from jaxserve import environment
 from jaxserve.commands import cli
 from jaxserve.engine import Engine, EngineConfig
 from serve.app import ServerConfig
@@ -245,10 +246,10 @@ def test_hub_ids_paths_and_served_names(tmp_path, monkeypatch):
     assert not default_model.is_hub_id("org/name") and default_model.served_model_name("org/name") == "name"
     assert not default_model.is_hub_id("/abs/path") and not default_model.is_hub_id("a/b/c")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hubcache"))
-    assert default_model.hf_hub_cache() == str(tmp_path / "hubcache")
+    assert environment.hf_hub_cache() == str(tmp_path / "hubcache")
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    assert default_model.hf_hub_cache() == str(tmp_path / "home" / "hub")
+    assert environment.hf_hub_cache() == str(tmp_path / "home" / "hub")
 
 
 def test_the_default_model_gets_its_model_cards_sampling_values(tmp_path, monkeypatch):

@@ -478,20 +478,6 @@ def test_write_kv_updates_donated_pages_in_place():
     assert stats.temp_size_in_bytes < page_bytes // 8
 
 
-def test_attention_backend_choice(monkeypatch):
-    monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
-    on_gpu = jax.default_backend() == "gpu"
-    assert dispatch.attention_backend() == ("pallas" if on_gpu else "xla")
-    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "Interpret")
-    assert dispatch.attention_backend() == "interpret"
-    assert dispatch.attention_backend("reference") == "reference"
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        dispatch.attention_backend("cuda-magic")
-    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=dispatch.BACKEND_ENV_VAR):
-        dispatch.attention_backend()
-
-
 @pytest.mark.parametrize("backend", dispatch.BACKENDS)
 def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
     calls = []

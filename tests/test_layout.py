@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Rooms from the bottom up: a module may import its own room and the rooms listed before it.
 LAYERS = [
     ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
-    ("jaxserve.compat", "jaxserve.platforms", "jaxserve.config"),
+    ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.config"),
     ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
     ("jaxserve.models", "jaxserve.executor", "jaxserve.parallel", "jaxserve.speculative.draft_proposer",
@@ -25,7 +25,8 @@ LAYERS = [
     ("serve",),
     ("jaxserve.commands",),
 ]
-HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config")
+HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
+              "jaxserve.environment")
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -33,6 +34,14 @@ SMOLLM2_135M = {
 
 def model(cfg):
     return ModelConfig.from_hf_dict(cfg)
+
+
+# The engine the planner tests size: a GPU server's scheduling budget, one prefill at a time.
+PLANNED = EngineConfig(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=1)
+
+
+def planned(**settings) -> EngineConfig:
+    return dataclasses.replace(PLANNED, **settings)
 
 
 @pytest.mark.parametrize("cfg, published", [
@@ -73,9 +82,9 @@ def test_quantized_weights_count_scales():
 def test_tensor_parallel_halves_per_device_weights_and_pages():
     m = model(LLAMA2_7B)
     norms_bytes = 2 * memory.count_params(m)["norms"]
-    one = memory.plan_memory(m, device_memory_bytes=40 * memory.GiB, max_model_len=4096)
-    two = memory.plan_memory(m, device_memory_bytes=40 * memory.GiB, max_model_len=4096,
-                             tensor_parallel_size=2)
+    one = memory.plan_memory(m, planned(max_model_len=4096), device_memory_bytes=40 * memory.GiB)
+    two = memory.plan_memory(m, planned(max_model_len=4096, tensor_parallel_size=2),
+                             device_memory_bytes=40 * memory.GiB)
     assert two.weights_bytes == (one.weights_bytes - norms_bytes) // 2 + norms_bytes
     assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token
     assert two.kv_bytes_per_page * 2 == one.kv_bytes_per_page
@@ -92,8 +101,7 @@ def test_tensor_parallel_head_split_rules():
     with pytest.raises(memory.MemoryPlanError, match="must divide"):
         memory.kv_heads_per_device(model(dict(LLAMA3_8B, num_attention_heads=48, num_key_value_heads=8)), 12)
     with pytest.raises(memory.MemoryPlanError, match="divisible"):
-        memory.plan_memory(model(SMOLLM2_135M), device_memory_bytes=8 * memory.GiB,
-                           tensor_parallel_size=2)
+        memory.plan_memory(model(SMOLLM2_135M), planned(tensor_parallel_size=2), device_memory_bytes=8 * memory.GiB)
 
 
 def test_tensor_parallel_rules_are_shardings():
@@ -133,7 +141,7 @@ def test_num_pages_monotone_and_tight_in_the_budget():
     m = model(LLAMA3_8B)
     previous = None
     for gib in range(24, 144, 8):
-        p = memory.plan_memory(m, device_memory_bytes=gib * memory.GiB, max_model_len=8192)
+        p = memory.plan_memory(m, planned(max_model_len=8192), device_memory_bytes=gib * memory.GiB)
         leftover = p.usable_bytes - p.weights_bytes - p.activation_bytes - p.runtime_reserve_bytes
         assert 0 <= leftover - p.kv_cache_bytes < p.kv_bytes_per_page
         assert p.kv_cache_bytes == p.num_pages * p.kv_bytes_per_page
@@ -146,9 +154,9 @@ def test_num_pages_monotone_and_tight_in_the_budget():
 
 
 def test_plan_of_a_known_setup():
-    p = memory.plan_memory(model(LLAMA2_7B), device_memory_bytes=80 * memory.GiB,
-                           memory_utilization=0.9, page_size=16, max_model_len=4096,
-                           max_num_batched_tokens=2048, max_num_seqs=256)
+    p = memory.plan_memory(model(LLAMA2_7B), planned(memory_utilization=0.9, page_size=16, max_model_len=4096,
+                                                     max_num_batched_tokens=2048, max_num_seqs=256),
+                           device_memory_bytes=80 * memory.GiB)
     assert p.weights_bytes == 6_738_415_616 * 2
     assert p.kv_bytes_per_page == 16 * 524288
     assert p.runtime_reserve_bytes == int(0.05 * p.usable_bytes)
@@ -176,26 +184,26 @@ def test_activation_formula_terms():
 
 def test_weights_do_not_fit():
     with pytest.raises(ValueError, match="weights do not fit"):
-        memory.plan_memory(model(LLAMA2_7B), device_memory_bytes=12 * memory.GiB)
+        memory.plan_memory(model(LLAMA2_7B), PLANNED, device_memory_bytes=12 * memory.GiB)
     with pytest.raises(memory.MemoryPlanError, match="weights do not fit"):
-        memory.plan_memory(model(LLAMA3_8B), device_memory_bytes=80 * memory.GiB, weight_dtype="float32",
-                           memory_utilization=0.3)
+        memory.plan_memory(model(LLAMA3_8B), planned(dtype="float32", memory_utilization=0.3),
+                           device_memory_bytes=80 * memory.GiB)
 
 
 def test_no_room_for_one_sequence():
     # The weights fit (12.6 of 14.4 GiB usable), the 2.3 GiB of activations and the KV cache do not.
     with pytest.raises(memory.MemoryPlanError, match="no room for the KV cache"):
-        memory.plan_memory(model(LLAMA2_7B), device_memory_bytes=16 * memory.GiB, max_model_len=4096)
+        memory.plan_memory(model(LLAMA2_7B), planned(max_model_len=4096), device_memory_bytes=16 * memory.GiB)
 
 
 @pytest.mark.parametrize("kwargs", [
     {"page_size": 0}, {"max_model_len": -1}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 0},
     {"memory_utilization": 1.5}, {"memory_utilization": 0.0}, {"device_memory_bytes": -5},
-    {"weight_dtype": "int3"}, {"kv_cache_dtype": "float64"}, {"tensor_parallel_size": 0}])
+    {"quantization": "int3"}, {"kv_cache_dtype": "float64"}, {"tensor_parallel_size": 0}, {"dtype": None}])
 def test_nonsense_input(kwargs):
-    args = {"device_memory_bytes": 8 * memory.GiB, **kwargs}
+    device_memory_bytes = kwargs.pop("device_memory_bytes", 8 * memory.GiB)
     with pytest.raises(memory.MemoryPlanError):
-        memory.plan_memory(model(SMOLLM2_135M), **args)
+        memory.plan_memory(model(SMOLLM2_135M), planned(**kwargs), device_memory_bytes=device_memory_bytes)
 
 
 def test_host_and_cpu_device_budgets():
@@ -241,9 +249,8 @@ def test_cli_json(llama_config_file, capsys):
     expected = memory.plan_engine(model(LLAMA3_8B), engine, device_memory_bytes=80 * memory.GiB, on_gpu=True)
     assert result == expected.to_dict()
     assert expected == memory.plan_memory(
-        model(LLAMA3_8B), device_memory_bytes=80 * memory.GiB, weight_dtype="bfloat16", max_model_len=8192,
-        max_num_seqs=128, max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_prefill_seqs=engine.max_num_prefill_seqs, backend="pallas")
+        model(LLAMA3_8B), dataclasses.replace(engine, dtype="bfloat16", attention_backend="pallas"),
+        device_memory_bytes=80 * memory.GiB)
     for key in ("weights_bytes", "kv_bytes_per_token", "activation_bytes", "num_pages", "max_concurrent_seqs"):
         assert key in result
     assert result["weights_bytes"] == 8_030_261_248 * 2
@@ -301,7 +308,7 @@ def test_plan_and_serve_share_the_engine_flags():
         fv = flags.FlagValues()
         command.define_flags(fv)
         fv(["jaxserve"])
-        names[command.__name__] = {name for name in engine_flags._ENGINE_FLAGS if name in fv}
+        names[command.__name__] = {name for name in engine_flags.ENGINE_FLAGS if name in fv}
         assert engine_flags.engine_config(fv) == EngineConfig()
         assert fv.model == "smollm2"
     assert len({frozenset(v) for v in names.values()}) == 1

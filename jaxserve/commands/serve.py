@@ -9,9 +9,8 @@ import sys
 
 from absl import flags
 
+from jaxserve import environment
 from jaxserve.commands import engine_flags
-
-API_KEY_ENV = "JAXSERVE_API_KEY"
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -22,7 +21,7 @@ def define_flags(fv: flags.FlagValues) -> None:
                         flag_values=fv)
     flags.DEFINE_integer("port", 8000, "TCP port", lower_bound=0, upper_bound=65535, flag_values=fv)
     flags.DEFINE_string("api_key", None, f"require 'Authorization: Bearer <key>' on /v1 routes (default: "
-                        f"${API_KEY_ENV} when set)", flag_values=fv)
+                        f"${environment.API_KEY} when set)", flag_values=fv)
     flags.DEFINE_integer("max_body_bytes", 8 * 1024 * 1024, "largest request body accepted (413 above)",
                          lower_bound=1024, flag_values=fv)
     flags.DEFINE_float("drain_timeout_s", 30.0, "on SIGTERM, how long in-flight requests may run on",
@@ -176,7 +175,7 @@ def run(fv: flags.FlagValues) -> int:
     from serve.web_ui import parse_allowed_origins
 
     config = ServerConfig(
-        api_key=fv.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=fv.api_key or environment.api_key(),
         max_body_bytes=fv.max_body_bytes,
         drain_timeout_s=fv.drain_timeout_s,
         retry_after_s=fv.retry_after_s,

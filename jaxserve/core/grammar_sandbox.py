@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from jaxserve import environment
+
 COMPILE_STACK_BYTES = 256 << 20  # the fuzz test's longest rule chains under the 64 KB limit need ~16 MiB
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_BYTES = 128 << 20  # a JSON schema's grammar takes a few MiB; `(f{1000}){1000}` 150
@@ -137,7 +139,7 @@ class GrammarSandbox:
         self.num_restarts = 0
 
     def _start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**environment.process_environment(), "PYTHONUNBUFFERED": "1"}
         self._child = subprocess.Popen([sys.executable, "-m", "jaxserve.core.grammar_sandbox"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         self._child.stdin.write(self._hello)

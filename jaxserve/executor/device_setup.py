@@ -2,31 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve import environment
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import quantization
 from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant
 
 
-def cache_root() -> str:
-    """Where jaxserve keeps what it builds: $JAXSERVE_CACHE, else ~/.cache/jaxserve."""
-    return os.path.expanduser(os.environ.get("JAXSERVE_CACHE") or "~/.cache/jaxserve")
-
-
-def compilation_cache_dir() -> str | None:
-    """$JAXSERVE_COMPILATION_CACHE, else `xla/` under cache_root(); None when set empty (off)."""
-    return os.environ.get("JAXSERVE_COMPILATION_CACHE", os.path.join(cache_root(), "xla")) or None
-
-
 def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, so that restarts skip compiling the step shapes
-    (compilation_cache_dir)."""
-    cache_dir = compilation_cache_dir()
+    (environment.compilation_cache_dir)."""
+    cache_dir = environment.compilation_cache_dir()
     if jax.config.jax_compilation_cache_dir is None and cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -78,7 +68,14 @@ def array_bytes(*trees) -> tuple[int, ...]:
 
 
 def attention_backend(override: str | None) -> str:
-    return dispatch.attention_backend(override)
+    """The attention backend: `override` (EngineConfig.attention_backend), else
+    $JAXSERVE_ATTENTION_BACKEND, else the platform's (pallas_kernels.dispatch)."""
+    if override:
+        return dispatch.attention_backend(override)
+    try:
+        return dispatch.attention_backend(environment.attention_backend())
+    except ValueError as e:
+        raise ValueError(f"{e} (from ${environment.ATTENTION_BACKEND})") from None
 
 
 def platform_config(cfg):

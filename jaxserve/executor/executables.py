@@ -37,7 +37,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.executor import device_setup
+from jaxserve.environment import cache_root, compilation_cache_dir, xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def environment() -> dict[str, str]:
     devices = jax.devices()
     env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "source": source_digest()}
+           "xla_flags": xla_flags(), "source": source_digest()}
     if env["platform"] == "cpu":  # the step calls the C++ kernels where they are built: registered
         import cpu_kernels       # here, since a loaded executable is never traced (tracing registers them)
         env["cpu_kernels"] = "registered" if cpu_kernels.available() else "off"
@@ -129,9 +129,9 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
 
 def default_directory() -> str | None:
     """`executables/` beside the persistent compilation cache; None when that cache is switched off."""
-    if device_setup.compilation_cache_dir() is None:
+    if compilation_cache_dir() is None:
         return None
-    return os.path.join(device_setup.cache_root(), "executables")
+    return os.path.join(cache_root(), "executables")
 
 
 class ExecutableStore:

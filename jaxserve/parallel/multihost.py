@@ -53,9 +53,11 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from jaxserve import environment
+
 log = logging.getLogger(__name__)
 
-ENV_VARS = ("JAXSERVE_COORDINATOR_ADDRESS", "JAXSERVE_NUM_PROCESSES", "JAXSERVE_PROCESS_ID")
+ENV_VARS = (environment.COORDINATOR_ADDRESS, environment.NUM_PROCESSES, environment.PROCESS_ID)
 KEY_PREFIX = "jaxserve"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10
 DEFAULT_STEP_TIMEOUT_S = 300.0
@@ -81,7 +83,7 @@ class JoinOptions:
     init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
 
 
-def detected_cluster(environ: Mapping[str, str] = os.environ) -> str | None:
+def detected_cluster(environ: Mapping[str, str] = environment.process_environment()) -> str | None:
     """The cluster whose environment jax.distributed can read the job from (SLURM, Open MPI)
     when it describes more than one process; else None."""
     def count(name):
@@ -102,7 +104,7 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 def resolve_join_options(coordinator_address: str | None = None, num_processes: int | None = None,
                          process_id: int | None = None, *, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
                          init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S,
-                         environ: Mapping[str, str] = os.environ) -> JoinOptions | None:
+                         environ: Mapping[str, str] = environment.process_environment()) -> JoinOptions | None:
     """The job this process belongs to: each of the three settings from its flag, else from
     $JAXSERVE_COORDINATOR_ADDRESS / $JAXSERVE_NUM_PROCESSES / $JAXSERVE_PROCESS_ID; without a
     coordinator, auto-detected from SLURM or Open MPI; None for a single process.
@@ -269,7 +271,7 @@ def unpack(payload: bytes) -> StepMessage:
 
 # Larger step messages go as device broadcasts (bench/multihost.py); $JAXSERVE_MULTIHOST_KV_MAX_BYTES
 # overrides it (the same value on every process).
-KV_MAX_BYTES = int(os.environ.get("JAXSERVE_MULTIHOST_KV_MAX_BYTES", 128 * 1024))
+KV_MAX_BYTES = environment.multihost_kv_max_bytes()
 CHUNK_BYTES = 1 << 20  # the one compiled shape of those broadcasts
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import compat
-from jaxserve.config import ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
 from jaxserve.executor import executables, sampler
 from jaxserve.models import quantization
@@ -164,12 +164,14 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
         params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format, run_config), params)
     params = _abstract(params, sharding.quantized_checkpoint_shardings(shardings.params, params))
     plan_weight_dtype = quantization_format or float_dtype.name  # any jaxserve.models.quantization format
-    plan = memory.plan_memory(
-        model_config, device_memory_bytes=target_memory_budget_bytes(target), memory_utilization=memory_utilization,
-        weight_dtype=plan_weight_dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+    plan_config = EngineConfig(  # quantized weights planned with QUANTIZED_COMPUTE_DTYPE activations
+        dtype=memory.QUANTIZED_COMPUTE_DTYPE if quantization_format else float_dtype.name,
+        quantization=quantization_format, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tensor_parallel_size, max_prefill_seqs=max_num_prefill_seqs,
-        measured_weights_bytes=shardings.per_device_bytes(params), backend="pallas")
+        max_num_prefill_seqs=max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size,
+        memory_utilization=memory_utilization, attention_backend="pallas")
+    plan = memory.plan_memory(model_config, plan_config, device_memory_bytes=target_memory_budget_bytes(target),
+                              measured_weights_bytes=shardings.per_device_bytes(params))
     num_pages = num_pages or plan.num_pages
     kv_dtype = kv_quant.KV_CACHE_DTYPES.get(kv_cache_dtype, float_dtype)
     kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, page_size),

@@ -287,57 +287,50 @@ def format_bytes(num_bytes: float) -> str:
 
 def plan_memory(
     model: ModelConfig,
+    cfg: EngineConfig,
     *,
     device_memory_bytes: int,
-    memory_utilization: float = 0.9,
-    weight_dtype: str = "bfloat16",
-    kv_cache_dtype: str = "auto",
-    page_size: int = 16,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 256,
-    tensor_parallel_size: int = 1,
-    max_prefill_seqs: int = 1,
-    runtime_reserve_fraction: float = 0.05,
     measured_weights_bytes: int | None = None,
-    int8_embedding: bool = False,
-    min_runtime_reserve_bytes: int = 256 * MiB,
-    backend: str = "reference",
-    compute_dtype: str | None = None,
     max_num_pages: int | None = None,
-    num_pages: int | None = None,
     draft_model: ModelConfig | None = None,
     draft_scratch_pages: int = 0,
+    runtime_reserve_fraction: float = 0.05,
+    min_runtime_reserve_bytes: int = 256 * MiB,
 ) -> MemoryPlan:
-    """Sizes the KV page pool of one device. max_model_len defaults to the model's maximum.
-    `measured_weights_bytes` (the loaded weights, e.g. quantized ones) replaces the estimate.
-    `compute_dtype` (activations; the KV cache's with kv_cache_dtype "auto") defaults to the
-    weights' float dtype, QUANTIZED_COMPUTE_DTYPE for quantized ones. `max_num_pages` caps the
-    pool; `num_pages` fixes it (the estimates are still reported, the fit checks are skipped).
-    `draft_model`: a speculative-decoding draft on this device: its weights (in the compute dtype)
-    and a K/V cache of the same pages plus `draft_scratch_pages` come out of the same budget.
+    """Sizes the KV page pool of one device for `cfg`, whose dtype must be set (for_platform
+    fills it in): the activations and, with kv_cache_dtype "auto", the KV cache in cfg.dtype;
+    the linear layers in cfg.quantization when it names a format; the Pallas build's activations
+    when cfg.attention_backend is "pallas", else the reference attention's; the context
+    cfg.model_len(model). `measured_weights_bytes` (the loaded weights, e.g. quantized ones)
+    replaces the estimate. `max_num_pages` caps the pool; cfg.num_pages fixes it (the estimates
+    are still reported, the fit checks are skipped). `draft_model`: a speculative-decoding draft
+    on this device: its weights (in the compute dtype) and a K/V cache of the same pages plus
+    `draft_scratch_pages` come out of the same budget.
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
     """
-    max_model_len = model.max_position_embeddings if max_model_len is None else max_model_len
+    if cfg.dtype is None:
+        raise MemoryPlanError("plan_memory needs the config's dtype (EngineConfig.for_platform fills it in)")
+    max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
+    memory_utilization = cfg.memory_utilization
     _require_positive(device_memory_bytes=device_memory_bytes, page_size=page_size,
-                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                      max_num_seqs=max_num_seqs, max_prefill_seqs=max_prefill_seqs)
+                      max_model_len=max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_num_seqs=cfg.max_num_seqs, max_prefill_seqs=cfg.max_num_prefill_seqs)
     if not 0 < memory_utilization <= 1:
         raise MemoryPlanError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
     if not 0 <= runtime_reserve_fraction < 1:
         raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
-    weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
-    compute_dtype = normalize_dtype(compute_dtype or _compute_dtype(weight_dtype), tuple(FLOAT_DTYPE_BYTES))
-    kv_dtype = (compute_dtype if kv_cache_dtype.lower() == "auto"
-                else normalize_dtype(kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
-    tp = tensor_parallel_size
+    weight_dtype = normalize_dtype(cfg.quantization or cfg.dtype, WEIGHT_DTYPES)
+    compute_dtype = normalize_dtype(cfg.dtype, tuple(FLOAT_DTYPE_BYTES))
+    kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
+                else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
+    tp = cfg.tensor_parallel_size
     kv_heads_per_device(model, tp)  # validates the head split
 
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
-    weights = (weights_bytes(model, weight_dtype, tp, int8_embedding) if measured_weights_bytes is None
+    weights = (weights_bytes(model, weight_dtype, tp, cfg.quantize_embedding) if measured_weights_bytes is None
                else measured_weights_bytes)
     draft_weights = draft_per_page = 0
     if draft_model is not None:
@@ -354,9 +347,10 @@ def plan_memory(
 
     pages_per_seq = math.ceil(max_model_len / page_size)
     activations = activation_bytes(
-        model, compute_dtype=compute_dtype, max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs, max_context_len=pages_per_seq * page_size,
-        tensor_parallel_size=tp, max_prefill_seqs=max_prefill_seqs, backend=backend, weight_dtype=weight_dtype)
+        model, compute_dtype=compute_dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, max_context_len=pages_per_seq * page_size, tensor_parallel_size=tp,
+        max_prefill_seqs=cfg.max_num_prefill_seqs, weight_dtype=weight_dtype,
+        backend="pallas" if cfg.attention_backend == "pallas" else "reference")
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - resident - activations - reserve
@@ -374,12 +368,13 @@ def plan_memory(
         device_memory_bytes=int(device_memory_bytes), memory_utilization=float(memory_utilization),
         usable_bytes=usable, weight_dtype=weight_dtype, compute_dtype=compute_dtype, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp, page_size=page_size, max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         num_params=sum(count_params(model, 1).values()), weights_bytes=weights,
         kv_bytes_per_token=per_token, kv_bytes_per_page=per_page, activation_bytes=activations,
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,
-        draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page, draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page)
+        draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page,
+        draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page)
 
 
 def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: int, on_gpu: bool,
@@ -396,19 +391,12 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
     `draft_model` (the draft's config) is planned on the same device.
     """
     cfg = cfg.for_platform(on_gpu)
-    max_model_len = cfg.model_len(model)
     cap = None
     if not on_gpu and cfg.page_size > 0:
-        cap = cfg.max_num_seqs * math.ceil(max_model_len / cfg.page_size) + 1  # + the null page
+        cap = cfg.max_num_seqs * math.ceil(cfg.model_len(model) / cfg.page_size) + 1  # + the null page
     return plan_memory(
-        model, device_memory_bytes=device_memory_bytes, memory_utilization=cfg.memory_utilization,
-        weight_dtype=cfg.quantization or cfg.dtype, compute_dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-        page_size=cfg.page_size, max_model_len=max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size,
-        max_prefill_seqs=cfg.max_num_prefill_seqs, measured_weights_bytes=measured_weights_bytes,
-        int8_embedding=cfg.quantize_embedding, backend="pallas" if cfg.attention_backend == "pallas" else "reference",
-        max_num_pages=cap, num_pages=cfg.num_pages,
-        draft_model=draft_model if cfg.speculative_method == "draft" else None,
+        model, cfg, device_memory_bytes=device_memory_bytes, measured_weights_bytes=measured_weights_bytes,
+        max_num_pages=cap, draft_model=draft_model if cfg.speculative_method == "draft" else None,
         draft_scratch_pages=draft_scratch_pages(cfg) if draft_model is not None else 0)
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-# The share of a GPU's memory jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75):
-# what `memory_stats()["bytes_limit"]` reports there, so the budget the engine plans with.
-DEFAULT_MEM_FRACTION = 0.75
+from jaxserve import environment
 
 TARGETS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -32,6 +30,6 @@ def target_memory_bytes(name: str) -> int:
 
 def target_memory_budget_bytes(name: str) -> int:
     """What jax's allocator would offer the engine on one GPU of the target: its memory times
-    $XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set), as `memory_stats()["bytes_limit"]`."""
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
-    return int(target_memory_bytes(name) * fraction)
+    $XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set), as `memory_stats()["bytes_limit"]` reports
+    there: the budget the engine plans with."""
+    return int(target_memory_bytes(name) * environment.xla_mem_fraction())
