@@ -115,7 +115,7 @@ class Engine:
         if cfg.speculative_method == "ngram":
             self.proposer = ngram.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         elif cfg.speculative_method == "draft":
-            from jaxserve.speculative.draft_proposer import DraftProposer
+            from jaxserve.speculative.draft_proposer import DraftProposer  # device code, as the runner's above
             draft_config, draft_params = draft_model
             self.proposer = self.runner.draft = DraftProposer(
                 draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,

@@ -27,7 +27,7 @@ def run(fv: flags.FlagValues) -> int:
     if not fv.source or not fv.output:
         print("jaxserve convert: --source and --output are required", file=sys.stderr)
         return 2
-    from checkpoints.convert import convert_checkpoint
+    from checkpoints.convert import convert_checkpoint  # loads jax: the command runs it after --help and the flags are done
     from jaxserve.models import weights
 
     start = time.perf_counter()

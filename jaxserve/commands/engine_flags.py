@@ -167,9 +167,8 @@ def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
     """A worker process (process_id > 0) of `command`: builds the same engine as process 0, then
     runs the steps process 0 sends until it says stop (0), or fails loudly: 2 when the engine
     cannot be built (process 0 fails the same way), 1 when process 0 is lost or a step fails."""
-    import jax
-
-    from jaxserve.engine import Engine  # imports jax: a worker process only
+    import jax  # a worker process only
+    from jaxserve.engine import Engine
 
     pid = jax.process_index()
     # SIGTERM (a Kubernetes pod deletion reaches every process at once): keep following until

@@ -12,9 +12,14 @@ import os
 import sys
 import time
 
+import numpy as np
 from absl import flags
+from tqdm import tqdm
 
 from jaxserve.commands import engine_flags
+from jaxserve.core.request import SamplingParams, check_sampling_params
+from jaxserve.engine import Engine
+from jaxserve.speculative import verification
 from serve.prompts import encode_chat, encode_text
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
@@ -90,7 +95,6 @@ def done_ids(path: str) -> set:
 
 
 def _percentiles(values: list[float]) -> str:
-    import numpy as np
     if not values:
         return "n/a"
     p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1000
@@ -98,8 +102,6 @@ def _percentiles(values: list[float]) -> str:
 
 
 def run(fv: flags.FlagValues) -> int:
-    from jaxserve.core.request import SamplingParams, check_sampling_params
-
     if not fv.input or not fv.output:
         print("jaxserve generate: --input and --output are required", file=sys.stderr)
         return 2
@@ -127,8 +129,6 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
-    from jaxserve.engine import Engine
-    from jaxserve.speculative import verification
     try:
         verification.check_speculative_config(engine_flags.engine_config(fv))
     except ValueError as e:
@@ -162,8 +162,6 @@ def run(fv: flags.FlagValues) -> int:
 
 
 def _run_batch(engine, todo, prompts, fv) -> int:
-    from tqdm import tqdm
-
     request_ids = [f"line-{i}" for i in range(len(todo))]
     item_of = {rid: item for rid, (item, _) in zip(request_ids, todo)}
     bar = tqdm(total=len(todo), unit="req", disable=not fv.progress, file=sys.stderr)

@@ -9,9 +9,12 @@ import sys
 
 from absl import flags
 
+from checkpoints.load import open_model
 from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.planning import memory
+from jaxserve.planning.gpu_targets import target_memory_budget_bytes
+from jaxserve.speculative import verification
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -40,7 +43,6 @@ def _open_model(fv: flags.FlagValues):
         if fv["model"].present:
             raise ConfigError("give one of --config=config.json or --model=DIR|NAME, not both")
         return ModelConfig.from_json_file(fv.config), None
-    from checkpoints.load import open_model
     source = open_model(fv.model)
     return source.config, source
 
@@ -51,7 +53,6 @@ def _device_memory_bytes(fv: flags.FlagValues) -> int:
             raise memory.MemoryPlanError(f"--device_memory_gb must be positive, got {fv.device_memory_gb}")
         return int(fv.device_memory_gb * memory.GiB)
     if fv.target is not None:
-        from jaxserve.planning.gpu_targets import target_memory_budget_bytes
         return target_memory_budget_bytes(fv.target)
     return memory.device_memory_budget_bytes()
 
@@ -63,9 +64,8 @@ def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
     `on_gpu`. None otherwise (the planner's estimate)."""
     if source is None or not (cfg.quantization or source.quantization or cfg.quantize_embedding):
         return None
-    import jax
+    import jax  # loads jax: the command runs it after --help and the flags are done
     from jax.sharding import AbstractMesh
-
     from jaxserve.executor import device_setup
     from jaxserve.models import quantization
     from jaxserve.parallel import sharding
@@ -89,18 +89,16 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
     if fv.target is not None:
         on_gpu = True
     else:
-        from jaxserve.executor import device_setup
+        from jaxserve.executor import device_setup  # loads jax: the command runs it after --help and the flags are done
         on_gpu = device_setup.on_gpu()
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
     memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
     if cfg.quantize_embedding and cfg.tensor_parallel_size * cfg.data_parallel_size > 1:
         raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1)")
-    from jaxserve.speculative import verification
     verification.check_speculative_config(cfg)
     draft = None
     if cfg.speculative_method == "draft":
-        from checkpoints.load import open_model
         draft = open_model(cfg.speculative_model).config
     return memory.plan_engine(model, cfg, device_memory_bytes=_device_memory_bytes(fv), on_gpu=on_gpu,
                               measured_weights_bytes=_quantized_weights_bytes(source, cfg, on_gpu), draft_model=draft)
@@ -161,7 +159,7 @@ def run(fv: flags.FlagValues) -> int:
 
 
 def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
-    from jaxserve.planning import gpu_compile
+    from jaxserve.planning import gpu_compile  # loads jax: the command runs it after --help and the flags are done
     cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
         report = gpu_compile.compile_for_gpu(

@@ -9,14 +9,21 @@ import sys
 
 from absl import flags
 
+from checkpoints import default_model
 from jaxserve import environment
 from jaxserve.commands import engine_flags
+from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
+from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
+from serve.app import STATE, ServerConfig, create_app
+from serve.connections import ConnectionLimits
+from serve.fanout import ServerStopping
+from serve.reasoning import REASONING_PARSERS
+from serve.server import serve_until_stopped
+from serve.tool_parsers import TOOL_PARSERS
+from serve.web_ui import parse_allowed_origins
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    from serve.reasoning import REASONING_PARSERS
-    from serve.tool_parsers import TOOL_PARSERS
-
     flags.DEFINE_string("host", "127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)",
                         flag_values=fv)
     flags.DEFINE_integer("port", 8000, "TCP port", lower_bound=0, upper_bound=65535, flag_values=fv)
@@ -73,7 +80,6 @@ def define_flags(fv: flags.FlagValues) -> None:
 def _valid_origins(values: list[str] | None) -> bool:
     if not values:
         return True
-    from serve.web_ui import parse_allowed_origins
     try:
         parse_allowed_origins(values)
     except ValueError as e:
@@ -88,7 +94,6 @@ def _valid_generation_config(value: str) -> bool:
 
 
 def _parse_default_sampling(value: str | None) -> dict:
-    from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
     if not value:
         return {}
     try:
@@ -106,12 +111,11 @@ def _valid_default_sampling(value: str | None) -> bool:
 def sampling_defaults(fv: flags.FlagValues) -> tuple[dict, str]:
     """The server's sampling defaults (the generation config's, then --default_sampling's over
     them) and a line saying where they come from. Reads the model's converted directory."""
-    from checkpoints.default_model import model_sampling_defaults, resolve_model
 
     defaults, sources = {}, []
     if fv.generation_config != "none":
-        folder = resolve_model(fv.model) if fv.generation_config == "auto" else os.path.expanduser(fv.generation_config)
-        defaults, problems = model_sampling_defaults(folder)
+        folder = default_model.resolve_model(fv.model) if fv.generation_config == "auto" else os.path.expanduser(fv.generation_config)
+        defaults, problems = default_model.model_sampling_defaults(folder)
         for problem in problems:
             logging.getLogger(__name__).warning("%s", problem)
         if defaults:
@@ -130,8 +134,7 @@ def serve_engine_kwargs(fv: flags.FlagValues) -> dict:
     """The engine flags, with serving's own default on the CPU: prefill beside decoding streams
     bounded (EngineConfig.long_prefill_token_threshold), so their tokens keep coming while a long
     prompt is prefilled. `generate` keeps the unbounded default: its figure is throughput."""
-    from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
-    from jaxserve.executor import device_setup
+    from jaxserve.executor import device_setup  # loads jax: the command runs it after --help and the flags are done
 
     kwargs = engine_flags.engine_kwargs(fv)
     if "long_prefill_token_threshold" not in kwargs and not device_setup.on_gpu():
@@ -149,7 +152,6 @@ def _log_ready(fv: flags.FlagValues, port: int) -> None:
 
 def _log_chat_parsing(app) -> None:
     """One line on what tool_choice "auto" does, and which reasoning parser splits the output."""
-    from serve.app import STATE
     state = app[STATE]
     auto = state.auto_tools
     if auto.refusal is not None:
@@ -169,10 +171,6 @@ def run(fv: flags.FlagValues) -> int:
     join, exit_code = engine_flags.enter_job(fv, "serve")
     if exit_code is not None:
         return exit_code
-    from serve.app import ServerConfig, create_app
-    from serve.connections import ConnectionLimits
-    from serve.server import serve_until_stopped
-    from serve.web_ui import parse_allowed_origins
 
     config = ServerConfig(
         api_key=fv.api_key or environment.api_key(),
@@ -191,7 +189,7 @@ def run(fv: flags.FlagValues) -> int:
                               body_timeout_s=fv.body_timeout_s, keepalive_timeout_s=fv.keepalive_timeout_s)
 
     async def serve() -> int:
-        from jaxserve.async_engine import build_async_engine
+        from jaxserve.async_engine import build_async_engine  # loads jax: the command runs it after --help and the flags are done
 
         try:
             engine = build_async_engine(fv.model, **serve_engine_kwargs(fv))
@@ -202,7 +200,7 @@ def run(fv: flags.FlagValues) -> int:
         logging.getLogger(__name__).info("%s", defaults_line)
         front = None
         if join is not None:  # steps go to every process; a lost process fails the job loudly
-            from jaxserve.parallel import multihost
+            from jaxserve.parallel import multihost  # loads jax: the command runs it after --help and the flags are done
             try:
                 front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
                 front.attach(engine)
@@ -212,7 +210,6 @@ def run(fv: flags.FlagValues) -> int:
             except multihost.MultiHostError as e:  # a process lost before the first step
                 print(f"jaxserve serve: the multi-host job failed: {e}", file=sys.stderr)
                 multihost.exit_now(1)
-            from serve.fanout import ServerStopping  # a failed job answers 503, naming the failure
             engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
             app = create_app(engine, config)

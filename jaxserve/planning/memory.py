@@ -158,7 +158,7 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
     fmt = quant_format(weight_dtype)
     if fmt is None:
         return in_features * out_features * FLOAT_DTYPE_BYTES[weight_dtype]
-    from jaxserve.models.quantization import quantized_dtypes
+    from jaxserve.models.quantization import quantized_dtypes  # imports jax: float plans start without it
     group = fmt.group_size or in_features
     packed = math.ceil(in_features * out_features * fmt.bits / 8)
     per_group = sum(dtype.itemsize for key, dtype in quantized_dtypes(fmt).items() if key != "q")  # scale, zero
