@@ -18,7 +18,7 @@ from serve.app import STATE, ServerConfig, create_app
 from serve.connections import ConnectionLimits
 from serve.fanout import ServerStopping
 from serve.reasoning import REASONING_PARSERS
-from serve.server import serve_until_stopped
+from serve import server as http_server
 from serve.tool_parsers import TOOL_PARSERS
 from serve.web_ui import parse_allowed_origins
 
@@ -218,7 +218,7 @@ def run(fv: flags.FlagValues) -> int:
             return 2
         _log_chat_parsing(app)
         try:
-            await serve_until_stopped(app, fv.host, fv.port, limits=limits, on_ready=lambda port: _log_ready(fv, port))
+            await http_server.serve_until_stopped(app, fv.host, fv.port, limits=limits, on_ready=lambda port: _log_ready(fv, port))
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1
