@@ -32,8 +32,10 @@ from bench.hf_baseline import greedy_agreement, load_hf_model, run_hf  # noqa: E
 # and keeps decode steps short and the number of compiled shapes small.
 FULL = dict(fixed=(64, 128, 128), mixed=(128, 16, 512), max_model_len=1024, max_num_seqs=64,
             max_num_batched_tokens=256, max_num_prefill_seqs=1, hf_batch_sizes="8,32")
+# QUICK's 32-token budget: one prefill bucket (fewer shapes to warm up); the mixed prompts over 32
+# tokens are prefilled in two chunks.
 QUICK = dict(fixed=(8, 16, 16), mixed=(12, 4, 48), max_model_len=128, max_num_seqs=8,
-             max_num_batched_tokens=64, max_num_prefill_seqs=1, hf_batch_sizes="4")
+             max_num_batched_tokens=32, max_num_prefill_seqs=1, hf_batch_sizes="4")
 
 
 # ---- workloads ---------------------------------------------------------------------------------

@@ -44,7 +44,11 @@ def _clean_env(tmp_path) -> dict:
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME") and not k.startswith("JAXSERVE_")}
     venv_bin = os.path.join(os.path.dirname(sys.executable))
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
-    env.update(JAXSERVE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.update(JAXSERVE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), PIP_DISABLE_PIP_VERSION_CHECK="1",
+               # pip's --compile off (PIP_COMPILE=0): byte-compiling the ~6000 .py files of jax,
+               # transformers & co. at install costs ~25 s of one core; Python compiles the modules the
+               # server imports at their first import instead. The same packages are installed.
+               PIP_COMPILE="0")
     return env
 
 

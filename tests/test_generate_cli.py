@@ -84,7 +84,10 @@ def test_prompt_too_long_is_refused_before_running(tiny_chat_model_dir, tmp_path
 def test_saved_executables_load_and_a_mismatch_exits_2(tiny_chat_model_dir, tmp_path, capsys):
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "prompt": "The quick brown fox"})])
     folder = tmp_path / "executables"
-    assert generate(tiny_chat_model_dir, inp, tmp_path / "a.jsonl", "--max_tokens=4", "--ignore_eos",
+    # A 32-token budget (the prompt's 5 tokens fit): one prefill bucket, so 5 step shapes to
+    # compile and save, not 7; the loading run passes the same flags.
+    small = "--max_num_batched_tokens=32"
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "a.jsonl", "--max_tokens=4", "--ignore_eos", small,
                     f"--save_executables={folder}") == 0
     assert (folder / "manifest.json").exists()
     # Loaded in a new process: nothing traced there registers the C++ kernels the decode step calls.
@@ -92,13 +95,13 @@ def test_saved_executables_load_and_a_mismatch_exits_2(tiny_chat_model_dir, tmp_
     import sys
     proc = subprocess.run([sys.executable, "-c", "import sys; from jaxserve.commands import cli; sys.exit(cli.main(sys.argv))",
                            "generate", f"--model={tiny_chat_model_dir}", f"--input={inp}",
-                           f"--output={tmp_path / 'b.jsonl'}", *ENGINE_FLAGS, "--max_tokens=4", "--ignore_eos",
+                           f"--output={tmp_path / 'b.jsonl'}", *ENGINE_FLAGS, "--max_tokens=4", "--ignore_eos", small,
                            f"--executables={folder}"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "could not load" not in proc.stderr, proc.stderr[-3000:]  # (a failed load would compile instead)
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
     capsys.readouterr()
-    assert generate(tiny_chat_model_dir, inp, tmp_path / "c.jsonl", f"--executables={folder}",
+    assert generate(tiny_chat_model_dir, inp, tmp_path / "c.jsonl", small, f"--executables={folder}",
                     "--max_num_seqs=2") == 2
     err = capsys.readouterr().err
     assert "saved for another engine (buckets: saved" in err and "Traceback" not in err
