@@ -9,7 +9,7 @@ the step's K/V once, and so the best fraction of the matmul rate any attention c
 Last, the same decode step run by the engine (`Engine.step` on as many sequences), from its
 StepRecords: device time next to the engine's host time per step.
 
-The step reads its weights as the engine's does (`llama.layer_views`); interleaved with it, the
+The step reads its weights as the engine's does (`cpu_layout.layer_views`); interleaved with it, the
 layer scan over the stacked weights. Options: `--row_sweep` times decode steps of several row
 counts (the CPU's decode buckets come from it), `--prefill_tokens` a prefill step with and
 without attention, `--baseline_kernels` another version's xla_paged.py (stacked weights, optionally
@@ -169,9 +169,9 @@ def kernel_comparison(step_run, stacked, args) -> dict:
     instead of the CPU kernel's, with the quantized matmuls in XLA (float activations,
     EngineConfig.cpu_int8_activations=False), and with both, interleaved."""
     import cpu_kernels
-    from jaxserve.models import llama
+    from jaxserve.models import cpu_layout
 
-    xla_matmuls = llama.layer_views(stacked, int8_activations=False)
+    xla_matmuls = cpu_layout.layer_views(stacked, int8_activations=False)
     runs = {"cpu kernels": step_run("xla"), "matmuls in XLA": step_run("xla", xla_matmuls)}
     real_takes = cpu_kernels.takes_decode_attention
     cpu_kernels.takes_decode_attention = lambda *operands: False  # traced (and compiled) without the kernel
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill_seqs", type=int, default=2, help="the prefill step's sequence rows")
     parser.add_argument("--baseline_kernels", default=None,
                         help="a copy of another version's pallas_kernels/xla_paged.py: its decode step (stacked "
-                             "weights under the layer scan, as before llama.layer_views) timed next to this one")
+                             "weights under the layer scan, as before cpu_layout.layer_views) timed next to this one")
     parser.add_argument("--baseline_rows", type=int, default=0,
                         help="with --baseline_kernels: also the baseline step padded to this many rows (its bucket)")
     parser.add_argument("--kernel_comparison", action="store_true",
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
 
     from checkpoints import default_model, load
     from jaxserve.models import quantization
-    from jaxserve.models import llama
+    from jaxserve.models import cpu_layout, llama
     from pallas_kernels import dispatch
 
     model_dir = default_model.resolve_model(args.model) if args.model == "smollm2" else args.model
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     baseline_params = stacked
     if args.quantize_embedding:
         stacked = quantization.quantize_embedding(stacked)
-    params = llama.layer_views(stacked)  # the weights as the engine's step reads them
+    params = cpu_layout.layer_views(stacked)  # the weights as the engine's step reads them
     page_size = 16
     max_pages = -(-args.max_model_len // page_size)
     sweep = sorted({int(r) for r in args.row_sweep.split(",") if r.strip()})
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         results["no attention"] = step_time("xla")
     finally:
         dispatch.decode_attention = real_decode_attention
-    # The layer scan over the weights as stored (what the step ran before llama.layer_views), next to
+    # The layer scan over the weights as stored (what the step ran before cpu_layout.layer_views), next to
     # the engine's (layer_views: per-layer views, or stacked with the CPU kernel's layout), interleaved.
     weights_layout = interleaved_seconds({"weights as the engine reads them": step_run("xla"),
                                           "weights as stored (layer scan)": step_run("xla", stacked)},

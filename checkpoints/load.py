@@ -3,7 +3,11 @@
 `open_model(name_or_path)` resolves a model name or path to a converted directory (converting a
 GGUF or Hugging Face source into the cache on first use), reads its `jaxserve.json` marker and
 its config once, and returns a `ModelSource`; the tokenizer and the weights load from it.
-jax is imported only to load the weights.
+jax (and so jaxserve.models, jaxserve.parallel), orbax and transformers are imported only to load
+the weights or the tokenizer: opening a directory stays light.
+
+On disk a quantized leaf is the dict of its arrays by name; loaded, a
+jaxserve.models.quantization.QuantArray (`quantization.to_stored` / `from_stored`).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import json
 import os
 
 from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
+from checkpoints.default_model import resolve_model, served_model_name
 from jaxserve.config import ConfigError, ModelConfig
 
 
@@ -44,8 +49,6 @@ class ModelSource:
     def open(cls, model_dir: str, name: str | None = None) -> "ModelSource":
         """Reads the marker and the config of a converted directory; ConversionError if it is not
         one or its config cannot be served."""
-        from checkpoints.default_model import served_model_name
-
         marker = check_model_dir(model_dir)
         try:
             config = ModelConfig.from_json_file(os.path.join(model_dir, "config.json"))
@@ -76,7 +79,7 @@ class ModelSource:
 
     def abstract_params(self, dtype, sharding=None) -> dict:
         """The checkpoint's arrays as jax.ShapeDtypeStructs: float leaves in `dtype`, leaves stored
-        quantized in their own dtypes; all with `sharding` (default: none)."""
+        quantized as QuantArrays in their own dtypes; all with `sharding` (default: none)."""
         import jax.numpy as jnp
 
         from jaxserve.models.quantization import checkpoint_structs
@@ -84,13 +87,15 @@ class ModelSource:
 
     def load_params(self, dtype, shardings=None) -> dict:
         """The parameter pytree as jax arrays, float leaves cast to `dtype` while restoring (leaves
-        stored as int8 / int4 dicts keep their dtypes).
+        stored quantized come back as QuantArrays in their own dtypes).
 
         `shardings`: a pytree of `jax.sharding.Sharding` matching the float parameters (default:
         all on the first device).
         """
         import jax
         import orbax.checkpoint as ocp
+
+        from jaxserve.models import quantization
 
         if shardings is None:
             target = self.abstract_params(dtype, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
@@ -111,15 +116,15 @@ class ModelSource:
         params_dir = os.path.abspath(os.path.join(self.path, PARAMS_DIR))
         try:
             with ocp.StandardCheckpointer() as checkpointer:
-                return checkpointer.restore(params_dir, target)
+                restored = checkpointer.restore(params_dir, quantization.to_stored(target))
         except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{params_dir}: cannot restore the parameters ({e})") from None
+        return quantization.from_stored(restored)
 
 
 def open_model(name_or_path: str) -> ModelSource:
     """The model `name_or_path` names ("smollm2", a converted directory, a `.gguf` file or a
     Hugging Face folder; see checkpoints.default_model.resolve_model), opened once."""
-    from checkpoints.default_model import resolve_model, served_model_name
     return ModelSource.open(resolve_model(name_or_path), served_model_name(name_or_path))
 
 

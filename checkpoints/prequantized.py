@@ -52,6 +52,7 @@ import numpy as np
 
 from checkpoints import ConversionError
 from jaxserve.models import quantization as qz
+from jaxserve.models import weights as model_weights
 
 METHODS = ("compressed-tensors", "gptq", "awq")
 # compressed-tensors formats whose weights this module reads
@@ -262,7 +263,7 @@ class PublishedWeight:
     """One quantized linear weight of a published checkpoint, its tensors read on demand.
 
     Like a float tensor it has the [out, in] `shape` of the weight; `to_weight(fmt)` gives the
-    arrays of jaxserve's format, `dequantize()` the float32 values."""
+    QuantArray of jaxserve's format, `dequantize()` the float32 values."""
     module: str
     layout: str
     scheme: WeightScheme
@@ -423,12 +424,13 @@ class PublishedWeight:
         g_idx = self.act_order()
         return np.arange(self.shape[1]) // self.group_size() if g_idx is None else g_idx
 
-    def to_weight(self, fmt: qz.QuantFormat) -> dict[str, np.ndarray]:
-        """The arrays of `fmt` (one layer, for x @ W): the same codes, scales and zero points."""
+    def to_weight(self, fmt: qz.QuantFormat) -> qz.QuantArray:
+        """The weight in `fmt` (numpy arrays; one layer, for x @ W): the same codes, scales and
+        zero points."""
         out, inp = self.shape
         if fmt.float8:
             q, scale = self.float8()
-            return {"q": np.ascontiguousarray(q.T), "scale": scale.T.astype(fmt.scale_dtype)}
+            return qz.QuantArray(np.ascontiguousarray(q.T), scale.T.astype(fmt.scale_dtype))
         u, scale, zero = self.codes()
         src_mid = 1 << (self.scheme.bits - 1)
         g_idx = self.act_order()
@@ -449,14 +451,14 @@ class PublishedWeight:
         if fmt.bits == 4:
             if self.scheme.bits != 4:
                 self._fail(f"{self.scheme.bits}-bit codes cannot be stored in {fmt.name}")
-            weight = {"q": np.asarray(qz.pack_int4(np.ascontiguousarray(u.T), group))}
+            q = np.asarray(qz.pack_int4(np.ascontiguousarray(u.T), group))
             zero_codes = zero  # levels u, zero in [0, 16]
             zero_dtype = np.uint8
         else:  # int8 q = u - 2^(bits-1): symmetric w = q * scale; zero shifted alike
-            weight = {"q": np.ascontiguousarray((u.astype(np.int16) - src_mid).astype(np.int8).T)}
+            q = np.ascontiguousarray((u.astype(np.int16) - src_mid).astype(np.int8).T)
             zero_codes = None if zero is None else zero - src_mid
             zero_dtype = np.int8
-        weight["scale"] = np.ascontiguousarray(scale.T).astype(fmt.scale_dtype)
+        stored_zero = None
         if fmt.zero_point:
             if not fmt.integer_zero:
                 self._fail(f"integer zero points cannot be stored in {fmt.name}")
@@ -465,12 +467,11 @@ class PublishedWeight:
             info = np.iinfo(zero_dtype)
             if zero_codes.min() < info.min or zero_codes.max() > info.max:
                 self._fail(f"zero points outside [{info.min}, {info.max}] cannot be stored in {fmt.name}")
-            weight["zero"] = np.ascontiguousarray(zero_codes.T).astype(zero_dtype)
+            stored_zero = np.ascontiguousarray(zero_codes.T).astype(zero_dtype)
         elif zero is not None:
             self._fail(f"asymmetric weights cannot be stored in the symmetric {fmt.name}")
-        if fmt.act_order:
-            weight["perm"] = perm
-        return weight
+        return qz.QuantArray(q, np.ascontiguousarray(scale.T).astype(fmt.scale_dtype), stored_zero,
+                             perm if fmt.act_order else None)
 
 
 def _unpack_rows(words: np.ndarray, bits: int, count: int) -> np.ndarray:
@@ -516,11 +517,9 @@ def leaf_format(layer_weights: list) -> qz.QuantFormat | None:
 def leaf_formats(source) -> tuple[dict[str, qz.QuantFormat], list[str]]:
     """For an HFSource of a published quantized checkpoint: {linear leaf: format} of the leaves
     stored quantized, and the leaves that have quantized layers but are stored float (leaf_format)."""
-    from jaxserve.models import weights
-
     published = source.published_weights()
     formats, dequantized = {}, []
-    for info in weights.weight_infos(source.config).values():
+    for info in model_weights.weight_infos(source.config).values():
         if info.role != "linear":
             continue
         layers = [published.get(f"model.layers.{i}.{info.hf}") for i in range(source.config.num_layers)]

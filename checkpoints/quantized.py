@@ -47,9 +47,10 @@ class GGUFBlocks:
     def with_rows(self, data: np.ndarray) -> "GGUFBlocks":
         return GGUFBlocks(self.kind, data)
 
-    def to_weight(self, bits: int | None = None) -> dict[str, np.ndarray]:
-        """The quantized weight for `x @ W` in COPY_FORMATS[kind][bits] (default: the kind's own
-        bits): q [in, out] (int4: [in // 2, out]), scale/zero [blocks, out]; KeyError if none."""
+    def to_weight(self, bits: int | None = None) -> qz.QuantArray:
+        """The quantized weight (numpy arrays) for `x @ W` in COPY_FORMATS[kind][bits] (default:
+        the kind's own bits): q [in, out] (int4: [in // 2, out]), scale/zero [blocks, out];
+        KeyError if none."""
         fmt = COPY_FORMATS[self.kind][bits or (8 if self.kind == "Q8_0" else 4)]
         rows, num_blocks, _ = self.data.shape
         scale = np.ascontiguousarray(self.data[:, :, :2]).view(np.float16)[..., 0]  # [rows, blocks]
@@ -59,10 +60,8 @@ class GGUFBlocks:
         elif fmt.bits == 8:  # 4-bit codes u (low nibbles: inputs 0-15, high: 16-31) as int8 levels
             u = np.concatenate([codes & 0xF, codes >> 4], axis=-1).astype(np.int16)
             codes = (u - (qz.INT8_ZERO_OFFSET if fmt.zero_point else 8)).astype(np.int8)
-        weight = {"q": codes.reshape(rows, -1).T, "scale": scale.T}
-        if fmt.zero_point:
-            weight["zero"] = np.ascontiguousarray(self.data[:, :, 2:4]).view(np.float16)[..., 0].T
-        return weight
+        zero = np.ascontiguousarray(self.data[:, :, 2:4]).view(np.float16)[..., 0].T if fmt.zero_point else None
+        return qz.QuantArray(codes.reshape(rows, -1).T, scale.T, zero)
 
 
 def gguf_blocks(tensor) -> GGUFBlocks:
@@ -137,5 +136,5 @@ class QuantizedParamBuffers(ParamBuffers):
         else:
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)
-        for key, array in weight.items():
+        for key, array in weight.stored().items():  # the checkpoint's dict of the leaf's arrays
             self.arrays["layers"][leaf][key][layer] = array

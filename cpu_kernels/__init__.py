@@ -131,20 +131,6 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def supports(weight) -> bool:
-    """Whether the kernel takes this quantized weight (or, stacked, its layers): int8 or int4 codes
-    in jaxserve.models.quantization's stored layout, float16 scale and zero (the --quantization
-    formats), groups a multiple of BLOCK inputs."""
-    if not isinstance(weight, dict) or set(weight) - {"q", "scale", "zero"} or "q" not in weight:
-        return False
-    q, scale, zero = weight["q"], weight["scale"], weight.get("zero")
-    if q.ndim < 2 or q.dtype not in (jnp.int8, jnp.uint8) or scale.dtype != SCALE_DTYPE \
-            or (zero is not None and zero.dtype != SCALE_DTYPE):
-        return False
-    in_features = q.shape[-2] * (2 if q.dtype == jnp.uint8 else 1)
-    return (in_features // scale.shape[-2]) % BLOCK == 0
-
-
 def pack(levels: jax.Array, bits: int) -> jax.Array:
     """Unsigned weight levels [..., K, N] uint8 (< 2**bits) -> the kernel's layout of them:
     uint8 [..., S, K / 4, STRIP, 4] (bits 8) or [..., S, K / 8, STRIP, 4] (bits 4, two levels a

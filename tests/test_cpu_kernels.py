@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dataclasses
+
 import cpu_kernels
+from jaxserve.models import cpu_layout
 from jaxserve.models import quantization as qz
 from pallas_kernels import dispatch
 
@@ -39,8 +42,8 @@ def test_quantized_matmul_is_the_weight_times_the_int8_rows(name):
             continue
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
         weight = qz.quantize(w, qz.parse_format(name))
-        assert cpu_kernels.supports(weight)
-        kernel_weight = jax.jit(qz.with_kernel_layout)(weight)
+        assert cpu_layout.kernel_takes(weight)
+        kernel_weight = jax.jit(cpu_layout.with_kernel_layout)(weight)
         dequantized = np.asarray(qz.dequantize(weight), np.float64)
         for rows in (1, 2, 3, 4, 5, 7, 9, 64):
             x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -60,11 +63,12 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
     instead of reading outside it."""
     rng = np.random.default_rng([SEED, 5, FORMATS.index(name)])
     layers = [qz.quantize(rng.standard_normal((128, 96)).astype(np.float32), qz.parse_format(name)) for _ in range(3)]
-    stacked = jax.jit(qz.with_kernel_layout)(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    stacked = jax.jit(cpu_layout.with_kernel_layout)(jax.tree.map(lambda *a: jnp.stack(a), *layers))
     x = jnp.asarray(rng.standard_normal((2, 128)).astype(np.float32))
-    at_layer = jax.jit(lambda x, weight, layer: qz.linear(x, {**weight, "layer": layer}))
+    at_layer = jax.jit(lambda x, weight, layer: qz.linear(
+        x, dataclasses.replace(weight, kernel=dataclasses.replace(weight.kernel, layer=layer))))
     for layer, weight in enumerate(layers):
-        own = np.asarray(jax.jit(qz.linear)(x, jax.jit(qz.with_kernel_layout)(weight)))
+        own = np.asarray(jax.jit(qz.linear)(x, jax.jit(cpu_layout.with_kernel_layout)(weight)))
         assert np.array_equal(np.asarray(at_layer(x, stacked, jnp.int32(layer))), own), layer
     with pytest.raises(Exception, match="outside the stacked weight"):
         np.asarray(at_layer(x, stacked, jnp.int32(3)))
@@ -73,7 +77,7 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
 def test_more_rows_than_the_kernel_takes_use_xla():
     rng = np.random.default_rng([SEED, 1])
     weight = qz.quantize(rng.standard_normal((64, 32)).astype(np.float32), qz.parse_format("int4"))
-    kernel_weight = qz.with_kernel_layout(weight)
+    kernel_weight = cpu_layout.with_kernel_layout(weight)
     x = jnp.asarray(rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 64)).astype(np.float32))
     hlo = jax.jit(qz.linear).lower(x, kernel_weight).as_text()
     assert "jaxserve_quantized_matmul" not in hlo
@@ -102,15 +106,15 @@ def test_pack_lays_out_strips_of_four_inputs():
 def test_formats_the_kernel_does_not_take():
     rng = np.random.default_rng([SEED, 2])
     w = rng.standard_normal((96, 32)).astype(np.float32)
-    assert cpu_kernels.supports(qz.quantize(w, qz.parse_format("int4")))
-    assert not cpu_kernels.supports(qz.quantize(w[:48], qz.parse_format("int8")))  # 48 inputs: not BLOCKs
+    assert cpu_layout.kernel_takes(qz.quantize(w, qz.parse_format("int4")))
+    assert not cpu_layout.kernel_takes(qz.quantize(w[:48], qz.parse_format("int8")))  # 48 inputs: not BLOCKs
     weight = qz.quantize(w, qz.parse_format("int4"))
-    fp8 = {"q": jnp.asarray(w).astype(jnp.float8_e4m3fn), "scale": weight["scale"][:1]}
-    assert not cpu_kernels.supports(fp8)
-    assert not cpu_kernels.supports({**weight, "zero": jnp.zeros_like(weight["zero"], jnp.uint8)})  # integer zero
-    assert not cpu_kernels.supports({**weight, "scale": weight["scale"].astype(jnp.float32)})
-    assert not cpu_kernels.supports({**weight, "perm": jnp.arange(96)})
-    assert not cpu_kernels.supports(w)
+    fp8 = qz.QuantArray(jnp.asarray(w).astype(jnp.float8_e4m3fn), weight.scale[:1])
+    assert not cpu_layout.kernel_takes(fp8)
+    assert not cpu_layout.kernel_takes(dataclasses.replace(weight, zero=jnp.zeros_like(weight.zero, jnp.uint8)))  # integer zero
+    assert not cpu_layout.kernel_takes(dataclasses.replace(weight, scale=weight.scale.astype(jnp.float32)))
+    assert not cpu_layout.kernel_takes(dataclasses.replace(weight, perm=jnp.arange(96)))
+    assert not cpu_layout.kernel_takes(w)
 
 
 def test_build_and_its_failure(monkeypatch, tmp_path, caplog):
@@ -199,8 +203,8 @@ def test_a_kernel_call_registers_the_kernels_itself():
     import subprocess
     import sys
     code = ("import jax, jax.numpy as jnp, numpy as np\n"
-            "from jaxserve.models import quantization as qz\n"
-            "w = qz.with_kernel_layout(qz.quantize(np.ones((64, 32), np.float32), qz.parse_format('int4')))\n"
+            "from jaxserve.models import cpu_layout, quantization as qz\n"
+            "w = cpu_layout.with_kernel_layout(qz.quantize(np.ones((64, 32), np.float32), qz.parse_format('int4')))\n"
             "print(float(jax.jit(qz.linear)(jnp.ones((1, 64), jnp.float32), w)[0, 0]))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

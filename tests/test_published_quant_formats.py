@@ -31,7 +31,7 @@ from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.executor import device_setup
 from jaxserve.models import quantization as qz  # noqa: E402
-from jaxserve.models import llama, weights  # noqa: E402
+from jaxserve.models import cpu_layout, llama, weights  # noqa: E402
 from tests import published_checkpoints as pc  # noqa: E402
 from tests.test_convert import run_convert_command  # noqa: E402
 from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch  # noqa: E402
@@ -118,12 +118,12 @@ def jaxserve_logits(params, config, sequences):
 def stored_layer_weights(params, leaf: str) -> np.ndarray:
     """[L, out, in] float32 of a stored leaf, dequantized by jaxserve, rows back in input order."""
     weight = params["layers"][leaf]
-    if not qz.is_quantized(weight):
+    if not isinstance(weight, qz.QuantArray):
         return np.swapaxes(np.asarray(weight, np.float32), 1, 2)
-    values = np.asarray(qz.dequantize({k: v for k, v in weight.items() if k != "perm"}))  # [L, in, out]
-    if "perm" in weight:  # row i holds input perm[i]
+    values = np.asarray(qz.dequantize(weight))  # [L, in, out], rows in their stored order
+    if weight.perm is not None:  # row i holds input perm[i]
         unpermuted = np.empty_like(values)
-        for layer, perm in enumerate(np.asarray(weight["perm"])):
+        for layer, perm in enumerate(np.asarray(weight.perm)):
             unpermuted[layer][perm] = values[layer]
         values = unpermuted
     return np.swapaxes(values, 1, 2)
@@ -239,7 +239,7 @@ def test_planner_and_engine_count_the_stored_bytes(converted):
     assert device_setup.quantized_weights_bytes(source.abstract_params(jnp.float32)) == quantized + rest
     assert _quantized_weights_bytes(source, EngineConfig(dtype="float32"), on_gpu=True) == quantized + rest
     # On the CPU the step's transposed copy of the codes (act-order: not the kernel's format) too
-    copies = llama.layer_views_bytes(source.abstract_params(jnp.float32))
+    copies = cpu_layout.layer_views_bytes(source.abstract_params(jnp.float32))
     assert copies == L * sum(i * o + (i // 32) * o * (4 + 1) for i, o in linear)  # uint8 codes, f32 scales, uint8 zeros
     assert _quantized_weights_bytes(source, EngineConfig(dtype="float32")) == quantized + rest + copies
 

@@ -20,7 +20,7 @@ from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.executor import device_setup
 from jaxserve.models import quantization as qz
-from jaxserve.models import llama, weights
+from jaxserve.models import cpu_layout, llama, weights
 from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
 from serve.prompts import encode_chat
@@ -51,9 +51,9 @@ def test_format_names():
 def error_bound(qw, fmt, in_features):
     """Largest |dequantized - original| each weight may have: half a step (+ float16 zero rounding)."""
     group = fmt.group_size or in_features
-    bound = 0.5 * np.repeat(np.asarray(qw["scale"], np.float32), group, axis=-2) * (1 + 1e-3) + 1e-7
+    bound = 0.5 * np.repeat(np.asarray(qw.scale, np.float32), group, axis=-2) * (1 + 1e-3) + 1e-7
     if fmt.zero_point:  # the group minimum is stored in float16
-        bound += np.repeat(np.abs(np.asarray(qw["zero"], np.float32)), group, axis=-2) * 2**-10
+        bound += np.repeat(np.abs(np.asarray(qw.zero, np.float32)), group, axis=-2) * 2**-10
     return bound
 
 
@@ -65,7 +65,7 @@ def test_round_trip_error_is_within_half_a_step(name):
     w[1, :, 5] = 0.0  # an all-zero channel quantizes to zeros
     qw = qz.quantize(w, fmt)
     assert qz.weight_format(qw) == fmt
-    assert {k: v.shape for k, v in qw.items()} == qz.quantized_shapes(w.shape, fmt)
+    assert {k: v.shape for k, v in qw.stored().items()} == qz.quantized_shapes(w.shape, fmt)
     back = np.asarray(qz.dequantize(qw))
     assert np.all(np.abs(back - w) <= error_bound(qw, fmt, 256)), f"seed {SEED}"
     assert np.all(back[1, :, 5] == 0)
@@ -125,10 +125,10 @@ def test_gguf_blocks_are_copied_bit_exactly(qtype, bits, stored):
     weight = blocks.to_weight(bits)
     assert blocks.shape == (24, 128)
     assert qz.weight_format(weight).name == stored
-    assert {k: v.shape for k, v in weight.items()} == qz.quantized_shapes((128, 24), qz.parse_format(stored))
-    assert {k: v.dtype for k, v in weight.items()} == qz.quantized_dtypes(qz.parse_format(stored))
+    assert {k: v.shape for k, v in weight.stored().items()} == qz.quantized_shapes((128, 24), qz.parse_format(stored))
+    assert {k: v.dtype for k, v in weight.stored().items()} == qz.quantized_dtypes(qz.parse_format(stored))
     expected = gguf.quants.dequantize(data, qtype).reshape(24, 128).T
-    np.testing.assert_array_equal(np.asarray(qz.dequantize({k: jnp.asarray(v) for k, v in weight.items()})), expected)
+    np.testing.assert_array_equal(np.asarray(qz.dequantize(jax.tree.map(jnp.asarray, weight))), expected)
 
 
 # ---- conversion and loading ----------------------------------------------------------------------
@@ -160,8 +160,8 @@ def test_conversion_from_floats_and_bad_formats(tmp_path, capsys):
     q8 = load.load_params(str(tmp_path / "q8"), "float32")
     assert set(qz.params_formats(q8).values()) == {"int8"}
     for leaf in weights.linear_leaves(load.load_config(str(tmp_path / "q8"))):
-        np.testing.assert_array_equal(np.asarray(q8["layers"][leaf]["q"]),
-                                      np.asarray(qz.quantize(float_params["layers"][leaf], qz.parse_format("int8"))["q"]))
+        np.testing.assert_array_equal(np.asarray(q8["layers"][leaf].q),
+                                      np.asarray(qz.quantize(float_params["layers"][leaf], qz.parse_format("int8")).q))
     with pytest.raises(ConversionError, match="does not divide"):  # hidden size 64
         convert_checkpoint(path, str(tmp_path / "bad"), quantization="int4_g128")
     assert not (tmp_path / "bad").exists()
@@ -182,8 +182,8 @@ def test_hugging_face_conversion_quantizes_each_layer(tmp_path):
     fmt = qz.parse_format("int4_g32_sym")
     for leaf in weights.linear_leaves(load.load_config(str(tmp_path / "q"))):
         expected = qz.quantize(float_params["layers"][leaf], fmt)
-        for key, value in quant["layers"][leaf].items():
-            np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), f"{leaf}/{key}")
+        for key, value in quant["layers"][leaf].stored().items():
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(expected.stored()[key]), f"{leaf}/{key}")
 
 
 def convert_smollm2_bit_exactly(tmp_path, float_params, quantization, stored):
@@ -461,7 +461,7 @@ def test_quantize_embedding_engine_option(smollm2):
     config, tokenizer, params = smollm2
     engine = Engine(config, params, tokenizer, EngineConfig(
         num_pages=16, max_model_len=128, warmup=False, quantize_embedding=True))  # float layers: planned from config
-    assert qz.is_quantized(engine.runner.params["embed"]) and engine.runner.params["embed"]["q"].dtype == jnp.int8
+    assert isinstance(engine.runner.params["embed"], qz.QuantEmbedding) and engine.runner.params["embed"].q.dtype == jnp.int8
     assert engine.weights_bytes == memory.weights_bytes(config, "float32", int8_embedding=True)
     head_copy = config.vocab_size * config.hidden_size + config.vocab_size * 2  # the lm_head in the kernel's layout
     assert device_setup.plan_engine(config, engine.config, engine.runner.params).weights_bytes \
@@ -507,7 +507,7 @@ def test_metrics_and_flags_expose_quantization():
     assert engine_flags.engine_kwargs(fv) == {"quantization": "int4", "kv_cache_dtype": "fp8"}
 
 
-# ---- the CPU step's weight layouts (llama.layer_views) and the quantized embedding --------------
+# ---- the CPU step's weight layouts (cpu_layout.layer_views) and the quantized embedding ----------
 
 TRANSPOSABLE = ["int8", "int8_g64", "int8_g32_zp", "int8_zp", "int4", "int4_g64", "int4_g32_sym"]
 
@@ -519,15 +519,11 @@ def test_transposed_weights_give_the_stored_layouts_result(name, rows):
     w = rng.standard_normal((192, 80)).astype(np.float32) / 14
     x = jnp.asarray(rng.standard_normal((rows, 192)).astype(np.float32))
     qw = qz.quantize(w, qz.parse_format(name))
-    assert qz.transposable(qw) and qz.is_quantized(qz.transposed(qw))
-    transposed = jax.jit(qz.transposed)(qw)
-    assert transposed["q_t"].shape == (80, 192) and transposed["scale_t"].dtype == jnp.float32
+    both = jax.jit(cpu_layout.transposed)(qw)  # what the CPU step holds: one row reads the transposed layout
+    assert both.transposed.q.shape == (80, 192) and both.transposed.scale.dtype == jnp.float32
+    assert qw.transposed is None and both.stored().keys() == qw.stored().keys()
     expected = np.asarray(jax.jit(qz.linear)(x, qw))
-    both = {**qw, **transposed}  # what the CPU step holds: one row reads the transposed layout
     np.testing.assert_allclose(np.asarray(jax.jit(qz.linear)(x, both)), expected, rtol=1e-5, atol=1e-5)
-    if rows == 1:
-        np.testing.assert_allclose(np.asarray(jax.jit(qz.linear)(x, transposed)), expected, rtol=1e-5, atol=1e-5)
-    assert not qz.transposable(w) and not qz.transposable(transposed)
 
 
 def float_weight_buffers(weight, rows):
@@ -540,16 +536,16 @@ def float_weight_buffers(weight, rows):
 
 
 def test_one_row_int8_matmul_reads_the_codes_without_a_float_copy():
-    """The reason for `quantization.transposed`: XLA:CPU fuses the dequantization into the
+    """The reason for `cpu_layout.transposed`: XLA:CPU fuses the dequantization into the
     one-row matmul of the transposed layout (the int8 codes read once, no float32 weight in
     memory), while the stored layout, and any layout with several rows, dequantizes into a
     float32 buffer first (several rows read the stored layout, which is as fast there). A change
     here (another jax) changes what the quantized CPU step costs."""
     qw = qz.quantize(np.ones((576, 1536), np.float32), qz.parse_format("int8_g32_zp"))
-    transposed = jax.jit(qz.transposed)(qw)
-    assert float_weight_buffers(transposed, 1) == []
+    both = jax.jit(cpu_layout.transposed)(qw)
+    assert float_weight_buffers(both, 1) == []
     assert len(float_weight_buffers(qw, 1)) == 1
-    assert len(float_weight_buffers({**qw, **transposed}, 8)) == 1  # several rows: the stored layout
+    assert len(float_weight_buffers(both, 8)) == 1  # several rows: the stored layout
 
 
 def test_quantized_embedding_rows_and_logits_are_close_to_float(monkeypatch):
@@ -557,11 +553,12 @@ def test_quantized_embedding_rows_and_logits_are_close_to_float(monkeypatch):
     embed = (rng.standard_normal((1000, 64)) * rng.uniform(0.1, 1, (1000, 1))).astype(np.float32)
     params = qz.quantize_embedding({"embed": jnp.asarray(embed), "final_norm": jnp.ones(64)})
     q = params["embed"]
-    assert q["q"].dtype == jnp.int8 and q["scale"].shape == (1000, 1)
-    dequantized = np.asarray(q["q"], np.float32) * np.asarray(q["scale"])
-    assert np.all(np.abs(dequantized - embed) <= np.asarray(q["scale"]) * 0.5 + 1e-6), f"seed {SEED}"
+    assert q.q.dtype == jnp.int8 and q.scale.shape == (1000, 1)
+    dequantized = np.asarray(q.q, np.float32) * np.asarray(q.scale)
+    assert np.all(np.abs(dequantized - embed) <= np.asarray(q.scale) * 0.5 + 1e-6), f"seed {SEED}"
     ids = jnp.asarray([3, 999, 0, 3])
-    np.testing.assert_allclose(np.asarray(qz.embedding_rows(q, ids)), dequantized[[3, 999, 0, 3]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(qz.embedding_rows(q, ids, jnp.float32)), dequantized[[3, 999, 0, 3]],
+                               rtol=1e-6)
     x = rng.standard_normal((7, 64)).astype(np.float32)
     monkeypatch.setattr(qz, "EMBEDDING_CHUNK_ROWS", 300)  # chunks that do not divide the vocabulary
     for rows in (1, 7):  # the one-row path and the chunked one
@@ -588,27 +585,27 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
         params = qz.quantize_params(params, quantization.split("+")[0], config)
     if quantization and quantization.endswith("+embed"):
         params = qz.quantize_embedding(params)
-    views = llama.layer_views(params, int8_activations=int8_activations)
+    views = cpu_layout.layer_views(params, int8_activations=int8_activations)
     kernel = bool(quantization) and int8_activations and cpu_kernels.available()
     assert isinstance(views["layers"], tuple) != kernel
     stacked_wq = params["layers"]["wq"]
     layer_wq = views["layers"]["wq"] if kernel else views["layers"][2]["wq"]
-    if not qz.is_quantized(stacked_wq):
+    if not isinstance(stacked_wq, qz.QuantArray):
         assert len(views["layers"]) == config.num_layers
         assert layer_wq.unsafe_buffer_pointer() == stacked_wq.unsafe_buffer_pointer() + 2 * layer_wq.nbytes
-        assert llama.layer_views_bytes(params, int8_activations) == 0  # views cost nothing
+        assert cpu_layout.layer_views_bytes(params, int8_activations) == 0  # views cost nothing
     elif kernel:
-        assert layer_wq["packed"].shape[0] == config.num_layers and "q_t" not in layer_wq
-        assert all(layer_wq[key] is stacked_wq[key] for key in stacked_wq)  # the stored layout as it was
+        assert layer_wq.kernel.packed.shape[0] == config.num_layers and layer_wq.transposed is None
+        assert all(layer_wq.stored()[key] is array for key, array in stacked_wq.stored().items())  # the stored layout as it was
         embed = views["embed"]  # the tied lm_head, when int8, in the kernel's layout too
-        assert (isinstance(embed, dict) and "packed" in embed) == quantization.endswith("+embed")
+        assert (isinstance(embed, qz.QuantEmbedding) and embed.kernel is not None) == quantization.endswith("+embed")
         # what the planner counts: the kernel's copies, and nothing else
-        assert llama.layer_views_bytes(params, int8_activations) == qz.tree_bytes(views) - qz.tree_bytes(params) > 0
+        assert cpu_layout.layer_views_bytes(params, int8_activations) == qz.tree_bytes(views) - qz.tree_bytes(params) > 0
     else:
-        assert layer_wq["q_t"].shape == (config.num_q_heads * config.head_dim, config.hidden_size)  # [out, in]
-        copies = sum(array.nbytes for layer in views["layers"] for name, weight in layer.items()
-                     if isinstance(weight, dict) for key, array in weight.items() if key not in stacked_wq)
-        assert llama.layer_views_bytes(params, int8_activations) == copies > 0  # the transposed copies
+        assert layer_wq.transposed.q.shape == (config.num_q_heads * config.head_dim, config.hidden_size)  # [out, in]
+        copies = sum(qz.tree_bytes((weight.transposed, weight.kernel)) for layer in views["layers"]
+                     for weight in layer.values() if isinstance(weight, qz.QuantArray))
+        assert cpu_layout.layer_views_bytes(params, int8_activations) == copies > 0  # the transposed copies
     pages, page_size = 9, 8
     cache = llama.init_kv_cache(config, llama.KVCacheSpec(pages, page_size), jnp.float32)
     forward = jax.jit(functools.partial(llama.forward, config=config, backend="xla"))
@@ -642,6 +639,6 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
         assert np.array_equal(np.asarray(hidden(views, prefill_cache, prefill)[2]),  # before the (kernel's) lm_head
                               np.asarray(hidden(params, prefill_cache, prefill)[2]))
     if quantization and quantization.endswith("+embed"):
-        float_logits = np.asarray(forward(llama.layer_views(qz.quantize_params(
+        float_logits = np.asarray(forward(cpu_layout.layer_views(qz.quantize_params(
             weights.random_params(config, seed=3), "int8_g32_zp", config)), cache, batch)[0])
         assert np.abs(got - float_logits).max() < 0.1 * np.abs(float_logits).max()  # random weights, 3 layers

@@ -133,8 +133,8 @@ def _tiny_quantized_runs() -> dict:
             "placed": sum(sharding.per_device_bytes(a) for a in jax.tree.leaves(shardings.place(quantized)))}
         runs[f"{quantization}_tp{tp}"] = {
             "tokens": _greedy_tokens(engine, prompts),
-            "w_down_q_shards": sorted({tuple(s.data.shape) for s in w_down["q"].addressable_shards}),
-            "w_down_scale_shards": sorted({tuple(s.data.shape) for s in w_down["scale"].addressable_shards})}
+            "w_down_q_shards": sorted({tuple(s.data.shape) for s in w_down.q.addressable_shards}),
+            "w_down_scale_shards": sorted({tuple(s.data.shape) for s in w_down.scale.addressable_shards})}
     return runs
 
 
@@ -173,6 +173,7 @@ def _smollm2_runs(model_dir: str) -> dict:
     from checkpoints.default_model import smollm2_gguf_path
     from jaxserve.engine import Engine, EngineConfig
     from serve.prompts import encode_text
+    from jaxserve.models import quantization as qz
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:  # Q4_1 blocks copied into an int4 checkpoint
         int4_dir = os.path.join(tmp, "int4")
@@ -185,9 +186,9 @@ def _smollm2_runs(model_dir: str) -> dict:
             embed, wo = engine.runner.params["embed"], engine.runner.params["layers"]["wo"]
             runs[name] = {"tokens": _greedy_tokens(engine, prompts), "kv": _kv_layout(engine),
                           "embed_shard_shapes": sorted({tuple(s.data.shape) for s in embed.addressable_shards})}
-            if isinstance(wo, dict):
+            if isinstance(wo, qz.QuantArray):
                 runs[name]["wo_shards"] = {k: sorted({tuple(s.data.shape) for s in v.addressable_shards})
-                                           for k, v in wo.items()}
+                                           for k, v in wo.stored().items()}
     return runs
 
 

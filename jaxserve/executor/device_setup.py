@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxserve import environment
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models import quantization
+from jaxserve.models import cpu_layout, quantization
 from jaxserve.planning import memory
 from pallas_kernels import dispatch, kv_quant
 
@@ -57,7 +57,7 @@ def quantize_weights(params, name: str | None, config, *, embedding: bool = Fals
         raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1, one process)")
     if name:
         params = quantization.quantize_params(params, name, config)
-    if embedding and not quantization.is_quantized(params["embed"]):
+    if embedding and not isinstance(params["embed"], quantization.QuantEmbedding):
         params = quantization.quantize_embedding(params)
     return params
 
@@ -109,18 +109,17 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
 
 
 def cpu_step_layout_bytes(params, cfg: EngineConfig, gpu: bool) -> int:
-    """The bytes the CPU step's copies of quantized weights take (llama.layer_views: the C++
+    """The bytes the CPU step's copies of quantized weights take (cpu_layout.layer_views: the C++
     kernel's layout, or the transposed one) when each replica sits on one CPU device; 0 on a GPU
     or with tensor parallelism (the step reads the stored weights)."""
     if gpu or cfg.tensor_parallel_size > 1:
         return 0
-    from jaxserve.models import llama
-    return llama.layer_views_bytes(params, cfg.cpu_int8_activations)
+    return cpu_layout.layer_views_bytes(params, cfg.cpu_int8_activations)
 
 
 def quantized_weights_bytes(params, shardings=None) -> int | None:
     """The bytes one device holds of `params` (arrays or abstract arrays, split as `shardings`
     says) when some of them are quantized; None for float weights (the planner estimates those)."""
-    if not quantization.params_formats(params) and not quantization.is_quantized(params["embed"]):
+    if not quantization.params_formats(params) and not isinstance(params["embed"], quantization.QuantEmbedding):
         return None
     return quantization.tree_bytes(params) if shardings is None else shardings.per_device_bytes(params)

@@ -35,7 +35,7 @@ from jaxserve.core.outputs import StepInputError
 from jaxserve.core.progress import Progress
 from jaxserve.core.step import Bucket, BucketSet, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
 from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler
-from jaxserve.models import llama
+from jaxserve.models import cpu_layout, llama
 from jaxserve.speculative import verification
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class ModelRunner:
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
         self.cpu_int8_activations = engine_config.cpu_int8_activations
-        self._step_params = llama.layer_views(self.params, int8_activations=self.cpu_int8_activations)
+        self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations)
         step_config = config if shardings is None else shardings.model_config
         self.page_size = page_size
         self.num_pages = num_pages

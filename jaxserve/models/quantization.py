@@ -1,7 +1,8 @@
 """Weight-only quantization of the decoder's linear layers (int8 and int4), and `linear`.
 
-A quantized weight replaces one stacked float leaf `[L, in, out]` with a small dict, so the layer
-scan still slices it layer by layer:
+A quantized weight replaces one stacked float leaf `[L, in, out]` with a `QuantArray`, a pytree
+(jax.tree_util) of a few arrays, so the layer scan still slices it layer by layer, and `linear`
+multiplies by it as by the float array (the one matmul entry point of the model):
 
     int8:  q     int8   [L, in, out]          w = q * scale
            with a zero point:     w = (q + 128) * scale + zero      (zero = the group's minimum)
@@ -28,7 +29,14 @@ information. Format names: "int8" (per output channel), "int8_g32|64|128" (group
 input), "_zp" for int8 with a zero point (e.g. "int8_g32_zp": the 16 levels of a GGUF Q4_1
 block are 16 of its codes, so those blocks copy over exactly), "int4" = "int4_g32" (zero
 point), "int4_g64|128", and "_sym" for symmetric int4. Embeddings, lm_head, norms and biases stay float
-(`quantize_embedding`: the embedding and lm_head in int8, an option).
+(`quantize_embedding`: the embedding in int8 rows, a `QuantEmbedding`, and lm_head in int8, an option).
+
+On disk (orbax) a quantized leaf is the dict of its stored arrays by name (`QuantArray.stored`);
+`to_stored` / `from_stored` convert a parameter tree at the save and restore boundary.
+
+The CPU step adds layouts of the same numbers beside the stored one (jaxserve.models.cpu_layout
+builds them; `linear` reads them): `TransposedLayout` (one-row products) and `KernelLayout`
+(the C++ kernel's).
 """
 from __future__ import annotations
 
@@ -104,21 +112,86 @@ def parse_format(name: str, stored: bool = False) -> QuantFormat:
                        integer_zero=suffix == "_izp", act_order=bool(match["act_order"]), scale_dtype=scale_dtype)
 
 
-def is_quantized(weight: Any) -> bool:
-    return isinstance(weight, dict) and ("q" in weight or "q_t" in weight)
+# ---- the quantized weight types ------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedLayout:
+    """A quantized weight's numbers laid out for a one-row product on XLA:CPU (built by
+    jaxserve.models.cpu_layout.transposed; `linear` reads it for a single row)."""
+    q: Any  # [..., out, in] int8 / fp8 codes, or int4 codes unpacked to one uint8 each
+    scale: Any  # [..., out, groups] float32
+    zero: Any = None  # [..., out, groups]: float32, or the integer codes of an integer zero
 
 
-def weight_format(weight: dict) -> QuantFormat:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """A quantized weight's levels, scales and zeros in the CPU kernel's layout (built by
+    jaxserve.models.cpu_layout.with_kernel_layout; cpu_kernels.pack and pack_groups)."""
+    packed: Any  # uint8 [..., S, K / 4, STRIP, 4] (int8 levels) or [..., S, K / 8, STRIP, 4] (int4)
+    scale: Any  # float16 [..., S, groups, STRIP]
+    zero: Any = None  # float16 [..., S, groups, STRIP]
+    layer: Any = None  # int32 scalar: the layer of a stacked layout the kernel reads (set in the step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantArray:
+    """A quantized `[..., in, out]` weight (the module doc gives the formats). Its stored arrays
+    are q, scale, zero and perm; the CPU step may add `transposed` and `kernel` layouts of them."""
+    q: Any  # [..., in, out] int8 / fp8 codes, or [..., in // 2, out] uint8 (two int4 codes a byte)
+    scale: Any  # [..., groups, out]
+    zero: Any = None  # [..., groups, out]: float (the group's minimum) or integer codes
+    perm: Any = None  # int32 [..., in]: act-order, the inputs' order of the stored rows
+    transposed: TransposedLayout | None = None
+    kernel: KernelLayout | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float weight it stands for: [..., in, out]."""
+        *lead, rows, out = self.q.shape
+        return (*lead, rows * 2 if self.q.dtype == jnp.uint8 else rows, out)
+
+    def stored(self) -> dict[str, Any]:
+        """The stored arrays by name, as a checkpoint holds them (without the CPU layouts)."""
+        names = ("q", "scale", "zero", "perm")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantEmbedding:
+    """A token embedding in int8 rows (`quantize_embedding`): w[v] = q[v] * scale[v]."""
+    q: Any  # int8 [V, D]
+    scale: Any  # float32 [V, 1]
+    kernel: KernelLayout | None = None  # the tied lm_head [D, V] in the CPU kernel's layout
+
+
+def to_stored(params: dict) -> dict:
+    """`params` with every QuantArray of its layers as the dict a checkpoint stores."""
+    layers = {name: w.stored() if isinstance(w, QuantArray) else w for name, w in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def from_stored(params: dict) -> dict:
+    """`params` as a checkpoint stores them (quantized layers as dicts of arrays by name) with
+    QuantArrays in place of the dicts."""
+    layers = {name: QuantArray(**w) if isinstance(w, dict) else w for name, w in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def weight_format(weight: QuantArray) -> QuantFormat:
     """The format a quantized weight is stored in, read from its arrays."""
-    bits = 4 if weight["q"].dtype == jnp.uint8 else 8
-    in_features = weight["q"].shape[-2] * (2 if bits == 4 else 1)
-    groups = weight["scale"].shape[-2]
+    bits = 4 if weight.q.dtype == jnp.uint8 else 8
+    in_features = weight.shape[-2]
+    groups = weight.scale.shape[-2]
     group = None if groups == 1 and bits == 8 else in_features // groups
-    zero = weight.get("zero")
+    zero = weight.zero
     return QuantFormat(bits, group, zero_point=zero is not None,
                        integer_zero=zero is not None and jnp.issubdtype(zero.dtype, jnp.integer),
-                       act_order="perm" in weight, float8=weight["q"].dtype == jnp.float8_e4m3fn,
-                       scale_dtype=jnp.dtype(weight["scale"].dtype).name)
+                       act_order=weight.perm is not None, float8=weight.q.dtype == jnp.float8_e4m3fn,
+                       scale_dtype=jnp.dtype(weight.scale.dtype).name)
 
 
 def quantized_shapes(shape: tuple[int, ...], fmt: QuantFormat, name: str = "weight") -> dict[str, tuple]:
@@ -157,27 +230,27 @@ def pack_int4(codes: jax.Array, group_size: int) -> jax.Array:
     return packed.reshape(*lead, in_features // 2, out)
 
 
-def int4_halves(weight: dict) -> tuple[jax.Array, jax.Array]:
+def int4_halves(weight: QuantArray) -> tuple[jax.Array, jax.Array]:
     """Float32 values of a packed int4 weight: (first, second) half of every input group, each
     [..., groups, group_size // 2, out], straight from the low and high nibbles."""
-    q, scale = weight["q"], weight["scale"].astype(jnp.float32)[..., None, :]  # scale: [..., G, 1, out]
+    q, scale, zero = weight.q, weight.scale.astype(jnp.float32)[..., None, :], weight.zero  # scale: [..., G, 1, out]
     *lead, rows, out = q.shape
     num_groups = scale.shape[-3]
     packed = q.reshape(*lead, num_groups, rows // num_groups, out)
     halves = []
     for codes in (packed & 0xF, packed >> 4):
         codes = codes.astype(jnp.float32)
-        if "zero" in weight and jnp.issubdtype(weight["zero"].dtype, jnp.integer):  # (u - zero) * scale
-            halves.append((codes - weight["zero"].astype(jnp.float32)[..., None, :]) * scale)
-        elif "zero" in weight:
-            halves.append(codes * scale + weight["zero"].astype(jnp.float32)[..., None, :])
+        if zero is not None and jnp.issubdtype(zero.dtype, jnp.integer):  # (u - zero) * scale
+            halves.append((codes - zero.astype(jnp.float32)[..., None, :]) * scale)
+        elif zero is not None:
+            halves.append(codes * scale + zero.astype(jnp.float32)[..., None, :])
         else:
             halves.append((codes - 8.0) * scale)
     return halves[0], halves[1]
 
 
-def quantize(weight: jax.Array, fmt: QuantFormat, name: str = "weight") -> dict[str, jax.Array]:
-    """A float `[..., in, out]` weight -> its quantized dict (round to nearest, float16 scales)."""
+def quantize(weight: jax.Array, fmt: QuantFormat, name: str = "weight") -> QuantArray:
+    """A float `[..., in, out]` weight -> its QuantArray (round to nearest, float16 scales)."""
     shapes = quantized_shapes(weight.shape, fmt, name)
     *lead, in_features, out = weight.shape
     num_groups = shapes["scale"][-2]
@@ -195,12 +268,10 @@ def quantize(weight: jax.Array, fmt: QuantFormat, name: str = "weight") -> dict[
         codes = codes if fmt.bits == 8 else codes + 8
     codes = codes.reshape(*lead, in_features, out)
     if fmt.bits == 8:
-        result = {"q": codes.astype(jnp.int8), "scale": scale}
+        q = codes.astype(jnp.int8)
     else:
-        result = {"q": pack_int4(codes.astype(jnp.uint8), in_features // num_groups), "scale": scale}
-    if fmt.zero_point:
-        result["zero"] = zero
-    return result
+        q = pack_int4(codes.astype(jnp.uint8), in_features // num_groups)
+    return QuantArray(q, scale, zero if fmt.zero_point else None)
 
 
 def _to_scale(value: jax.Array) -> jax.Array:
@@ -213,48 +284,57 @@ def _safe(scale: jax.Array) -> jax.Array:
     return jnp.where(s > 0, s, 1.0)[..., None, :]
 
 
-def dequantize(weight: dict, dtype=jnp.float32) -> jax.Array:
-    """The float `[..., in, out]` weight a quantized dict stands for (computed in float32)."""
-    q, num_groups = weight["q"], weight["scale"].shape[-2]
+def dequantize(weight: QuantArray, dtype=jnp.float32) -> jax.Array:
+    """The float `[..., in, out]` weight a QuantArray stands for (computed in float32)."""
+    q, zero, num_groups = weight.q, weight.zero, weight.scale.shape[-2]
+    scale = weight.scale.astype(jnp.float32)[..., None, :]  # [..., G, 1, out]
     if q.dtype == jnp.uint8:
         values = jnp.concatenate(int4_halves(weight), axis=-2)  # [..., G, g, out]
     else:
         *lead, rows, out = q.shape
         values = q.reshape(*lead, num_groups, rows // num_groups, out).astype(jnp.float32)
-        if "zero" in weight and jnp.issubdtype(weight["zero"].dtype, jnp.integer):  # (q - zero) * scale
-            values = (values - weight["zero"].astype(jnp.float32)[..., None, :])
-            values = values * weight["scale"].astype(jnp.float32)[..., None, :]
-        elif "zero" in weight:
-            values = (values + INT8_ZERO_OFFSET) * weight["scale"].astype(jnp.float32)[..., None, :]
-            values = values + weight["zero"].astype(jnp.float32)[..., None, :]
+        if zero is not None and jnp.issubdtype(zero.dtype, jnp.integer):  # (q - zero) * scale
+            values = (values - zero.astype(jnp.float32)[..., None, :])
+            values = values * scale
+        elif zero is not None:
+            values = (values + INT8_ZERO_OFFSET) * scale
+            values = values + zero.astype(jnp.float32)[..., None, :]
         else:
-            values = values * weight["scale"].astype(jnp.float32)[..., None, :]
+            values = values * scale
     *lead, groups, group, out = values.shape
     return values.reshape(*lead, groups * group, out).astype(dtype)
 
 
-def linear(x: jax.Array, weight) -> jax.Array:
-    """x [..., in] @ weight [in, out] for a float or quantized weight (2-D: one layer's slice).
+def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
+    """x [..., in] @ weight [in, out] for a float array or a QuantArray (2-D: one layer's slice),
+    in x's dtype, or accumulated and returned in `out_dtype`.
 
-    A weight with `with_kernel_layout`'s codes (the CPU step's, see llama.layer_views)
-    multiplies up to cpu_kernels.MAX_ROWS rows in the C++ kernel (cpu_kernels); with a "layer"
-    entry (an int32 scalar) its kernel-layout arrays are stacked on a layer axis and the kernel
-    reads that layer's slice of them in place.
+    A weight with a `kernel` layout (the CPU step's, see jaxserve.models.cpu_layout) multiplies
+    up to cpu_kernels.MAX_ROWS rows in the C++ kernel (cpu_kernels); with its `layer` set (an
+    int32 scalar) the kernel layout is stacked on a layer axis and the kernel reads that layer's
+    slice of it in place. One row with a `transposed` layout: see cpu_layout.transposed.
     Otherwise the dequantization is elementwise work that XLA fuses into the jitted step. int4
     runs as two dots over the low-nibble and high-nibble halves of every group (the inputs split
     to match), which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""
-    if not is_quantized(weight):
-        return x @ weight
-    if "packed" in weight and math.prod(x.shape[:-1]) <= cpu_kernels.MAX_ROWS:
-        int4 = weight["q"].dtype == jnp.uint8
-        offset_scale = 0.0 if "zero" in weight else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
-        return cpu_kernels.quantized_matmul(x, weight["packed"], weight["packed_scale"], weight.get("packed_zero"),
-                                            offset_scale, weight["q"].shape[-1], layer=weight.get("layer"))
-    if "perm" in weight:  # act-order: the rows are stored in this order of the inputs
-        x = jnp.take(x, weight["perm"], axis=-1)
-    if "q_t" in weight and math.prod(x.shape[:-1]) == 1:  # one row: see `transposed`
-        return _linear_transposed(x, weight)
-    if weight["q"].dtype != jnp.uint8:
+    if not isinstance(weight, QuantArray):
+        return jnp.matmul(x, weight, preferred_element_type=out_dtype)
+    y = _quantized_linear(x, weight)
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
+def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
+    """x [..., in] @ a QuantArray [in, out] -> [..., out] in x's dtype (see `linear`)."""
+    rows = math.prod(x.shape[:-1])
+    if weight.kernel is not None and rows <= cpu_kernels.MAX_ROWS:
+        kernel, int4 = weight.kernel, weight.q.dtype == jnp.uint8
+        offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
+        return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
+                                            weight.q.shape[-1], layer=kernel.layer)
+    if weight.perm is not None:  # act-order: the rows are stored in this order of the inputs
+        x = jnp.take(x, weight.perm, axis=-1)
+    if weight.transposed is not None and rows == 1:  # one row: see cpu_layout.transposed
+        return _linear_transposed(x, weight.transposed)
+    if weight.q.dtype != jnp.uint8:
         return x @ dequantize(weight, x.dtype)
     first, second = int4_halves(weight)  # [G, g/2, out] each
     num_groups, half, out = first.shape
@@ -266,73 +346,13 @@ def linear(x: jax.Array, weight) -> jax.Array:
             + x_second @ second.reshape(num_groups * half, out).astype(x.dtype))
 
 
-def with_kernel_layout(weight: dict) -> dict:
-    """`weight` (stored layout, `cpu_kernels.supports` it) with its levels, scales and zeros
-    also in the CPU kernel's layout ("packed", "packed_scale", "packed_zero"; `cpu_kernels.pack`
-    and `pack_groups`): a copy at their own size. Every weight is  level * scale + offset, with
-    level u = the int4 code, or q + 128 for int8."""
-    q = weight["q"]
-    if q.dtype == jnp.uint8:
-        packed = cpu_kernels.pack(_int4_codes(q, weight["scale"].shape[-2]), 4)
-    else:
-        packed = cpu_kernels.pack(q.view(jnp.uint8) ^ jnp.uint8(0x80), 8)
-    result = {**weight, "packed": packed, "packed_scale": cpu_kernels.pack_groups(weight["scale"])}
-    if "zero" in weight:
-        result["packed_zero"] = cpu_kernels.pack_groups(weight["zero"])
-    return result
-
-
-KERNEL_LAYOUT = ("packed", "packed_scale", "packed_zero")  # the entries with_kernel_layout adds
-
-
-def _int4_codes(q: jax.Array, num_groups: int) -> jax.Array:
-    """Packed int4 codes [..., in / 2, out] -> one code a byte [..., in, out], in the inputs' order."""
-    *lead, rows, out = q.shape
-    packed = q.reshape(*lead, num_groups, rows // num_groups, out)
-    return jnp.concatenate([packed & 0xF, packed >> 4], axis=-2).reshape(*lead, 2 * rows, out)
-
-
-def transposable(weight) -> bool:
-    """Whether `transposed` applies: a quantized weight in its stored layout."""
-    return is_quantized(weight) and "q" in weight
-
-
-def transposed(weight: dict) -> dict:
-    """A quantized weight in the layout whose dequantization XLA:CPU fuses into a matrix-vector
-    product: q_t [..., out, in] (int8 / fp8 codes, or int4 codes unpacked to one uint8 each),
-    scale_t (and zero_t) [..., out, groups] (float scales and zeros as float32; perm unchanged).
-    `linear` reads it.
-
-    XLA:CPU never fuses a producer into a matrix-matrix dot, so `linear` on the stored [in, out]
-    layout writes the weight out in float32 and multiplies that (4 bytes written and read again
-    per weight, on top of the 1 read). For a single row, though, XLA emits `x @ w.T` with w
-    [out, in] as one loop over the output (a dot per contiguous row of w) and fuses w's
-    elementwise producers into it: the codes are read once and converted in registers
-    (tests/test_quantization.py checks the compiled HLO). Packed int4 codes in that loop run
-    slower than the stored layout's two dots (the nibble unpacking does not vectorize there),
-    so int4 codes are unpacked here: the step reads a byte per int4 weight, as for int8.
-    With several rows the stored layout is as fast or faster (2, 4, 8 rows measured), so the
-    CPU step keeps both (`llama.layer_views`) and `linear` reads this one for a single row."""
-    swap = lambda a: jnp.swapaxes(a, -1, -2)
-    floats = lambda a: a if jnp.issubdtype(a.dtype, jnp.integer) else a.astype(jnp.float32)
-    q = weight["q"]
-    if q.dtype == jnp.uint8:
-        q = _int4_codes(q, weight["scale"].shape[-2])
-    result = {"q_t": swap(q), "scale_t": floats(swap(weight["scale"]))}
-    if "zero" in weight:
-        result["zero_t"] = floats(swap(weight["zero"]))
-    if "perm" in weight:
-        result["perm"] = weight["perm"]
-    return result
-
-
-def _linear_transposed(x: jax.Array, weight: dict) -> jax.Array:
-    """x [..., in] @ a `transposed` weight: x @ (dequantized q_t).T."""
-    q, scale = weight["q_t"], weight["scale_t"].astype(jnp.float32)  # [out, in], [out, G]
+def _linear_transposed(x: jax.Array, layout: TransposedLayout) -> jax.Array:
+    """x [..., in] @ a weight's transposed layout: x @ (dequantized q).T."""
+    q, scale = layout.q, layout.scale.astype(jnp.float32)  # [out, in], [out, G]
     out, in_features = q.shape
     num_groups = scale.shape[-1]
     values = q.reshape(out, num_groups, in_features // num_groups).astype(jnp.float32)
-    zero = weight.get("zero_t")
+    zero = layout.zero
     int4 = q.dtype == jnp.uint8  # unpacked int4 codes u in [0, 15]
     if zero is not None and jnp.issubdtype(zero.dtype, jnp.integer):  # (code - zero) * scale
         values = (values - zero.astype(jnp.float32)[..., None]) * scale[..., None]
@@ -350,57 +370,50 @@ EMBEDDING_CHUNK_ROWS = 4096  # vocabulary rows dequantized at a time for logits 
 
 def quantize_embedding(params: dict) -> dict:
     """`params` with the token embedding [V, D] in int8, one float32 scale per vocabulary row
-    ({"q": int8 [V, D], "scale": float32 [V, 1]}, symmetric) and an untied lm_head [D, V] in
-    per-output-channel int8: an option next to the linear layers' formats, for a model whose
-    embedding is a large part of its bytes (SmolLM2-135M: 113 MiB of 513 in float32, read whole
-    by every step through the tied lm_head). Unsharded weights only."""
+    (a QuantEmbedding, symmetric) and an untied lm_head [D, V] in per-output-channel int8: an
+    option next to the linear layers' formats, for a model whose embedding is a large part of its
+    bytes (SmolLM2-135M: 113 MiB of 513 in float32, read whole by every step through the tied
+    lm_head). Unsharded weights only."""
     params = dict(params)
     params["embed"] = _quantize_rows_jit(params["embed"])
-    if "lm_head" in params and not is_quantized(params["lm_head"]):
+    if "lm_head" in params and not isinstance(params["lm_head"], QuantArray):
         params["lm_head"] = _quantize_jit(params["lm_head"], QuantFormat(8, None), "lm_head")
     return params
 
 
 @jax.jit
-def _quantize_rows_jit(embed):
+def _quantize_rows_jit(embed) -> QuantEmbedding:
     w = embed.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w), axis=-1, keepdims=True) / 127
     q = jnp.clip(jnp.round(w / jnp.where(scale > 0, scale, 1.0)), -127, 127).astype(jnp.int8)
-    return {"q": q, "scale": scale}
+    return QuantEmbedding(q, scale)
 
 
-def lm_head_kernel_weight(embed: dict) -> dict:
-    """The tied lm_head of a quantize_embedding embedding as a per-output-channel int8 weight
-    [D, V] (float16 scales) for the CPU kernel: `cpu_kernels.supports` tells whether it takes it."""
-    return {"q": embed["q"].T, "scale": embed["scale"].T.astype(SCALE_DTYPE)}
+def embedding_rows(embed, token_ids: jax.Array, dtype) -> jax.Array:
+    """Rows [T, D] of a float embedding [V, D] or a QuantEmbedding at `token_ids` [T]; those
+    of a QuantEmbedding (computed in float32) cast to `dtype`."""
+    if not isinstance(embed, QuantEmbedding):
+        return embed[token_ids]
+    return (embed.q[token_ids].astype(jnp.float32) * embed.scale[token_ids]).astype(dtype)
 
 
-def embedding_with_kernel_layout(embed: dict) -> dict:
-    """A quantize_embedding embedding with its tied lm_head also in the CPU kernel's layout
-    ("packed" and "packed_scale": a copy of the codes and their scales), which `embedding_logits`
-    reads for up to cpu_kernels.MAX_ROWS rows (see llama.layer_views)."""
-    head = with_kernel_layout(lm_head_kernel_weight(embed))
-    return {**embed, "packed": head["packed"], "packed_scale": head["packed_scale"]}
+def embedding_logits(x: jax.Array, embed) -> jax.Array:
+    """x [R, D] @ embedding.T -> logits [R, V] float32: the lm_head tied to a float embedding
+    [V, D] or a QuantEmbedding.
 
-
-def embedding_rows(embed: dict, token_ids: jax.Array) -> jax.Array:
-    """Rows [T, D] float32 of a quantize_embedding embedding."""
-    return embed["q"][token_ids].astype(jnp.float32) * embed["scale"][token_ids]
-
-
-def embedding_logits(x: jax.Array, embed: dict) -> jax.Array:
-    """x [R, D] @ embedding.T -> logits [R, V] float32 for a quantize_embedding embedding.
-
-    One row (a decode step of one sequence): `x @ q.T` with the conversion fused into XLA:CPU's
-    matrix-vector loop, which reads the int8 codes once (see `transposed`). Several rows: the
-    dequantized float32 embedding would be V x D x 4 bytes written and read again, so it is
-    dequantized EMBEDDING_CHUNK_ROWS vocabulary rows at a time under a loop, each chunk
-    multiplied while it is in the cache."""
-    q, scale = embed["q"], embed["scale"]
+    Of a QuantEmbedding: with its `kernel` layout (the CPU step's, see cpu_layout), up to
+    cpu_kernels.MAX_ROWS rows in the C++ kernel. One row (a decode step of one sequence):
+    `x @ q.T` with the conversion fused into XLA:CPU's matrix-vector loop, which reads the int8
+    codes once (see cpu_layout.transposed). Several rows: the dequantized float32 embedding would
+    be V x D x 4 bytes written and read again, so it is dequantized EMBEDDING_CHUNK_ROWS
+    vocabulary rows at a time under a loop, each chunk multiplied while it is in the cache."""
+    if not isinstance(embed, QuantEmbedding):
+        return jnp.dot(x, embed.T, preferred_element_type=jnp.float32)
+    q, scale = embed.q, embed.scale
     x = x.astype(jnp.float32)
-    if "packed" in embed and x.shape[0] <= cpu_kernels.MAX_ROWS:  # see embedding_with_kernel_layout
-        return cpu_kernels.quantized_matmul(x, embed["packed"], embed["packed_scale"], None, -float(INT8_ZERO_OFFSET),
-                                            q.shape[0])
+    if embed.kernel is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
+        return cpu_kernels.quantized_matmul(x, embed.kernel.packed, embed.kernel.scale, None,
+                                            -float(INT8_ZERO_OFFSET), q.shape[0])
     if x.shape[0] == 1:
         return (x @ q.T.astype(jnp.float32)) * scale[:, 0]
     vocab, dim = q.shape
@@ -425,7 +438,7 @@ def quantize_params(params: dict, quantization: str | QuantFormat, config: Model
     layers = dict(params["layers"])
     for name in weights.linear_leaves(config):
         weight = layers[name]
-        if is_quantized(weight):
+        if isinstance(weight, QuantArray):
             stored = weight_format(weight)
             if stored.bits != fmt.bits:
                 raise ValueError(f"the checkpoint's weights are already quantized as {stored.name}; "
@@ -444,20 +457,20 @@ def _dequantize_jit(weight):
 _quantize_jit = jax.jit(quantize, static_argnums=(1, 2))
 
 
-def quantize_array(weight: np.ndarray, fmt: QuantFormat, name: str = "weight") -> dict[str, np.ndarray]:
+def quantize_array(weight: np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantArray:
     """`quantize` on the host, numpy in and out (checkpoint conversion, one layer at a time)."""
     with jax.default_device(jax.devices("cpu")[0]):
-        return {k: np.asarray(v) for k, v in _quantize_jit(weight, fmt, name).items()}
+        return jax.tree.map(np.asarray, _quantize_jit(weight, fmt, name))
 
 
 def params_formats(params: dict) -> dict[str, str]:
     """{linear leaf name: format name} of the quantized leaves of `params`."""
-    return {name: weight_format(w).name for name, w in params["layers"].items() if is_quantized(w)}
+    return {name: weight_format(w).name for name, w in params["layers"].items() if isinstance(w, QuantArray)}
 
 
 def dequantize_params(params: dict) -> dict:
     """Float (float32) weights of a tree with quantized leaves (tests and comparisons)."""
-    layers = {name: _dequantize_jit(w) if is_quantized(w) else w for name, w in params["layers"].items()}
+    layers = {name: _dequantize_jit(w) if isinstance(w, QuantArray) else w for name, w in params["layers"].items()}
     return {**params, "layers": layers}
 
 
@@ -468,7 +481,7 @@ def tree_bytes(tree) -> int:
 
 def checkpoint_structs(float_shapes: dict, dtype, formats: dict[str, str], sharding=None) -> dict:
     """Abstract arrays (jax.ShapeDtypeStruct) of a checkpoint whose linear leaves named in
-    `formats` ({leaf: format name}) are quantized; float leaves in `dtype`."""
+    `formats` ({leaf: format name}) are quantized (QuantArrays of them); float leaves in `dtype`."""
     def struct(shape, leaf_dtype):
         return jax.ShapeDtypeStruct(shape, leaf_dtype, sharding=sharding)
 
@@ -478,7 +491,7 @@ def checkpoint_structs(float_shapes: dict, dtype, formats: dict[str, str], shard
         if name in formats:
             fmt = parse_format(formats[name], stored=True)
             dtypes = quantized_dtypes(fmt)
-            layers[name] = {k: struct(s, dtypes[k]) for k, s in quantized_shapes(shape, fmt, name).items()}
+            layers[name] = QuantArray(**{k: struct(s, dtypes[k]) for k, s in quantized_shapes(shape, fmt, name).items()})
         else:
             layers[name] = struct(shape, dtype)
     tree["layers"] = layers

@@ -12,9 +12,10 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
   embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
                                                          does not divide); logits are gathered
   norms (q_norm / k_norm over head_dim too)              replicated
-  quantized linear {q, scale[, zero]} (jaxserve.models.quantization): q as its float weight; scale and
-    zero [L, groups, out] too, except per-output-channel scales of a row-sharded weight (one group:
-    replicated); a row-sharded weight's groups must divide evenly over the devices
+  quantized linear QuantArray(q, scale[, zero, perm]) (jaxserve.models.quantization): q as its
+    float weight; scale and zero [L, groups, out] too, except per-output-channel scales of a
+    row-sharded weight (one group: replicated); a row-sharded weight's groups must divide evenly
+    over the devices
   KV cache [L*pages, page_size, kv_heads, hd]            sharded on kv_heads (dim 2)
 so every device holds 1/TP of the weights and of the KV pages. When TP exceeds the KV heads,
 KV heads are replicated the way vLLM does it: the model runs with TP KV heads, head j holding
@@ -35,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import weights
+from jaxserve.models.quantization import QuantArray
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -197,7 +199,7 @@ class ModelShardings:
     def _expands(self, name: str, weight) -> bool:
         """Whether `place` repeats this checkpoint KV projection's heads (KV heads replicated)."""
         return (self.kv_head_replicas > 1 and name in self._kv_leaves()
-                and _out_features(weight) == self.source_config.kv_size)
+                and weight.shape[-1] == self.source_config.kv_size)
 
     def per_device_bytes(self, params: dict) -> int:
         """Bytes one device holds of `params` (float or quantized leaves) once `place`d, KV
@@ -237,30 +239,25 @@ class ModelShardings:
 
 
 def _is_perm(path) -> bool:
-    """Whether a tree path ends at the `perm` of a quantized weight (act-order: an input order)."""
-    return bool(path) and getattr(path[-1], "key", None) == "perm"
-
-
-def _out_features(weight) -> int:
-    """Output size of a float or quantized ({q, scale[, zero]}) weight or bias."""
-    return (weight["q"] if isinstance(weight, dict) else weight).shape[-1]
+    """Whether a tree path ends at the `perm` of a QuantArray (act-order: an input order)."""
+    return bool(path) and getattr(path[-1], "name", None) == "perm"
 
 
 def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
-    """The sharding of one weight: `float_sharding` itself for a float array; for a quantized
-    dict ({q, scale[, zero]}, see jaxserve.models.quantization) a dict with one sharding per array.
+    """The sharding of one weight: `float_sharding` itself for a float array; for a QuantArray
+    (see jaxserve.models.quantization) a QuantArray with one sharding per stored array.
 
     q is split like the float weight. scale / zero [L, groups, out] follow it on the output axis;
     on the input axis (row-parallel weights) they are split with the input when there are several
     groups (which must divide evenly over the devices), and replicated when there is one (per
     output channel: every device applies the same scales to its partial sums). An act-order
     `perm` [L, in] is replicated: the input is gathered in its order before the matmul."""
-    if not isinstance(weight, dict):
+    if not isinstance(weight, QuantArray):
         return float_sharding
     spec = tuple(float_sharding.spec) + (None,) * (3 - len(float_sharding.spec))
     devices = float_sharding.mesh.shape[MODEL_AXIS]
     shardings = {}
-    for key, array in weight.items():
+    for key, array in weight.stored().items():
         array_spec = spec
         if key == "perm":
             array_spec = (spec[0], None)
@@ -274,12 +271,12 @@ def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
                     f"tensor_parallel_size={devices}; use a group size that gives a multiple of "
                     f"{devices} groups (e.g. a larger or smaller _g32/_g64/_g128) or per-channel int8")
         shardings[key] = NamedSharding(float_sharding.mesh, P(*array_spec))
-    return shardings
+    return QuantArray(**shardings)
 
 
 def quantized_checkpoint_shardings(float_shardings: dict, structs: dict) -> dict:
     """Per-array shardings for weights whose linear leaves may be quantized: `structs` is their
-    tree of arrays or abstract arrays (quantized leaves as dicts), `float_shardings` the float layout."""
+    tree of arrays or abstract arrays (quantized leaves as QuantArrays), `float_shardings` the float layout."""
     layers = {name: leaf_shardings(float_shardings["layers"][name], struct, name)
               for name, struct in structs["layers"].items()}
     return {**{k: v for k, v in float_shardings.items() if k != "layers"}, "layers": layers}

@@ -1,0 +1,260 @@
+"""The CPU step's weight layouts: how the weights are laid out and read for the step on one CPU
+device, beside the layout they are stored in.
+
+Under the layer scan, XLA materializes each layer's slice of a stacked weight before a dot reads
+it (a dynamic-slice of an operand is a copy): for a step of few rows that copy costs more than
+the matmul itself. And XLA:CPU converts every code of a quantized weight to float before a
+matrix-matrix dot. `layer_views` lays the weights out around both, with two layouts of a
+QuantArray's numbers beside its stored ones, both read by `quantization.linear`:
+* `with_kernel_layout`: the C++ kernel's (cpu_kernels.quantized_matmul), which multiplies int8
+  rows by the codes at their size, reading a stacked layout at the layer index;
+* `transposed`: codes [out, in], whose dequantization XLA fuses into a one-row product.
+`LayerWeights` is how `jaxserve.models.llama.forward` reads the layers of whichever layout
+`layer_views` gave.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cpu_kernels
+from jaxserve.models.quantization import KernelLayout, QuantArray, QuantEmbedding, TransposedLayout, tree_bytes
+
+Params = dict[str, Any]
+
+
+# ---- the layouts of one weight ------------------------------------------------------------------
+
+def kernel_takes(weight) -> bool:
+    """Whether the CPU kernel takes this QuantArray (or, stacked, its layers): int8 or int4 codes
+    in the stored layout, float16 scale and zero (the --quantization formats), no act-order
+    permutation, groups a multiple of cpu_kernels.BLOCK inputs."""
+    if not isinstance(weight, QuantArray) or weight.perm is not None:
+        return False
+    q, scale, zero = weight.q, weight.scale, weight.zero
+    if q.ndim < 2 or q.dtype not in (jnp.int8, jnp.uint8) or scale.dtype != cpu_kernels.SCALE_DTYPE \
+            or (zero is not None and zero.dtype != cpu_kernels.SCALE_DTYPE):
+        return False
+    return (weight.shape[-2] // scale.shape[-2]) % cpu_kernels.BLOCK == 0
+
+
+def kernel_layout(weight: QuantArray) -> KernelLayout:
+    """The levels, scales and zeros of `weight` (`kernel_takes` it) in the CPU kernel's layout
+    (`cpu_kernels.pack` and `pack_groups`): a copy at their own size. Every weight is
+    level * scale + offset, with level u = the int4 code, or q + 128 for int8."""
+    q = weight.q
+    if q.dtype == jnp.uint8:
+        packed = cpu_kernels.pack(_int4_codes(q, weight.scale.shape[-2]), 4)
+    else:
+        packed = cpu_kernels.pack(q.view(jnp.uint8) ^ jnp.uint8(0x80), 8)
+    zero = None if weight.zero is None else cpu_kernels.pack_groups(weight.zero)
+    return KernelLayout(packed, cpu_kernels.pack_groups(weight.scale), zero)
+
+
+def with_kernel_layout(weight: QuantArray) -> QuantArray:
+    """`weight` with its `kernel_layout` added, which `linear` reads for up to
+    cpu_kernels.MAX_ROWS rows."""
+    return dataclasses.replace(weight, kernel=kernel_layout(weight))
+
+
+def _int4_codes(q: jax.Array, num_groups: int) -> jax.Array:
+    """Packed int4 codes [..., in / 2, out] -> one code a byte [..., in, out], in the inputs' order."""
+    *lead, rows, out = q.shape
+    packed = q.reshape(*lead, num_groups, rows // num_groups, out)
+    return jnp.concatenate([packed & 0xF, packed >> 4], axis=-2).reshape(*lead, 2 * rows, out)
+
+
+def transposed_layout(weight: QuantArray) -> TransposedLayout:
+    """The layout of `weight`'s numbers whose dequantization XLA:CPU fuses into a matrix-vector
+    product: q [..., out, in] (int8 / fp8 codes, or int4 codes unpacked to one uint8 each),
+    scale (and zero) [..., out, groups] (float scales and zeros as float32).
+
+    XLA:CPU never fuses a producer into a matrix-matrix dot, so `linear` on the stored [in, out]
+    layout writes the weight out in float32 and multiplies that (4 bytes written and read again
+    per weight, on top of the 1 read). For a single row, though, XLA emits `x @ w.T` with w
+    [out, in] as one loop over the output (a dot per contiguous row of w) and fuses w's
+    elementwise producers into it: the codes are read once and converted in registers
+    (tests/test_quantization.py checks the compiled HLO). Packed int4 codes in that loop run
+    slower than the stored layout's two dots (the nibble unpacking does not vectorize there),
+    so int4 codes are unpacked here: the step reads a byte per int4 weight, as for int8.
+    With several rows the stored layout is as fast or faster (2, 4, 8 rows measured), so the
+    CPU step keeps both (`layer_views`) and `linear` reads this one for a single row."""
+    swap = lambda a: jnp.swapaxes(a, -1, -2)
+    floats = lambda a: a if jnp.issubdtype(a.dtype, jnp.integer) else a.astype(jnp.float32)
+    q = weight.q
+    if q.dtype == jnp.uint8:
+        q = _int4_codes(q, weight.scale.shape[-2])
+    zero = None if weight.zero is None else floats(swap(weight.zero))
+    return TransposedLayout(swap(q), floats(swap(weight.scale)), zero)
+
+
+def transposed(weight: QuantArray) -> QuantArray:
+    """`weight` with its `transposed_layout` added, which `linear` reads for a single row."""
+    return dataclasses.replace(weight, transposed=transposed_layout(weight))
+
+
+def lm_head_kernel_weight(embed: QuantEmbedding) -> QuantArray:
+    """The tied lm_head of a QuantEmbedding as a per-output-channel int8 weight [D, V] (float16
+    scales) for the CPU kernel: `kernel_takes` tells whether it takes it."""
+    return QuantArray(embed.q.T, embed.scale.T.astype(cpu_kernels.SCALE_DTYPE))
+
+
+def embedding_kernel_layout(embed: QuantEmbedding) -> KernelLayout:
+    """A QuantEmbedding's tied lm_head in the CPU kernel's layout (a copy of the codes and their
+    scales), which `quantization.embedding_logits` reads for up to cpu_kernels.MAX_ROWS rows."""
+    return kernel_layout(lm_head_kernel_weight(embed))
+
+
+_transposed_jit = jax.jit(transposed_layout)
+_kernel_layout_jit = jax.jit(kernel_layout)
+_embedding_kernel_layout_jit = jax.jit(embedding_kernel_layout)
+
+
+# ---- the layers as the CPU step reads them ------------------------------------------------------
+
+def layer_views(params: Params, int8_activations: bool = True) -> Params:
+    """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
+
+    Two ways around the scan's slice copies, on one CPU device:
+    * every weight matrix quantized in a format the CPU kernel takes, with `int8_activations`
+      (EngineConfig.cpu_int8_activations): "layers" stays stacked, each matrix with the kernel's
+      layout added (`with_kernel_layout`: the codes once more, at their size, the one cost in
+      memory); `forward` passes those layouts whole with the layer index, which the kernel reads
+      at (an int8 embedding's tied lm_head gets the layout too). A step's arguments stay few:
+      each is a cost of every call (1325 arrays of SmolLM2 per layer took 2.4 ms of a 7.3 ms int4
+      step to pass, 49 take 0.25 ms);
+    * else "layers" becomes a tuple of per-layer dicts whose arrays are views of the stacked
+      arrays' layer slices (a jax array can alias host memory: no copy), which `forward` reads
+      under a switch on the layer index; quantized weights also get the layout a single row
+      reads (`transposed`, a copy, whose dequantization XLA fuses into the matmul; int4 codes at
+      a byte each, float32 scales), or the kernel's when some other matrix keeps the views.
+    Anywhere else (an accelerator, sharded weights, a slice jax would not alias), `params` is
+    returned unchanged and the scan slices the stacked arrays."""
+    def on_one_cpu(leaf):
+        devices = leaf.devices() if isinstance(leaf, jax.Array) else ()
+        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+    if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
+        return params
+    if int8_activations and _kernel_takes_every_matrix(params["layers"]):
+        layers = {name: _with_kernel_layout(w) if isinstance(w, QuantArray) else w
+                  for name, w in params["layers"].items()}
+        return _with_lm_head_kernel_layout({**params, "layers": layers})
+    per_layer = _per_layer_views({name: _cpu_layout(w, int8_activations) for name, w in params["layers"].items()})
+    if per_layer is None:
+        return params
+    views = {**params, "layers": per_layer}
+    return _with_lm_head_kernel_layout(views) if int8_activations else views
+
+
+def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
+    """The layers' weights as one dict per layer of views of the stacked arrays' slices; None
+    when some array cannot be viewed so (not stacked on the layer axis, or jax would copy it)."""
+    leaves, treedef = jax.tree.flatten(layers)
+    num_layers = leaves[0].shape[0]
+    per_layer = [[] for _ in range(num_layers)]
+    for leaf in leaves:
+        if leaf.shape[0] != num_layers:
+            return None
+        (device,) = leaf.devices()
+        host = np.asarray(leaf)  # the device buffer itself on the CPU
+        if host.__array_interface__["data"][0] != leaf.unsafe_buffer_pointer():
+            return None
+        for layer, view in enumerate(host):
+            array = jax.device_put(view, device)
+            if array.unsafe_buffer_pointer() != view.__array_interface__["data"][0]:
+                return None  # jax copied it (alignment): keep the stacked weights
+            per_layer[layer].append(array)
+    return tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)
+
+
+def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
+    """Bytes `layer_views` adds beside `params` (arrays or abstract arrays) on one CPU device:
+    the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
+    tied lm_head. Views themselves cost nothing. For the memory planner."""
+    added = 0
+    for weight in params["layers"].values():
+        if isinstance(weight, QuantArray):
+            layout = jax.eval_shape(functools.partial(_cpu_layout, int8_activations=int8_activations), weight)
+            added += tree_bytes((layout.transposed, layout.kernel))
+    if int8_activations and _lm_head_takes_kernel(params):
+        added += tree_bytes(jax.eval_shape(embedding_kernel_layout, params["embed"]))
+    return added
+
+
+def _kernel_takes_every_matrix(layers: Params) -> bool:
+    """Whether every weight matrix of the layers is quantized in a format the CPU kernel takes
+    (and the kernel is built): then the layers stay stacked, with the kernel's layout beside
+    the stored one, and no matrix is sliced out of its stack in the step."""
+    for weight in layers.values():
+        if isinstance(weight, QuantArray):
+            if not kernel_takes(weight):
+                return False
+        elif weight.ndim > 2:  # a float matrix [L, in, out] (norms and biases are [L, n])
+            return False
+    return cpu_kernels.available()
+
+
+def _lm_head_takes_kernel(params: Params) -> bool:
+    """Whether the model's lm_head is an int8 embedding's tied one that the CPU kernel takes."""
+    embed = params["embed"]
+    return isinstance(embed, QuantEmbedding) and "lm_head" not in params \
+        and kernel_takes(jax.eval_shape(lm_head_kernel_weight, embed)) and cpu_kernels.available()
+
+
+def _with_lm_head_kernel_layout(params: Params) -> Params:
+    """An int8 embedding's tied lm_head in the CPU kernel's layout too, when the kernel takes it."""
+    if not _lm_head_takes_kernel(params):
+        return params
+    embed = params["embed"]
+    return {**params, "embed": dataclasses.replace(embed, kernel=_embedding_kernel_layout_jit(embed))}
+
+
+def _cpu_layout(weight, int8_activations: bool):
+    """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
+    if int8_activations and kernel_takes(weight) and cpu_kernels.available():
+        return _with_kernel_layout(weight)
+    if isinstance(weight, QuantArray):
+        return dataclasses.replace(weight, transposed=_transposed_jit(weight))
+    return weight
+
+
+def _with_kernel_layout(weight: QuantArray) -> QuantArray:
+    """`weight`'s arrays as they are, with the kernel's layout of them added (a copy of that only)."""
+    return dataclasses.replace(weight, kernel=_kernel_layout_jit(weight))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """How the layer scan of the step reads the layers' weights, in any layout `layer_views` gives:
+    * stacked (`scanned`): the scan slices each array layer by layer; kernel layouts (`whole`)
+      are passed whole with the layer index instead, which the kernel reads at (a slice of a
+      stacked weight is a copy);
+    * per layer (`per_layer`): a switch on the layer index whose branch i reads layer i's own
+      arrays, which the dots then read in place."""
+    scanned: Params | None  # what the scan slices, [L, ...] each (None: per-layer weights)
+    whole: dict[str, KernelLayout]  # the stacked kernel layouts of the QuantArrays that have one
+    per_layer: tuple[Params, ...] | None  # layer_views' per-layer dicts (None: stacked weights)
+
+    @classmethod
+    def of(cls, layers: Params | tuple[Params, ...]) -> "LayerWeights":
+        if isinstance(layers, (list, tuple)):
+            return cls(None, {}, tuple(layers))
+        whole = {name: w.kernel for name, w in layers.items() if isinstance(w, QuantArray) and w.kernel is not None}
+        scanned = {name: dataclasses.replace(w, kernel=None) if name in whole else w for name, w in layers.items()}
+        return cls(scanned, whole, None)
+
+    def apply(self, part: Callable, lp: Params | None, layer_idx: jax.Array, *args):
+        """part(this layer's weights, *args): on the scan's slice `lp` of the stacked weights
+        (with the kernel layouts whole, read at `layer_idx`), or under a switch on `layer_idx`."""
+        if self.per_layer is not None:
+            return jax.lax.switch(layer_idx, [functools.partial(part, w) for w in self.per_layer], *args)
+        if self.whole:
+            lp = {**lp, **{name: dataclasses.replace(lp[name], kernel=dataclasses.replace(kernel, layer=layer_idx))
+                           for name, kernel in self.whole.items()}}
+        return part(lp, *args)
