@@ -8,7 +8,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.speculative import check_speculative_config
+from jaxserve.speculative.verification import check_speculative_config
 from tests.test_engine import (TINY, assert_all_pages_free, make_engine, random_prompts, recorded_compilations,
                                run_staggered_mixed)
 
