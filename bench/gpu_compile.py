@@ -26,7 +26,7 @@ platforms.default_to_cpu_without_gpu()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.planning import gpu_compile  # noqa: E402
 from pallas_kernels.paged_decode import paged_decode_attention  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_paged_attention  # noqa: E402
@@ -76,9 +76,9 @@ def main() -> int:
         name, target, tp = run.split(":")
         config = MODELS[name]
         start = time.perf_counter()
-        report = gpu_compile.compile_for_gpu(config, target=target, tensor_parallel_size=int(tp), max_model_len=8192
-                                             if config.max_position_embeddings >= 8192 else None, max_num_seqs=256,
-                                             max_num_batched_tokens=2048, max_num_prefill_seqs=4,
+        engine_config = EngineConfig(tensor_parallel_size=int(tp), max_model_len=min(config.max_position_embeddings, 8192),
+                                     max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4)
+        report = gpu_compile.compile_for_gpu(config, engine_config, target=target,
                                              which_buckets="ends" if args.quick else "all")
         shapes = report["compile"]["buckets"] + report["compile"]["sampler"]
         largest_temp = max(s["temp_bytes"] for s in shapes)

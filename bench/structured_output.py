@@ -107,7 +107,7 @@ def sampler_seconds(engine, rows: int, constrained: bool, repeats: int = 20) -> 
         structured_output.fill_bitmasks([(i, state) for i in range(rows)], inputs["token_bitmask"])
     logits = jax.device_put(np.random.default_rng(0).standard_normal((num_rows, vocab)).astype(np.float32))
     key = (num_rows, False, ALWAYS_BIAS)
-    sample = runner._compiled_sample.get(key, runner._sample)
+    sample = runner._compiled_sample.get(key, runner._functions.sample)
     jax.block_until_ready(sample(logits, inputs))  # compiles when not warmed up
     times = []
     for _ in range(repeats):

@@ -132,12 +132,12 @@ def test_no_compilation_after_warmup(params, warmup):
                 repetition_penalty=1.2 if rng.random() < 0.2 else 1.0, ignore_eos=bool(rng.random() < 0.7),
                 logit_bias={int(rng.integers(3, 256)): float(rng.choice([-5.0, 5.0]))} if rng.random() < 0.2 else None,
                 min_tokens=int(rng.integers(0, min(max_tokens, 4)))))
-        run_step, variants = engine.runner._run_step, set()
+        run_step, variants = engine.runner.run_step, set()
 
         def recording_run_step(bucket, arrays, inputs, *args, **kwargs):
             variants.add((sampler.has_histories(inputs), sampler.has_bias(inputs)))
             return run_step(bucket, arrays, inputs, *args, **kwargs)
-        engine.runner._run_step = recording_run_step
+        engine.runner.run_step = recording_run_step
         results = run_staggered_mixed(engine, prompts, sampling)
     assert all(r for r in results), f"seed {seed}"
     assert variants == {(False, True), (True, True)}, f"seed {seed}"  # the bias stage always runs (sampler.ALWAYS_BIAS)
@@ -327,7 +327,7 @@ def test_a_failed_device_step_fails_only_its_requests_and_the_engine_recovers(pa
             outputs.setdefault(out.request_id, []).append(out)
     assert len(_tokens(outputs["bystander"])) >= 2 and engine.allocator.num_cached_pages > 0
 
-    schedule, run_step = engine.scheduler.schedule, engine.runner._run_step
+    schedule, run_step = engine.scheduler.schedule, engine.runner.run_step
 
     def victim_only():
         plan = schedule()
@@ -339,10 +339,10 @@ def test_a_failed_device_step_fails_only_its_requests_and_the_engine_recovers(pa
             leaf.delete()  # what a failed call that took the donated cache leaves behind
         raise RuntimeError("injected device fault")
 
-    engine.scheduler.schedule, engine.runner._run_step = victim_only, device_fault
+    engine.scheduler.schedule, engine.runner.run_step = victim_only, device_fault
     with caplog.at_level("ERROR", logger="jaxserve.engine"):
         failed = engine.step()
-    engine.scheduler.schedule, engine.runner._run_step = schedule, run_step
+    engine.scheduler.schedule, engine.runner.run_step = schedule, run_step
     assert [(o.request_id, o.finished, o.finish_reason) for o in failed] == [("victim", True, "error")]
     assert "injected device fault" in failed[0].error
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]

@@ -42,8 +42,8 @@ def assert_compiled(report, num_step_shapes):
 
 
 def test_smollm2_compiles_for_h100_and_the_planner_bounds_xla():
-    report = gpu_compile.compile_for_gpu(SMOLLM2, target="h100", max_model_len=2048, max_num_seqs=32,
-                                         max_num_batched_tokens=512, max_num_prefill_seqs=2, which_buckets="ends")
+    cfg = EngineConfig(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, max_num_prefill_seqs=2)
+    report = gpu_compile.compile_for_gpu(SMOLLM2, cfg, target="h100", which_buckets="ends")
     steps, samplers = assert_compiled(report, num_step_shapes=16)  # decode {0,8,32} x prefill {0,32,512} x pages {16,128}
     largest_temp = max(entry["temp_bytes"] for entry in steps + samplers)
     assert largest_temp <= report["plan"]["activation_bytes"] <= 1.5 * largest_temp
@@ -52,10 +52,9 @@ def test_smollm2_compiles_for_h100_and_the_planner_bounds_xla():
 
 
 def test_tensor_parallel_int8_weights_and_fp8_kv_compile_with_the_sharded_kernels():
-    report = gpu_compile.compile_for_gpu(TINY_LLAMA3, target="h200", tensor_parallel_size=2, max_model_len=256,
-                                         max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2,
-                                         quantization_format="int8", kv_cache_dtype="fp8", which_buckets="ends",
-                                         num_pages=512)
+    cfg = EngineConfig(tensor_parallel_size=2, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+                       max_num_prefill_seqs=2, quantization="int8", kv_cache_dtype="fp8", num_pages=512)
+    report = gpu_compile.compile_for_gpu(TINY_LLAMA3, cfg, target="h200", which_buckets="ends")
     assert_compiled(report, num_step_shapes=3)  # decode {0, 8} x prefill {0, 32} x pages {16}
     assert report["compile"]["tensor_parallel_size"] == 2 and report["plan"]["weight_dtype"] == "int8"
 

@@ -146,12 +146,12 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_server_goes_on(se
     """A device fault fails the requests of that step only: later requests are served, /health
     and /metrics report it."""
     runner = server.async_engine.engine.runner
-    run_step = runner._run_step
+    run_step = runner.run_step
 
     def fault_once(*args):
-        runner._run_step = run_step
+        runner.run_step = run_step
         raise RuntimeError("injected device fault")
-    runner._run_step = fault_once
+    runner.run_step = fault_once
     r = requests.post(server.url + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": "fails", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"]

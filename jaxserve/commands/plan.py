@@ -162,13 +162,7 @@ def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
     from jaxserve.planning import gpu_compile  # loads jax: the command runs it after --help and the flags are done
     cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
-        report = gpu_compile.compile_for_gpu(
-            model, target=fv.target, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-            quantization_format=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
-            max_model_len=cfg.model_len(model), max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_prefill_seqs=cfg.max_num_prefill_seqs,
-            memory_utilization=cfg.memory_utilization, num_pages=cfg.num_pages, which_buckets=fv.buckets,
-            max_logprobs=cfg.max_logprobs)
+        report = gpu_compile.compile_for_gpu(model, cfg, target=fv.target, which_buckets=fv.buckets)
     except gpu_compile.GpuCompileUnavailable as e:
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ The runner works from the scheduler's plain step data (`jaxserve.core.step.Sched
 sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
 tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
 context present); every step pads to the smallest bucket that holds it, so after warm-up no step
-compiles again. The KV cache is donated to the step and updated in place.
+compiles again. The KV cache is donated to the step and updated in place. The jitted functions
+come from `step_functions.build`; each step reaches the devices through the runner's transport
+(`LocalTransport`, or a multi-host front's: `use_transport`).
 
 Two extras ride on the step without new shapes. Structured output: the sampler's `token_bitmask`
 input is always there (all ones), and the rows of requests with a grammar get their allowed
@@ -23,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +35,26 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
 from jaxserve.core.progress import Progress
-from jaxserve.core.step import Bucket, BucketSet, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler
+from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
+from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler, step_functions
 from jaxserve.models import cpu_layout, llama
-from jaxserve.speculative import verification
 
 log = logging.getLogger(__name__)
+
+
+class LocalTransport:
+    """How the runner's steps reach the devices: here, in this process (the default). A
+    multi-host job's front passes its own (jaxserve.parallel.multihost: each step sent to the
+    worker processes first) through `ModelRunner.use_transport`."""
+
+    def run(self, run_step: Callable, bucket: Bucket, arrays: dict, sampling: dict, grammars: Sequence,
+            prompt_rows: dict | None):
+        """The step's device outputs: `run_step` (ModelRunner.run_step) on these inputs."""
+        return run_step(bucket, arrays, sampling, grammars, prompt_rows)
+
+    def can_recover(self) -> bool:
+        """Whether a failed step may be recovered from (`ModelRunner.recover`)."""
+        return True
 
 
 class ModelRunner:
@@ -50,85 +66,55 @@ class ModelRunner:
         KV cache dtype, max_logprobs) over a pool of `num_pages` pages (null page included) for
         sequences of at most `max_model_len`; on the mesh of `shardings` when given.
         `eos_token_ids` (default: the config's) are masked for rows short of their min_tokens."""
-        page_size, max_num_seqs = engine_config.page_size, engine_config.max_num_seqs
-        max_num_batched_tokens, max_num_prefill_seqs = engine_config.max_num_batched_tokens, engine_config.max_num_prefill_seqs
-        max_logprobs = engine_config.max_logprobs
-        backend = device_setup.attention_backend(engine_config.attention_backend)
-        kv_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype)
         self.config = config
-        # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
-        # model, with KV heads replicated when tensor parallelism exceeds them).
-        self.params = params if shardings is None else shardings.place(params)
-        # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
-        # copy a layer's slice of the stacked weights in every step), else self.params.
-        self.cpu_int8_activations = engine_config.cpu_int8_activations
-        self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations)
-        step_config = config if shardings is None else shardings.model_config
-        self.page_size = page_size
+        self.page_size = engine_config.page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
-        self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.max_num_prefill_seqs = max_num_prefill_seqs
-        self.max_logprobs = max_logprobs
+        self.max_pages_per_seq = -(-max_model_len // self.page_size)
+        self.max_num_prefill_seqs = engine_config.max_num_prefill_seqs
+        self.max_logprobs = engine_config.max_logprobs
+        self.num_scheduler_steps = engine_config.num_scheduler_steps  # > 1: n decode steps in one call
+        self.cpu_int8_activations = engine_config.cpu_int8_activations
         self.eos_token_ids = tuple(sorted(config.eos_token_ids if eos_token_ids is None else eos_token_ids))
-        self.backend = backend
-        self.buckets = BucketSet.create(
-            backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len, page_size=page_size,
-            speculative_tokens=engine_config.speculative_tokens,
-            max_verify_rows=verification.max_verify_rows(engine_config) if engine_config.speculative_tokens else 0)
+        self.backend = device_setup.attention_backend(engine_config.attention_backend)
+        self.buckets = step_functions.bucket_set(engine_config, self.backend, max_model_len)
         # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
         self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
-        self._prefill_hidden_rows = max(self.buckets.prefill)
-        dtype = kv_dtype or params["final_norm"].dtype  # "auto": the model's float dtype (the norms keep it)
-        self.kv_cache_dtype = dtype
-        self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
-        cache_sharding = None if shardings is None else shardings.kv_cache
-        self._new_kv_cache = functools.partial(
-            llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, page_size), dtype, cache_sharding)
-        self.kv_cache = self._new_kv_cache()
-        # Two jitted functions per step (three with prompt logprobs), all on device (logits never
-        # reach the host): the sampler's shapes depend only on the number of rows, so it compiles
-        # far fewer times.
-        forward = functools.partial(llama.forward, config=step_config, backend=backend,
-                                    mesh=None if shardings is None else shardings.mesh,
-                                    prefill_hidden_rows=self._prefill_hidden_rows)
-        # Verification steps: the same forward, told that no row has more than K + 1 query tokens.
-        verify_forward = functools.partial(forward, max_query_len=self.buckets.verify_row_tokens or None)
-        if shardings is None:
-            self._forward = jax.jit(forward, donate_argnums=(1,))
-            self._verify_forward = jax.jit(verify_forward, donate_argnums=(1,))
-        else:  # one step for the whole mesh; logits gathered (replicated) for the sampler
-            kv = {"k": shardings.kv_cache, "v": shardings.kv_cache}
-            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)  # quantized leaves: per array
-            self._forward, self._verify_forward = (
-                jax.jit(f, donate_argnums=(1,), in_shardings=(param_shardings, kv, shardings.replicated),
-                        out_shardings=(shardings.replicated, kv, shardings.replicated))
-                for f in (forward, verify_forward))
-        # Multi-step decoding: num_scheduler_steps decode steps in one call (compiled per decode bucket).
-        self.num_scheduler_steps = engine_config.num_scheduler_steps
-        multi_step = functools.partial(self._decode_steps, forward=functools.partial(
-            llama.forward, config=step_config, backend=backend, mesh=None if shardings is None else shardings.mesh))
-        if shardings is None:
-            self._multi_step = jax.jit(multi_step, donate_argnums=(1,))
-        else:
-            self._multi_step = jax.jit(multi_step, donate_argnums=(1,),
-                                       in_shardings=(param_shardings, kv, shardings.replicated, shardings.replicated,
-                                                     shardings.replicated),
-                                       out_shardings=(shardings.replicated, kv))
-        self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
-        sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
-        self._sample = jax.jit(sample) if shardings is None else jax.jit(
-            sample, in_shardings=shardings.replicated, out_shardings=shardings.replicated)
+        # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
+        # model, with KV heads replicated when tensor parallelism exceeds them).
+        self.params = params if shardings is None else shardings.place(params)
+        step_config = config if shardings is None else shardings.model_config
+        # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
+        # copy a layer's slice of the stacked weights in every step), else self.params.
+        self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations)
         self._head = prompt_logprobs.head_params(self.params)
-        self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs.compute, config=step_config,
-                                                          max_logprobs=max_logprobs))
-        self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
-        self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}  # filled by warmup()
+        # "auto": the model's float dtype (the norms keep it)
+        self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or params["final_norm"].dtype
+        self._new_kv_cache = functools.partial(
+            llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, self.page_size), self.kv_cache_dtype,
+            None if shardings is None else shardings.kv_cache)
+        self.kv_cache = self._new_kv_cache()
+        # The step's jitted functions, all on device (logits never reach the host): the sampler's
+        # shapes depend only on the number of rows, so it compiles far fewer times.
+        self._functions = step_functions.build(
+            step_config, self.params, backend=self.backend, page_size=self.page_size, max_logprobs=self.max_logprobs,
+            prefill_hidden_rows=max(self.buckets.prefill), verify_row_tokens=self.buckets.verify_row_tokens,
+            shardings=shardings)
+        self._transport = LocalTransport()
+        self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
+        # Filled by warmup(), used by every step:
+        self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, sampler.ALWAYS_BIAS)
+        self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
+        self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
+
+    def use_transport(self, transport) -> None:
+        """Routes every later step through `transport` (LocalTransport's `run` and `can_recover`):
+        a multi-host front's sends each step to the other processes before it runs here."""
+        self._transport = transport
 
     def _open_executable_store(self, engine_config: EngineConfig, step_config: ModelConfig,
                                shardings) -> executables.ExecutableStore | None:
@@ -245,11 +231,6 @@ class ModelRunner:
             return []
         return [b for b in self.all_buckets() if b.num_prefill_tokens == 0 and not b.num_verify]
 
-    def _decode_steps(self, params, kv_cache, arrays, sampling, num_steps, *, forward):
-        def step_logits(kv_cache, batch):
-            return forward(params, kv_cache, batch)[:2]
-        return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, num_steps, page_size=self.page_size)
-
     def _multi_step_inputs(self, bucket: Bucket, rows: Sequence, num_steps: int):
         """The arrays and stacked per-step sampling inputs of `decode_loop.decode_steps` for the
         decode `rows` (ScheduledRows; padded to the bucket); step i samples output step + i."""
@@ -266,7 +247,7 @@ class ModelRunner:
         bucket = self.bucket_for(len(batch.decode), 0, batch.max_pages_per_seq)
         arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps)
         device_start = time.perf_counter()
-        compiled = self._compiled_multi_step.get(bucket, self._multi_step)
+        compiled = self._compiled_multi_step.get(bucket, self._functions.multi_step)
         tokens, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling, num_steps)
         tokens = np.asarray(jax.device_get(tokens))[:len(batch.decode), :batch.num_steps]  # [rows, num_steps]
         device_seconds = time.perf_counter() - device_start
@@ -320,8 +301,8 @@ class ModelRunner:
         grammars = [(i, row.sampling.grammar) for i, row in enumerate(rows)
                     if row is not None and row.sampling is not None and row.sampling.grammar is not None]
         device_start = time.perf_counter()
-        out, prompt_out = jax.device_get(self._run_step(bucket, arrays, sampling, grammars,
-                                                        None if prompt_rows is None else prompt_rows[0]))
+        out, prompt_out = jax.device_get(self._transport.run(self.run_step, bucket, arrays, sampling, grammars,
+                                                             None if prompt_rows is None else prompt_rows[0]))
         device_seconds = time.perf_counter() - device_start
         prompt = None
         if prompt_rows is not None:
@@ -345,7 +326,10 @@ class ModelRunner:
     def recover(self) -> bool:
         """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers
         are deleted once a call takes them). Returns whether it was rebuilt, i.e. every cached
-        K/V is lost and the requests that had any must be recomputed."""
+        K/V is lost and the requests that had any must be recomputed. Never after a failed
+        multi-host job (its transport refuses: the processes' caches could no longer be kept equal)."""
+        if not self._transport.can_recover():
+            return False
         if self.draft is not None:
             self.draft.recover()
         if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.kv_cache)):
@@ -374,7 +358,7 @@ class ModelRunner:
             return compiled
 
         def compile_bucket(bucket):
-            forward = self._verify_forward if bucket.num_verify else self._forward
+            forward = self._functions.forward_for(bucket)
             compiled = load_or_compile(("forward", bucket), lambda: forward.lower(
                 self._step_params, self.kv_cache, self.empty_batch(bucket)))
             if bucket.num_prefill_tokens:
@@ -385,19 +369,19 @@ class ModelRunner:
             hidden = jax.ShapeDtypeStruct(hidden_info[0].shape, hidden_info[0].dtype)
             rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
             self._compiled_prompt_logprobs[num_rows] = load_or_compile(
-                ("prompt_logprobs", num_rows), lambda: self._prompt_logprobs.lower(self._head, hidden, rows, rows))
+                ("prompt_logprobs", num_rows), lambda: self._functions.prompt_logprobs.lower(self._head, hidden, rows, rows))
 
         def compile_sampler(num_rows, penalties, bias):
             logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
             sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties,
                                                      bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
             self._compiled_sample[num_rows, penalties, bias] = load_or_compile(
-                ("sample", num_rows, penalties, bias), lambda: self._sample.lower(logits, sampling))
+                ("sample", num_rows, penalties, bias), lambda: self._functions.sample.lower(logits, sampling))
 
         def compile_multi_step(bucket):
             arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps)
             self._compiled_multi_step[bucket] = load_or_compile(
-                ("multi_step", bucket), lambda: self._multi_step.lower(
+                ("multi_step", bucket), lambda: self._functions.multi_step.lower(
                     self._step_params, self.kv_cache, arrays, sampling, num_steps))
 
         row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
@@ -426,20 +410,21 @@ class ModelRunner:
                  "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
         return len(buckets)
 
-    def _run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
+    def run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
         """Dispatches the step's jitted functions (forward, sampler, prompt logprobs when
-        `prompt_rows` is given); returns their device outputs (sampler's, prompt logprobs' or None).
-        The grammar rows' bitmasks are filled on the host while the forward runs."""
-        forward = self._compiled_forward.get(bucket, self._verify_forward if bucket.num_verify else self._forward)
+        `prompt_rows` is given) on its inputs (host or device arrays); returns their device
+        outputs (sampler's, prompt logprobs' or None). The transport calls it (a multi-host
+        worker too). The grammar rows' bitmasks are filled on the host while the forward runs."""
+        forward = self._compiled_forward.get(bucket, self._functions.forward_for(bucket))
         logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
         if self.draft is not None:  # the draft's K/V of the same tokens, in the same slots
             self.draft.mirror(bucket, arrays)
         structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
         key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
-        sampled = self._compiled_sample.get(key, self._sample)(logits, sampling)
+        sampled = self._compiled_sample.get(key, self._functions.sample)(logits, sampling)
         if prompt_rows is None:
             return sampled, None
-        compute = self._compiled_prompt_logprobs.get(len(prompt_rows["indices"]), self._prompt_logprobs)
+        compute = self._compiled_prompt_logprobs.get(len(prompt_rows["indices"]), self._functions.prompt_logprobs)
         return sampled, compute(self._head, hidden, prompt_rows["indices"], prompt_rows["targets"])
 
 

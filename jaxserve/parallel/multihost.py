@@ -7,10 +7,11 @@ process's shards (orbax reads only what a process's devices hold).
 
 Roles, all processes in lockstep:
   process 0, the front: the HTTP server or the input file, the scheduler, the sampler's host side.
-    Each step the runner packs (`ModelRunner._run_step`'s inputs: bucket, step arrays, sampling
+    Each step the runner packs (`ModelRunner.run_step`'s inputs: bucket, step arrays, sampling
     arrays, prompt-logprob rows, grammar bitmasks filled in first) are sent to the others as one
     packed buffer through the distributed runtime's key-value store (`StepChannel`; large ones as
-    device broadcasts), then process 0 runs the step itself. `Front.attach` installs this on the runners.
+    device broadcasts), then process 0 runs the step itself. `Front.attach` gives each runner
+    this as its step transport (`FrontTransport`).
   the other processes, workers: `follow` receives each step and calls the same compiled step on
     the same inputs, until process 0 sends stop (or is lost).
 The step's inputs become global arrays (replicated, `jax.make_array_from_process_local_data`)
@@ -47,13 +48,18 @@ import logging
 import os
 import re
 import struct
+import sys
 import threading
 import time
 from typing import Callable, Mapping
 
 import numpy as np
 
+# jax itself is imported inside the functions: the CLI imports this module to define its flags,
+# before the jax platform is chosen (jaxserve.platforms) and before `join` may configure jax.
 from jaxserve import environment
+from jaxserve.core import structured_output
+from jaxserve.core.step import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +217,7 @@ def agree_min(name: str, value: int, timeout_s: float = 300.0) -> int:
 # ---- the step message -------------------------------------------------------------------------
 @dataclasses.dataclass
 class StepMessage:
-    """One step as the front sends it: which replica, its bucket and the `_run_step` inputs."""
+    """One step as the front sends it: which replica, its bucket and the `run_step` inputs."""
     kind: str  # "step" or "stop"
     replica: int = 0
     bucket: tuple[int, int, int] | None = None  # (num_decode, num_prefill_tokens, pages_per_seq)
@@ -358,7 +364,7 @@ def _local_value(x):
 
 
 def run_global_step(run_step, replicated, bucket, arrays, sampling, prompt_rows):
-    """`run_step` (a runner's original `_run_step`) on global, replicated copies of the step's
+    """`run_step` (a runner's `ModelRunner.run_step`) on global, replicated copies of the step's
     host arrays; returns its outputs as local arrays, computed."""
     import jax
 
@@ -384,7 +390,7 @@ def engine_replicas(engine) -> list:
 
 
 def _check_supported(engine) -> None:
-    """ValueError for engine settings whose device calls bypass `_run_step` (so they would run
+    """ValueError for engine settings whose device calls bypass the step transport (so they would run
     on the front alone): speculative decoding and multi-step decoding."""
     cfg = engine.config
     if cfg.speculative_method:
@@ -453,41 +459,32 @@ class Front:
         self._stopped = False
 
     def attach(self, engine) -> None:
-        """Routes the steps of every replica of `engine` through this front (its runners'
-        `_run_step` and `recover`)."""
+        """Routes the steps of every replica of `engine` through this front (each runner's
+        transport: `FrontTransport`)."""
         for index, replica in enumerate(engine_replicas(engine)):
             _check_supported(replica)
-            self._wrap(replica.runner, index)
+            replica.runner.use_transport(FrontTransport(self, index, _replicated_sharding(replica.runner)))
 
-    def _wrap(self, runner, index: int) -> None:
-        from jaxserve.core import structured_output
-
-        original, replicated = runner._run_step, _replicated_sharding(runner)
-        original_recover = runner.recover
-
-        def run_step(bucket, arrays, sampling, grammars=(), prompt_rows=None):
+    def route_step(self, index: int, replicated, run_step, bucket, arrays, sampling, grammars, prompt_rows):
+        """Replica `index`'s step: its grammar bitmasks filled, sent to the workers, then
+        `run_step` (the runner's) run here on global copies of its inputs (`run_global_step`),
+        waited for with the job's bounds. MultiHostError once the job failed."""
+        self._raise_if_failed()
+        structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])  # before sending
+        with self._lock:
             self._raise_if_failed()
-            structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])  # before sending
-            with self._lock:
-                self._raise_if_failed()
-                start = time.perf_counter()
-                payload = pack(StepMessage("step", index, (bucket.num_decode, bucket.num_prefill_tokens,
-                                                           bucket.pages_per_seq), arrays, sampling, prompt_rows))
-                large = self.channel.send(payload)
-                self.broadcast_seconds += time.perf_counter() - start
-                self.broadcast_bytes += len(payload)
-                self.num_steps += 1
-                # Every collective (a large message's broadcast, the step) runs in the device
-                # thread: a lost process can block it forever, never the engine's thread.
-                future = self._device.submit(self._device_step, large, original, replicated, bucket, arrays,
-                                             sampling, prompt_rows)
-                return self._wait(future)
-
-        def recover():
-            # A failed step failed the job: never touch the devices again (that would need every process).
-            return False if self.failure is not None else original_recover()
-
-        runner._run_step, runner.recover = run_step, recover
+            start = time.perf_counter()
+            payload = pack(StepMessage("step", index, (bucket.num_decode, bucket.num_prefill_tokens,
+                                                       bucket.pages_per_seq), arrays, sampling, prompt_rows))
+            large = self.channel.send(payload)
+            self.broadcast_seconds += time.perf_counter() - start
+            self.broadcast_bytes += len(payload)
+            self.num_steps += 1
+            # Every collective (a large message's broadcast, the step) runs in the device
+            # thread: a lost process can block it forever, never the engine's thread.
+            future = self._device.submit(self._device_step, large, run_step, replicated, bucket, arrays,
+                                         sampling, prompt_rows)
+            return self._wait(future)
 
     def _device_step(self, large, *step):
         if large is not None:
@@ -595,6 +592,22 @@ class Front:
         log.warning("workers still connected %.0fs after the stop message", timeout_s)
 
 
+class FrontTransport:
+    """One replica's step transport on process 0 (`ModelRunner.use_transport`): every step
+    goes through the front to every process; a failed job recovers nothing (touching the
+    devices again would need every process)."""
+
+    def __init__(self, front: Front, index: int, replicated):
+        self.front, self.index, self.replicated = front, index, replicated
+
+    def run(self, run_step, bucket, arrays, sampling, grammars, prompt_rows):
+        return self.front.route_step(self.index, self.replicated, run_step, bucket, arrays, sampling, grammars,
+                                     prompt_rows)
+
+    def can_recover(self) -> bool:
+        return self.front.failure is None
+
+
 def leave() -> None:
     """A worker's clean exit from the job (after the stop message): disconnects from the
     coordinator while process 0 still runs it (a disconnect at interpreter exit could find it
@@ -622,7 +635,7 @@ def follow(engine, *, idle_wait_s: float = 1.0) -> int:
     runners = []
     for replica in engine_replicas(engine):
         _check_supported(replica)
-        runners.append((replica.runner._run_step, _replicated_sharding(replica.runner)))
+        runners.append((replica.runner.run_step, _replicated_sharding(replica.runner)))
     channel = StepChannel(client)
     global _worker_monitor
     _worker_monitor = monitor = LivenessMonitor(client, jax.process_count())
@@ -644,7 +657,6 @@ def follow(engine, *, idle_wait_s: float = 1.0) -> int:
                      compilations())
             return steps
         run_step, replicated = runners[message.replica]
-        from jaxserve.core.step import Bucket
         try:
             run_global_step(run_step, replicated, Bucket(*message.bucket), message.arrays, message.sampling,
                             message.prompt_rows)
@@ -682,7 +694,6 @@ def rss_bytes() -> int | None:
 def exit_now(code: int) -> None:
     """Ends the process now (output flushed), skipping interpreter shutdown: after a failed job
     a thread may be stuck in a collective with a lost process, which a normal exit would join."""
-    import sys
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

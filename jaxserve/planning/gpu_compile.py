@@ -15,7 +15,6 @@ a100). Needs the `gpu-compile` extra (jax's CUDA plugin and ptxas, not the CUDA 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import importlib.util
 import itertools
@@ -33,13 +32,11 @@ import jax.numpy as jnp
 from jaxserve import compat
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
-from jaxserve.executor import executables, sampler
-from jaxserve.models import quantization
-from jaxserve.models import llama, weights
+from jaxserve.executor import device_setup, executables, sampler, step_functions
+from jaxserve.models import llama, quantization, weights
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
 from jaxserve.planning.gpu_targets import target_config, target_memory_budget_bytes
-from pallas_kernels import kv_quant
 from pallas_kernels.compat import quiet_pallas_deprecations
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (jax's CUDA plugin and ptxas, about 1.2 GB)"
@@ -139,66 +136,54 @@ def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> Com
         planned_activation_bytes=planned, compile_seconds=round(seconds, 3))
 
 
-def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_size: int = 1,
-                    dtype: str = "bfloat16", quantization_format: str | None = None,
-                    kv_cache_dtype: str = "auto", page_size: int = 16, max_model_len: int | None = None,
-                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_num_prefill_seqs: int = 2,
-                    memory_utilization: float = 0.9, num_pages: int | None = None,
-                    which_buckets: str = "all", max_logprobs: int = 20) -> dict[str, Any]:
-    """Plans and compiles the engine for `tensor_parallel_size` GPUs of `target`.
+def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, target: str,
+                    which_buckets: str = "all") -> dict[str, Any]:
+    """Plans and compiles the engine of `engine_config` (its GPU defaults: bfloat16, the Pallas
+    kernels) for `engine_config.tensor_parallel_size` GPUs of `target`.
 
-    Returns {"plan": the memory plan, "compile": {target, jax_version, buckets, sampler}}, every
-    byte count per device. `which_buckets`: "all" (what warm-up compiles) or "ends" (the smallest
-    and largest of each kind). ValueError on a configuration the engine would refuse;
-    GpuCompileUnavailable without the gpu-compile extra. A bucket that fails to compile is
-    reported with ok=False and XLA's message, not raised.
+    The config's weight format, KV cache dtype, page size, limits and max_logprobs are the
+    build's; its memory_utilization sizes the pool unless it fixes num_pages. Returns {"plan":
+    the memory plan, "compile": {target, jax_version, buckets, sampler}}, every byte count per
+    device. `which_buckets`: "all" (what warm-up compiles) or "ends" (the smallest and largest
+    of each kind). ValueError on a configuration the engine would refuse; GpuCompileUnavailable
+    without the gpu-compile extra. A bucket that fails to compile is reported with ok=False and
+    XLA's message, not raised.
     """
+    cfg = engine_config.for_platform(on_gpu=True)
+    tensor_parallel_size = cfg.tensor_parallel_size
     sharding.check_tensor_parallel(model_config, tensor_parallel_size)
-    max_model_len = max_model_len or model_config.max_position_embeddings
+    max_model_len = cfg.model_len(model_config)
     mesh = gpu_mesh(target, tensor_parallel_size)
     shardings = sharding.ModelShardings.create(model_config, mesh)
     run_config = shardings.model_config
-    float_dtype = jnp.dtype(dtype)
+    float_dtype = jnp.dtype(cfg.dtype)
     params = jax.eval_shape(lambda: weights.random_params(run_config, float_dtype))
-    if quantization_format:
-        params = jax.eval_shape(lambda p: quantization.quantize_params(p, quantization_format, run_config), params)
+    if cfg.quantization:
+        params = jax.eval_shape(lambda p: quantization.quantize_params(p, cfg.quantization, run_config), params)
     params = _abstract(params, sharding.quantized_checkpoint_shardings(shardings.params, params))
-    plan_weight_dtype = quantization_format or float_dtype.name  # any jaxserve.models.quantization format
-    plan_config = EngineConfig(  # quantized weights planned with QUANTIZED_COMPUTE_DTYPE activations
-        dtype=memory.QUANTIZED_COMPUTE_DTYPE if quantization_format else float_dtype.name,
-        quantization=quantization_format, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        max_num_prefill_seqs=max_num_prefill_seqs, tensor_parallel_size=tensor_parallel_size,
-        memory_utilization=memory_utilization, attention_backend="pallas")
-    plan = memory.plan_memory(model_config, plan_config, device_memory_bytes=target_memory_budget_bytes(target),
+    plan = memory.plan_engine(model_config, dataclasses.replace(cfg, num_pages=None),
+                              device_memory_bytes=target_memory_budget_bytes(target), on_gpu=True,
                               measured_weights_bytes=shardings.per_device_bytes(params))
-    num_pages = num_pages or plan.num_pages
-    kv_dtype = kv_quant.KV_CACHE_DTYPES.get(kv_cache_dtype, float_dtype)
-    kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, page_size),
+    num_pages = cfg.num_pages or plan.num_pages
+    kv_dtype = device_setup.kv_cache_dtype(cfg.kv_cache_dtype) or float_dtype
+    kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, cfg.page_size),
                                                           kv_dtype))
-    kv_shardings = jax.tree.map(lambda _: shardings.kv_cache, kv_cache)
-    kv_cache = _abstract(kv_cache, kv_shardings)
+    kv_cache = _abstract(kv_cache, jax.tree.map(lambda _: shardings.kv_cache, kv_cache))
     replicated = shardings.replicated
-    # As ModelRunner: without tensor parallelism the step runs no shard_map.
-    step_mesh = mesh if tensor_parallel_size > 1 else None
-    # As ModelRunner: the step also returns its prefill rows for prompt logprobs.
-    forward = jax.jit(functools.partial(llama.forward, config=run_config, backend="pallas", mesh=step_mesh,
-                                        prefill_hidden_rows=max_num_batched_tokens),
-                      donate_argnums=(1,), out_shardings=(replicated, kv_shardings, replicated))
-    buckets = BucketSet.create(backend="pallas", max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens,
-                               max_num_prefill_seqs=max_num_prefill_seqs, max_model_len=max_model_len,
-                               page_size=page_size)
+    buckets = step_functions.bucket_set(cfg, cfg.attention_backend, max_model_len)
+    # As ModelRunner: without tensor parallelism (one replica) the step runs unsharded.
+    functions = step_functions.build(
+        run_config, params, backend=cfg.attention_backend, page_size=cfg.page_size, max_logprobs=cfg.max_logprobs,
+        prefill_hidden_rows=max(buckets.prefill), verify_row_tokens=buckets.verify_row_tokens,
+        shardings=shardings if tensor_parallel_size > 1 else None)
     chosen = buckets.all() if which_buckets == "all" else buckets.smallest_and_largest()
-    compute_dtype = float_dtype.name
     steps = []
     for bucket in chosen:
         batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
                  for name, a in buckets.empty_batch(bucket).items()}
-        planned = step_activation_bytes(model_config, bucket, buckets, page_size, plan_weight_dtype, compute_dtype,
-                                        tensor_parallel_size)
-        steps.append(_report(dataclasses.asdict(bucket), forward, (params, kv_cache, batch), mesh, planned))
-    sample = jax.jit(functools.partial(sampler.sample, max_logprobs=max_logprobs), out_shardings=replicated)
+        planned = step_activation_bytes(model_config, bucket, buckets, cfg)
+        steps.append(_report(dataclasses.asdict(bucket), functions.forward_for(bucket), (params, kv_cache, batch),
+                             mesh, planned))
     samplers = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
@@ -207,7 +192,7 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
                       sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
                                                     model_config.eos_token_ids,
                                                     vocab_size=model_config.vocab_size).items()}
-            samplers.append(_report({"num_rows": num_rows, "penalties": penalties, "bias": bias}, sample,
+            samplers.append(_report({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
                                     (logits, inputs), mesh, None))
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
@@ -218,14 +203,14 @@ def compile_for_gpu(model_config: ModelConfig, *, target: str, tensor_parallel_s
                         "sampler": [dataclasses.asdict(s) for s in samplers]}}
 
 
-def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: BucketSet, page_size: int,
-                          weight_dtype: str, compute_dtype: str, tensor_parallel_size: int) -> int:
-    """The planner's activation estimate for one step bucket of the GPU build."""
+def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: BucketSet, cfg: EngineConfig) -> int:
+    """The planner's activation estimate for one step bucket of the GPU build of `cfg` (its GPU defaults filled in)."""
     return memory.activation_bytes(
-        model_config, compute_dtype=compute_dtype, weight_dtype=weight_dtype,
+        model_config, compute_dtype=cfg.dtype, weight_dtype=cfg.quantization or cfg.dtype,
         max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
-        max_context_len=bucket.pages_per_seq * page_size, tensor_parallel_size=tensor_parallel_size,
-        max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0, backend="pallas")
+        max_context_len=bucket.pages_per_seq * cfg.page_size, tensor_parallel_size=cfg.tensor_parallel_size,
+        max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0,
+        backend="pallas" if cfg.attention_backend == "pallas" else "reference")
 
 
 # ---- the kernels on the real compiler ------------------------------------------------------------

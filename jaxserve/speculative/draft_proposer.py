@@ -34,7 +34,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.core.scheduler import row_params
 from jaxserve.core.step import Bucket, geometric_buckets, uses_penalties
-from jaxserve.executor import decode_loop, sampler
+from jaxserve.executor import decode_loop, sampler, step_functions
 from jaxserve.models import cpu_layout, llama
 from jaxserve.speculative import verification
 
@@ -77,11 +77,10 @@ class DraftProposer:
         self._new_kv_cache = functools.partial(llama.init_kv_cache, config, llama.KVCacheSpec(num_pages, self.page_size),
                                                dtype, jax.sharding.SingleDeviceSharding(device))
         self.kv_cache = self._new_kv_cache()
-        forward = functools.partial(llama.forward, config=config, backend=target_runner.backend)
-        self._forward = jax.jit(forward, donate_argnums=(1,))
-        verify_width = target_runner.buckets.verify_row_tokens or None
-        self._verify_forward = jax.jit(functools.partial(forward, max_query_len=verify_width), donate_argnums=(1,))
-        self._propose_steps = jax.jit(self._propose_steps_impl, donate_argnums=(1,))
+        # The target's forward and multi-step kinds (jaxserve.executor.step_functions), of the draft model.
+        self._functions = step_functions.build(config, self.params, backend=target_runner.backend,
+                                               page_size=self.page_size,
+                                               verify_row_tokens=target_runner.buckets.verify_row_tokens)
         self._compiled_mirror: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_propose: dict[tuple[DraftShape, bool], jax.stages.Compiled] = {}  # (shape, penalties)
 
@@ -89,8 +88,8 @@ class DraftProposer:
     def mirror(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> None:
         """Runs the draft over the target step's arrays (dispatched, not waited for): the draft's
         K/V of the step's tokens lands in the same slots as the target's."""
-        forward = self._compiled_mirror.get(bucket, self._verify_forward if bucket.num_verify else self._forward)
-        _, self.kv_cache = forward(self._step_params, self.kv_cache, arrays)[:2]
+        forward = self._compiled_mirror.get(bucket, self._functions.forward_for(bucket))
+        _, self.kv_cache = forward(self._step_params, self.kv_cache, arrays)
 
     def recover(self) -> None:
         """After a failed step: a fresh cache (the target's was rebuilt; every request recomputes)."""
@@ -101,13 +100,6 @@ class DraftProposer:
     def _shape(self, num_rows: int) -> DraftShape:
         rows = next(b for b in self.row_buckets if b >= num_rows)
         return DraftShape(rows, self.target.max_pages_per_seq + self.scratch_pages_per_row)
-
-    def _propose_steps_impl(self, params, kv_cache, arrays, sampling):
-        """The k draft decode steps of a proposal pass (jaxserve.executor.decode_loop; `arrays` and
-        `sampling` as there). Returns (proposals int32[rows, k], kv_cache)."""
-        def step_logits(kv_cache, batch):
-            return llama.forward(params, kv_cache, batch, config=self.config, backend=self.target.backend)[:2]
-        return decode_loop.decode_steps(step_logits, kv_cache, arrays, sampling, self.k, page_size=self.page_size)
 
     def _inputs(self, requests: Sequence, shape: DraftShape, penalties: bool):
         """`decode_loop.pack_inputs` of a proposal pass: each request's last token at its position,
@@ -128,11 +120,8 @@ class DraftProposer:
         shape = self._shape(len(requests))
         penalties = any(uses_penalties(r.params) for r in requests)
         arrays, sampling = self._inputs(requests, shape, penalties)
-        compiled = self._compiled_propose.get((shape, penalties))
-        if compiled is None:
-            proposals, self.kv_cache = self._propose_steps(self._step_params, self.kv_cache, arrays, sampling)
-        else:
-            proposals, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling)
+        propose = self._compiled_propose.get((shape, penalties), self._functions.multi_step)
+        proposals, self.kv_cache = propose(self._step_params, self.kv_cache, arrays, sampling, np.int32(self.k))
         proposals = np.asarray(jax.device_get(proposals))
         return [proposals[r, :k].tolist() for r in range(len(requests))]
 
@@ -144,15 +133,15 @@ class DraftProposer:
         start = time.perf_counter()
 
         def compile_mirror(bucket):
-            forward = self._verify_forward if bucket.num_verify else self._forward
+            forward = self._functions.forward_for(bucket)
             self._compiled_mirror[bucket] = forward.lower(self._step_params, self.kv_cache,
                                                           self.target.empty_batch(bucket)).compile()
 
         def compile_propose(rows, penalties):
             shape = self._shape(rows)
             arrays, sampling = self._inputs([], shape, penalties)
-            self._compiled_propose[shape, penalties] = self._propose_steps.lower(
-                self._step_params, self.kv_cache, arrays, sampling).compile()
+            self._compiled_propose[shape, penalties] = self._functions.multi_step.lower(
+                self._step_params, self.kv_cache, arrays, sampling, np.int32(self.k)).compile()
 
         variants = [(rows, p) for rows in self.row_buckets for p in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
