@@ -67,7 +67,7 @@ def transport_child(args) -> dict | None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxserve.parallel import multihost
+    from jaxserve.parallel import multihost, multihost_front
 
     _join(args)
     pid = args.process_id
@@ -107,14 +107,14 @@ def transport_child(args) -> dict | None:
             step()
         result[str(size)] = {"kv_store_ms": timed(kv_step, args.steps),
                              "broadcast_ms": timed(broadcast_step, args.steps)}
-    multihost.leave() if pid else time.sleep(2)
+    multihost_front.leave() if pid else time.sleep(2)
     return result if pid == 0 else None
 
 
 def engine_child(args) -> dict | None:
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
-    from jaxserve.parallel import multihost
+    from jaxserve.parallel import multihost_front
     import numpy as np
 
     from jaxserve.core.request import SamplingParams
@@ -125,12 +125,12 @@ def engine_child(args) -> dict | None:
                        max_model_len=256, num_pages=80, warmup=False)
     engine = Engine.from_model(args.model, cfg)
     if args.process_id:
-        multihost.follow(engine)
-        multihost.leave()
+        multihost_front.follow(engine)
+        multihost_front.leave()
         return None
     front = None
     if args.num_processes > 1:
-        front = multihost.Front()
+        front = multihost_front.Front()
         front.attach(engine)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, MODEL_SHAPE["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]

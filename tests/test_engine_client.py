@@ -15,7 +15,7 @@ import pytest
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.core.engine_client import EngineClient
 from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
-from jaxserve.parallel.multihost import FrontAsyncEngine
+from jaxserve.parallel.multihost_front import FrontAsyncEngine
 
 FRONTS = [AsyncEngine, DataParallelAsyncEngine, FrontAsyncEngine]
 

@@ -94,3 +94,72 @@ def test_host_modules_do_not_import_jax():
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {host!r}]; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+LIBRARY = ("jaxserve", "serve")  # the style limits below hold in these packages
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+
+
+def library_modules() -> list[pathlib.Path]:
+    return sorted(p for package in LIBRARY for p in (ROOT / package).rglob("*.py"))
+
+
+def test_functions_and_modules_stay_short():
+    long = []
+    for path in library_modules():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{module_name(path)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module_name(path)}.{node.name}: {lines} lines")
+    assert not long, f"over {MAX_FUNCTION_LINES} lines a function or {MAX_MODULE_LINES} a module:\n" + "\n".join(long)
+
+
+def test_function_level_imports_say_why():
+    """An import inside a function hides an arrow of the graph: it is there for an optional
+    dependency, a cycle or start-up order, and its line (or the line above) says which."""
+    silent = []
+    for path in library_modules():
+        lines = path.read_text().splitlines()
+        # A module-wide reason for its jax imports: "# jax itself is imported inside the functions: why".
+        jax_deferred = any(line.startswith("# jax itself is imported inside the functions") for line in lines)
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if not isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        continue
+                    module = sub.module if isinstance(sub, ast.ImportFrom) else sub.names[0].name
+                    if jax_deferred and (module == "jax" or module.startswith("jax.")):
+                        continue
+                    if not _import_says_why(lines, sub.lineno - 1):
+                        silent.append(f"{path.relative_to(ROOT)}:{sub.lineno}: {lines[sub.lineno - 1].strip()}")
+    assert not silent, "function-level imports without a reason:\n" + "\n".join(sorted(set(silent)))
+
+
+def _import_says_why(lines: list[str], index: int) -> bool:
+    """A comment on the import's line, on another import of its block, or on the line above the block."""
+    start = end = index
+    while start > 0 and lines[start - 1].strip().startswith(("import ", "from ")):
+        start -= 1
+    while end + 1 < len(lines) and lines[end + 1].strip().startswith(("import ", "from ")):
+        end += 1
+    return any("#" in line for line in lines[start:end + 1]) or lines[start - 1].strip().startswith("#")
+
+
+def test_no_assignment_to_another_objects_private_attribute():
+    """Seams, not patches: nothing sets `other._name` (only `self._name` / `cls._name`)."""
+    patches = []
+    for path in library_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and target.attr.startswith("_")
+                        and not target.attr.startswith("__")
+                        and not (isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"))):
+                    patches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{target.attr}")
+    assert not patches, "assignments to another object's private attribute:\n" + "\n".join(patches)

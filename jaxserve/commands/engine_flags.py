@@ -16,7 +16,7 @@ from absl import flags
 
 from checkpoints.default_model import DEFAULT_MODEL
 from jaxserve.config import EngineConfig, Flag
-from jaxserve.parallel import multihost  # jax only inside its functions: `plan` starts without jax
+from jaxserve.parallel import multihost, multihost_front  # jax only inside their functions: `plan` starts without jax
 
 _DEFINE = {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_boolean, str: flags.DEFINE_string}
 
@@ -181,12 +181,12 @@ def follow_front(fv: flags.FlagValues, command: str, **overrides) -> int:
         print(f"jaxserve {command}: process {pid}: cannot load {fv.model!r}: {e}", file=sys.stderr)
         return 2
     try:
-        multihost.follow(engine)
+        multihost_front.follow(engine)
     except Exception as e:  # process 0 lost (MultiHostError), or a step failed here (reported to process 0)
         text = str(e) if isinstance(e, multihost.MultiHostError) else f"a step failed: {type(e).__name__}: {e}"
         print(f"jaxserve {command}: process {pid}: {text}", file=sys.stderr)
         multihost.exit_now(1)
-    multihost.leave()
+    multihost_front.leave()
     return 0
 
 
@@ -196,7 +196,7 @@ def run_front(engine, work, command: str, fv: flags.FlagValues) -> int:
 
 
     try:
-        front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
+        front = multihost_front.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
         front.attach(engine)
     except (ValueError, multihost.MultiHostError) as e:  # unsupported settings, or a process lost already
         print(f"jaxserve {command}: {e}", file=sys.stderr)

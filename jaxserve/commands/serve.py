@@ -200,9 +200,9 @@ def run(fv: flags.FlagValues) -> int:
         logging.getLogger(__name__).info("%s", defaults_line)
         front = None
         if join is not None:  # steps go to every process; a lost process fails the job loudly
-            from jaxserve.parallel import multihost  # loads jax: the command runs it after --help and the flags are done
+            from jaxserve.parallel import multihost, multihost_front  # loads jax: the command runs it after --help and the flags are done
             try:
-                front = multihost.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
+                front = multihost_front.Front(fv.step_timeout_s, fv.heartbeat_timeout_s)
                 front.attach(engine)
             except ValueError as e:
                 print(f"jaxserve serve: {e}", file=sys.stderr)
@@ -210,7 +210,7 @@ def run(fv: flags.FlagValues) -> int:
             except multihost.MultiHostError as e:  # a process lost before the first step
                 print(f"jaxserve serve: the multi-host job failed: {e}", file=sys.stderr)
                 multihost.exit_now(1)
-            engine = multihost.FrontAsyncEngine(engine, front, refusal=ServerStopping)
+            engine = multihost_front.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
             app = create_app(engine, config)
         except ValueError as e:  # tool or reasoning flags the model's chat template cannot serve

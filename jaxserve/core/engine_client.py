@@ -3,7 +3,7 @@
 `serve.app.create_app` takes any object with these members. The fronts that have them are
 `jaxserve.async_engine.AsyncEngine` (one engine stepping in a background thread),
 `jaxserve.parallel.data_parallel.DataParallelAsyncEngine` (replicas, each request to the least
-busy) and `jaxserve.parallel.multihost.FrontAsyncEngine` (process 0 of a multi-host job); they
+busy) and `jaxserve.parallel.multihost_front.FrontAsyncEngine` (process 0 of a multi-host job); they
 satisfy it structurally (tests/test_engine_client.py checks every member). Every member is
 required: a front with nothing to add answers with the defined empty result (`health()` -> {}),
 so the server never probes for one. No jax here.

@@ -17,8 +17,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
+import jax
+
 from jaxserve.core.outputs import EngineStats
+from jaxserve.executor import device_setup
 from jaxserve.parallel import multihost, sharding
+from jaxserve.planning import memory
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +36,6 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
     `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
     single device. The split is checked before any weight is loaded (ValueError), and each
     replica's memory budget is read before its weights take memory (the planner subtracts them)."""
-    from jaxserve.executor import device_setup
-
     tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
     if tp == 1 and dp == 1:
         replica_shardings = [None]
@@ -59,15 +61,12 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
 def _agreed_memory_budget(shardings, index: int) -> int:
     """Several processes (jax.distributed): the memory budget of this process's first device of
     the replica, the smallest over the processes, so that every process plans the same KV pool."""
-    import jax
-    from jaxserve.planning import memory
     device = next(d for d in shardings.mesh.devices.flat if d.process_index == jax.process_index())
     return multihost.agree_min(f"memory_budget/{index}", memory.device_memory_budget_bytes(device))
 
 
 def _log_loaded_weights(params, rss_before: int | None) -> None:
     """Logs what one process of a multi-host job holds of the weights, and its RSS growth."""
-    import jax
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     rss_after = multihost.rss_bytes()

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import topologies
 
 from jaxserve import compat
 from jaxserve.config import EngineConfig, ModelConfig
@@ -76,7 +77,6 @@ def check_available() -> None:
 
 def gpu_mesh(target: str, tensor_parallel_size: int) -> jax.sharding.Mesh:
     """A (data=1, model=T) mesh over T abstract GPUs of the target."""
-    from jax.experimental import topologies
     check_available()
     topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
                                             topology=f"1x1x{tensor_parallel_size}")
@@ -232,13 +232,17 @@ class KernelReport:
     grid: list[int]
 
 
+# Where the nvidia-cuda-nvcc wheels put ptxas: CUDA 12's nvidia/cuda_nvcc/bin, CUDA 13's nvidia/cu13/bin.
+PTXAS_PACKAGES = ("nvidia.cuda_nvcc", "nvidia.cu13")
+
+
 def ptxas_path() -> str | None:
-    """The ptxas of the nvidia-cuda-nvcc wheel, else the one on PATH (a CUDA toolkit), else None."""
-    if _installed("nvidia.cuda_nvcc"):
-        import nvidia.cuda_nvcc
-        path = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
-        if os.path.isfile(path):
-            return path
+    """The ptxas of an nvidia-cuda-nvcc wheel, else the one on PATH (a CUDA toolkit), else None."""
+    for package in PTXAS_PACKAGES:
+        if _installed(package):
+            path = os.path.join(list(importlib.util.find_spec(package).submodule_search_locations)[0], "bin", "ptxas")
+            if os.path.isfile(path):
+                return path
     return shutil.which("ptxas")
 
 

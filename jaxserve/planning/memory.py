@@ -285,6 +285,27 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes} B"
 
 
+def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: int,
+                    runtime_reserve_fraction: float) -> tuple[str, str, str]:
+    """plan_memory's input checks (MemoryPlanError on nonsense); the (weight, compute, KV cache)
+    dtypes it plans with."""
+    if cfg.dtype is None:
+        raise MemoryPlanError("plan_memory needs the config's dtype (EngineConfig.for_platform fills it in)")
+    _require_positive(device_memory_bytes=device_memory_bytes, page_size=cfg.page_size,
+                      max_model_len=cfg.model_len(model), max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_num_seqs=cfg.max_num_seqs, max_prefill_seqs=cfg.max_num_prefill_seqs)
+    if not 0 < cfg.memory_utilization <= 1:
+        raise MemoryPlanError(f"memory_utilization must be in (0, 1], got {cfg.memory_utilization}")
+    if not 0 <= runtime_reserve_fraction < 1:
+        raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
+    weight_dtype = normalize_dtype(cfg.quantization or cfg.dtype, WEIGHT_DTYPES)
+    compute_dtype = normalize_dtype(cfg.dtype, tuple(FLOAT_DTYPE_BYTES))
+    kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
+                else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
+    kv_heads_per_device(model, cfg.tensor_parallel_size)  # validates the head split
+    return weight_dtype, compute_dtype, kv_dtype
+
+
 def plan_memory(
     model: ModelConfig,
     cfg: EngineConfig,
@@ -310,23 +331,9 @@ def plan_memory(
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
     """
-    if cfg.dtype is None:
-        raise MemoryPlanError("plan_memory needs the config's dtype (EngineConfig.for_platform fills it in)")
+    weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(model, cfg, device_memory_bytes, runtime_reserve_fraction)
     max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
-    memory_utilization = cfg.memory_utilization
-    _require_positive(device_memory_bytes=device_memory_bytes, page_size=page_size,
-                      max_model_len=max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      max_num_seqs=cfg.max_num_seqs, max_prefill_seqs=cfg.max_num_prefill_seqs)
-    if not 0 < memory_utilization <= 1:
-        raise MemoryPlanError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-    if not 0 <= runtime_reserve_fraction < 1:
-        raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
-    weight_dtype = normalize_dtype(cfg.quantization or cfg.dtype, WEIGHT_DTYPES)
-    compute_dtype = normalize_dtype(cfg.dtype, tuple(FLOAT_DTYPE_BYTES))
-    kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
-                else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
-    tp = cfg.tensor_parallel_size
-    kv_heads_per_device(model, tp)  # validates the head split
+    memory_utilization, tp = cfg.memory_utilization, cfg.tensor_parallel_size
 
     usable = int(device_memory_bytes * memory_utilization)
     reserve = max(int(usable * runtime_reserve_fraction), min_runtime_reserve_bytes)
