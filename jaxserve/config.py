@@ -89,11 +89,13 @@ class EngineConfig:
     attention_backend: str | None = setting(None, "attention implementation",
                                             choices=("pallas", "interpret", "xla", "reference"),
                                             unset="pallas on GPU, xla on CPU")
-    max_logprobs: int = 20  # no flag: the most logprobs a request may ask for (vLLM's default)
+    max_logprobs: int = setting(20, "the most logprobs (and prompt logprobs) one request may ask for", minimum=0)
     memory_utilization: float = setting(
         0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "
         "and KV pages may use", minimum=0.0, maximum=1.0, vllm_name="gpu_memory_utilization")
-    warmup: bool = True  # no flag: each command decides (generate compiles only what it runs)
+    # Not a flag: each command decides (serve compiles every shape first, generate only what it runs
+    # unless it saves or loads executables); tests and benchmarks set it.
+    warmup: bool = True
     # Compiled step executables (jaxserve.executor.executables): None keeps them automatically beside the
     # compilation cache.
     executables: str | None = setting(

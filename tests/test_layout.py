@@ -87,6 +87,14 @@ def test_host_rooms_import_no_device_code():
             assert not device, f"{name} imports {device}"
 
 
+def test_the_device_side_sees_the_step_contract_not_the_scheduler():
+    """The runner, sampler, draft model... work from core/step.py's plain data, never the scheduler."""
+    device = LAYERS[3]
+    for path in project_modules():
+        name = module_name(path)
+        if any(name == room or name.startswith(room + ".") for room in device):
+            assert "jaxserve.core.scheduler" not in imported_names(path), f"{name} imports the scheduler"
+
 def test_host_modules_do_not_import_jax():
     host = [module_name(p) for p in project_modules()
             if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]

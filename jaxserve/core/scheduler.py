@@ -41,7 +41,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.speculative import verification
-from jaxserve.core.step import (PromptLogprobRows, RowParams, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit,
+from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit, row_params,
                                 uses_penalties)
 
 @dataclasses.dataclass
@@ -86,13 +86,6 @@ class StepPlan:
         return ScheduledBatch(decode=tuple(_scheduled_row(request, 1) for request in self.decode),
                               prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill),
                               num_steps=self.num_steps)
-
-
-def row_params(request: Request) -> RowParams:
-    """How the request's next output token is sampled."""
-    history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
-               if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
-    return RowParams(request.params, request.seed, request.num_output_tokens, *history, grammar=request.grammar)
 
 
 def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:

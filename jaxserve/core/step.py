@@ -4,7 +4,7 @@ The scheduler plans a step over live requests (`scheduler.StepPlan`) and gives t
 snapshot, a `ScheduledBatch` of `ScheduledRow`s: token ids, positions, block-table rows and how
 each row is sampled (`RowParams`). The runner pads it into one of the compiled shapes
 (`Bucket`, from the engine's `BucketSet`) and returns a `StepOutput` of host arrays. Nothing
-here reads or changes a `Request`, and nothing here imports jax (numpy only, for the padding
+here changes a `Request` (`row_params` reads one, to snapshot it), and nothing here imports jax (numpy only, for the padding
 arrays of a bucket).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.request import SamplingParams
+from jaxserve.core.request import Request, SamplingParams
 
 # The most prompt-logprob rows one step computes (each is a [vocab] row of logits on the device;
 # the runner compiles that function for row counts up to this, or max_num_batched_tokens if lower).
@@ -48,6 +48,14 @@ class RowParams:
 def uses_penalties(params: SamplingParams) -> bool:
     """Whether sampling reads the token history (repetition, presence or frequency penalty)."""
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def row_params(request: Request) -> RowParams:
+    """How the request's next output token is sampled: a snapshot of its sampling state (the scheduler's
+    rows and the draft model's proposals read it)."""
+    history = ((tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+               if uses_penalties(request.params) else ((), ()))  # copied only for rows that read it
+    return RowParams(request.params, request.seed, request.num_output_tokens, *history, grammar=request.grammar)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,7 +245,7 @@ class BucketSet:
             logits_indices=np.zeros(num_rows, np.int32))  # [rows]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Host copies of what one step sampled, one row per row of its batch (decode rows, then
     prefill chunks; in a verification step one row per verify row, with a draw at each of its

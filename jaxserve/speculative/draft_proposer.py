@@ -32,8 +32,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.core.scheduler import row_params
-from jaxserve.core.step import Bucket, geometric_buckets, uses_penalties
+from jaxserve.core.step import Bucket, geometric_buckets, row_params, uses_penalties
 from jaxserve.executor import decode_loop, sampler, step_functions
 from jaxserve.models import cpu_layout, llama
 from jaxserve.speculative import verification
