@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 class LocalTransport:
     """How the runner's steps reach the devices: here, in this process (the default). A
-    multi-host job's front passes its own (jaxserve.parallel.multihost: each step sent to the
+    multi-host job's front passes its own (jaxserve.parallel.multihost_front: each step sent to the
     worker processes first) through `ModelRunner.use_transport`."""
 
     def run(self, run_step: Callable, bucket: Bucket, arrays: dict, sampling: dict, grammars: Sequence,
