@@ -4,8 +4,8 @@ The scheduler plans a step over live requests (`scheduler.StepPlan`) and gives t
 snapshot, a `ScheduledBatch` of `ScheduledRow`s: token ids, positions, block-table rows and how
 each row is sampled (`RowParams`). The runner pads it into one of the compiled shapes
 (`Bucket`, from the engine's `BucketSet`) and returns a `StepOutput` of host arrays. Nothing
-here changes a `Request` (`row_params` reads one, to snapshot it), and nothing here imports jax (numpy only, for the padding
-arrays of a bucket).
+here changes a `Request` (`row_params` reads one, to snapshot it), and nothing here imports jax
+(numpy only, for the padding arrays of a bucket).
 """
 from __future__ import annotations
 
