@@ -55,7 +55,6 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
             flags.DEFINE_enum(field.name, None, list(flag.choices), _help(field, flag), flag_values=fv)
         else:
             _DEFINE[kind](field.name, None, _help(field, flag), flag_values=fv, **bounds)
-    for field, _, flag in _flag_fields():
         if flag.vllm_name:  # a vLLM command line ports by changing dashes
             flags.DEFINE_alias(flag.vllm_name, field.name, flag_values=fv)
 
