@@ -59,7 +59,7 @@ def kernel_layout(weight: QuantArray) -> KernelLayout:
 def with_kernel_layout(weight: QuantArray) -> QuantArray:
     """`weight` with its `kernel_layout` added, which `linear` reads for up to
     cpu_kernels.MAX_ROWS rows."""
-    return dataclasses.replace(weight, kernel=kernel_layout(weight))
+    return dataclasses.replace(weight, kernel=_kernel_layout_jit(weight))
 
 
 def _int4_codes(q: jax.Array, num_groups: int) -> jax.Array:
@@ -95,7 +95,7 @@ def transposed_layout(weight: QuantArray) -> TransposedLayout:
 
 def transposed(weight: QuantArray) -> QuantArray:
     """`weight` with its `transposed_layout` added, which `linear` reads for a single row."""
-    return dataclasses.replace(weight, transposed=transposed_layout(weight))
+    return dataclasses.replace(weight, transposed=_transposed_jit(weight))
 
 
 def lm_head_kernel_weight(embed: QuantEmbedding) -> QuantArray:
@@ -142,7 +142,7 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
     if int8_activations and _kernel_takes_every_matrix(params["layers"]):
-        layers = {name: _with_kernel_layout(w) if isinstance(w, QuantArray) else w
+        layers = {name: with_kernel_layout(w) if isinstance(w, QuantArray) else w
                   for name, w in params["layers"].items()}
         return _with_lm_head_kernel_layout({**params, "layers": layers})
     per_layer = _per_layer_views({name: _cpu_layout(w, int8_activations) for name, w in params["layers"].items()})
@@ -218,15 +218,10 @@ def _with_lm_head_kernel_layout(params: Params) -> Params:
 def _cpu_layout(weight, int8_activations: bool):
     """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
     if int8_activations and kernel_takes(weight) and cpu_kernels.available():
-        return _with_kernel_layout(weight)
+        return with_kernel_layout(weight)
     if isinstance(weight, QuantArray):
-        return dataclasses.replace(weight, transposed=_transposed_jit(weight))
+        return transposed(weight)
     return weight
-
-
-def _with_kernel_layout(weight: QuantArray) -> QuantArray:
-    """`weight`'s arrays as they are, with the kernel's layout of them added (a copy of that only)."""
-    return dataclasses.replace(weight, kernel=_kernel_layout_jit(weight))
 
 
 @dataclasses.dataclass(frozen=True)
