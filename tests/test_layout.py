@@ -23,6 +23,7 @@ LAYERS = [
     ("checkpoints",),
     ("jaxserve.engine", "jaxserve.async_engine"),
     ("serve",),
+    ("jaxserve.benchmarks",),  # the user benchmarks: an HTTP client, and in-process engine runs
     ("jaxserve.commands",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
@@ -98,7 +99,8 @@ def test_the_device_side_sees_the_step_contract_not_the_scheduler():
 def test_host_modules_do_not_import_jax():
     host = [module_name(p) for p in project_modules()
             if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]
-    host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning"]
+    host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning",
+             "jaxserve.benchmarks.datasets"]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {host!r}]; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

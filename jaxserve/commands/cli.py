@@ -1,7 +1,9 @@
 """`jaxserve` console entry point: absl-flag subcommands.
 
 Each subcommand lives in `jaxserve/commands/<name>.py` with `define_flags(fv)` and `run(fv) -> int`;
-it gets a FlagValues of its own, so subcommands never clash over flag names.
+it gets a FlagValues of its own, so subcommands never clash over flag names. A command with modes
+(`jaxserve bench serve`) lists them in its module's `MODES`: {mode: (module, help)}, each mode
+module with the same two functions.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ SUBCOMMANDS = {
     "generate": "batch generation: JSONL prompts in, JSONL completions out",
     "serve": "OpenAI-compatible HTTP server",
     "plan": "memory planner: weights, KV cache pages and maximum concurrency",
+    "bench": "benchmarks: serve (an HTTP server under load), throughput and latency (in process)",
 }
 
 
@@ -26,6 +29,16 @@ def _usage() -> str:
     lines += [f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items()]
     lines += ["", "Run `jaxserve <command> --help` for the flags of one command."]
     return "\n".join(lines)
+
+
+def _mode_usage(name: str, modes: dict[str, tuple[str, str]], given: str | None) -> int:
+    """The modes of a command with modes; exit code 0 for --help, else 2 (no or unknown mode)."""
+    asked = given in ("-h", "--help", "help")
+    listing = "\n".join(f"  {mode:<11} {text}" for mode, (_, text) in modes.items())
+    problem = "" if asked else (f"unknown mode {given!r}\n\n" if given else "a mode is needed\n\n")
+    print(f"{problem}usage: jaxserve {name} <mode> [--flags]\n\nmodes:\n{listing}\n\n"
+          f"Run `jaxserve {name} <mode> --help` for the flags of one mode.", file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     # jaxserve, which uses only its tokenizers and configs.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     module = importlib.import_module(f"jaxserve.commands.{name}")
+    if hasattr(module, "MODES"):
+        if len(argv) < 3 or argv[2] not in module.MODES:
+            return _mode_usage(name, module.MODES, argv[2] if len(argv) >= 3 else None)
+        module = importlib.import_module(module.MODES[argv[2]][0])
+        name, argv = f"{name} {argv[2]}", argv[:1] + [f"{name} {argv[2]}"] + argv[3:]
     fv = flags.FlagValues()
     module.define_flags(fv)
     flags.DEFINE_boolean("help", False, "show the flags of this command", flag_values=fv, short_name="h")
@@ -51,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve {name}: {e}", file=sys.stderr)
         return 2
     if fv.help:
-        print(f"jaxserve {name}: {SUBCOMMANDS[name]}\n")
+        print(f"jaxserve {name}: {SUBCOMMANDS.get(name) or module.__doc__.splitlines()[0]}\n")
         print(fv.get_help())
         return 0
     return int(module.run(fv) or 0)
