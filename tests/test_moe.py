@@ -265,3 +265,51 @@ MOE_BASE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_
 def test_moe_fields_not_implemented_are_refused_by_name(edit, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**MOE_BASE, **edit})
+
+
+# ---- what else meets a mixture-of-experts model ---------------------------------------------------
+
+def _moe_config(family="qwen2_moe"):
+    import transformers
+    config_cls, model_cls, fields = FAMILIES[family]
+    hf = getattr(transformers, config_cls)(**{**BASE, **fields, "vocab_size": 64}).to_dict()
+    return ModelConfig.from_hf_dict({**hf, "architectures": [model_cls]})
+
+
+def test_the_planner_counts_every_experts_bytes():
+    from jaxserve.planning import memory
+    config = _moe_config()
+    L, D, E, F, S = 2, 32, 4, 24, 40
+    counts = memory.count_params(config)
+    assert counts["experts"] == L * E * 3 * D * F
+    assert counts["routers"] == L * (D * E + D)  # the router and the shared expert's gate
+    assert counts["linear"] == L * (2 * 32 * 32 + 2 * 32 * 16 + 3 * D * S)  # attention + the shared expert
+    assert sum(counts.values()) == weights.num_params(config)
+    assert memory.weights_bytes(config, "bfloat16") == 2 * weights.num_params(config)
+    dense = dataclasses.replace(config, num_experts_per_tok=1)
+    sizes = dict(max_num_batched_tokens=64, max_num_seqs=4, max_context_len=64)
+    assert memory.activation_bytes(config, **sizes) >= memory.activation_bytes(dense, **sizes)
+
+
+def test_unimplemented_paths_refuse_a_moe_model_by_name(tmp_path):
+    from jaxserve.config import EngineConfig
+    from jaxserve.models import quantization
+    from jaxserve.parallel import sharding
+    from jaxserve.planning import memory
+    config = _moe_config("mixtral")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        sharding.check_tensor_parallel(config, 2)
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        quantization.quantize_params({"layers": {}}, "int8", config)  # refused before any weight is read
+    cfg = EngineConfig(dtype="bfloat16", quantization="int8")
+    with pytest.raises(memory.MemoryPlanError, match="mixture-of-experts"):
+        memory.plan_memory(config, cfg, device_memory_bytes=8 << 30)
+
+
+def test_convert_refuses_to_quantize_a_moe_model(tmp_path, capsys):
+    from jaxserve.commands import cli
+    make_moe_model(str(tmp_path / "hf"), "mixtral")
+    assert cli.main(["jaxserve", "convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}",
+                     "--quantization=int8"]) == 2
+    assert "mixture-of-experts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
