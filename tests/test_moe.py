@@ -27,7 +27,7 @@ BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atten
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, num_experts_per_tok=2)
 FAMILIES = {  # name: (transformers config class, model class, config fields)
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "sliding_window": 8}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "moe_intermediate_size": 24, "norm_topk_prob": True}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",

@@ -16,6 +16,7 @@ The experts run as grouped matmuls (`jax.lax.ragged_dot`) over the T * k (token,
 sorted by expert: the group sizes are a device array [E] that sums to T * k, so every pair is
 computed (no token is dropped and no capacity limit is needed) while the step keeps fixed
 shapes: T is the bucket's token count, and the sorted rows are always exactly T * k.
+`jax.lax.ragged_dot(lhs, rhs, group_sizes)` has the same signature in jax 0.10 and 0.11 (no shim).
 """
 from __future__ import annotations
 
