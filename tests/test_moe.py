@@ -87,6 +87,20 @@ def test_the_declaration_names_every_saved_tensor(moe_model):
     assert weights.num_params(config) == sum(int(np.prod(s)) for s in saved.values())
 
 
+def test_transformers_5_fused_expert_tensors_convert_to_the_same_weights(moe_model, tmp_path):
+    """save_pretrained(save_original_format=False) writes transformers 5's fused experts
+    (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj`): the same weights once converted."""
+    from safetensors import safe_open
+    family, model, _, converted = moe_model
+    model.save_pretrained(str(tmp_path / "fused"), save_original_format=False)
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "np") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    convert_checkpoint(str(tmp_path / "fused"), str(tmp_path / "converted"))
+    expected, got = load_params(converted, jnp.float32), load_params(str(tmp_path / "converted"), jnp.float32)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=family),
+                 expected, got)
+
+
 def test_forward_matches_transformers(moe_model):
     family, model, _, converted = moe_model
     config = load_config(converted)

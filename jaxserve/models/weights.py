@@ -159,6 +159,21 @@ def _expert_weights(config: ModelConfig, param) -> dict:
     return out
 
 
+def fused_expert_names(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """transformers 5's own layout of the experts (what `save_pretrained(save_original_format=False)`
+    writes; the default writes one tensor per expert, as declared above), per layer:
+    {name: (the weights it holds, split evenly on its second axis in this order, transposed)}.
+    `mlp.experts.gate_up_proj` [E, 2F, D] is the gate's rows then the up projection's,
+    `mlp.experts.down_proj` [E, D, F]; Mixtral's router is `mlp.gate.weight` there."""
+    if not config.is_moe:
+        return {}
+    names = {"mlp.experts.gate_up_proj": (("layers/w_gate_exps", "layers/w_up_exps"), True),
+             "mlp.experts.down_proj": (("layers/w_down_exps",), True)}
+    if config.architecture == "MixtralForCausalLM":
+        names["mlp.gate.weight"] = (("layers/router",), True)
+    return names
+
+
 def _init(kind: str, shape: tuple[int, ...], transposed: bool, dtype, rngs: nnx.Rngs) -> jax.Array:
     if kind == "ones":
         return jnp.ones(shape, dtype)
