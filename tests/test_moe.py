@@ -305,6 +305,25 @@ def test_the_planner_counts_every_experts_bytes():
     assert memory.activation_bytes(config, **sizes) >= memory.activation_bytes(dense, **sizes)
 
 
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 40960}
+
+
+@pytest.mark.parametrize("hf,published", [(MIXTRAL_8X7B, 46.70e9), (QWEN3_30B_A3B, 30.53e9)])
+def test_the_planner_counts_published_moe_sizes(hf, published):
+    """Mixtral-8x7B's 46.7B parameters and Qwen3-30B-A3B's 30.5B (their model cards): every expert counted."""
+    from jaxserve.planning import memory
+    config = ModelConfig.from_hf_dict(hf)
+    count = sum(memory.count_params(config).values())
+    assert abs(count - published) < 0.01e9
+    assert memory.weights_bytes(config, "bfloat16") == 2 * count
+
+
 def test_unimplemented_paths_refuse_a_moe_model_by_name(tmp_path):
     from jaxserve.config import EngineConfig
     from jaxserve.models import quantization
