@@ -346,3 +346,20 @@ def test_convert_refuses_to_quantize_a_moe_model(tmp_path, capsys):
                      "--quantization=int8"]) == 2
     assert "mixture-of-experts" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_moe_gguf_is_refused_by_name(tmp_path):
+    """llama.cpp writes Mixtral as arch "llama" with an expert count: refused, not misread as dense."""
+    import gguf
+    from checkpoints import ConversionError
+    from checkpoints.convert import open_source
+    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConversionError, match="expert_count"):
+        open_source(str(tmp_path / "mixtral.gguf"))

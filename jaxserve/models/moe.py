@@ -15,7 +15,8 @@ so a token whose router scores tie goes to the same experts on every run and eve
 The experts run as grouped matmuls (`jax.lax.ragged_dot`) over the T * k (token, expert) pairs
 sorted by expert: the group sizes are a device array [E] that sums to T * k, so every pair is
 computed (no token is dropped and no capacity limit is needed) while the step keeps fixed
-shapes: T is the bucket's token count, and the sorted rows are always exactly T * k.
+shapes: T is the bucket's token count, and the sorted rows are always exactly T * k (a padding row is
+routed like any other; its output is never read).
 `jax.lax.ragged_dot(lhs, rhs, group_sizes)` has the same signature in jax 0.10 and 0.11 (no shim).
 """
 from __future__ import annotations
