@@ -66,6 +66,9 @@ class GGUFSource:
             raise ConversionError(
                 f"{path}: unsupported architecture {self.gguf_arch!r}; supported: {', '.join(ARCHITECTURES)}")
         self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
+        if (self._field(f"{self.gguf_arch}.expert_count") or 0) > 0:  # llama.cpp's Mixtral, Qwen2-MoE
+            raise ConversionError(f"{path}: mixture-of-experts GGUF files ({self.gguf_arch}.expert_count > 0) are not "
+                                  "supported yet; convert the Hugging Face checkpoint instead")
         try:
             self.config = self._read_config()
         except (TypeError, ValueError) as e:

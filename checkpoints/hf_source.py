@@ -10,9 +10,10 @@ from typing import Iterator
 import numpy as np
 
 from checkpoints import ConversionError
-from checkpoints.layout import describe_slot, source_names
+from checkpoints.layout import describe_slot, expert_slot, source_names
 from checkpoints.safetensors_file import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.models import weights
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAYER_PREFIX = "model.layers.{layer}."
@@ -53,6 +54,7 @@ class HFSource:
         except ConfigError as e:
             raise ConversionError(f"{config_path}: {e}") from None
         self._whole_names, self._layer_names = source_names(self.config, "hf")
+        self._fused_names = weights.fused_expert_names(self.config)
         self.files = [SafetensorsFile(p) for p in self._shard_paths()]
         self._owner = {}
         for file in self.files:
@@ -62,6 +64,9 @@ class HFSource:
                 self._owner[name] = file
         # a checkpoint published quantized (compressed-tensors, GPTQ, AWQ): checkpoints.prequantized
         self.published, self._published_codes, self._published_skip = None, {}, set()
+        if hf_config.get("quantization_config") and self.config.is_moe:
+            raise ConversionError(f"{config_path}: published quantized mixture-of-experts checkpoints are not "
+                                  f"supported yet (convert a float checkpoint of {self.config.architecture})")
         if hf_config.get("quantization_config"):
             from checkpoints.prequantized import PublishedQuantization
             self.published = PublishedQuantization(hf_config["quantization_config"], config_path)
@@ -136,6 +141,9 @@ class HFSource:
                 if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                     continue
                 match = _LAYER_NAME.fullmatch(name)
+                if match and match.group(2) in self._fused_names:
+                    yield from self._unfused(file, name, int(match.group(1)), self._fused_names[match.group(2)])
+                    continue
                 if match and match.group(2) in self._layer_names:
                     layer, (slot, transpose) = int(match.group(1)), self._layer_names[match.group(2)]
                 elif name in self._whole_names:
@@ -143,6 +151,23 @@ class HFSource:
                 else:
                     raise ConversionError(f"{file.path}: unexpected tensor {name!r}")
                 yield file.path, name, slot, layer, file.read(name) if tensor is None else tensor, transpose
+
+    def _unfused(self, file, name: str, layer: int, fused: tuple[tuple[str, ...], bool]):
+        """The per-expert slots (see `tensors`) of one of transformers 5's fused expert tensors
+        (jaxserve.models.weights.fused_expert_names), or the whole router it names."""
+        paths, transpose = fused
+        tensor = file.read(name)
+        if paths == ("layers/router",):
+            yield file.path, name, paths[0], layer, tensor, transpose
+            return
+        if tensor.ndim != 3 or tensor.shape[0] != self.config.num_experts or tensor.shape[1] % len(paths):
+            raise ConversionError(f"{file.path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                  f"[{self.config.num_experts} experts, {len(paths)} x rows, columns]")
+        rows = tensor.shape[1] // len(paths)
+        for expert in range(tensor.shape[0]):
+            for i, path in enumerate(paths):
+                yield (file.path, name, expert_slot(path, expert), layer, tensor[expert, i * rows:(i + 1) * rows],
+                       transpose)
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)

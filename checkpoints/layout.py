@@ -17,10 +17,24 @@ def _leaf_names(shapes: dict) -> list[str]:
     return names + [f"layers/{k}" for k in shapes["layers"]]
 
 
+def expert_slot(path: str, expert: int) -> str:
+    """The slot of one expert's slice of a per-expert weight: "layers/w_up_exps[3]"."""
+    return f"{path}[{expert}]"
+
+
+def split_slot(slot: str) -> tuple[str, int | None]:
+    """"layers/w_up_exps[3]" -> ("layers/w_up_exps", 3); a slot without an expert -> (slot, None)."""
+    if slot.endswith("]") and "[" in slot:
+        path, expert = slot[:-1].split("[", 1)
+        return path, int(expert)
+    return slot, None
+
+
 class ParamBuffers:
     """Preallocated parameter arrays in the output dtype, filled one source tensor at a time.
 
     Every `put` checks the source tensor's shape; `finish` checks that every slot was filled once.
+    A mixture-of-experts weight stored one tensor per expert has a slot per expert (`expert_slot`).
     """
 
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str):
@@ -30,14 +44,22 @@ class ParamBuffers:
         self.arrays = {k: np.empty(s, dtype) for k, s in shapes.items() if k != "layers"}
         self.arrays["layers"] = {k: np.empty(s, dtype) for k, s in shapes["layers"].items()}
         self._filled: dict[tuple[str, int | None], str] = {}
+        self._num_experts = {info.path: info.shape[1] for info in weights.weight_infos(config).values()
+                             if info.per_expert}
 
     def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
-        """Shape of one slot: a whole leaf, or one layer of a stacked leaf (`name` like 'layers/wq')."""
+        """Shape of one slot: a whole leaf, or one layer of a stacked leaf (`name` like 'layers/wq'),
+        or one expert of one layer ('layers/w_up_exps[3]')."""
+        name, expert = split_slot(name)
         if layer is None:
             return self.arrays[name].shape
-        return self.arrays["layers"][name.split("/", 1)[1]].shape[1:]
+        shape = self.arrays["layers"][name.split("/", 1)[1]].shape[1:]
+        return shape if expert is None else shape[1:]
 
     def has_slot(self, name: str) -> bool:
+        name, expert = split_slot(name)
+        if expert is not None and not 0 <= expert < self._num_experts.get(name, 0):
+            return False
         if name.startswith("layers/"):
             return name.split("/", 1)[1] in self.arrays["layers"]
         return name in self.arrays
@@ -69,30 +91,42 @@ class ParamBuffers:
         if hasattr(tensor, "dequantize"):  # a published quantized weight kept float (checkpoints.prequantized)
             tensor = tensor.dequantize()
         value = tensor.T if transpose else tensor
+        name, expert = split_slot(name)
         if layer is None:
             self.arrays[name][...] = value
-        else:
+        elif expert is None:
             self.arrays["layers"][name.split("/", 1)[1]][layer] = value
+        else:
+            self.arrays["layers"][name.split("/", 1)[1]][layer, expert] = value
 
     def finish(self, describe_missing) -> dict:
         """The filled pytree; `describe_missing(name, layer)` names the absent source tensor."""
-        for name in _leaf_names(self.arrays):
-            layers = range(self.config.num_layers) if name.startswith("layers/") else [None]
+        for leaf in _leaf_names(self.arrays):
+            layers = range(self.config.num_layers) if leaf.startswith("layers/") else [None]
+            slots = ([expert_slot(leaf, e) for e in range(self._num_experts[leaf])] if leaf in self._num_experts
+                     else [leaf])
             for layer in layers:
-                if (name, layer) not in self._filled:
-                    raise ConversionError(
-                        f"{self.source_file}: missing tensor {describe_missing(name, layer)!r}")
+                for name in slots:
+                    if (name, layer) not in self._filled:
+                        raise ConversionError(
+                            f"{self.source_file}: missing tensor {describe_missing(name, layer)!r}")
         return self.arrays
 
 
 def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
     """The tensor names of `config`'s weights in a source format ("hf" or "gguf"), as two maps to
     (slot, transposed): whole-model names ("model.norm.weight") and per-layer names without their
-    layer prefix ("self_attn.q_proj.weight" of "model.layers.{i}.")."""
+    layer prefix ("self_attn.q_proj.weight" of "model.layers.{i}."). A weight stored one tensor per
+    expert has one name per expert, each to its own slot (`expert_slot`)."""
     whole, per_layer = {}, {}
     for info in weights.weight_infos(config).values():
         name = getattr(info, fmt)
-        if name is not None:
+        if name is None:
+            continue
+        if info.per_expert:
+            for expert in range(info.shape[1]):
+                per_layer[name.format(expert=expert)] = (expert_slot(info.path, expert), info.transposed)
+        else:
             (per_layer if info.per_layer else whole)[name] = (info.path, info.transposed)
     return whole, per_layer
 

@@ -18,7 +18,10 @@ import numpy as np
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+    # Mixture-of-experts families (jaxserve.models.moe).
+    "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+_QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -195,6 +198,12 @@ class ModelConfig:
     sliding_window: int | None = None  # a query sees the last `sliding_window` positions, itself included
     layer_types: tuple[str, ...] | None = None  # per layer: full_attention | sliding_attention
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled)
+    # Mixture of experts (jaxserve.models.moe); num_experts 0: a dense MLP of intermediate_size.
+    num_experts: int = 0  # routed experts of every layer's MLP
+    num_experts_per_tok: int = 0  # top-k: experts each token goes to
+    moe_intermediate_size: int = 0  # intermediate size of each expert's SwiGLU
+    norm_topk_prob: bool = False  # the k chosen softmax probabilities renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared SwiGLU behind a sigmoid gate (0: none)
 
     @property
     def q_size(self) -> int:
@@ -203,6 +212,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def attention_scale(self) -> float:
@@ -243,6 +256,7 @@ class ModelConfig:
                                     ("partial_rotary_factor", 1.0)):
                 if cfg.get(field) not in (None, harmless):
                     raise ConfigError(f"{field}={cfg[field]!r} is not supported")
+            moe = _moe(cfg, arch, num_layers)
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -256,11 +270,12 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+                                    else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 architecture=arch,
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 sandwich_norms=gemma,
                 norm_weight_offset=1.0 if gemma else 0.0,
                 hidden_act=act,
@@ -271,6 +286,7 @@ class ModelConfig:
                 sliding_window=sliding_window,
                 layer_types=layer_types,
                 rope_local_theta=rope_local_theta,
+                **moe,
             )
         except KeyError as e:
             raise ConfigError(f"config is missing the field {e.args[0]!r}") from None
@@ -281,7 +297,10 @@ class ModelConfig:
         if config.num_q_heads % config.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({config.num_q_heads}) is not a multiple of num_key_value_heads ({config.num_kv_heads})")
-        if config.attention_bias and config.architecture not in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
+        if config.is_moe and config.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={config.hidden_act!r} is not supported for {config.architecture} (silu only)")
+        if config.attention_bias and config.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                                                                 "LlamaForCausalLM"):
             raise ConfigError(f"attention_bias is not supported for {config.architecture}")
         return config
 
@@ -311,8 +330,10 @@ class ModelConfig:
         }
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
-        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture in _QWEN_ARCHS:
             out["use_sliding_window"] = self.sliding_window is not None
+        if self.is_moe:
+            out.update(_moe_hf_fields(self))
         if gemma:
             scalar = self.query_pre_attn_scalar
             out.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers wants an int
@@ -372,7 +393,7 @@ def _rope_type(params: dict) -> str:
 def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types): which layers attend through a sliding window, and its size."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window that only applies with use_sliding_window
     if arch == "LlamaForCausalLM" and window is not None:
         raise ConfigError("sliding_window is not supported for LlamaForCausalLM")
@@ -383,7 +404,7 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
         elif arch == "Gemma3ForCausalLM":
             pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
             types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
+        elif arch in _QWEN_ARCHS and window is not None:
             first = int(cfg.get("max_window_layers", num_layers))
             types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
     if types is not None:
@@ -400,6 +421,50 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
     if window is not None and (isinstance(window, bool) or int(window) < 1):
         raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
     return (None if window is None else int(window)), types
+
+
+def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields ({} for a dense family), from transformers 4 or 5
+    names: the expert count is `num_local_experts` (Mixtral; Qwen3-MoE under transformers 5) or
+    `num_experts` (Qwen2/3-MoE under transformers 4). Mixtral always renormalises its top-k
+    weights; the Qwen families do where `norm_topk_prob` says. Dense layers mixed with sparse ones
+    (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused: every layer here is sparse."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        return {}
+    experts = cfg.get("num_local_experts") if arch == "MixtralForCausalLM" else None
+    experts = int(experts or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 2)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ConfigError(f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
+                          f"got {experts} experts and top-{top_k}")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                    moe_intermediate_size=int(cfg["intermediate_size"]))
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), list(cfg.get("mlp_only_layers") or [])
+    if dense or any((i + 1) % step for i in range(num_layers)):
+        raise ConfigError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: dense MLP layers mixed with "
+                          f"mixture-of-experts layers are not supported (every layer must be sparse)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    if arch == "Qwen2MoeForCausalLM" and shared < 1:
+        raise ConfigError(f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE needs its shared expert")
+    size = cfg.get("moe_intermediate_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"moe_intermediate_size must be a positive integer, got {size!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_intermediate_size=size, shared_expert_intermediate_size=shared)
+
+
+def _moe_hf_fields(config: "ModelConfig") -> dict[str, Any]:
+    """The config.json fields of a mixture-of-experts model (both transformers 4 and 5 read them)."""
+    if config.architecture == "MixtralForCausalLM":
+        return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok}
+    out = {"num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+           "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if config.architecture == "Qwen2MoeForCausalLM":
+        out.update(shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                   qkv_bias=config.attention_bias)
+    return out
 
 
 def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The step of a Llama-family decoder over a paged KV cache.
 
-`forward` is the computation of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3: the
+`forward` is the computation of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, and
+the mixture-of-experts Mixtral and Qwen2/3-MoE, whose MLP is jaxserve.models.moe's: the
 differences are switches of `ModelConfig`); the weights it reads are declared once, in
 `jaxserve.models.weights`. The engine jits `forward` once per shape bucket. Layer weights are
 stacked on a leading layer axis and run under `jax.lax.scan`, so compile time stays flat as models
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import cpu_layout, quantization
+from jaxserve.models import cpu_layout, moe, quantization
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
 from pallas_kernels import dispatch, kv_quant
@@ -128,11 +129,14 @@ def attention_output(lp: Params, x: jax.Array, attn: jax.Array, config: ModelCon
 
 
 def mlp_block(lp: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
-    """The residual stream x [T, D] plus the gated MLP of its normed rows."""
+    """The residual stream x [T, D] plus the gated MLP of its normed rows (a mixture-of-experts
+    model's: jaxserve.models.moe)."""
     eps, offset = config.rms_norm_eps, config.norm_weight_offset
     activation = _ACTIVATIONS[config.hidden_act]
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
+        if config.is_moe:
+            return x + moe.sparse_mlp(lp, h, config)
         out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
         if config.sandwich_norms:
             out = rms_norm(out, lp["mlp_post_norm"], eps, offset)

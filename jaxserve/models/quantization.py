@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
-from jaxserve.config import ModelConfig
+from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import weights
 
 GROUP_SIZES = (32, 64, 128)
@@ -435,6 +435,9 @@ def quantize_params(params: dict, quantization: str | QuantFormat, config: Model
     Leaves already quantized are kept when they have the requested number of bits; a different
     number of bits is a ValueError (convert the model again instead)."""
     fmt = parse_format(quantization) if isinstance(quantization, str) else quantization
+    if config.is_moe:
+        raise ConfigError(f"quantization={fmt.name}: quantized weights of mixture-of-experts models "
+                          f"({config.architecture}) are not implemented yet; serve it in a float dtype")
     layers = dict(params["layers"])
     for name in weights.linear_leaves(config):
         weight = layers[name]

@@ -3,10 +3,14 @@
 `Weights` is an NNX module whose `nnx.Param`s are the model's weights. Each carries its metadata:
 
   axes   logical axis of every dimension: "layers", "vocab", "embed" (hidden size), "q" (query
-         heads x head_dim), "kv" (KV heads x head_dim), "ffn" (intermediate size), "head_dim"
+         heads x head_dim), "kv" (KV heads x head_dim), "ffn" (intermediate size), "head_dim";
+         mixture-of-experts models: "experts" (routed experts), "expert_ffn" (an expert's
+         intermediate size), "router" (the router's experts, or the shared expert's one gate)
   role   "embedding" (embed, lm_head), "linear" (a decoder matrix: the quantizable set), "norm",
-         "bias"
-  hf     the Hugging Face tensor name (per-layer weights: the part after "model.layers.{i}.")
+         "bias", "experts" (the routed experts' matrices, [L, E, in, out]), "router"
+  hf     the Hugging Face tensor name (per-layer weights: the part after "model.layers.{i}."); an
+         expert's own tensor has "{expert}" where its index goes (one tensor per expert, as
+         transformers' save_pretrained and the published checkpoints write them)
   gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files
   transposed  stored for `x @ W`, i.e. transposed from the [out, in] of both file formats
 
@@ -51,9 +55,15 @@ class WeightInfo:
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
 
+    @property
+    def per_expert(self) -> bool:
+        """One source tensor per expert (`hf` has "{expert}"): [L, E, ...] filled expert by expert."""
+        return "{expert}" in self.hf
+
 
 class Weights(nnx.Module):
-    """The weights of a Llama-family decoder (Llama, Mistral, Qwen2/3, Gemma 2/3), declared once."""
+    """The weights of a Llama-family decoder (Llama, Mistral, Qwen2/3, Gemma 2/3; the
+    mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE), declared once."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         L, D, F, V, hd = (config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
@@ -85,10 +95,14 @@ class Weights(nnx.Module):
             "wk": matrix((D, kv), ("embed", "kv"), "self_attn.k_proj.weight", "attn_k.weight"),
             "wv": matrix((D, kv), ("embed", "kv"), "self_attn.v_proj.weight", "attn_v.weight"),
             "wo": matrix((q, D), ("q", "embed"), "self_attn.o_proj.weight", "attn_output.weight"),
-            "w_gate": matrix((D, F), ("embed", "ffn"), "mlp.gate_proj.weight", "ffn_gate.weight"),
-            "w_up": matrix((D, F), ("embed", "ffn"), "mlp.up_proj.weight", "ffn_up.weight"),
-            "w_down": matrix((F, D), ("ffn", "embed"), "mlp.down_proj.weight", "ffn_down.weight"),
         }
+        if config.is_moe:
+            layers.update(_expert_weights(config, param))
+        else:
+            layers.update(
+                w_gate=matrix((D, F), ("embed", "ffn"), "mlp.gate_proj.weight", "ffn_gate.weight"),
+                w_up=matrix((D, F), ("embed", "ffn"), "mlp.up_proj.weight", "ffn_up.weight"),
+                w_down=matrix((F, D), ("ffn", "embed"), "mlp.down_proj.weight", "ffn_down.weight"))
         if config.sandwich_norms:  # Gemma 2/3: a norm before and after both attention and the MLP
             layers.update(
                 attn_post_norm=vector(D, "embed", "norm", "post_attention_layernorm.weight", None),
@@ -108,6 +122,56 @@ class Weights(nnx.Module):
     def params(self) -> Params:
         """The weights as a plain nested dict of arrays (the checkpoint and step-function format)."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+
+def _expert_weights(config: ModelConfig, param) -> dict:
+    """A mixture-of-experts layer's weights (jaxserve.models.moe): the router [D, E], the routed
+    experts' SwiGLU matrices stacked on an "experts" axis, and Qwen2-MoE's shared expert with its
+    sigmoid gate [D, 1]. Mixtral names them `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, the
+    Qwen families `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`. Not in GGUF files yet."""
+    L, D, E, F = config.num_layers, config.hidden_size, config.num_experts, config.moe_intermediate_size
+    mixtral = config.architecture == "MixtralForCausalLM"
+    prefix = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+
+    def expert(shape, axes, name):
+        return param((L, E, *shape), ("layers", "experts", *axes), "experts",
+                     f"{prefix}.experts.{{expert}}.{name}.weight", None, transposed=True)
+
+    out = {
+        "router": param((L, D, E), ("layers", "embed", "router"), "router", f"{prefix}.gate.weight", None,
+                        transposed=True),
+        "w_gate_exps": expert((D, F), ("embed", "expert_ffn"), names[0]),
+        "w_up_exps": expert((D, F), ("embed", "expert_ffn"), names[1]),
+        "w_down_exps": expert((F, D), ("expert_ffn", "embed"), names[2]),
+    }
+    if config.shared_expert_intermediate_size:
+        S = config.shared_expert_intermediate_size
+        out.update(
+            w_gate=param((L, D, S), ("layers", "embed", "ffn"), "linear", "mlp.shared_expert.gate_proj.weight", None,
+                         transposed=True),
+            w_up=param((L, D, S), ("layers", "embed", "ffn"), "linear", "mlp.shared_expert.up_proj.weight", None,
+                       transposed=True),
+            w_down=param((L, S, D), ("layers", "ffn", "embed"), "linear", "mlp.shared_expert.down_proj.weight",
+                         None, transposed=True),
+            shared_gate=param((L, D, 1), ("layers", "embed", "router"), "router", "mlp.shared_expert_gate.weight",
+                              None, transposed=True))
+    return out
+
+
+def fused_expert_names(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """transformers 5's own layout of the experts (what `save_pretrained(save_original_format=False)`
+    writes; the default writes one tensor per expert, as declared above), per layer:
+    {name: (the weights it holds, split evenly on its second axis in this order, transposed)}.
+    `mlp.experts.gate_up_proj` [E, 2F, D] is the gate's rows then the up projection's,
+    `mlp.experts.down_proj` [E, D, F]; Mixtral's router is `mlp.gate.weight` there."""
+    if not config.is_moe:
+        return {}
+    names = {"mlp.experts.gate_up_proj": (("layers/w_gate_exps", "layers/w_up_exps"), True),
+             "mlp.experts.down_proj": (("layers/w_down_exps",), True)}
+    if config.architecture == "MixtralForCausalLM":
+        names["mlp.gate.weight"] = (("layers/router",), True)
+    return names
 
 
 def _init(kind: str, shape: tuple[int, ...], transposed: bool, dtype, rngs: nnx.Rngs) -> jax.Array:

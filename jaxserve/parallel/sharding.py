@@ -56,6 +56,9 @@ def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> s
     if config.num_kv_heads % tp and tp % config.num_kv_heads:
         return (f"num_key_value_heads ({config.num_kv_heads}) and it must divide one another "
                 f"(KV heads are split, or replicated when there are fewer than devices)")
+    if config.is_moe and tp > 1:
+        return (f"{config.architecture} is a mixture-of-experts model, which runs on one device per replica for "
+                f"now (tensor and expert parallelism over its experts are not implemented; data parallelism is)")
     if config.intermediate_size % tp:
         return f"intermediate_size ({config.intermediate_size}) is not divisible by it"
     return None

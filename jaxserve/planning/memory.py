@@ -167,8 +167,10 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
 
 def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
     """Parameters held by one device, by kind: linear (decoder matrices), embeddings (embed and
-    lm_head), norms and biases."""
-    kinds = {"linear": "linear", "embedding": "embeddings", "norm": "norms", "bias": "biases"}
+    lm_head), norms and biases; a mixture-of-experts model's experts (every routed expert's
+    matrices) and routers too."""
+    kinds = {"linear": "linear", "embedding": "embeddings", "norm": "norms", "bias": "biases",
+             "experts": "experts", "router": "routers"}
     counts = dict.fromkeys(kinds.values(), 0)
     for role, shape in _device_weights(model, tensor_parallel_size):
         counts[kinds[role]] += math.prod(shape)
@@ -181,7 +183,8 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
 
     Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales and
     zero points: int8 per output channel, int4 in groups of 32 with a zero point, as the engine);
-    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16). `int8_embedding`
+    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16), as do a
+    mixture-of-experts model's experts (all of them: every expert's bytes) and routers. `int8_embedding`
     (EngineConfig.quantize_embedding, one device): the embedding in int8 with a float32 scale per
     vocabulary row, an untied lm_head in int8 with a float16 scale per output.
     """
@@ -190,7 +193,7 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
     counts = count_params(model, tp)
     linear = model.num_layers * sum(_linear_bytes(i, o, weight_dtype) for i, o in _linear_shapes(model, tp))
     float_bytes = FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
-    rest = (counts["norms"] + counts["biases"]) * float_bytes
+    rest = (counts["norms"] + counts["biases"] + counts["experts"] + counts["routers"]) * float_bytes
     if not int8_embedding:
         return linear + rest + counts["embeddings"] * float_bytes
     heads = 1 if model.tie_word_embeddings else 2
@@ -232,6 +235,10 @@ def activation_bytes(
                   + 2 P C hkv hd * 4                     K and V gathered from the pages (f32)
                   + 2 P T hq hd * 4                      padded queries and their output (f32)
         mlp       = 3 T f a                              gate, up and silu(gate) * up
+                    (mixture of experts, k experts per token, f an expert's intermediate size:
+                    T k d a + 3 T k f a + T k d * 4 + T d * 4, the rows sorted by expert, their
+                    gate, up and product, their weighted outputs and the combined rows in
+                    float32; plus a shared expert's 3 T f_shared a)
         logits    = 2 S vocab * 4                        logits + the sampler's working copy
         peak      = residual + max(attention, mlp, logits)
 
@@ -253,23 +260,37 @@ def activation_bytes(
     hd = model.head_dim
     hq = model.num_q_heads // tp
     hkv = kv_heads_per_device(model, tp)
-    f_local = math.ceil(model.intermediate_size / tp)
     p = max_prefill_seqs
     if backend == "pallas":
         tokens = max_num_seqs + max_num_batched_tokens
         stored = normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES)
-        layer_weights = sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
+        layer_weights = (sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
+                         + _expert_layer_params(model, tp) * FLOAT_DTYPE_BYTES[_compute_dtype(stored)])
         step = (layer_weights + 2 * tokens * model.hidden_size * a
-                + max(tokens * (2 * hq + 2 * hkv) * hd * a, 3 * tokens * f_local * a))
+                + max(tokens * (2 * hq + 2 * hkv) * hd * a, _mlp_bytes(model, tokens, tp, a)))
         return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
     residual = 2 * tokens * model.hidden_size * a
     attention = (tokens * (hq + 2 * hkv) * hd * a
                  + ATTENTION_SCORE_COPIES * p * hq * tokens * context * 4
                  + 2 * p * context * hkv * hd * 4
                  + 2 * p * tokens * hq * hd * 4)
-    mlp = 3 * tokens * f_local * a
+    mlp = _mlp_bytes(model, tokens, tp, a)
     logits = LOGITS_COPIES * seqs * model.vocab_size * 4
     return residual + max(attention, mlp, logits)
+
+
+def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
+    """The MLP's live activations of a step of `tokens` tokens (see activation_bytes)."""
+    if not model.is_moe:
+        return 3 * tokens * math.ceil(model.intermediate_size / tp) * a
+    rows, d = tokens * model.num_experts_per_tok, model.hidden_size
+    routed = rows * d * a + 3 * rows * model.moe_intermediate_size * a + rows * d * 4 + tokens * d * 4
+    return routed + 3 * tokens * model.shared_expert_intermediate_size * a
+
+
+def _expert_layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one layer's experts and routers on one device (0 for a dense model)."""
+    return sum(math.prod(shape[1:]) for role, shape in _device_weights(model, tp) if role in ("experts", "router"))
 
 
 def _require_positive(**values: float) -> None:
@@ -303,6 +324,9 @@ def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: 
     kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
                 else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
     kv_heads_per_device(model, cfg.tensor_parallel_size)  # validates the head split
+    if model.is_moe and quant_format(weight_dtype) is not None:
+        raise MemoryPlanError(f"quantization={weight_dtype}: quantized weights of mixture-of-experts models "
+                              f"({model.architecture}) are not implemented yet; serve it in a float dtype")
     return weight_dtype, compute_dtype, kv_dtype
 
 
