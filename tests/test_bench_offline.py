@@ -1,6 +1,7 @@
 """`jaxserve bench throughput` and `bench latency` on a tiny random model: the result fields and
 their arithmetic, exact output lengths, the iterations and percentiles, flag errors (exit 2)."""
 import json
+import types
 
 import pytest
 
@@ -70,6 +71,26 @@ def test_latency_iterations_and_percentiles(engine):
     for t, x, tpot in zip(result["ttfts"], lat, result["tpots"]):
         assert tpot == pytest.approx((x - t) / 3)
     assert "Avg latency" in "\n".join(latency.summary_lines(result))
+
+
+def test_sharegpt_prompts_are_text_counted_with_the_tokenizer(engine, tmp_path):
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "What is a fox?"}, {"from": "gpt", "value": "An animal."}]},
+        {"conversations": [{"from": "human", "value": "Only one turn"}]},  # skipped: no reply
+        {"conversations": [{"from": "human", "value": "Say hi"}, {"from": "gpt", "value": "Hi there, friend!"}]},
+    ]))
+    fv = types.SimpleNamespace(dataset_name="sharegpt", dataset_path=str(data), num_prompts=2, output_len=None,
+                               seed=0)
+    requests = throughput.sample_requests(fv, engine)
+    replies = {"What is a fox?": "An animal.", "Say hi": "Hi there, friend!"}
+    assert sorted(r.prompt for r in requests) == sorted(replies)
+    tok = engine.tokenizer
+    assert all(r.expected_output_len == len(tok.encode(replies[r.prompt], add_special_tokens=False))
+               for r in requests)
+    result = throughput.run_throughput(engine, requests)
+    assert result["total_output_tokens"] == sum(r.expected_output_len for r in requests)
+    assert result["total_prompt_tokens"] == sum(len(tok.encode(r.prompt)) for r in requests)
 
 
 def test_requests_over_the_context_are_refused(engine):

@@ -1,11 +1,12 @@
-"""`jaxserve bench latency`: the latency of one batch, in process (`vllm bench latency`).
+"""The latency of one batch, in process, as `vllm bench latency` measures it.
 
-Each iteration submits `--batch_size` random prompts of `--input_len` tokens (fresh ones each
-iteration, so the prefix cache never serves one) for exactly `--output_len` greedy tokens, and
-times the whole batch; `--num_iters_warmup` iterations run untimed first. The result has vLLM's
-fields (avg_latency, latencies, percentiles) plus per iteration the batch's TTFT (submission until
-every request of the batch has its first token) and TPOT (the rest of the iteration per later
-token), as percentiles in milliseconds.
+Each iteration of `jaxserve bench latency` submits `--batch_size` random prompts of
+`--input_len` tokens (fresh ones each iteration, so the prefix cache never serves one) for
+exactly `--output_len` greedy tokens, and times the whole batch; `--num_iters_warmup`
+iterations run untimed first. The result has vLLM's fields (avg_latency, latencies,
+percentiles) plus per iteration the batch's TTFT (submission until every request of the batch
+has its first token) and TPOT (the rest of the iteration per later token), as percentiles in
+milliseconds.
 """
 from __future__ import annotations
 

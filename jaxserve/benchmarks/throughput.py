@@ -1,10 +1,11 @@
-"""`jaxserve bench throughput`: offline throughput of an in-process engine (`vllm bench throughput`).
+"""Offline throughput of an in-process engine, as `vllm bench throughput` measures it.
 
-Every request of the dataset is submitted at once (greedy, ignore_eos: each gives exactly its
-output length) and the engine is stepped to completion; the time runs from the first submission
-to the last finish, after the engine's warm-up. The result has vLLM's fields (elapsed_time,
-num_requests, total_num_tokens, requests_per_second, tokens_per_second) plus the output tokens
-and where the steps' time went (decode, prefill and mixed steps; device and host seconds).
+`jaxserve bench throughput` submits every request of the dataset at once (greedy, ignore_eos:
+each gives exactly its output length) and steps the engine to completion; the time runs from
+the first submission to the last finish, after the engine's warm-up. The result has vLLM's
+fields (elapsed_time, num_requests, total_num_tokens, requests_per_second, tokens_per_second)
+plus the output tokens and where the steps' time went (decode, prefill and mixed steps; device
+and host seconds).
 """
 from __future__ import annotations
 
