@@ -5,6 +5,10 @@ Two workloads, greedy, ignore_eos, random token prompts (fixed seed):
   mixed: 128 requests, prompt and max_tokens drawn from 16..512 (the serving case). Hugging Face
          runs static batches in arrival order (each batch waits for its longest member);
          jaxserve batches continuously.
+The jaxserve half is `jaxserve bench throughput`'s timed run (jaxserve.benchmarks.throughput and
+offline: all requests submitted at once, warm-up excluded); its vLLM-named fields are in each
+workload's "bench_throughput". Use `jaxserve bench throughput` alone for jaxserve's figures on any
+dataset; this script adds the transformers side by side.
 Also: the f32 matmul FLOP/s jax reaches here for the step shapes, the FLOP/s jaxserve achieves,
 and where jaxserve's time goes (prefill, decode, mixed steps, host overhead).
 
@@ -56,8 +60,8 @@ def mixed_workload(num, min_len, max_len, vocab_size, seed):
 
 
 # ---- jaxserve ----------------------------------------------------------------------------------
-class StepRecorder:
-    """Collects the engine's StepRecords (a step listener) with each step's useful FLOPs."""
+class StepFlops:
+    """Each StepRecord of a run as a dict with the step's useful FLOPs."""
 
     def __init__(self, engine):
         cfg = engine.model_config
@@ -66,25 +70,24 @@ class StepRecorder:
                                                             + 3 * d * f)
         self.lm_head_flops_per_row = 2 * d * cfg.vocab_size
         self.attention_flops_per_pair = cfg.num_layers * 4 * cfg.q_size  # QK^T and PV, per (query, key)
-        self.steps: list[dict] = []
-        engine.add_step_listener(self._record)
 
-    def _record(self, record):
+    def step(self, record) -> dict:
         num_rows = record.num_decode_rows + record.num_prefill_rows
-        self.steps.append(dict(
+        return dict(
             kind=record.kind, num_decode=record.num_decode_rows, num_prefill_tokens=record.num_prefill_tokens,
             padded_tokens=record.num_padded_tokens,
             flops=(self.matmul_flops_per_token * record.num_tokens + self.lm_head_flops_per_row * num_rows
                    + self.attention_flops_per_pair * record.num_attention_pairs),
-            device_s=record.device_seconds, host_prep_s=record.pack_seconds, host_step_s=record.host_seconds))
+            device_s=record.device_seconds, host_prep_s=record.pack_seconds, host_step_s=record.host_seconds)
 
 
 def build_engine(model_dir, engine_kwargs):
     """(engine, timings dict). Timings: load, warm-up (compiles every step shape) and the first
-    request after warm-up (a step shape warm-up compiled with the fresh KV cache compiles again
-    once the cache is a step's output; the request absorbs that before anything is timed)."""
+    request after warm-up (`jaxserve bench throughput`'s: a step shape warm-up compiled with the
+    fresh KV cache compiles again once the cache is a step's output; the request absorbs that
+    before anything is timed)."""
     from checkpoints import load
-    from jaxserve.core.request import SamplingParams
+    from jaxserve.benchmarks import offline
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.executor import device_setup
 
@@ -98,31 +101,33 @@ def build_engine(model_dir, engine_kwargs):
     num_shapes = engine.runner.warmup()
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
-    engine.generate([list(range(100, 108))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    offline.warm_engine(engine)
     return engine, dict(load_s=load_s, warmup_s=warmup_s, num_step_shapes=num_shapes,
                         first_request_s=time.perf_counter() - start)
 
 
-def run_jaxserve(engine, recorder, workload):
-    from jaxserve.core.request import SamplingParams
+def run_jaxserve(engine, flops, workload):
+    """The workload through `jaxserve bench throughput`'s timed run (all requests at once, greedy,
+    ignore_eos): its result fields (`vllm` names) and this script's, with CPU time and FLOPs."""
+    from jaxserve.benchmarks import offline, throughput as throughput_bench
 
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in workload]
-    first_step = len(recorder.steps)
-    steps0, device0 = engine.num_steps, engine.time_in_steps
+    prompts = [p for p, _ in workload]
+    params = [offline.greedy_params(m) for _, m in workload]
+    offline.check_requests(engine, prompts, params)
     with common.CpuMeter() as meter:
-        results = engine.generate([p for p, _ in workload], params)
-    wall = meter.wall_s
+        run = offline.timed_generate(engine, prompts, params)
     if engine.allocator.num_used_pages:
         raise RuntimeError(f"{engine.allocator.num_used_pages} KV pages still used after generate")
-    steps = recorder.steps[first_step:]
-    out_tokens = sum(len(r.token_ids) for r in results)
+    bench = throughput_bench.throughput_result(run, [len(p) for p in prompts])
+    wall, out_tokens = run.elapsed_time, bench["total_output_tokens"]
     return dict(
         wall_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall, cpu_s=meter.cpu_s,
         output_tokens_per_cpu_s=out_tokens / meter.cpu_s, other_processes_cores=meter.other_cores,
-        prompt_tokens=sum(len(p) for p, _ in workload), num_steps=engine.num_steps - steps0,
-        device_s=engine.time_in_steps - device0, steps=steps,
-        ttft_s=common.summarize([r.ttft for r in results]), tpot_s=common.summarize([r.tpot for r in results]),
-        outputs=[r.token_ids for r in results])
+        prompt_tokens=bench["total_prompt_tokens"], num_steps=len(run.steps),
+        device_s=sum(s.device_seconds for s in run.steps), steps=[flops.step(s) for s in run.steps],
+        bench_throughput={k: v for k, v in bench.items() if k != "steps"},
+        ttft_s=common.summarize([r.ttft for r in run.results]),
+        tpot_s=common.summarize([r.tpot for r in run.results]), outputs=[r.token_ids for r in run.results])
 
 
 def time_breakdown(run):
@@ -259,7 +264,7 @@ def main(argv=None) -> int:
     engine_kwargs["enable_prefix_caching"] = False  # random prompts; repeated runs must not hit the cache
     info = common.machine_info(with_jax=True)
     engine, timings = build_engine(model_dir, engine_kwargs)
-    recorder = StepRecorder(engine)
+    flops_model = StepFlops(engine)
     cfg = engine.model_config
     print(common.machine_line(info))
     print(f"model {args.model}: {weights.num_params(cfg) / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
             workload = fixed_workload(*preset["fixed"], cfg.vocab_size, args.seed)
         else:
             workload = mixed_workload(*preset["mixed"], cfg.vocab_size, args.seed + 1)
-        run = run_jaxserve(engine, recorder, workload)
+        run = run_jaxserve(engine, flops_model, workload)
         rates = matmul_flops_per_s([s["padded_tokens"] for s in run["steps"]], cfg.hidden_size,
                                    cfg.intermediate_size)
         breakdown, flops = time_breakdown(run), flops_report(run, rates)

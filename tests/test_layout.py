@@ -23,8 +23,10 @@ LAYERS = [
     ("checkpoints",),
     ("jaxserve.engine", "jaxserve.async_engine"),
     ("serve",),
-    ("jaxserve.benchmarks",),  # the user benchmarks: an HTTP client, and in-process engine runs
     ("jaxserve.commands",),
+    # the user benchmarks, modes of `jaxserve bench`: an HTTP client, and in-process engine runs
+    # (with the engine flags of jaxserve.commands.engine_flags)
+    ("jaxserve.benchmarks",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
               "jaxserve.environment")
