@@ -325,7 +325,7 @@ async def _sweep(fv: flags.FlagValues, target: Target, settings: Settings) -> tu
         passed.append(sweep.level_meets_slos(result, metrics, settings.slos))
         _report_failures(result, f"{kind}={level:g}: ")
     best = sweep.best_level(settings.levels, passed)
-    key = f"max_{kind}_meeting_slo"
+    key = sweep.VERDICT_KEYS[kind]
     document = {"sweep": kind, "levels": level_results, key: int(best) if best is not None and kind ==
                 "max_concurrency" else best, "slo_definition": sweep.SLO_DEFINITION,
                 "goodput_slos_ms": dict(settings.slos)}

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.benchmarks.results import RequestMetrics, metric_values, percentile_ms
 
+VERDICT_KEYS = {"max_concurrency": "max_concurrency_meeting_slo", "request_rate": "max_request_rate_meeting_slo"}
 SLO_DEFINITION = ("the largest level at which every request completed and the P99 of each --goodput metric "
                   "(ttft, tpot, e2el) is within its SLO")
 
