@@ -27,7 +27,8 @@ def _annotated(ax, xs: Sequence, ys: Sequence, labels: Sequence[str], color: str
 
 def plot_sweep(rows: Sequence[dict], kind: str, path: str, title: str = "") -> str:
     """Writes the two panels for the sweep's `sweep.table_row`s to `path`; returns the path."""
-    try:  # matplotlib is optional (only --plot needs it), so it is imported here
+    try:
+        # matplotlib is optional (only --plot needs it), so it is imported here
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # after choosing the file-only backend
