@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxserve.benchmarks import runner, sweep
 from jaxserve.benchmarks.client import RequestRecord
@@ -26,19 +27,18 @@ from jaxserve.benchmarks.results import (parse_goodput, parse_metric_names, pars
 from jaxserve.benchmarks.server_metrics import step_metrics_delta
 from jaxserve.commands import cli
 
-STEP_METRICS = """# HELP jaxserve_step_host_gap_seconds Host time between steps.
-# TYPE jaxserve_step_host_gap_seconds histogram
-jaxserve_step_host_gap_seconds_bucket{{le="0.01"}} {count}
-jaxserve_step_host_gap_seconds_bucket{{le="+Inf"}} {count}
-jaxserve_step_host_gap_seconds_count {count}
-jaxserve_step_host_gap_seconds_sum {sum}
-# HELP jaxserve_step_bandwidth_utilization Fraction of the memory bandwidth.
-# TYPE jaxserve_step_bandwidth_utilization gauge
-jaxserve_step_bandwidth_utilization 0.5
-# HELP other_requests_total Not a step metric.
-# TYPE other_requests_total counter
-other_requests_total 7.0
-"""
+def step_metrics_text(steps: int) -> str:
+    """A server's /metrics after `steps` steps, as prometheus_client writes it."""
+    registry = CollectorRegistry()
+    gap = Histogram("jaxserve_step_host_gap_seconds", "Host time between steps.", registry=registry)
+    device = Counter("jaxserve_step_device_seconds", "Device time by kind.", ["kind"], registry=registry)
+    Gauge("jaxserve_step_bandwidth_utilization", "Fraction of the bandwidth.", registry=registry).set(0.5)
+    Counter("other_requests", "Not a step metric.", registry=registry).inc(7)
+    for _ in range(steps):
+        gap.observe(0.002)
+    device.labels(kind="decode").inc(steps)
+    device.labels(kind="prefill").inc(1.5)
+    return generate_latest(registry).decode()
 
 
 class FakeOpenAI:
@@ -75,7 +75,7 @@ class FakeOpenAI:
     async def _metrics(self, request):
         if not self.metrics:
             raise web.HTTPNotFound()
-        return web.Response(text=STEP_METRICS.format(count=self.served, sum=0.002 * self.served))
+        return web.Response(text=step_metrics_text(self.served))
 
     async def _stream(self, request):
         self.arrivals.append(time.perf_counter())
@@ -218,10 +218,13 @@ def test_sweep_verdict_and_cost():
 
 
 def test_step_metrics_delta():
-    before, after = STEP_METRICS.format(count=2, sum=0.004), STEP_METRICS.format(count=6, sum=0.012)
-    section = step_metrics_delta(before, after)
+    section = step_metrics_delta(step_metrics_text(2), step_metrics_text(6))
     assert section["jaxserve_step_host_gap_seconds"] == pytest.approx({"sum": 0.008, "count": 4, "mean": 0.002})
     assert section["jaxserve_step_bandwidth_utilization"] == {"value": 0.5}
+    device = section["jaxserve_step_device_seconds"]
+    assert device["delta"] == pytest.approx(4)
+    assert device["by_labels"] == {"kind=decode": {"delta": 4.0}, "kind=prefill": {"delta": 0.0}}  # whole and 1.5
+    assert not any(name.endswith("_created") for name in section)
     assert "other_requests" not in section and "other_requests_total" not in section
     assert step_metrics_delta("other_requests_total 1\n", "other_requests_total 2\n") is None
     assert step_metrics_delta(None, None) is None
