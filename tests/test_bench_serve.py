@@ -286,6 +286,8 @@ def test_server_down_is_one_line_and_exit_2(capsys):
         assert bench(f"http://127.0.0.1:{port}", "--num_prompts=2") == 2
     err = capsys.readouterr().err
     assert "cannot reach" in err and "is the server running" in err and "Traceback" not in err
+    assert bench("localhost:8000", "--num_prompts=2") == 2
+    assert "is not an http(s) URL" in capsys.readouterr().err
 
 
 def test_rejected_requests_fail_with_their_message(fake, tmp_path, capsys):
@@ -339,6 +341,8 @@ def test_bad_flags_exit_2(fake, capsys):
     assert bench(url, "--dataset_name=sharegpt") == 2
     assert bench(url, "--plot=x.png") == 2
     assert bench(url, "--sweep_max_concurrency=1,2.5") == 2
+    assert bench(url, "--sweep_max_concurrency=1,2", "--max_concurrency=4") == 2
+    assert bench(url, "--sweep_max_concurrency=1", "--sweep_request_rate=1") == 2
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -378,3 +382,42 @@ def test_request_rate_sweep(fake, tmp_path, capsys):
     assert document["sweep"] == "request_rate" and document["max_request_rate_meeting_slo"] == 80
     assert [lv["request_rate"] for lv in document["levels"]] == [40, 80]
     assert "max_concurrency_meeting_slo" not in document and png.stat().st_size > 0
+
+
+def test_against_jaxserves_own_server(tmp_path):
+    """jaxserve's HTTP server (serve.app) on the tests' deterministic FakeEngine: the real SSE
+    framing, usage chunk and /v1/models, without a model."""
+    from serve.app import ServerConfig  # the server's modules load in seconds: only this test needs them
+    from tests.test_server import FakeEngine, LiveServer  # the same reason
+    server = LiveServer(FakeEngine(token_delay_s=0.002), ServerConfig(drain_timeout_s=5.0))
+    try:
+        url, out = f"http://127.0.0.1:{server.port}", tmp_path / "r.json"
+        assert bench(url, "--num_prompts=4", "--random_input_len=6", "--random_output_len=5",
+                     "--random_vocab_size=200", "--max_concurrency=2", "--save_detailed", f"--result_json={out}") == 0
+        result = json.loads(out.read_text())
+        assert (result["completed"], result["failed"], result["model_id"]) == (4, 0, "fake-model")
+        assert result["output_token_source"] == "usage" and result["output_lens"] == [5] * 4
+        assert result["total_input_tokens"] == 24 and all(len(itl) >= 1 for itl in result["itls"])
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt": "hi there", "output_tokens": 3}\n')
+        assert bench(url, "--endpoint=chat", "--dataset_name=jsonl", f"--dataset_path={prompts}", "--num_prompts=2",
+                     "--ignore_eos", f"--result_json={out}") == 0
+        result = json.loads(out.read_text())
+        assert result["completed"] == 2 and result["total_output_tokens"] == 6
+        assert server.engine.params[-1].ignore_eos and server.engine.params[-1].max_tokens == 3
+    finally:
+        server.close()
+
+
+def test_tokenizer_decodes_random_prompts_and_counts_output(fake, tmp_path, capsys):
+    from tests.test_server import byte_tokenizer  # transformers loads in seconds: only this test needs it
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    server, out = fake(usage=False), tmp_path / "r.json"
+    assert bench(server.url, "--endpoint=chat", f"--tokenizer={tmp_path / 'tok'}", "--num_prompts=2",
+                 "--random_input_len=10", "--random_output_len=3", f"--result_json={out}") == 0
+    assert isinstance(server.bodies[0]["messages"][0]["content"], str)
+    result = json.loads(out.read_text())
+    assert result["output_token_source"] == "tokenizer" and result["input_token_source"] == "tokenizer"
+    assert result["total_output_tokens"] == 2 * 6  # "ab" x 3 chunks: six byte tokens each, not three chunks
+    assert bench(server.url, f"--tokenizer={tmp_path / 'nothing'}", "--num_prompts=1") == 2
+    assert "--tokenizer=" in capsys.readouterr().err

@@ -169,7 +169,7 @@ async def probe(session: aiohttp.ClientSession, base_url: str) -> list[str]:
                 listing = await response.json(content_type=None)
             except ValueError:
                 return []
-    except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise ServerUnreachable(f"cannot reach {base_url}: {e or type(e).__name__} (is the server running?)") from None
     data = listing.get("data") if isinstance(listing, dict) else None
     return [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+import urllib.parse
 
 import aiohttp
 from absl import flags
@@ -139,6 +140,9 @@ def _levels(text: str, kind: str) -> list[float]:
 
 def settings_from_flags(fv: flags.FlagValues) -> Settings:
     """Parses the flags that need it; ValueError with a message naming the flag."""
+    url = urllib.parse.urlsplit(fv.base_url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise ValueError(f"--base_url={fv.base_url} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
     if fv.dataset_name != "random" and not fv.dataset_path:
         raise ValueError(f"--dataset_name={fv.dataset_name} needs --dataset_path")
     if not 0 <= fv.random_range_ratio < 1:
@@ -147,6 +151,8 @@ def settings_from_flags(fv: flags.FlagValues) -> Settings:
         raise ValueError("--request_rate and --burstiness must be > 0")
     if fv.sweep_max_concurrency and fv.sweep_request_rate:
         raise ValueError("give one of --sweep_max_concurrency or --sweep_request_rate")
+    if fv.sweep_max_concurrency and fv.max_concurrency is not None:
+        raise ValueError("give one of --max_concurrency or --sweep_max_concurrency")
     kind = "max_concurrency" if fv.sweep_max_concurrency else "request_rate" if fv.sweep_request_rate else None
     if fv.plot and kind is None:
         raise ValueError("--plot needs a sweep (--sweep_max_concurrency or --sweep_request_rate)")
@@ -364,9 +370,9 @@ def run(fv: flags.FlagValues) -> int:
     try:
         settings = settings_from_flags(fv)
         return asyncio.run(_bench(fv, settings))
-    except ServerUnreachable as e:
+    except (ServerUnreachable, ValueError, OSError, plot.PlotError) as e:  # DatasetError is a ValueError
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    except (ValueError, OSError, plot.PlotError) as e:  # DatasetError is a ValueError
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
