@@ -325,7 +325,7 @@ async def _sweep(fv: flags.FlagValues, target: Target, settings: Settings) -> tu
         concurrency = int(level) if kind == "max_concurrency" else fv.max_concurrency
         rate = level if kind == "request_rate" else fv.request_rate
         result, metrics = await run_level(fv, target, settings, concurrency, rate)
-        result["level"] = level
+        result["level"] = int(level) if kind == "max_concurrency" else level
         level_results.append(result)
         rows.append(sweep.table_row(level, result, metrics))
         passed.append(sweep.level_meets_slos(result, metrics, settings.slos))
