@@ -102,7 +102,9 @@ def test_host_modules_do_not_import_jax():
     host = [module_name(p) for p in project_modules()
             if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]
     host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning",
-             "jaxserve.benchmarks.datasets"]
+             "jaxserve.benchmarks.datasets", "jaxserve.benchmarks.client", "jaxserve.benchmarks.results",
+             "jaxserve.benchmarks.runner", "jaxserve.benchmarks.sweep", "jaxserve.benchmarks.plot",
+             "jaxserve.benchmarks.server_metrics", "jaxserve.benchmarks.serve"]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {host!r}]; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -118,20 +118,23 @@ def sharegpt_requests(path: str, num_prompts: int, *, tokenizer: Tokenizer | Non
     `max_prompt_len` tokens, as vLLM's sharegpt dataset does."""
     rows = _read_json_lines(path)
     random.Random(seed).shuffle(rows)
-    requests = []
+    requests, too_long = [], 0
     for number, item in rows:
         turns = _sharegpt_turns(path, number, item)
         if turns is None or not turns[0].strip() or not turns[1].strip():
             continue
         prompt_len = _count(tokenizer, turns[0])
         if max_prompt_len is not None and prompt_len > max_prompt_len:
+            too_long += 1
             continue
         requests.append(SampleRequest(turns[0], prompt_len, output_len or max(1, _count(tokenizer, turns[1]))))
         if len(requests) == num_prompts:
             return requests
-    if not requests:
+    skipped = f" ({too_long} left out: prompts over {max_prompt_len} tokens)" if too_long else ""
+    if not requests and not too_long:
         raise DatasetError(f"{path}: no usable conversation (each needs a first turn and a reply)")
-    raise DatasetError(f"{path}: {len(requests)} usable conversations, fewer than --num_prompts={num_prompts}")
+    raise DatasetError(f"{path}: {len(requests)} usable conversations{skipped}, fewer than "
+                       f"--num_prompts={num_prompts}")
 
 
 def jsonl_requests(path: str, num_prompts: int, *, tokenizer: Tokenizer | None = None,
