@@ -150,13 +150,15 @@ class ServerProcess:
 
     Use as a context manager: it waits until /health answers 200 (warm-up compiles every step
     shape first, so this can take minutes on a CPU) and stops the server (SIGTERM, then SIGKILL)
-    on exit. The server's output goes to `log_path`.
+    on exit. The server's output goes to `log_path`. `command(port)`, when given, is another
+    server's command line (e.g. llama.cpp's llama-server) run the same way instead of jaxserve.
     """
 
     def __init__(self, model: str, extra_args: Sequence[str] = (), *, log_path: str | None = None,
-                 start_timeout_s: float = 900.0):
+                 start_timeout_s: float = 900.0, command=None):
         self.model = model
         self.extra_args = list(extra_args)
+        self.command = command
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or os.path.join(
@@ -173,8 +175,9 @@ class ServerProcess:
         import subprocess
         import time
 
-        command = [sys.executable, "-m", "jaxserve.commands.cli", "serve", f"--model={self.model}", "--host=127.0.0.1",
-                   f"--port={self.port}", *self.extra_args]
+        command = self.command(self.port) if self.command is not None else [
+            sys.executable, "-m", "jaxserve.commands.cli", "serve", f"--model={self.model}", "--host=127.0.0.1",
+            f"--port={self.port}", *self.extra_args]
         self._log = open(self.log_path, "w")
         start = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)

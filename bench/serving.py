@@ -1,254 +1,206 @@
-"""Serving load generator: streaming /v1/completions at several concurrency levels.
+"""Serving side by side: `jaxserve bench serve` against jaxserve and llama.cpp's server, with
+transformers on the same prompts.
 
-For each level, `--num_requests` requests (default 4 x concurrency, at least 8) are sent by that
-many concurrent clients; each streams its completion (stream_options.include_usage) and the
-client times the chunks. Reported per level: request throughput, output tokens/s, TTFT, TPOT,
-ITL and end-to-end latency (mean, P50, P99, in ms), failed requests. JSON report, a printed table
-and, when matplotlib is installed, a PNG of throughput and P99 TTFT against concurrency.
+The prompts are drawn once: `--num_prompts` random token sequences of `--input_len` tokens decoded
+to text with the model's tokenizer, each asking for `--output_len` tokens (ignore_eos), written as a
+JSONL file. Every server then gets that file through `jaxserve bench serve --dataset_name=jsonl`,
+one run per `--concurrency` level (its sweep, SLO verdict and plot), one server at a time so each
+has the machine to itself:
+  jaxserve     `jaxserve serve --model=M` (with --launch; --url: a server already running);
+  llama.cpp    its llama-server on the model's GGUF, when built (`make llama-server`) or given with
+               --llama_server (only for a model converted from a GGUF: the default SmolLM2 is);
+  transformers with --hf: the same prompts one at a time in this process, float32 (TTFT: one
+               forward of the prompt; TPOT: one forward per token with the KV cache).
+Reported: each server's sweep table, and at concurrency 1 the median TTFT and TPOT of each engine
+with their ratio to transformers'.
 
-  python bench/serving.py --launch --model=smollm2 --out=bench/out/serving.json
-  python bench/serving.py --url=http://127.0.0.1:8000 --concurrency=1,8 --prompts=random --input_len=256
+  python bench/serving.py --launch --hf --out=bench/out/serving.json
+  python bench/serving.py --url=http://127.0.0.1:8000 --concurrency=1,8 --input_len=256
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import shlex
+import statistics
+import subprocess
 import sys
-import time
-
-import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-CHAT_PROMPTS = [
-    "Explain in simple terms how a refrigerator keeps food cold.",
-    "Write a short poem about the first snow of winter.",
-    "What are three tips for staying focused while studying?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "How do I make a simple tomato sauce for pasta?",
-    "Describe the water cycle to a ten-year-old.",
-    "What is the difference between a virus and a bacterium?",
-    "Give me a packing list for a weekend camping trip.",
-    "Why is the sky blue during the day and red at sunset?",
-    "Write a friendly email inviting a colleague to lunch.",
-    "List some good habits for writing clean Python code.",
-    "What should I consider before adopting a dog?",
-    "Explain what a prime number is, with examples.",
-    "Tell me a short story about a robot who learns to paint.",
-    "How does compound interest work?",
-    "What are the main causes of ocean tides?",
-]
-RANDOM_TOKEN_RANGE = (100, 5000)  # inside the vocabulary of every Llama-family tokenizer
+LLAMA_SERVER = os.path.join(common.REPO_ROOT, ".peers", "llama.cpp", "build", "bin", "llama-server")
 
 
-def build_prompts(kind: str, num: int, input_len: int, seed: int) -> list:
-    """Chat prompts as text (cycled) or random token-id prompts of `input_len` tokens."""
-    rng = random.Random(seed)
-    if kind == "chat":
-        return [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(num)]
-    return [[rng.randrange(*RANDOM_TOKEN_RANGE) for _ in range(input_len)] for _ in range(num)]
+def write_prompts(args, path: str) -> list[dict]:
+    """The prompts every engine gets, as `bench serve`'s JSONL lines {"prompt", "output_tokens"}."""
+    from checkpoints.load import load_tokenizer
+    from jaxserve.benchmarks import datasets
+    from checkpoints.default_model import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    if tokenizer is None:
+        raise RuntimeError(f"{args.model} has no tokenizer: the side-by-side run needs text prompts")
+    samples = datasets.random_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
+                                       tokenizer=tokenizer)
+    lines = [{"prompt": s.prompt, "output_tokens": s.expected_output_len} for s in samples]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return lines
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, prompt, max_tokens: int, *,
-                            ignore_eos: bool = True, temperature: float = 0.0) -> dict:
-    """One streaming completion. Returns its timings (seconds since its own start) and outcome:
-    ok, error (message), completion_tokens, ttft, itl (gaps between text chunks), tpot, e2e."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-    result = dict(ok=False, error=None, completion_tokens=0, ttft=None, itl=[], tpot=None, e2e=None,
-                  finish_reason=None)
-    start = time.perf_counter()
-    chunk_times: list[float] = []
-    done = False
-    async with session.post(url + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            text = await response.text()
-            try:
-                text = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            result["error"] = f"HTTP {response.status}: {text}"
-            return result
-        async for line in response.content:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            event = json.loads(payload)
-            if "error" in event:
-                result["error"] = f"error event: {event['error'].get('message')}"
-                return result
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    chunk_times.append(time.perf_counter() - start)
-                if choice.get("finish_reason"):
-                    result["finish_reason"] = choice["finish_reason"]
-            if event.get("usage"):
-                result["completion_tokens"] = event["usage"]["completion_tokens"]
-    result["e2e"] = time.perf_counter() - start
-    if not done or result["finish_reason"] is None:
-        result["error"] = "the stream ended without a finish_reason and [DONE]"
-        return result
-    result["ok"] = True
-    if chunk_times:
-        result["ttft"] = chunk_times[0]
-        result["itl"] = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-        if result["completion_tokens"] > 1:
-            result["tpot"] = (chunk_times[-1] - chunk_times[0]) / (result["completion_tokens"] - 1)
-    return result
+def bench_serve(args, url: str, prompts_path: str, out_prefix: str) -> dict:
+    """`jaxserve bench serve` over the prompts at every level; its result JSON (a sweep)."""
+    result_path, plot_path = out_prefix + ".json", out_prefix + ".png"
+    command = [sys.executable, "-m", "jaxserve.commands.cli", "bench", "serve", f"--base_url={url}",
+               "--dataset_name=jsonl", f"--dataset_path={prompts_path}", f"--num_prompts={args.num_prompts}",
+               f"--sweep_max_concurrency={args.concurrency}", "--ignore_eos", "--num_warmups=1",
+               f"--tokenizer={args.model}", "--metric_percentiles=50,99", f"--result_json={result_path}",
+               f"--plot={plot_path}", "--disable_tqdm", f"--request_timeout_s={args.timeout_s}"]
+    if args.goodput:
+        command.append(f"--goodput={args.goodput}")
+    run = subprocess.run(command, cwd=common.REPO_ROOT, capture_output=True, text=True)
+    sys.stderr.write(run.stderr[-2000:])
+    if run.returncode not in (0, 1) or not os.path.isfile(result_path):  # 1: some requests failed
+        raise RuntimeError(f"jaxserve bench serve exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+    print(run.stdout)
+    with open(result_path) as f:
+        return json.load(f)
 
 
-async def run_level(url: str, prompts: list, concurrency: int, max_tokens: int, timeout_s: float) -> dict:
-    """Sends every prompt with `concurrency` clients; returns the level's summary."""
-    results: list[dict] = []
-    next_index = 0
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def client(session):
-        nonlocal next_index
-        while next_index < len(prompts):
-            prompt = prompts[next_index]
-            next_index += 1
-            try:
-                results.append(await stream_completion(session, url, prompt, max_tokens))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                results.append(dict(ok=False, error=f"{type(e).__name__}: {e}", completion_tokens=0, itl=[]))
-
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-        duration = time.perf_counter() - start
-    ok = [r for r in results if r["ok"]]
-    output_tokens = sum(r["completion_tokens"] for r in ok)
-    return dict(
-        concurrency=concurrency, num_requests=len(results), completed=len(ok), failed=len(results) - len(ok),
-        errors=sorted({r["error"] for r in results if not r["ok"]})[:5], duration_s=duration,
-        request_throughput=len(ok) / duration, output_tokens=output_tokens,
-        output_tokens_per_s=output_tokens / duration,
-        ttft_ms=common.summarize([r["ttft"] for r in ok], 1e3),
-        tpot_ms=common.summarize([r["tpot"] for r in ok], 1e3),
-        itl_ms=common.summarize([gap for r in ok for gap in r["itl"]], 1e3),
-        e2e_ms=common.summarize([r["e2e"] for r in ok], 1e3))
-
-
-async def run_all(url: str, args) -> list[dict]:
-    warmup = build_prompts(args.prompts, 1, min(args.input_len, 16), args.seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout_s)) as session:
-        await stream_completion(session, url, warmup[0], 2)  # not timed
-    levels = []
-    for concurrency in args.concurrency:
-        num = args.num_requests or max(8, 4 * concurrency)
-        prompts = build_prompts(args.prompts, num, args.input_len, args.seed + concurrency)
-        level = await run_level(url, prompts, concurrency, args.output_len, args.timeout_s)
-        print(f"concurrency {concurrency}: {level['completed']}/{level['num_requests']} ok, "
-              f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr, flush=True)
-        levels.append(level)
-    return levels
-
-
-def print_table(levels: list[dict]) -> None:
-    rows = []
-    for lv in levels:
-        row = {k: lv[k] for k in ("concurrency", "completed", "failed", "request_throughput", "output_tokens_per_s")}
-        for metric in ("ttft", "tpot", "itl", "e2e"):
-            for stat in ("mean", "p50", "p99"):
-                row[f"{metric}_{stat}"] = lv[f"{metric}_ms"][stat]
-        rows.append(row)
-    columns = [("concurrency", "conc", "d"), ("completed", "ok", "d"), ("failed", "fail", "d"),
-               ("request_throughput", "req/s", ".2f"), ("output_tokens_per_s", "out tok/s", ".1f")]
-    for metric in ("ttft", "tpot", "itl", "e2e"):
-        columns += [(f"{metric}_{s}", f"{metric.upper()} {s} ms", ".0f") for s in ("mean", "p50", "p99")]
-    print(common.format_table(rows, columns))
-
-
-def plot(levels: list[dict], path: str) -> str | None:
-    """Output tokens/s and P99 TTFT against concurrency; None when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def llama_server_command(args, model_dir: str):
+    """llama-server's command line on the GGUF `model_dir` was converted from; None without one."""
+    path = args.llama_server or (LLAMA_SERVER if os.path.isfile(LLAMA_SERVER) else None)
+    if path is None:
         return None
-    xs = [lv["concurrency"] for lv in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker="o")
-    left.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
-    right.plot(xs, [lv["ttft_ms"]["p99"] for lv in levels], marker="o", color="tab:red")
-    right.set(xlabel="concurrency", ylabel="ms", title="P99 time to first token")
-    for ax in (left, right):
-        ax.set_xticks(xs)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    with open(os.path.join(model_dir, "jaxserve.json")) as f:
+        source = json.load(f)["source"]
+    if not source.endswith(".gguf"):
+        print(f"llama.cpp skipped: {args.model} was not converted from a GGUF", file=sys.stderr)
+        return None
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"--llama_server={path} is not an executable (build it with `make llama-server`)")
+    parallel = max(int(level) for level in args.concurrency.split(","))
+    context = parallel * (args.input_len + args.output_len + 64)  # llama-server splits -c over its slots
+    return lambda port: [path, "-m", source, "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
+                         "-np", str(parallel), "-t", str(os.cpu_count() or 1)]
+
+
+def hf_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
+    """transformers on the same prompts, one at a time: TTFT and TPOT medians in ms."""
+    from bench.hf_baseline import load_hf_model
+    from bench.single_stream import hf_request
+    from checkpoints.load import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model, _ = load_hf_model(model_dir)
+    ttfts, tpots = [], []
+    for line in prompts:
+        ttft, token_times, _ = hf_request(model, tokenizer.encode(line["prompt"]), line["output_tokens"])
+        ttfts.append(ttft * 1e3)
+        tpots.append(statistics.median(token_times) * 1e3)
+    return {"median_ttft_ms": statistics.median(ttfts), "median_tpot_ms": statistics.median(tpots),
+            "num_prompts": len(prompts)}
+
+
+def single_stream_row(name: str, sweep: dict) -> dict | None:
+    """The engine's concurrency-1 level: median TTFT and TPOT (ms)."""
+    for level in sweep["levels"]:
+        if level.get("level") == 1:
+            return {"engine": name, "median_ttft_ms": level.get("median_ttft_ms"),
+                    "median_tpot_ms": level.get("median_tpot_ms")}
+    return None
+
+
+def comparison(rows: list[dict], hf: dict | None) -> str:
+    """The concurrency-1 table, with ratios to transformers when it ran."""
+    if hf is not None:
+        rows = rows + [{"engine": "transformers", **{k: hf[k] for k in ("median_ttft_ms", "median_tpot_ms")}}]
+        for row in rows:
+            row["ttft_vs_hf"] = row["median_ttft_ms"] / hf["median_ttft_ms"] if row["median_ttft_ms"] else None
+            row["tpot_vs_hf"] = row["median_tpot_ms"] / hf["median_tpot_ms"] if row["median_tpot_ms"] else None
+    columns = [("engine", "engine", "s"), ("median_ttft_ms", "TTFT p50 ms", ".0f"),
+               ("median_tpot_ms", "TPOT p50 ms", ".1f")]
+    if hf is not None:
+        columns += [("ttft_vs_hf", "TTFT / hf", ".2f"), ("tpot_vs_hf", "TPOT / hf", ".2f")]
+    return common.format_table(rows, columns)
+
+
+def run_servers(args, out_dir: str, prompts_path: str) -> dict:
+    """Every server's sweep, by engine name."""
+    from checkpoints.default_model import resolve_model
+
+    sweeps = {}
+    if args.url:
+        sweeps["jaxserve"] = bench_serve(args, args.url.rstrip("/"), prompts_path, os.path.join(out_dir, "serving"))
+        return sweeps
+    with common.ServerProcess(args.model, shlex.split(args.server_args)) as server:
+        print(f"jaxserve up on {server.url} after {server.start_seconds:.1f}s", file=sys.stderr, flush=True)
+        sweeps["jaxserve"] = bench_serve(args, server.url, prompts_path, os.path.join(out_dir, "serving"))
+    command = llama_server_command(args, resolve_model(args.model))
+    if command is not None:
+        with common.ServerProcess(args.model, command=command) as server:
+            print(f"llama.cpp up on {server.url} after {server.start_seconds:.1f}s", file=sys.stderr, flush=True)
+            sweeps["llama.cpp"] = bench_serve(args, server.url, prompts_path, os.path.join(out_dir, "serving_llama_cpp"))
+    return sweeps
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--launch", action="store_true", help="start `jaxserve serve` on a free loopback port")
-    parser.add_argument("--model", default="smollm2", help="with --launch: the model to serve")
+    target.add_argument("--url", help="a running jaxserve server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--launch", action="store_true", help="start each server on a free loopback port")
+    parser.add_argument("--model", default="smollm2", help="the model (served with --launch; its tokenizer, GGUF)")
     parser.add_argument("--server_args", default="", help="with --launch: extra `jaxserve serve` flags")
-    parser.add_argument("--concurrency", default="1,8,16,32", help="comma list of concurrency levels")
-    parser.add_argument("--num_requests", type=int, default=0, help="per level (default 4 x concurrency, >= 8)")
-    parser.add_argument("--prompts", choices=["chat", "random"], default="chat",
-                        help="built-in chat prompts (text) or random token-id prompts of --input_len")
-    parser.add_argument("--input_len", type=int, default=128, help="tokens per random prompt")
-    parser.add_argument("--output_len", type=int, default=64, help="max_tokens (ignore_eos: all of them)")
+    parser.add_argument("--llama_server", default=None, help=f"llama-server binary (default: {LLAMA_SERVER} if built)")
+    parser.add_argument("--hf", action="store_true", help="transformers on the same prompts, one at a time")
+    parser.add_argument("--concurrency", default="1,4,8", help="comma list of max_concurrency levels")
+    parser.add_argument("--num_prompts", type=int, default=16, help="prompts (the same set at every level)")
+    parser.add_argument("--input_len", type=int, default=500, help="tokens per random prompt")
+    parser.add_argument("--output_len", type=int, default=64, help="output tokens (ignore_eos: all of them)")
+    parser.add_argument("--goodput", default=None, help="SLOs for bench serve, e.g. ttft:800,tpot:80")
     parser.add_argument("--timeout_s", type=float, default=600.0, help="per request")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON report path")
-    parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
+    parser.add_argument("--out", default="bench/out/serving.json", help="JSON report (results beside it)")
     args = parser.parse_args(argv)
     try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         parser.error(f"--concurrency must be a comma list of integers, got {args.concurrency!r}")
-    if not args.concurrency or min(args.concurrency) < 1:
+    if not levels or min(levels) < 1:
         parser.error("--concurrency levels must be >= 1")
-    for name in ("input_len", "output_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+    if min(args.input_len, args.output_len, args.num_prompts) < 1 or args.output_len < 2:
+        parser.error("--input_len, --num_prompts >= 1 and --output_len >= 2")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = dict(machine=common.machine_info(), prompts=args.prompts, input_len=args.input_len,
-                  output_len=args.output_len)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    report = dict(machine=common.machine_info(), input_len=args.input_len, output_len=args.output_len,
+                  num_prompts=args.num_prompts, concurrency=args.concurrency)
+    prompts_path = os.path.join(out_dir, "serving_prompts.jsonl")
     try:
-        if args.launch:
-            with common.ServerProcess(args.model, shlex.split(args.server_args)) as server:
-                print(f"server up on {server.url} after {server.start_seconds:.1f}s", file=sys.stderr, flush=True)
-                report.update(server=dict(model=args.model, args=args.server_args, start_s=server.start_seconds))
-                levels = asyncio.run(run_all(server.url, args))
-        else:
-            report.update(server=dict(url=args.url))
-            levels = asyncio.run(run_all(args.url.rstrip("/"), args))
-    except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+        prompts = write_prompts(args, prompts_path)
+        report["servers"] = run_servers(args, out_dir, prompts_path)
+    except (RuntimeError, ValueError, OSError) as e:
         print(f"serving: {e}", file=sys.stderr)
         return 2
+    if args.hf:
+        from checkpoints.default_model import resolve_model
+        report["transformers"] = hf_single_stream(args, resolve_model(args.model), prompts)
+    rows = [row for name, sweep in report["servers"].items() if (row := single_stream_row(name, sweep))]
     report["machine_line"] = common.machine_line(report["machine"])
-    report["levels"] = levels
     print(report["machine_line"])
-    print_table(levels)
+    print(f"one request at a time ({args.input_len}-token prompts, {args.output_len} tokens):")
+    print(comparison(rows, report.get("transformers")))
+    report["single_stream"] = rows
     common.write_json(args.out, report)
-    plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
-    if plot_path:
-        written = plot(levels, plot_path)
-        print(f"plot: {written}" if written else "plot skipped: matplotlib is not installed", file=sys.stderr)
-    return 1 if any(lv["failed"] for lv in levels) else 0
+    failed = any(level.get("failed") for sweep in report["servers"].values() for level in sweep["levels"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -36,8 +36,21 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common, serving  # noqa: E402
+from bench import common  # noqa: E402
 from bench.hostile import Hostile  # noqa: E402
+from jaxserve.benchmarks import client  # noqa: E402
+
+CHAT_PROMPTS = [
+    "Explain in simple terms how a refrigerator keeps food cold.",
+    "Write a short poem about the first snow of winter.",
+    "What are three tips for staying focused while studying?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a simple tomato sauce for pasta?",
+    "Describe the water cycle to a ten-year-old.",
+    "What is the difference between a virus and a bacterium?",
+    "Give me a packing list for a weekend camping trip.",
+]
+RANDOM_TOKEN_RANGE = (100, 5000)  # inside the vocabulary of every Llama-family tokenizer
 
 CHAT_PROMPT_TOKENS = 64  # more than any built-in chat prompt takes
 # Every sample carries the served model's name (model_name="..."); "unlabelled" means no other label.
@@ -114,6 +127,7 @@ class Soak:
         self.samples: list[dict] = []
         self.output_tokens = 0
         self.max_model_len: int | None = None  # read from /v1/models: requests must fit in it
+        self.model = ""  # the served model's id, from /v1/models
         self.server_finished: dict[str, float] = {}  # the server's count of finished requests by reason
         self.server_http_status: dict[str, float] = {}
         self.server_5xx = 0.0
@@ -125,11 +139,11 @@ class Soak:
         a = self.args
         room = self.max_model_len or 1 << 30
         if self.rng.random() < 0.5:
-            prompt = self.rng.choice(serving.CHAT_PROMPTS)
+            prompt = self.rng.choice(CHAT_PROMPTS)
             room -= CHAT_PROMPT_TOKENS
         else:
             length = min(self.rng.randint(a.min_input_len, a.max_input_len), room // 2)
-            prompt = [self.rng.randrange(*serving.RANDOM_TOKEN_RANGE) for _ in range(length)]
+            prompt = [self.rng.randrange(*RANDOM_TOKEN_RANGE) for _ in range(length)]
             room -= length
         max_tokens = max(1, min(self.rng.randint(a.min_output_len, a.max_output_len), room - 1))
         hang_up = self.rng.uniform(0.05, a.max_disconnect_s) if self.rng.random() < a.disconnect_fraction else None
@@ -138,22 +152,21 @@ class Soak:
     async def client(self, session: aiohttp.ClientSession, deadline: float) -> None:
         while time.monotonic() < deadline:
             prompt, max_tokens, hang_up = self.next_request()
-            request = serving.stream_completion(session, self.url, prompt, max_tokens)
+            spec = client.RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else 0, max_tokens)
+            body = client.request_body("completions", self.model, spec, temperature=0.0, ignore_eos=True)
+            request = client.send(session, self.url + "/v1/completions", "completions", body, spec.prompt_len)
             try:
-                result = await asyncio.wait_for(request, hang_up) if hang_up else await request
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                if hang_up is not None and isinstance(e, asyncio.TimeoutError) and \
-                        not isinstance(e, aiohttp.ClientError):
-                    self.counts["disconnected"] += 1  # wait_for closed the connection mid-request
-                    continue
-                result = dict(ok=False, error=f"{type(e).__name__}: {e}")
-            if result["ok"]:
+                record = await asyncio.wait_for(request, hang_up) if hang_up else await request
+            except asyncio.TimeoutError:  # only wait_for's: the client's own timeout is kept in the record
+                self.counts["disconnected"] += 1  # wait_for closed the connection mid-request
+                continue
+            if record.ok:
                 self.counts["completed"] += 1
-                self.output_tokens += result["completion_tokens"]
+                self.output_tokens += record.usage_completion_tokens or 0
             else:
                 self.counts["failed"] += 1
                 if len(self.errors) < 10:
-                    self.errors.append(result["error"])
+                    self.errors.append(record.error)
 
     async def sampler(self, session: aiohttp.ClientSession, start: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -187,7 +200,8 @@ class Soak:
         timeout = aiohttp.ClientTimeout(total=a.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
             async with session.get(self.url + "/v1/models") as response:
-                self.max_model_len = (await response.json())["data"][0].get("max_model_len")
+                served = (await response.json())["data"][0]
+            self.model, self.max_model_len = served["id"], served.get("max_model_len")
             start = time.monotonic()
             deadline = start + 60 * a.minutes
             stop = asyncio.Event()

@@ -51,22 +51,28 @@ def soak_run(tiny_model, tmp_path_factory):
         process.wait()
 
 
-def test_serving_reports_every_level(tiny_model, soak_run, tmp_path):
+def test_serving_runs_bench_serve_on_every_level(tiny_model, soak_run, tmp_path):
     out = tmp_path / "serving.json"
     result = run_script(["bench/serving.py", "--launch", f"--model={tiny_model}", f"--server_args={SERVING_SERVER_ARGS}",
-                         "--concurrency=1,2", "--num_requests=4", "--output_len=8", f"--out={out}"], 300)
+                         "--concurrency=1,2", "--num_prompts=4", "--input_len=24", "--output_len=8",
+                         "--llama_server=/nonexistent/llama-server", f"--out={out}"], 300)
     assert result.returncode == 0, failure(result)
     report = json.loads(out.read_text())
-    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
-    for level in report["levels"]:
-        assert (level["completed"], level["failed"]) == (4, 0), level["errors"]
-        assert level["output_tokens"] == 4 * 8  # ignore_eos: every request runs to max_tokens
-        assert level["request_throughput"] > 0 and level["output_tokens_per_s"] > 0
-        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            stats = level[metric]
-            assert stats["count"] > 0 and 0 < stats["p50"] <= stats["p99"] <= stats["max"], (metric, stats)
-        assert level["e2e_ms"]["p50"] >= level["ttft_ms"]["p50"]
-    assert "TTFT p99 ms" in result.stdout
+    sweep = report["servers"]["jaxserve"]
+    assert [level["level"] for level in sweep["levels"]] == [1, 2]
+    for level in sweep["levels"]:
+        assert (level["completed"], level["failed"]) == (4, 0), level.get("first_error")
+        assert level["total_output_tokens"] == 4 * 8  # ignore_eos: every request runs to max_tokens
+        assert level["request_throughput"] > 0 and level["output_throughput"] > 0
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            assert 0 < level[f"median_{metric}_ms"] <= level[f"p99_{metric}_ms"], (metric, level)
+        assert level["median_e2el_ms"] >= level["median_ttft_ms"]
+    assert "llama.cpp skipped" in result.stderr  # the tiny model was not converted from a GGUF
+    [row] = report["single_stream"]
+    assert row["engine"] == "jaxserve" and row["median_ttft_ms"] == sweep["levels"][0]["median_ttft_ms"]
+    assert "TTFT p50 ms" in result.stdout
+    prompts = [json.loads(line) for line in (tmp_path / "serving_prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 4 and all(p["output_tokens"] == 8 for p in prompts)
     assert (tmp_path / "serving.png").is_file(), "matplotlib (the bench extra) should be installed"
 
 
