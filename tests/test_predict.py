@@ -73,7 +73,10 @@ def test_tensor_parallelism_adds_interconnect_time_and_splits_the_bytes():
 def test_quantized_weights_move_fewer_bytes():
     by_dtype = {dtype: cost_model(dtype).decode(1, 16).bytes for dtype in ("float32", "bfloat16", "int8", "int4")}
     assert by_dtype["float32"] > by_dtype["bfloat16"] > by_dtype["int8"] > by_dtype["int4"]
-    assert cost_model("int8").weights_bytes == memory.weights_bytes(tiny(), "int8")
+    assert cost_model("int8").weights_bytes == memory.weights_bytes(tiny(), "int8")  # the rest in bfloat16
+    on_cpu = predict.StepCostModel.create(tiny(), weight_dtype="int8", compute_dtype="float32",
+                                          kv_cache_dtype="float32")
+    assert on_cpu.weights_bytes == memory.weights_bytes(tiny(), "int8") + (32 * 8 + 5 * 8) * 2  # the rest in float32
 
 
 def test_ceilings_from_flags_presets_and_the_probe():

@@ -142,12 +142,19 @@ class StepCostModel:
         f, vocab = math.ceil(model.intermediate_size / tp), math.ceil(model.vocab_size / tp)
         per_layer = 4 * model.hidden_size + (2 * hq + 2 * hkv) * model.head_dim + 4 * f
         counts = memory.count_params(model, tp)
+        if weights_bytes is None:
+            weights_bytes = memory.weights_bytes(model, weight_dtype, tp)
+            if memory.quant_format(memory.normalize_dtype(weight_dtype, memory.WEIGHT_DTYPES)) is not None:
+                # Quantized: the rest (embeddings, norms, biases) is held in the compute dtype, not
+                # the planner's bfloat16 (float32 on the CPU).
+                rest = counts["embeddings"] + counts["norms"] + counts["biases"]
+                weights_bytes += rest * (a - memory.FLOAT_DTYPE_BYTES[memory.QUANTIZED_COMPUTE_DTYPE])
         link = 0.0
         if tp > 1:
             link = (model.num_layers * 2 * model.hidden_size * a * 2 * (tp - 1) / tp
                     + vocab * LOGITS_BYTES * (tp - 1))
         return cls(
-            weights_bytes=int(memory.weights_bytes(model, weight_dtype, tp) if weights_bytes is None else weights_bytes),
+            weights_bytes=int(weights_bytes),
             kv_bytes_per_token=memory.kv_bytes_per_token(model, kv_cache_dtype, tp),
             activation_bytes_per_token=model.num_layers * per_layer * a + 2 * vocab * LOGITS_BYTES,
             matmul_params=counts["linear"] + vocab * model.hidden_size,
@@ -178,10 +185,11 @@ class StepCostModel:
 
 
 def cost_model_for_plan(model: ModelConfig, plan: memory.MemoryPlan) -> StepCostModel:
-    """The cost model of the engine `plan` sizes (its dtypes, split and weight bytes)."""
+    """The cost model of the engine `plan` sizes (its dtypes and split). The weight bytes are
+    the estimate of what a step reads, not the plan's resident bytes (which count the CPU
+    step's second layout of quantized weights)."""
     return StepCostModel.create(model, weight_dtype=plan.weight_dtype, compute_dtype=plan.compute_dtype,
-                                kv_cache_dtype=plan.kv_cache_dtype, tensor_parallel_size=plan.tensor_parallel_size,
-                                weights_bytes=plan.weights_bytes)
+                                kv_cache_dtype=plan.kv_cache_dtype, tensor_parallel_size=plan.tensor_parallel_size)
 
 
 def prefill_chunk(cfg: EngineConfig) -> int:

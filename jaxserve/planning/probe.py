@@ -1,6 +1,8 @@
 """A few-second probe of this machine's ceilings for the latency predictor (jaxserve.planning.predict):
-the copy bandwidth of a buffer larger than the caches, and the float32 matmul rate jax reaches for a
-decode step's [rows, hidden] x [hidden, intermediate] product (the engine's dtype and shape class)."""
+the copy bandwidth of a buffer larger than the caches, and the float32 matmul rate jax reaches for the
+engine's [rows, hidden] x [hidden, intermediate] products (its dtype and shape class) at the rows of a
+full CPU decode step and of a prefill chunk, the better of the two being the peak (a roofline's
+ceiling is the most the machine does; small-row matmuls reach less of it)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +10,7 @@ import time
 import numpy as np
 
 COPY_BYTES = 256 << 20  # far past any last-level cache
-PROBE_ROWS = 64  # the largest CPU decode bucket: the matmul shape of a full decode step
+PROBE_ROWS = (64, 512)  # the largest CPU decode bucket, and the default prefill chunk
 
 
 def _best_seconds(fn, budget_s: float) -> float:
@@ -29,7 +31,7 @@ def copy_bandwidth(budget_s: float = 1.0) -> float:
     return 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), budget_s)
 
 
-def matmul_rate(hidden: int, intermediate: int, rows: int = PROBE_ROWS, budget_s: float = 1.5) -> float:
+def matmul_rate(hidden: int, intermediate: int, rows: int, budget_s: float = 0.75) -> float:
     """FLOP/s of a jitted float32 [rows, hidden] x [hidden, intermediate] matmul."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
@@ -43,4 +45,4 @@ def matmul_rate(hidden: int, intermediate: int, rows: int = PROBE_ROWS, budget_s
 
 def probe(hidden: int, intermediate: int) -> tuple[float, float]:
     """(memory bytes/s, FLOP/s) of this machine, in about 3 s."""
-    return copy_bandwidth(), matmul_rate(hidden, intermediate)
+    return copy_bandwidth(), max(matmul_rate(hidden, intermediate, rows) for rows in PROBE_ROWS)
