@@ -355,7 +355,7 @@ class Engine:
         bucket = result.bucket
         kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
                 else "decode" if batch.decode else "prefill")
-        cost = self.step_costs.step(batch.num_tokens, sum(row.start for row in batch.rows), batch.num_attention_pairs)
+        cost = self._step_cost(batch)
         bandwidth_use = compute_use = None
         if self.ceilings is not None and result.device_seconds > 0:
             bandwidth_use = cost.bytes / result.device_seconds / self.ceilings.memory_bandwidth
@@ -375,6 +375,19 @@ class Engine:
                 listener(record)
             except Exception:
                 log.exception("a step listener failed")
+
+    def _step_cost(self, batch: ScheduledBatch):
+        """The roofline's bytes and FLOPs of the step (jaxserve.planning.predict) on one device."""
+        kv_read = sum(row.start for row in batch.rows)
+        steps = batch.num_steps
+        if steps == 1:
+            return self.step_costs.step(batch.num_tokens, kv_read, batch.num_attention_pairs)
+        # Multi-step decoding (decode rows only): `steps` passes over the weights in one call, each
+        # row's context one longer at every pass.
+        n, extra = len(batch.decode), len(batch.decode) * steps * (steps - 1) // 2
+        cost = self.step_costs.step(n * steps, steps * kv_read + extra, steps * batch.num_attention_pairs + extra)
+        return dataclasses.replace(cost, bytes=cost.bytes + (steps - 1) * self.step_costs.weights_bytes,
+                                   collectives=cost.collectives * steps)
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an

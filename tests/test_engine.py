@@ -451,3 +451,12 @@ def test_step_records_carry_the_roofline_estimate_the_host_gap_and_utilization(p
     plain.step()
     record = plain.step_records[0]
     assert plain.ceilings is None and record.bandwidth_utilization is None and record.estimated_bytes > 0
+    # Multi-step decoding: 4 passes over the weights in one call, contexts 10, 11, 12, 13.
+    multi = make_engine(params, num_scheduler_steps=4)
+    multi.add_request("c", list(range(3, 13)), GREEDY)
+    multi.step()
+    multi.step()
+    record = multi.step_records[-1]
+    passes = [multi.step_costs.step(1, 10 + k, 11 + k) for k in range(4)]
+    assert record.num_tokens == 4 and record.estimated_bytes == sum(p.bytes for p in passes)
+    assert record.estimated_flops == sum(p.flops for p in passes)
