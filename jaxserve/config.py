@@ -140,6 +140,15 @@ class EngineConfig:
     prompt_lookup_min: int = setting(2, "speculative_method=ngram: shortest n-gram matched", minimum=1)
     prompt_lookup_max: int = setting(5, "speculative_method=ngram: longest n-gram matched (tried first)",
                                      minimum=1)
+    # The device's ceilings (jaxserve.planning.predict): `plan --predict` uses them instead of a GPU
+    # preset or the CPU probe; the engine rates each step's achieved bytes/s and FLOP/s against them.
+    memory_bandwidth_gbps: float | None = setting(
+        None, "memory bandwidth of one device in GB/s (1e9 bytes/s), for the roofline of plan --predict and the "
+        "step utilization metrics", unset="the GPU preset of the device; on CPU: plan probes, the engine reports none")
+    peak_tflops: float | None = setting(
+        None, "peak dense FLOP/s of one device in TFLOP/s (1e12), in the compute dtype", unset="as memory_bandwidth_gbps")
+    interconnect_gbps: float | None = setting(
+        None, "all-reduce bandwidth of one device to its tensor-parallel peers in GB/s", unset="the GPU preset's NVLink")
     speculative_disable_by_batch_size: int | None = setting(
         None, "speculative decoding: no speculation in steps with more running sequences", minimum=1, unset="never")
 

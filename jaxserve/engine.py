@@ -104,6 +104,8 @@ class Engine:
         self.grammar_compiler = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
                                  if tokenizer is not None else None)
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
+        self.step_costs, self.ceilings = _step_cost_model(model_config, cfg)
+        self._last_step_end: float | None = None  # perf_counter() when the last step ended with work left
         self._step_listeners: tuple[Callable[[StepRecord], None], ...] = ()
         self.num_steps = 0
         self.num_computed_tokens = 0  # model tokens computed (prefix-cache hits are not computed)
@@ -227,6 +229,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one model step; returns a delta for every request that advanced."""
         start = time.perf_counter()
+        host_gap = 0.0 if self._last_step_end is None else start - self._last_step_end
+        self._last_step_end = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -266,7 +270,9 @@ class Engine:
             outputs.append(self._fail_grammar(request))
         if self.proposer is not None:
             self._propose()
-        self._record_step(batch, result, time.perf_counter() - start, num_output_tokens)
+        self._record_step(batch, result, time.perf_counter() - start, num_output_tokens, host_gap)
+        if self.has_unfinished():
+            self._last_step_end = time.perf_counter()
         return outputs
 
     def _emit(self, request: Request, first: int, row: int, result) -> RequestOutput | None:
@@ -343,24 +349,45 @@ class Engine:
         outputs, _ = self.output_processor.process([self._core_output(request)])
         return _with_metrics(request, outputs[0])
 
-    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int) -> None:
+    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int,
+                     host_gap: float = 0.0) -> None:
         """Keeps the step's StepRecord and hands it to the listeners (a failing listener is logged)."""
         bucket = result.bucket
         kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
                 else "decode" if batch.decode else "prefill")
+        cost = self._step_cost(batch)
+        bandwidth_use = compute_use = None
+        if self.ceilings is not None and result.device_seconds > 0:
+            bandwidth_use = cost.bytes / result.device_seconds / self.ceilings.memory_bandwidth
+            compute_use = cost.flops / result.device_seconds / self.ceilings.peak_flops
         record = StepRecord(
             kind=kind, bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
             bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode) + len(batch.verify),
             num_prefill_rows=len(batch.prefill), num_prefill_tokens=batch.num_prefill_tokens,
             num_tokens=batch.num_tokens, num_attention_pairs=batch.num_attention_pairs,
             device_seconds=result.device_seconds, host_seconds=step_seconds - result.device_seconds,
-            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens)
+            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens, estimated_bytes=cost.bytes,
+            estimated_flops=cost.flops, host_gap_seconds=host_gap, bandwidth_utilization=bandwidth_use,
+            compute_utilization=compute_use)
         self.step_records.append(record)
         for listener in self._step_listeners:
             try:
                 listener(record)
             except Exception:
                 log.exception("a step listener failed")
+
+    def _step_cost(self, batch: ScheduledBatch):
+        """The roofline's bytes and FLOPs of the step (jaxserve.planning.predict) on one device."""
+        kv_read = sum(row.start for row in batch.rows)
+        steps = batch.num_steps
+        if steps == 1:
+            return self.step_costs.step(batch.num_tokens, kv_read, batch.num_attention_pairs)
+        # Multi-step decoding (decode rows only): `steps` passes over the weights in one call, each
+        # row's context one longer at every pass.
+        n, extra = len(batch.decode), len(batch.decode) * steps * (steps - 1) // 2
+        cost = self.step_costs.step(n * steps, steps * kv_read + extra, steps * batch.num_attention_pairs + extra)
+        return dataclasses.replace(cost, bytes=cost.bytes + (steps - 1) * self.step_costs.weights_bytes,
+                                   collectives=cost.collectives * steps)
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an
@@ -438,6 +465,22 @@ class Engine:
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
+
+
+def _step_cost_model(model_config, cfg: EngineConfig):
+    """(predict.StepCostModel, predict.Ceilings or None) of the engine's steps on this device: the
+    ceilings from cfg's memory_bandwidth_gbps / peak_tflops, else the GPU preset of the device's
+    kind; none on a CPU without them (the step records then carry no utilization)."""
+    from jaxserve.executor import device_setup  # jax lives behind the runner
+    from jaxserve.planning import gpu_targets, memory, predict
+
+    run = device_setup.platform_config(cfg)
+    costs = predict.StepCostModel.create(
+        model_config, weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
+        compute_dtype=run.dtype, kv_cache_dtype=run.dtype if run.kv_cache_dtype == "auto" else run.kv_cache_dtype,
+        tensor_parallel_size=run.tensor_parallel_size)
+    target = gpu_targets.target_for_device_kind(device_setup.device_kind()) if device_setup.on_gpu() else None
+    return costs, predict.resolve_ceilings(run, target)
 
 
 def _load_draft(cfg: EngineConfig):

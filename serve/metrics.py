@@ -18,8 +18,10 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from jaxserve.core import diagnosis
 from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.
                           5.0, 10.0)
 _STEP_TOKEN_BUCKETS = tuple(2.0 ** i for i in range(14))  # 1 .. 8192 tokens
 _PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+_GAP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_UTILIZATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5)
 
 
 class _EngineStatsCollector:
@@ -186,6 +190,18 @@ class ServerMetrics:
                              ("kind",), buckets=_STEP_TOKEN_BUCKETS)
         self.step_padded_tokens = m(Counter, "jaxserve_step_padded_tokens", "Token rows the compiled steps "
                                     "computed, padding included (tokens / this: padding efficiency).")
+        # Histograms, not gauges: one scrape every few seconds would see one step of hundreds, and the
+        # decode and prefill steps of a run sit at different utilizations (labelled by kind).
+        self.step_host_seconds = m(Counter, "jaxserve_step_host_seconds", "Host time of engine steps (scheduling, "
+                                   "packing, stop checks, detokenizing) by kind.", ("kind",))
+        self.step_host_gap = m(Histogram, "jaxserve_step_host_gap_seconds", "From the end of one engine step to "
+                               "the start of the next while requests were unfinished (the device idle on the "
+                               "host loop).", buckets=_GAP_BUCKETS)
+        self.step_bandwidth_use = m(Histogram, "jaxserve_step_bandwidth_utilization", "Per step: estimated bytes "
+                                    "moved / device seconds / the device's memory bandwidth (steps of a device "
+                                    "whose ceilings are known).", ("kind",), buckets=_UTILIZATION_BUCKETS)
+        self.step_compute_use = m(Histogram, "jaxserve_step_compute_utilization", "Per step: estimated FLOPs / "
+                                  "device seconds / the device's peak FLOP/s.", ("kind",), buckets=_UTILIZATION_BUCKETS)
 
     def observe_step(self, record: StepRecord) -> None:
         """One engine step (an engine step listener; thread-safe)."""
@@ -193,6 +209,12 @@ class ServerMetrics:
         self.step_device_seconds.labels(kind=record.kind).inc(record.device_seconds)
         self.step_tokens.labels(kind=record.kind).observe(record.num_tokens)
         self.step_padded_tokens.inc(record.num_padded_tokens)
+        self.step_host_seconds.labels(kind=record.kind).inc(max(record.host_seconds, 0.0))
+        self.step_host_gap.observe(record.host_gap_seconds)
+        if record.bandwidth_utilization is not None:
+            self.step_bandwidth_use.labels(kind=record.kind).observe(record.bandwidth_utilization)
+        if record.compute_utilization is not None:
+            self.step_compute_use.labels(kind=record.kind).observe(record.compute_utilization)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -285,3 +307,25 @@ class RequestTracker:
                 if seconds is not None:
                     m.phase_time[phase].observe(seconds)
         self.group.choice_finished(self.num_output_tokens)
+
+
+def diagnose_metrics_text(text: str) -> diagnosis.RunBound:
+    """The bound of the steps a server's /metrics text counts (jaxserve.core.diagnosis): its step
+    device and host seconds, host gaps and mean step utilizations, all kinds and models together.
+    Subtract two scrapes' figures to judge one run; this judges everything since the start."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+
+    def mean(name: str) -> float | None:
+        count = sums.get(f"{name}_count", 0.0)
+        return sums.get(f"{name}_sum", 0.0) / count if count else None
+
+    return diagnosis.diagnose_totals(
+        num_steps=int(sums.get("jaxserve_step_duration_seconds_count", 0)),
+        device_seconds=sums.get("jaxserve_step_device_seconds_total", 0.0),
+        host_seconds=sums.get("jaxserve_step_host_seconds_total", 0.0),
+        host_gap_seconds=sums.get("jaxserve_step_host_gap_seconds_sum", 0.0),
+        bandwidth_utilization=mean("jaxserve_step_bandwidth_utilization"),
+        compute_utilization=mean("jaxserve_step_compute_utilization"))

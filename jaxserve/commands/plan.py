@@ -12,7 +12,7 @@ from absl import flags
 from checkpoints.load import open_model
 from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.planning import memory
+from jaxserve.planning import memory, predict
 from jaxserve.planning.gpu_targets import target_memory_budget_bytes
 from jaxserve.speculative import verification
 
@@ -32,6 +32,14 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_boolean("compile", False, "With --target: build the engine as `serve` would on that GPU "
                          "(bfloat16, Pallas kernels, the GPU buckets, --tensor_parallel_size GPUs) with abstract "
                          "weights and compile every step bucket and sampler shape; needs the gpu-compile extra.",
+                         flag_values=fv)
+    flags.DEFINE_boolean("predict", False, "Also predict decode TPOT, TTFT and the most decode throughput "
+                         "(a roofline over the device's ceilings: --target's preset, else --memory_bandwidth_gbps / "
+                         "--peak_tflops, else a few-second probe of this CPU; docs/predict.md).", flag_values=fv)
+    flags.DEFINE_list("predict_batch_sizes", ["1", "8", "32"], "With --predict: decode batch sizes.", flag_values=fv)
+    flags.DEFINE_integer("predict_context_len", 512, "With --predict: tokens of context of every decoding "
+                         "sequence.", flag_values=fv)
+    flags.DEFINE_integer("predict_prompt_len", 512, "With --predict: prompt tokens of the TTFT prediction.",
                          flag_values=fv)
     flags.DEFINE_enum("buckets", "all", ["all", "ends"], "With --compile: every bucket warm-up compiles, or "
                       "the smallest and largest of each kind.", flag_values=fv)
@@ -146,16 +154,50 @@ def run(fv: flags.FlagValues) -> int:
         if fv.compile:
             return _compile(fv, model)
         plan = plan_for_flags(fv, model, source)
+        prediction = predict_for_flags(fv, model, plan) if fv.predict else None
     except (ValueError, OSError) as e:  # ConfigError, ConversionError and MemoryPlanError are ValueErrors
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
     if _output_format(fv) == "table":
         print(format_table(plan))
         print(concurrency_line(plan))
+        if prediction is not None:
+            print(predict.format_table(prediction))
     else:  # stdout stays one JSON document
-        print(json.dumps(plan.to_dict(), indent=2))
+        document = plan.to_dict() if prediction is None else {**plan.to_dict(), "predict": prediction}
+        print(json.dumps(document, indent=2))
         print(concurrency_line(plan), file=sys.stderr)
     return 0
+
+
+def _batch_sizes(fv: flags.FlagValues) -> list[int]:
+    try:
+        sizes = [int(size) for size in fv.predict_batch_sizes]
+    except ValueError:
+        raise predict.PredictError(f"--predict_batch_sizes must be positive integers, got "
+                                   f"{','.join(fv.predict_batch_sizes)!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise predict.PredictError(f"--predict_batch_sizes must be positive integers, got {sizes}")
+    return sizes
+
+
+def predict_for_flags(fv: flags.FlagValues, model: ModelConfig, plan: memory.MemoryPlan) -> dict:
+    """predict.predict for the flags: ceilings of --target or the flags, else probed here."""
+    sizes = _batch_sizes(fv)
+    for name in ("predict_context_len", "predict_prompt_len"):
+        if fv[name].value < 1:
+            raise predict.PredictError(f"--{name} must be positive, got {fv[name].value}")
+    cfg = engine_flags.engine_config(fv)
+
+    def probe():
+        from jaxserve.planning import probe as probe_lib  # loads jax: only when no ceilings are given
+        return probe_lib.probe(model.hidden_size, model.intermediate_size)
+
+    ceilings = predict.resolve_ceilings(cfg, fv.target, probe)
+    if cfg.tensor_parallel_size > 1 and ceilings.interconnect_bandwidth is None:
+        raise predict.PredictError("--tensor_parallel_size > 1 without --target needs --interconnect_gbps")
+    return predict.predict(model, plan, cfg, ceilings, batch_sizes=sizes, context_len=fv.predict_context_len,
+                           prompt_len=fv.predict_prompt_len)
 
 
 def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:

@@ -119,6 +119,17 @@ class StepRecord:
     host_seconds: float  # the rest of `Engine.step`: scheduling, packing, stop checks, detokenizing
     pack_seconds: float  # the runner's part of host_seconds: packing the arrays, slicing the results
     num_output_tokens: int = 0  # output tokens the step gave its requests (verify: often several per row)
+    # The roofline's estimate of the step's work on one device (jaxserve.planning.predict): bytes
+    # moved (weights, K/V read and written, activations) and FLOPs (matmuls and attention).
+    estimated_bytes: float = 0.0
+    estimated_flops: float = 0.0
+    # From the end of the previous step to the start of this one while the engine had work (0
+    # after an idle engine): time the device waited on the host loop.
+    host_gap_seconds: float = 0.0
+    # Achieved bytes/s and FLOP/s over device_seconds as a fraction of the device's ceilings;
+    # None where the ceilings are unknown (a CPU without --memory_bandwidth_gbps / --peak_tflops).
+    bandwidth_utilization: float | None = None
+    compute_utilization: float | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -129,3 +140,11 @@ class StepRecord:
     def seconds(self) -> float:
         """The whole step: device and host."""
         return self.device_seconds + self.host_seconds
+
+    @property
+    def achieved_bytes_per_second(self) -> float:
+        return self.estimated_bytes / self.device_seconds if self.device_seconds > 0 else 0.0
+
+    @property
+    def achieved_flops_per_second(self) -> float:
+        return self.estimated_flops / self.device_seconds if self.device_seconds > 0 else 0.0

@@ -26,6 +26,11 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def device_kind() -> str:
+    """What the first device is, as jax names it ("cpu", "NVIDIA H100 80GB HBM3", ...)."""
+    return jax.devices()[0].device_kind
+
+
 def param_dtype(name: str | None):
     """The jnp dtype named (float32, bfloat16, float16); None: this platform's default
     (EngineConfig.for_platform: bfloat16 on GPU, float32 on CPU)."""
