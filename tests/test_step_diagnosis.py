@@ -1,5 +1,6 @@
-"""The run's bound from step records and from /metrics (jaxserve.core.diagnosis, serve.metrics):
-synthetic StepRecords, no engine, no jax."""
+"""The run's bound from step records and from /metrics (jaxserve.core.diagnosis; the /metrics text
+as `jaxserve bench serve` reads it, jaxserve.benchmarks.server_metrics): synthetic StepRecords, no
+engine, no jax."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,13 @@ import pytest
 
 from jaxserve.core import diagnosis
 from jaxserve.core.outputs import EngineStats, StepRecord
-from serve.metrics import ServerMetrics, diagnose_metrics_text
+from jaxserve.benchmarks import server_metrics
+from serve.metrics import ServerMetrics
+
+
+def diagnose_metrics_text(text: str) -> diagnosis.RunBound | None:
+    """The bound of every step a /metrics text counts (a run from the server's start)."""
+    return server_metrics.run_bound(server_metrics.step_metrics_delta(None, text))
 
 STEP = StepRecord(kind="decode", bucket_decode_rows=8, bucket_prefill_tokens=0, bucket_pages=32, num_decode_rows=8,
                   num_prefill_rows=0, num_prefill_tokens=0, num_tokens=8, num_attention_pairs=8 * 500,
@@ -57,4 +64,19 @@ def test_the_diagnosis_metrics_are_exported():
 
 def test_no_steps_is_idle():
     assert diagnosis.diagnose_steps([]).bound == "idle"
-    assert diagnose_metrics_text("").bound == "idle"
+    assert diagnose_metrics_text("") is None  # no step metrics: a server that is not jaxserve
+
+
+def test_a_runs_bound_counts_only_the_steps_between_two_scrapes():
+    metrics = ServerMetrics(stats)
+    for _ in range(4):  # before the run: compute-bound steps
+        metrics.observe_step(dataclasses.replace(STEP, bandwidth_utilization=0.1, compute_utilization=0.9))
+    before = metrics.render()[0].decode()
+    for _ in range(3):  # the run: bandwidth-bound steps
+        metrics.observe_step(STEP)
+    section = server_metrics.step_metrics_delta(before, metrics.render()[0].decode())
+    verdict = server_metrics.run_bound(section)
+    assert verdict.bound == "bandwidth-bound" and verdict.num_steps == 3
+    assert verdict.device_seconds == pytest.approx(3 * STEP.device_seconds)
+    assert verdict.bandwidth_utilization == pytest.approx(0.8)
+    assert diagnose_metrics_text(metrics.render()[0].decode()).num_steps == 7

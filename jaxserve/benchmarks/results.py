@@ -213,5 +213,14 @@ def format_summary(result: dict, percentile_metrics: Sequence[str], percentiles:
         for p in percentiles:
             key = percentile_key(p)
             lines.append(_line(f"P{key[1:]} {upper} (ms):", result[f"{key}_{name}_ms"]))
+    bound = result.get("server_bound")
+    if bound is not None:  # jaxserve's own step metrics over the run
+        lines.append("{s:{c}^50}".format(s="Server steps", c="-"))
+        lines.append(_line("Bound:", bound["bound"]))
+        lines.append(_line("Host share of step time:", f"{bound['host_fraction']:.0%}"))
+        for key, label in (("bandwidth_utilization", "Bandwidth utilization:"),
+                           ("compute_utilization", "Compute utilization:")):
+            if bound[key] is not None:
+                lines.append(_line(label, f"{bound[key]:.0%}"))
     lines.append("=" * 50)
     return "\n".join(lines)

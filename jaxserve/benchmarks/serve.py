@@ -279,6 +279,9 @@ async def run_level(fv: flags.FlagValues, target: Target, settings: Settings, ma
     steps = server_metrics.step_metrics_delta(before, after)
     if steps is not None:
         result["server_step_metrics"] = steps
+        bound = server_metrics.run_bound(steps)
+        if bound is not None:
+            result["server_bound"] = bound.to_dict()
     if fv.save_detailed:
         result.update(results.detailed(records, count_tokens))
     return result, metrics

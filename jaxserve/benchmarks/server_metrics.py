@@ -3,8 +3,10 @@
 `scrape` reads the Prometheus text before and after a run; `step_metrics_delta` keeps the families
 named `jaxserve_step_*` (jaxserve's per-step bandwidth and compute utilization and host gap) and
 returns, per family, what changed over the run: histogram and summary `sum`/`count` deltas and
-their mean, counter deltas, gauges' last value; labelled families also by label set. A server without such metrics (vLLM, llama.cpp's
-server, a jaxserve without them) gives None, and the result has no `server_step_metrics`.
+their mean, counter deltas, gauges' last value; labelled families also by label set. A server
+without such metrics (vLLM, llama.cpp's server) gives None, and the result has no
+`server_step_metrics`. `run_bound` names the bound the run hit from that section
+(jaxserve.core.diagnosis: scheduling-, bandwidth- or compute-bound).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import asyncio
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.core import diagnosis
 
 STEP_PREFIX = "jaxserve_step_"
 
@@ -89,3 +93,21 @@ def step_metrics_delta(before: str | None, after: str | None) -> dict | None:
             entry["by_labels"] = deltas
         section[name] = entry
     return section or None
+
+
+def run_bound(section: dict | None) -> diagnosis.RunBound | None:
+    """The run's bound from its `step_metrics_delta` section: the steps' device and host seconds,
+    the host gaps between them and their mean utilizations; None without jaxserve's step metrics."""
+    if not section or "jaxserve_step_duration_seconds" not in section:
+        return None
+
+    def figure(family: str, key: str) -> float | None:
+        return section.get(family, {}).get(key)
+
+    return diagnosis.diagnose_totals(
+        num_steps=int(figure("jaxserve_step_duration_seconds", "count") or 0),
+        device_seconds=figure("jaxserve_step_device_seconds", "delta") or 0.0,
+        host_seconds=figure("jaxserve_step_host_seconds", "delta") or 0.0,
+        host_gap_seconds=figure("jaxserve_step_host_gap_seconds", "sum") or 0.0,
+        bandwidth_utilization=figure("jaxserve_step_bandwidth_utilization", "mean"),
+        compute_utilization=figure("jaxserve_step_compute_utilization", "mean"))
