@@ -128,24 +128,25 @@ def attention_output(lp: Params, x: jax.Array, attn: jax.Array, config: ModelCon
         return x + out
 
 
-def mlp_block(lp: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """The residual stream x [T, D] plus the gated MLP of its normed rows (a mixture-of-experts
-    model's: jaxserve.models.moe)."""
+    model's: jaxserve.models.moe, its routed experts split over `mesh`'s "model" axis when given)."""
     eps, offset = config.rms_norm_eps, config.norm_weight_offset
     activation = _ACTIVATIONS[config.hidden_act]
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
         if config.is_moe:
-            return x + moe.sparse_mlp(lp, h, config)
+            return x + moe.sparse_mlp(lp, h, config, mesh)
         out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
         if config.sandwich_norms:
             out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
         return x + out
 
 
-def after_attention(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConfig) -> jax.Array:
+def after_attention(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConfig,
+                    mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """The rest of the layer once attention has run: output projection, then the MLP -> [T, D]."""
-    return mlp_block(lp, attention_output(lp, x, attn, config), config)
+    return mlp_block(lp, attention_output(lp, x, attn, config), config, mesh)
 
 
 def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill_seqs: int,
@@ -182,9 +183,11 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
 
 
 def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array],
-                   config: ModelConfig, attend: Callable) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   config: ModelConfig, attend: Callable,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [T, D] through every layer under `jax.lax.scan` (stacked weights, or any layout of
     cpu_layout.layer_views), each layer writing its K/V into its own pages of the caches.
+    `mesh` (tensor parallel): where a mixture-of-experts model's routed experts run split.
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
@@ -195,7 +198,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
         local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
     weights = cpu_layout.LayerWeights.of(layers)
     projection = functools.partial(qkv_projection, config=config)
-    rest_of_layer = functools.partial(after_attention, config=config)
+    rest_of_layer = functools.partial(after_attention, config=config, mesh=mesh)
 
     def layer(carry, scanned):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
@@ -228,7 +231,8 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     """One model step over a batch of decode tokens followed by prefill chunks.
 
     With a `mesh` (tensor parallel, see jaxserve.parallel.sharding), the KV write and attention run per
-    device under shard_map over its "model" axis; XLA partitions the rest from the weights.
+    device under shard_map over its "model" axis, as do a mixture-of-experts model's routed experts;
+    XLA partitions the rest from the weights.
 
     batch (all int32):
       token_ids, positions, slot_mapping: [num_tokens]; the first `num_decode` tokens are decode
@@ -250,7 +254,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
     x = embed(params, batch["token_ids"], config)  # [T, D]
-    x, kv_cache = decoder_layers(params["layers"], x, kv_cache, batch, config, attend)
+    x, kv_cache = decoder_layers(params["layers"], x, kv_cache, batch, config, attend, mesh)
     logits = final_logits(params, x[batch["logits_indices"]], config)  # [R, V]
     if not prefill_hidden_rows:
         return logits, kv_cache

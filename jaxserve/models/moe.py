@@ -18,14 +18,25 @@ computed (no token is dropped and no capacity limit is needed) while the step ke
 shapes: T is the bucket's token count, and the sorted rows are always exactly T * k (a padding row is
 routed like any other; its output is never read).
 `jax.lax.ragged_dot(lhs, rhs, group_sizes)` has the same signature in jax 0.10 and 0.11 (no shim).
+
+Tensor parallelism (a `mesh`, see jaxserve.parallel.sharding): the router and the routing are
+replicated; every device runs the routed experts on its slice of their intermediate size F
+(gate/up split on their columns, down on its rows) under `jax.shard_map`, and the [T, D] float32
+partial sums are added over the "model" axis (`sharding.shard_experts`). Per-device code rather
+than XLA's partitioning: on GPU ragged_dot lowers to XLA's ragged-dot (or a Pallas kernel), so
+the split is explicit whatever the lowering, and the one all-reduce is of [T, D], not of the
+T * k sorted rows. The shared expert is a dense SwiGLU, split like the dense MLP by XLA.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.quantization import linear
+from jaxserve.parallel import sharding
 
 _ACTIVATIONS = {"silu": jax.nn.silu}
 
@@ -41,12 +52,14 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.
 
 
 def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, activation=jax.nn.silu) -> jax.Array:
-    """sum_j weights[t, j] * SwiGLU_{experts[t, j]}(h[t]) -> [T, D] in h's dtype.
+                   w_down: jax.Array, activation=jax.nn.silu, out_dtype=None) -> jax.Array:
+    """sum_j weights[t, j] * SwiGLU_{experts[t, j]}(h[t]) -> [T, D] in `out_dtype` (default h's).
 
     h [T, D]; weights, experts [T, k]; w_gate, w_up [E, D, F]; w_down [E, F, D]. The T * k pairs
     are sorted by expert (stable: by token within an expert), the experts' matmuls run grouped
     over the sorted rows, and each row's output is scaled by its weight and added back to its token.
+    Given a slice of F (w_gate, w_up [E, D, F/n], w_down [E, F/n, D]) it returns that slice's
+    partial sum: the result is linear in the down projection's rows.
     """
     T, k = experts.shape
     num_experts = w_gate.shape[0]
@@ -60,17 +73,21 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate:
     out = jax.lax.ragged_dot(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
     scaled = out.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]
-    return combined.astype(h.dtype)
+    return combined.astype(out_dtype or h.dtype)
 
 
-def sparse_mlp(lp: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
-    """One layer's mixture-of-experts MLP of the normed rows h [T, D] -> [T, D] (no residual)."""
+def sparse_mlp(lp: dict, h: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """One layer's mixture-of-experts MLP of the normed rows h [T, D] -> [T, D] (no residual);
+    with a `mesh`, the routed experts split over its "model" axis (see the module docstring)."""
     activation = _ACTIVATIONS[config.hidden_act]
     with jax.named_scope("moe"):
         router_logits = linear(h, lp["router"])  # [T, E]
         weights, experts = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
-        out = routed_experts(h, weights, experts, lp["w_gate_exps"], lp["w_up_exps"], lp["w_down_exps"],
-                             activation)
+        experts_fn = functools.partial(routed_experts, activation=activation, out_dtype=jnp.float32)
+        if mesh is not None:
+            experts_fn = sharding.shard_experts(experts_fn, mesh, config)
+        out = experts_fn(h, weights, experts, lp["w_gate_exps"], lp["w_up_exps"],
+                         lp["w_down_exps"]).astype(h.dtype)  # [T, D]
         if config.shared_expert_intermediate_size:
             shared = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])  # [T, D]
             gate = jax.nn.sigmoid(linear(h, lp["shared_gate"]).astype(jnp.float32))  # [T, 1]

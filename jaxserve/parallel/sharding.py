@@ -12,6 +12,11 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
   embed [V, D] on V, lm_head [D, V] on V                 vocabulary-parallel (replicated when V
                                                          does not divide); logits are gathered
   norms (q_norm / k_norm over head_dim too)              replicated
+  mixture of experts (E routed experts of intermediate size F'): w_gate_exps, w_up_exps
+    [L, E, D, F'] on F', w_down_exps [L, E, F', D] on F' (logical axis "expert_ffn"); the router
+    [L, D, E] and Qwen2-MoE's shared-expert gate [L, D, 1] replicated; its shared expert
+    w_gate / w_up / w_down like the dense MLP. The routed experts run under `shard_experts`
+    (per-device code, one all-reduce of their [T, D] partial sums).
   quantized linear QuantArray(q, scale[, zero, perm]) (jaxserve.models.quantization): q as its
     float weight; scale and zero [L, groups, out] too, except per-output-channel scales of a
     row-sharded weight (one group: replicated); a row-sharded weight's groups must divide evenly
@@ -21,7 +26,8 @@ so every device holds 1/TP of the weights and of the KV pages. When TP exceeds t
 KV heads are replicated the way vLLM does it: the model runs with TP KV heads, head j holding
 the checkpoint's head j // (TP / num_kv_heads), so each device holds the one KV head its query
 heads read. Attention itself is per-device code (Pallas kernels or the jnp reference) under
-`jax.shard_map`; everything else is partitioned by XLA from the weight shardings.
+`jax.shard_map`, as are the routed experts; everything else is partitioned by XLA from the
+weight shardings.
 """
 from __future__ import annotations
 
@@ -56,9 +62,14 @@ def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> s
     if config.num_kv_heads % tp and tp % config.num_kv_heads:
         return (f"num_key_value_heads ({config.num_kv_heads}) and it must divide one another "
                 f"(KV heads are split, or replicated when there are fewer than devices)")
-    if config.is_moe and tp > 1:
-        return (f"{config.architecture} is a mixture-of-experts model, which runs on one device per replica for "
-                f"now (tensor and expert parallelism over its experts are not implemented; data parallelism is)")
+    if config.is_moe:  # the experts' intermediate sizes are split (intermediate_size is not a weight's)
+        if config.moe_intermediate_size % tp:
+            return (f"the experts' intermediate size (moe_intermediate_size, {config.moe_intermediate_size}) "
+                    f"is not divisible by it")
+        if config.shared_expert_intermediate_size % tp:
+            return (f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) "
+                    f"is not divisible by it")
+        return None
     if config.intermediate_size % tp:
         return f"intermediate_size ({config.intermediate_size}) is not divisible by it"
     return None
@@ -141,10 +152,11 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 
 
 def logical_axis_rules(config: ModelConfig, tensor_parallel_size: int) -> dict[str, str | None]:
-    """Mesh axis of each logical weight axis (jaxserve.models.weights): heads, KV heads and the
-    intermediate size over "model"; the vocabulary too when it divides; the rest replicated."""
+    """Mesh axis of each logical weight axis (jaxserve.models.weights): heads, KV heads, the
+    intermediate size and each routed expert's over "model"; the vocabulary too when it divides;
+    the rest (experts and router axes included) replicated."""
     vocab = MODEL_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
-    return {"q": MODEL_AXIS, "kv": MODEL_AXIS, "ffn": MODEL_AXIS, "vocab": vocab}
+    return {"q": MODEL_AXIS, "kv": MODEL_AXIS, "ffn": MODEL_AXIS, "expert_ffn": MODEL_AXIS, "vocab": vocab}
 
 
 def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
@@ -308,6 +320,27 @@ def shard_attention(attend, mesh: Mesh):
                                out_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False)
         return mapped(q, k, v, k_cache, v_cache, *page_tables)
     return wrapped
+
+
+EXPERT_WEIGHTS = ("w_gate_exps", "w_up_exps", "w_down_exps")
+
+
+def shard_experts(routed, mesh: Mesh, config: ModelConfig):
+    """Runs `routed` per device over the model axis, its partial sums added over it.
+
+    routed(h, weights, experts, w_gate, w_up, w_down) -> [T, D] float32, with h [T, D] and the
+    routing weights, experts [T, k] replicated, and one layer's expert weights (w_gate, w_up
+    [E, D, F'], w_down [E, F', D]) split as their declaration says (`param_partition_specs`, less
+    the layers axis: on F'). Each device computes its slice of F' for every (token, expert) pair;
+    the result, linear in w_down's rows, is a partial sum, all-reduced once ([T, D] float32)."""
+    specs = param_partition_specs(config, mesh.shape[MODEL_AXIS])["layers"]
+    weight_specs = tuple(P(*specs[name][1:]) for name in EXPERT_WEIGHTS)
+
+    @functools.wraps(routed)
+    def per_device(h, weights, experts, w_gate, w_up, w_down):
+        return jax.lax.psum(routed(h, weights, experts, w_gate, w_up, w_down), MODEL_AXIS)  # [T, D]
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
+                         check_vma=False)
 
 
 def per_device_bytes(array: jax.Array) -> int:

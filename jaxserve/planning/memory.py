@@ -235,7 +235,7 @@ def activation_bytes(
                   + 2 P C hkv hd * 4                     K and V gathered from the pages (f32)
                   + 2 P T hq hd * 4                      padded queries and their output (f32)
         mlp       = 3 T f a                              gate, up and silu(gate) * up
-                    (mixture of experts, k experts per token, f an expert's intermediate size:
+                    (mixture of experts, k experts per token, f an expert's intermediate size per device:
                     T k d a + 3 T k f a + T k d * 4 + T d * 4, the rows sorted by expert, their
                     gate, up and product, their weighted outputs and the combined rows in
                     float32; plus a shared expert's 3 T f_shared a)
@@ -283,9 +283,10 @@ def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
     """The MLP's live activations of a step of `tokens` tokens (see activation_bytes)."""
     if not model.is_moe:
         return 3 * tokens * math.ceil(model.intermediate_size / tp) * a
-    rows, d = tokens * model.num_experts_per_tok, model.hidden_size
-    routed = rows * d * a + 3 * rows * model.moe_intermediate_size * a + rows * d * 4 + tokens * d * 4
-    return routed + 3 * tokens * model.shared_expert_intermediate_size * a
+    rows, d = tokens * model.num_experts_per_tok, model.hidden_size  # the sorted rows: on every device
+    f = math.ceil(model.moe_intermediate_size / tp)
+    routed = rows * d * a + 3 * rows * f * a + rows * d * 4 + tokens * d * 4
+    return routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
 
 
 def _expert_layer_params(model: ModelConfig, tp: int) -> int:
