@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from absl import flags
 
 from jaxserve.commands import cli
-from jaxserve.commands import plan as plan_command
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.planning import memory, predict
+from tests.test_memory import run_cli  # `jaxserve plan` in process: (exit code, stdout, stderr)
 
 # 2 layers, d=8, 2 query heads and 1 KV head of 4, MLP 16, vocabulary 32, tied embeddings.
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
@@ -90,15 +89,6 @@ def test_ceilings_from_flags_presets_and_the_probe():
     assert predict.resolve_ceilings(EngineConfig()) is None
     with pytest.raises(predict.PredictError, match="memory_bandwidth_gbps must be positive"):
         predict.resolve_ceilings(EngineConfig(memory_bandwidth_gbps=0))
-
-
-def run_cli(argv, capsys):
-    fv = flags.FlagValues()
-    plan_command.define_flags(fv)
-    fv(["jaxserve plan", *argv])
-    rc = plan_command.run(fv)
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 @pytest.fixture
