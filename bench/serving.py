@@ -1,18 +1,19 @@
 """Serving side by side: `jaxserve bench serve` against jaxserve and llama.cpp's server, with
 transformers on the same prompts.
 
-The prompts are drawn once: `--num_prompts` random token sequences of `--input_len` tokens decoded
-to text with the model's tokenizer, each asking for `--output_len` tokens (ignore_eos), written as a
-JSONL file. Every server then gets that file through `jaxserve bench serve --dataset_name=jsonl`,
-one run per `--concurrency` level (its sweep, SLO verdict and plot), one server at a time so each
-has the machine to itself:
+The prompts: `--num_prompts` random token sequences of `--input_len` tokens decoded to text with the
+model's tokenizer, each asking for `--output_len` tokens (ignore_eos), as `jaxserve bench serve
+--dataset_name=random` draws them: level i of its sweep with seed + i, so no level finds another's
+prompts in a prefix cache, and every server gets the same prompts at the same level (the first
+level's are written as a JSONL file beside --out). One run per `--concurrency` level (its sweep,
+SLO verdict and plot), one server at a time so each has the machine to itself:
   jaxserve     `jaxserve serve --model=M` (with --launch; --url: a server already running);
   llama.cpp    its llama-server on the model's GGUF, when built (`make llama-server`) or given with
                --llama_server (only for a model converted from a GGUF: the default SmolLM2 is);
-  transformers with --hf: the same prompts one at a time in this process, float32 (TTFT: one
-               forward of the prompt; TPOT: one forward per token with the KV cache).
-Reported: each server's sweep table, and at concurrency 1 the median TTFT and TPOT of each engine
-with their ratio to transformers'.
+  transformers with --hf: the first level's prompts one at a time in this process, float32 (TTFT:
+               one forward of the prompt; TPOT: one forward per token with the KV cache).
+Reported: each server's sweep table, and at the first level (concurrency 1 by default) the median
+TTFT and TPOT of each engine with their ratio to transformers'.
 
   python bench/serving.py --launch --hf --out=bench/out/serving.json
   python bench/serving.py --url=http://127.0.0.1:8000 --concurrency=1,8 --input_len=256
@@ -35,7 +36,8 @@ LLAMA_SERVER = os.path.join(common.REPO_ROOT, ".peers", "llama.cpp", "build", "b
 
 
 def write_prompts(args, path: str) -> list[dict]:
-    """The prompts every engine gets, as `bench serve`'s JSONL lines {"prompt", "output_tokens"}."""
+    """The first level's prompts, as `bench serve` draws them (seed + 0), written as JSONL lines
+    {"prompt", "output_tokens"}: what transformers gets."""
     from checkpoints.load import load_tokenizer
     from jaxserve.benchmarks import datasets
     from checkpoints.default_model import resolve_model
@@ -51,11 +53,12 @@ def write_prompts(args, path: str) -> list[dict]:
     return lines
 
 
-def bench_serve(args, url: str, prompts_path: str, out_prefix: str) -> dict:
-    """`jaxserve bench serve` over the prompts at every level; its result JSON (a sweep)."""
+def bench_serve(args, url: str, out_prefix: str) -> dict:
+    """`jaxserve bench serve` at every level (random prompts, drawn per level); its result JSON (a sweep)."""
     result_path, plot_path = out_prefix + ".json", out_prefix + ".png"
     command = [sys.executable, "-m", "jaxserve.commands.cli", "bench", "serve", f"--base_url={url}",
-               "--dataset_name=jsonl", f"--dataset_path={prompts_path}", f"--num_prompts={args.num_prompts}",
+               "--dataset_name=random", f"--random_input_len={args.input_len}",
+               f"--random_output_len={args.output_len}", f"--seed={args.seed}", f"--num_prompts={args.num_prompts}",
                f"--sweep_max_concurrency={args.concurrency}", "--ignore_eos", "--num_warmups=1",
                f"--tokenizer={args.model}", "--metric_percentiles=50,99", f"--result_json={result_path}",
                f"--plot={plot_path}", "--disable_tqdm", f"--request_timeout_s={args.timeout_s}"]
@@ -105,13 +108,11 @@ def hf_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
             "num_prompts": len(prompts)}
 
 
-def single_stream_row(name: str, sweep: dict) -> dict | None:
-    """The engine's concurrency-1 level: median TTFT and TPOT (ms)."""
-    for level in sweep["levels"]:
-        if level.get("level") == 1:
-            return {"engine": name, "median_ttft_ms": level.get("median_ttft_ms"),
-                    "median_tpot_ms": level.get("median_tpot_ms")}
-    return None
+def single_stream_row(name: str, sweep: dict) -> dict:
+    """The engine's first level (the prompts transformers also got): median TTFT and TPOT (ms)."""
+    level = sweep["levels"][0]
+    return {"engine": name, "max_concurrency": level.get("level"), "median_ttft_ms": level.get("median_ttft_ms"),
+            "median_tpot_ms": level.get("median_tpot_ms")}
 
 
 def comparison(rows: list[dict], hf: dict | None) -> str:
@@ -128,22 +129,22 @@ def comparison(rows: list[dict], hf: dict | None) -> str:
     return common.format_table(rows, columns)
 
 
-def run_servers(args, out_dir: str, prompts_path: str) -> dict:
+def run_servers(args, out_dir: str) -> dict:
     """Every server's sweep, by engine name."""
     from checkpoints.default_model import resolve_model
 
     sweeps = {}
     if args.url:
-        sweeps["jaxserve"] = bench_serve(args, args.url.rstrip("/"), prompts_path, os.path.join(out_dir, "serving"))
+        sweeps["jaxserve"] = bench_serve(args, args.url.rstrip("/"), os.path.join(out_dir, "serving"))
         return sweeps
     with common.ServerProcess(args.model, shlex.split(args.server_args)) as server:
         print(f"jaxserve up on {server.url} after {server.start_seconds:.1f}s", file=sys.stderr, flush=True)
-        sweeps["jaxserve"] = bench_serve(args, server.url, prompts_path, os.path.join(out_dir, "serving"))
+        sweeps["jaxserve"] = bench_serve(args, server.url, os.path.join(out_dir, "serving"))
     command = llama_server_command(args, resolve_model(args.model))
     if command is not None:
         with common.ServerProcess(args.model, command=command) as server:
             print(f"llama.cpp up on {server.url} after {server.start_seconds:.1f}s", file=sys.stderr, flush=True)
-            sweeps["llama.cpp"] = bench_serve(args, server.url, prompts_path, os.path.join(out_dir, "serving_llama_cpp"))
+            sweeps["llama.cpp"] = bench_serve(args, server.url, os.path.join(out_dir, "serving_llama_cpp"))
     return sweeps
 
 
@@ -185,17 +186,18 @@ def main(argv=None) -> int:
     prompts_path = os.path.join(out_dir, "serving_prompts.jsonl")
     try:
         prompts = write_prompts(args, prompts_path)
-        report["servers"] = run_servers(args, out_dir, prompts_path)
+        report["servers"] = run_servers(args, out_dir)
     except (RuntimeError, ValueError, OSError) as e:
         print(f"serving: {e}", file=sys.stderr)
         return 2
     if args.hf:
         from checkpoints.default_model import resolve_model
         report["transformers"] = hf_single_stream(args, resolve_model(args.model), prompts)
-    rows = [row for name, sweep in report["servers"].items() if (row := single_stream_row(name, sweep))]
+    rows = [single_stream_row(name, sweep) for name, sweep in report["servers"].items()]
     report["machine_line"] = common.machine_line(report["machine"])
     print(report["machine_line"])
-    print(f"one request at a time ({args.input_len}-token prompts, {args.output_len} tokens):")
+    print(f"the first level (max_concurrency {args.concurrency.split(',')[0]}; {args.input_len}-token prompts, "
+          f"{args.output_len} tokens):")
     print(comparison(rows, report.get("transformers")))
     report["single_stream"] = rows
     common.write_json(args.out, report)

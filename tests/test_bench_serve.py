@@ -374,6 +374,19 @@ def test_sweep_finds_the_largest_level_meeting_the_slo(fake, tmp_path, capsys):
     assert "max_concurrency_meeting_slo: 1" in printed and "P99 TTFT ms" in printed
 
 
+def test_each_level_of_a_sweep_sends_prompts_of_its_own(fake, tmp_path):
+    """Level i draws with seed + i: a later level finds none of an earlier one's prompts cached."""
+    server = fake()
+    assert bench(server.url, "--num_prompts=3", "--random_output_len=2", "--random_input_len=8",
+                 "--sweep_max_concurrency=1,2", "--seed=7", f"--result_json={tmp_path / 'r.json'}") == 0
+    first, second = ([json.dumps(b["prompt"]) for b in server.bodies[i:i + 3]] for i in (0, 3))
+    assert not set(first) & set(second)
+    again = fake()
+    assert bench(again.url, "--num_prompts=3", "--random_output_len=2", "--random_input_len=8", "--seed=7",
+                 f"--result_json={tmp_path / 'one.json'}") == 0
+    assert [json.dumps(b["prompt"]) for b in again.bodies] == first  # a single run is level 0
+
+
 def test_request_rate_sweep(fake, tmp_path, capsys):
     out, png = tmp_path / "rates.json", tmp_path / "rates.png"
     assert bench(fake().url, "--num_prompts=3", "--random_output_len=3", "--sweep_request_rate=40,80",

@@ -76,7 +76,7 @@ def _define_dataset_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("sharegpt_output_len", None, "sharegpt/jsonl: output tokens for every prompt (default: "
                          "the reply's length for sharegpt; a jsonl line's output_tokens, else 128).",
                          lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "Seeds the dataset sample and the arrival times.", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "Seeds the dataset sample and the arrival times (a sweep's level i draws with seed + i).", flag_values=fv)
 
 
 def _define_load_flags(fv: flags.FlagValues) -> None:
@@ -201,18 +201,21 @@ def _tokenizer(fv: flags.FlagValues, model: str):
         return None, None
 
 
-def build_samples(fv: flags.FlagValues, tokenizer, endpoint: str) -> list[datasets.SampleRequest]:
-    """The run's prompts from the dataset flags (the same for each level of a sweep: same seed)."""
+def build_samples(fv: flags.FlagValues, tokenizer, endpoint: str, level_index: int = 0) -> list[datasets.SampleRequest]:
+    """The run's prompts from the dataset flags. Each level of a sweep draws its own (seed +
+    level_index), so a later level does not find the earlier levels' prompts in the server's prefix
+    cache; a jsonl file is sent as it is at every level."""
+    seed = fv.seed + level_index
     if fv.dataset_name == "random":
         if tokenizer is None and endpoint == "chat":
             raise ValueError("random prompts on --endpoint=chat need a --tokenizer (without one they are "
                              "token ids, which only the completions endpoint takes)")
         return datasets.random_requests(fv.num_prompts, fv.random_input_len, fv.random_output_len,
-                                        range_ratio=fv.random_range_ratio, seed=fv.seed, tokenizer=tokenizer,
+                                        range_ratio=fv.random_range_ratio, seed=seed, tokenizer=tokenizer,
                                         vocab_size=fv.random_vocab_size, prefix_len=fv.random_prefix_len)
     if fv.dataset_name == "sharegpt":
         return datasets.sharegpt_requests(fv.dataset_path, fv.num_prompts, tokenizer=tokenizer,
-                                          output_len=fv.sharegpt_output_len, seed=fv.seed)
+                                          output_len=fv.sharegpt_output_len, seed=seed)
     return datasets.jsonl_requests(fv.dataset_path, fv.num_prompts, tokenizer=tokenizer,
                                    output_len=fv.sharegpt_output_len or 128)
 
@@ -249,9 +252,9 @@ async def _warm_up(fv: flags.FlagValues, target: Target, bodies: list[dict], max
 
 
 async def run_level(fv: flags.FlagValues, target: Target, settings: Settings, max_concurrency: int | None,
-                    request_rate: float) -> tuple[dict, list[results.RequestMetrics]]:
-    """One timed run: (its result dict, the successful requests' metrics)."""
-    samples = build_samples(fv, target.tokenizer, fv.endpoint)
+                    request_rate: float, level_index: int = 0) -> tuple[dict, list[results.RequestMetrics]]:
+    """One timed run (the `level_index`-th of a sweep): (its result dict, the successful requests' metrics)."""
+    samples = build_samples(fv, target.tokenizer, fv.endpoint, level_index)
     bodies = _bodies(fv, target, settings, samples)
     await _warm_up(fv, target, bodies, max_concurrency)
     before = await server_metrics.scrape(target.session, target.base_url)
@@ -324,10 +327,10 @@ async def _single(fv: flags.FlagValues, target: Target, settings: Settings) -> t
 async def _sweep(fv: flags.FlagValues, target: Target, settings: Settings) -> tuple[dict, int, list[dict]]:
     """One run per level: (the sweep's document, the exit code, its table rows); prints the table."""
     kind, level_results, rows, passed = settings.sweep_kind, [], [], []
-    for level in settings.levels:
+    for index, level in enumerate(settings.levels):
         concurrency = int(level) if kind == "max_concurrency" else fv.max_concurrency
         rate = level if kind == "request_rate" else fv.request_rate
-        result, metrics = await run_level(fv, target, settings, concurrency, rate)
+        result, metrics = await run_level(fv, target, settings, concurrency, rate, index)
         result["level"] = int(level) if kind == "max_concurrency" else level
         level_results.append(result)
         rows.append(sweep.table_row(level, result, metrics))
