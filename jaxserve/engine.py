@@ -387,7 +387,7 @@ class Engine:
         n, extra = len(batch.decode), len(batch.decode) * steps * (steps - 1) // 2
         cost = self.step_costs.step(n * steps, steps * kv_read + extra, steps * batch.num_attention_pairs + extra)
         return dataclasses.replace(cost, bytes=cost.bytes + (steps - 1) * self.step_costs.weights_bytes,
-                                   collectives=cost.collectives * steps)
+                                   collectives=cost.collectives * steps, rows=n)
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an

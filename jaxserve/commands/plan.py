@@ -191,7 +191,8 @@ def predict_for_flags(fv: flags.FlagValues, model: ModelConfig, plan: memory.Mem
 
     def probe():
         from jaxserve.planning import probe as probe_lib  # loads jax: only when no ceilings are given
-        return probe_lib.probe(model.hidden_size, model.intermediate_size)
+        rows = [*sizes, predict.prefill_chunk(cfg)]  # the decode steps and the TTFT's prefill chunks
+        return probe_lib.probe(model, rows, fv.predict_context_len, cfg.page_size)
 
     ceilings = predict.resolve_ceilings(cfg, fv.target, probe)
     if cfg.tensor_parallel_size > 1 and ceilings.interconnect_bandwidth is None:
