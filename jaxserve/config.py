@@ -96,9 +96,12 @@ class EngineConfig:
     memory_utilization: float = setting(
         0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "
         "and KV pages may use", minimum=0.0, maximum=1.0, vllm_name="gpu_memory_utilization")
-    # Not a flag: each command decides (serve compiles every shape first, generate only what it runs
+    # Not a flag: each command decides (serve compiles every shape, generate only what it runs
     # unless it saves or loads executables); tests and benchmarks set it.
     warmup: bool = True
+    # Not a flag: `jaxserve serve` sets it. The warm-up goes on in the background once the shapes a
+    # first request needs are compiled (ModelRunner.warmup), so the server answers meanwhile.
+    background_warmup: bool = False
     # Compiled step executables (jaxserve.executor.executables): None keeps them automatically beside the
     # compilation cache.
     executables: str | None = setting(

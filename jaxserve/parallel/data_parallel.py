@@ -167,8 +167,15 @@ class DataParallelAsyncEngine:
     def health(self) -> dict:
         reports = [r.health() for r in self.replicas]
         errors = [h["last_step_error"] for h in reports if h["last_step_error"]]
-        return {"num_step_failures": sum(h["num_step_failures"] for h in reports),
-                "last_step_error": errors[-1] if errors else None}
+        report = {"num_step_failures": sum(h["num_step_failures"] for h in reports),
+                  "last_step_error": errors[-1] if errors else None}
+        warmups = [h["warmup"] for h in reports if "warmup" in h]
+        if warmups:  # ready when every replica is
+            failed = [w["error"] for w in warmups if w["error"]]
+            report["warmup"] = {"ready": all(w["ready"] for w in warmups),
+                                "compiled": sum(w["compiled"] for w in warmups),
+                                "total": sum(w["total"] for w in warmups), "error": failed[0] if failed else None}
+        return report
 
     def compile_structured_output(self, params) -> None:
         """AsyncEngine.compile_structured_output (the replicas share the tokenizer: one compile serves all)."""
