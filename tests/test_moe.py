@@ -36,14 +36,14 @@ FAMILIES = {  # name: (transformers config class, model class, config fields)
 }
 
 
-def make_moe_model(path: str, family: str, vocab_size: int = 128, seed: int = SEED):
+def make_moe_model(path: str, family: str, vocab_size: int = 128, seed: int = SEED, **extra):
     """Saves a random model of `family` under `path` (safetensors); returns the torch model.
     Weights of unit scale (router included), so routing is decisive and every expert's share shows
-    in the logits; non-trivial norms."""
+    in the logits; non-trivial norms. `extra`: more config fields (num_hidden_layers, mlp_only_layers...)."""
     import torch
     import transformers
     config_cls, model_cls, fields = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**BASE, **fields, "vocab_size": vocab_size})
+    config = getattr(transformers, config_cls)(**{**BASE, **fields, "vocab_size": vocab_size, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -269,8 +269,10 @@ MOE_BASE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [0, 1]}, "no layer"),
+    ({"decoder_sparse_step": 3}, "no layer"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
     ({"architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 0}, "shared_expert"),
