@@ -146,3 +146,65 @@ def test_greedy_tokens_through_convert_and_generate(tmp_path, family):
         expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
                                   min_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt_ids):].tolist()
     assert row["token_ids"] == expected
+
+
+# ---- tensor parallelism, on fake CPU devices (one subprocess, as tests/test_moe_sharding.py) ----
+TP_CONFIG = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+             "shared_expert_intermediate_size": 40, "mlp_only_layers": [1]}
+
+
+def _tensor_parallel_worker() -> None:
+    """Prints {tp: {"logits", "layout"}} of one prefill step of a mixed Qwen2-MoE at TP 1 and 2."""
+    from jaxserve.parallel import sharding
+    config = ModelConfig.from_hf_dict(TP_CONFIG)
+    params = weights.random_params(config, seed=3)
+    batch, _, kv_pages = _batch(config)
+    out = {}
+    for tp in (1, 2):
+        mesh = sharding.make_mesh(config, tp) if tp > 1 else None
+        shardings = sharding.ModelShardings.create(config, mesh) if mesh else None
+        run_config = shardings.model_config if shardings else config
+        kv = llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages=kv_pages["k"].shape[0] // config.num_layers,
+                                                               page_size=4), jnp.float32,
+                                 shardings.kv_cache if shardings else None)
+        placed = shardings.place(params) if shardings else params
+        step = jax.jit(lambda p, k, b: llama.forward(p, k, b, config=run_config, mesh=mesh)[0])
+        layout = {name: sorted({tuple(s.data.shape) for s in placed["layers"][name].addressable_shards})
+                  for name in ("dense_w_gate", "dense_w_down", "w_gate_exps", "router")}
+        out[tp] = {"logits": np.asarray(step(placed, kv, batch)).tolist(), "layout": layout}
+    print(json.dumps(out))
+
+
+def test_tensor_parallel_mixed_layers_match_one_device():
+    """At TP 2 a mixed model's logits are one device's (the step is llama.forward's, whose KV-head
+    replication at TP 4 tests/test_moe_sharding.py covers);
+    the dense layers' MLP is split on intermediate_size, the experts on theirs, the router replicated."""
+    import os
+    import subprocess
+    import sys
+    from tests.test_sharding import FAKE_DEVICES_ENV, REPO
+    code = "from tests.test_moe_mixed_layers import _tensor_parallel_worker; _tensor_parallel_worker()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **FAKE_DEVICES_ENV})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = np.asarray(runs["1"]["logits"])
+    for tp in (2,):
+        np.testing.assert_allclose(np.asarray(runs[str(tp)]["logits"]), expected, rtol=1e-5,
+                                   atol=1e-5 * np.abs(expected).max(), err_msg=f"tp {tp}")
+        layout = runs[str(tp)]["layout"]
+        assert layout["dense_w_gate"] == [[1, 32, 48 // tp]] and layout["dense_w_down"] == [[1, 48 // tp, 32]]
+        assert layout["w_gate_exps"] == [[2, 4, 32, 24 // tp]] and layout["router"] == [[2, 32, 4]]
+
+
+def test_a_tensor_parallel_split_the_dense_layers_do_not_divide_is_refused():
+    import dataclasses
+    from jaxserve.parallel import sharding
+    config = ModelConfig.from_hf_dict(TP_CONFIG)
+    assert sharding.tensor_parallel_problem(config, 4) is None
+    with pytest.raises(ValueError, match="intermediate_size"):
+        sharding.check_tensor_parallel(dataclasses.replace(config, intermediate_size=50), 4)
+    all_sparse = dataclasses.replace(config, intermediate_size=50, mlp_only_layers=())
+    assert sharding.tensor_parallel_problem(all_sparse, 4) is None  # no weight of intermediate_size
