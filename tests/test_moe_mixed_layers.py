@@ -208,3 +208,19 @@ def test_a_tensor_parallel_split_the_dense_layers_do_not_divide_is_refused():
         sharding.check_tensor_parallel(dataclasses.replace(config, intermediate_size=50), 4)
     all_sparse = dataclasses.replace(config, intermediate_size=50, mlp_only_layers=())
     assert sharding.tensor_parallel_problem(all_sparse, 4) is None  # no weight of intermediate_size
+
+
+def test_the_planner_counts_each_kinds_layers_only():
+    """A mixed model's bytes: the dense MLP of its dense layers, the experts, router and shared
+    expert of its sparse ones, each once (the planner reads the one declaration)."""
+    from jaxserve.planning import memory
+    config = ModelConfig.from_hf_dict(TP_CONFIG)  # layer 1 dense, layers 0 and 2 sparse
+    D, F, E, Fe, S, L = 32, 48, 4, 24, 40, 3
+    attention = L * (2 * D * 32 + 2 * D * 16)
+    counts = memory.count_params(config)
+    assert counts["experts"] == 2 * E * 3 * D * Fe
+    assert counts["routers"] == 2 * (D * E + D)
+    assert counts["linear"] == attention + 1 * 3 * D * F + 2 * 3 * D * S
+    assert sum(counts.values()) == weights.num_params(config)
+    assert memory.weights_bytes(config, "float32") == 4 * weights.num_params(config)
+    assert memory.weights_bytes(config, "bfloat16", 2) < memory.weights_bytes(config, "bfloat16", 1)
