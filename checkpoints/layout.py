@@ -128,13 +128,15 @@ def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
     """The tensor names of `config`'s weights in a source format ("hf" or "gguf"), as two maps to
     (slot, transposed): whole-model names ("model.norm.weight") and per-layer names without their
     layer prefix ("self_attn.q_proj.weight" of "model.layers.{i}."). A weight stored one tensor per
-    expert has one name per expert, each to its own slot (`expert_slot`)."""
+    expert has one name per expert, each to its own slot (`expert_slot`); one stored as a single
+    tensor of every expert (GGUF's `ffn_*_exps`) maps to the weight's path, which its source
+    splits into the experts' slots."""
     whole, per_layer = {}, {}
     for info in weights.weight_infos(config).values():
         name = getattr(info, fmt)
         if name is None:
             continue
-        if info.per_expert:
+        if "{expert}" in name:
             for expert in range(info.shape[1]):
                 per_layer[name.format(expert=expert)] = (expert_slot(info.path, expert), info.transposed)
         else:
@@ -143,9 +145,11 @@ def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
 
 
 def describe_slot(whole: dict, per_layer: dict, layer_prefix: str, slot: str, layer: int | None) -> str:
-    """The source name of `slot` (of `layer`), for messages about a missing tensor."""
-    for table, prefix in ((whole, ""), (per_layer, layer_prefix.format(layer=layer))):
-        for name, (candidate, _) in table.items():
-            if candidate == slot:
-                return prefix + name
+    """The source name of `slot` (of `layer`), for messages about a missing tensor (an expert's
+    slot of a weight stored as one tensor of every expert: that tensor's name)."""
+    for wanted in (slot, split_slot(slot)[0]):
+        for table, prefix in ((whole, ""), (per_layer, layer_prefix.format(layer=layer))):
+            for name, (candidate, _) in table.items():
+                if candidate == wanted:
+                    return prefix + name
     return slot

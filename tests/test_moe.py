@@ -347,18 +347,20 @@ def test_convert_refuses_to_quantize_a_moe_model(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_moe_gguf_is_refused_by_name(tmp_path):
-    """llama.cpp writes Mixtral as arch "llama" with an expert count: refused, not misread as dense."""
+def test_a_moe_gguf_without_its_expert_metadata_is_refused_by_name(tmp_path):
+    """llama.cpp writes Mixtral as arch "llama" with an expert count (tests/test_moe_gguf.py
+    converts such files); one without its top-k is refused by the key's name, not misread."""
     import gguf
     from checkpoints import ConversionError
     from checkpoints.convert import open_source
     writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
-    writer.add_block_count(1)
-    writer.add_expert_count(4)
+    for add, value in (("block_count", 1), ("embedding_length", 4), ("head_count", 1), ("feed_forward_length", 8),
+                       ("vocab_size", 8), ("expert_count", 4)):
+        getattr(writer, f"add_{add}")(value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConversionError, match="expert_count"):
+    with pytest.raises(ConversionError, match="expert_used_count"):
         open_source(str(tmp_path / "mixtral.gguf"))

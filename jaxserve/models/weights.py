@@ -11,7 +11,8 @@
   hf     the Hugging Face tensor name (per-layer weights: the part after "model.layers.{i}."); an
          expert's own tensor has "{expert}" where its index goes (one tensor per expert, as
          transformers' save_pretrained and the published checkpoints write them)
-  gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files
+  gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files.
+         A routed expert weight is one GGUF tensor of every expert, [E, out, in] (`ffn_*_exps`)
   transposed  stored for `x @ W`, i.e. transposed from the [out, in] of both file formats
 
 Per-layer weights are stacked on a leading "layers" axis (the step scans over it) and sit under
@@ -149,7 +150,9 @@ def _expert_weights(config: ModelConfig, param) -> dict:
     """A mixture-of-experts layer's weights (jaxserve.models.moe): the router [D, E], the routed
     experts' SwiGLU matrices stacked on an "experts" axis, and Qwen2-MoE's shared expert with its
     sigmoid gate [D, 1]. Mixtral names them `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, the
-    Qwen families `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`. Stacked on "layers", or on
+    Qwen families `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; llama.cpp `ffn_gate_inp`,
+    `ffn_{gate,up,down}_exps` (every expert in one tensor) and the shared expert's `*_shexp`, its
+    gate `ffn_gate_inp_shexp`. Stacked on "layers", or on
     "moe_layers" (the sparse layers only) in a model with dense MLP layers too."""
     D, E, F = config.hidden_size, config.num_experts, config.moe_intermediate_size
     L, stack = len(config.sparse_layers), "moe_layers" if config.mlp_only_layers else "layers"
@@ -157,28 +160,29 @@ def _expert_weights(config: ModelConfig, param) -> dict:
     prefix = "block_sparse_moe" if mixtral else "mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
 
-    def expert(shape, axes, name):
+    def expert(shape, axes, name, gguf):
         return param((L, E, *shape), (stack, "experts", *axes), "experts",
-                     f"{prefix}.experts.{{expert}}.{name}.weight", None, transposed=True)
+                     f"{prefix}.experts.{{expert}}.{name}.weight", gguf, transposed=True)
 
     out = {
-        "router": param((L, D, E), (stack, "embed", "router"), "router", f"{prefix}.gate.weight", None,
-                        transposed=True),
-        "w_gate_exps": expert((D, F), ("embed", "expert_ffn"), names[0]),
-        "w_up_exps": expert((D, F), ("embed", "expert_ffn"), names[1]),
-        "w_down_exps": expert((F, D), ("expert_ffn", "embed"), names[2]),
+        "router": param((L, D, E), (stack, "embed", "router"), "router", f"{prefix}.gate.weight",
+                        "ffn_gate_inp.weight", transposed=True),
+        "w_gate_exps": expert((D, F), ("embed", "expert_ffn"), names[0], "ffn_gate_exps.weight"),
+        "w_up_exps": expert((D, F), ("embed", "expert_ffn"), names[1], "ffn_up_exps.weight"),
+        "w_down_exps": expert((F, D), ("expert_ffn", "embed"), names[2], "ffn_down_exps.weight"),
     }
     if config.shared_expert_intermediate_size:
         S = config.shared_expert_intermediate_size
+        shared = lambda shape, axes, role, hf, gguf: param((L, *shape), (stack, *axes), role, hf, gguf,
+                                                           transposed=True)
         out.update(
-            w_gate=param((L, D, S), (stack, "embed", "ffn"), "linear", "mlp.shared_expert.gate_proj.weight", None,
-                         transposed=True),
-            w_up=param((L, D, S), (stack, "embed", "ffn"), "linear", "mlp.shared_expert.up_proj.weight", None,
-                       transposed=True),
-            w_down=param((L, S, D), (stack, "ffn", "embed"), "linear", "mlp.shared_expert.down_proj.weight",
-                         None, transposed=True),
-            shared_gate=param((L, D, 1), (stack, "embed", "router"), "router", "mlp.shared_expert_gate.weight",
-                              None, transposed=True))
+            w_gate=shared((D, S), ("embed", "ffn"), "linear", "mlp.shared_expert.gate_proj.weight",
+                          "ffn_gate_shexp.weight"),
+            w_up=shared((D, S), ("embed", "ffn"), "linear", "mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+            w_down=shared((S, D), ("ffn", "embed"), "linear", "mlp.shared_expert.down_proj.weight",
+                          "ffn_down_shexp.weight"),
+            shared_gate=shared((D, 1), ("embed", "router"), "router", "mlp.shared_expert_gate.weight",
+                               "ffn_gate_inp_shexp.weight"))
     return out
 
 
