@@ -74,6 +74,19 @@ def test_forward_matches_transformers_and_sees_each_layers_weights(mixed_model):
         assert np.abs(np.asarray(step(swapped, kv, batch)) - expected).max() > 100 * atol, (case, leaf)
 
 
+def test_transformers_5_fused_experts_of_a_mixed_model_convert_to_the_same_weights(mixed_model, tmp_path):
+    """save_pretrained(save_original_format=False): the sparse layers' fused experts fill their
+    rows of the experts' stacks, the dense layers' MLP theirs, as the per-expert files do."""
+    from safetensors import safe_open
+    case, model, converted = mixed_model
+    model.save_pretrained(str(tmp_path / "fused"), save_original_format=False)
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "np") as f:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in f.keys() and "model.layers.0.mlp.gate_proj.weight" in f.keys()
+    convert_checkpoint(str(tmp_path / "fused"), str(tmp_path / "converted"))
+    expected, got = load_params(converted, jnp.float32), load_params(str(tmp_path / "converted"), jnp.float32)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=case), expected, got)
+
+
 def test_a_checkpoint_with_other_layer_kinds_is_refused_by_name(tmp_path):
     """Saved with layer 0 dense, read with a config that says layer 0 is sparse: the converter
     names the tensor that does not belong, rather than filling a layer of the wrong kind."""
