@@ -7,7 +7,8 @@ differences are switches of `ModelConfig`); the weights it reads are declared on
 stacked on a leading layer axis and run under `jax.lax.scan`, so compile time stays flat as models
 get deeper. Every matrix is multiplied through `quantization.linear`, float or quantized alike;
 on one CPU device the layers may come in the layouts of `jaxserve.models.cpu_layout.layer_views`,
-which the scan reads through `cpu_layout.LayerWeights`.
+which the scan reads through `cpu_layout.LayerWeights` (as it reads a model whose dense and sparse
+MLP layers are mixed: `jaxserve.models.weights.LayerKinds`).
 
 KV cache layout: per cache, `[num_layers * num_pages, page_size, num_kv_heads, head_dim]`; layer
 `l` owns pages `l * num_pages .. (l + 1) * num_pages - 1`, so a block table entry `p` of layer `l`
@@ -191,6 +192,8 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     """x [T, D] through every layer under `jax.lax.scan` (stacked weights, or any layout of
     cpu_layout.layer_views), each layer writing its K/V into its own pages of the caches.
     `mesh` (tensor parallel): where a mixture-of-experts model's routed experts run split.
+    A model with dense and sparse MLP layers mixed (weights.LayerKinds) runs the same scan: the
+    part after attention goes under a switch on the layer's kind, which reads its own weights.
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
