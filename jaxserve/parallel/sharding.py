@@ -69,7 +69,8 @@ def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> s
         if config.shared_expert_intermediate_size % tp:
             return (f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) "
                     f"is not divisible by it")
-        return None
+        if not config.mixed_mlp_layers:  # only the dense layers of a mixed model have intermediate_size
+            return None
     if config.intermediate_size % tp:
         return f"intermediate_size ({config.intermediate_size}) is not divisible by it"
     return None

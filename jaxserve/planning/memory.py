@@ -150,8 +150,15 @@ def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, .
 
 
 def _linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
-    """(in_features, out_features) on one device of every linear layer in one decoder layer."""
+    """(in_features, out_features) on one device of every linear layer in one decoder layer (a
+    model with dense and sparse MLP layers: of one layer of each kind, an upper bound of either)."""
     return [shape[1:] for role, shape in _device_weights(model, tp) if role == "linear"]
+
+
+def _linear_stacks(model: ModelConfig, tp: int) -> list[tuple[int, int, int]]:
+    """(layers, in_features, out_features) on one device of every stacked linear weight: a mixed
+    model's dense MLP (and its sparse layers' shared expert) stack only the layers of their kind."""
+    return [shape for role, shape in _device_weights(model, tp) if role == "linear"]
 
 
 def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int:
@@ -191,7 +198,7 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
     weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
     tp = tensor_parallel_size
     counts = count_params(model, tp)
-    linear = model.num_layers * sum(_linear_bytes(i, o, weight_dtype) for i, o in _linear_shapes(model, tp))
+    linear = sum(layers * _linear_bytes(i, o, weight_dtype) for layers, i, o in _linear_stacks(model, tp))
     float_bytes = FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
     rest = (counts["norms"] + counts["biases"] + counts["experts"] + counts["routers"]) * float_bytes
     if not int8_embedding:
@@ -286,7 +293,10 @@ def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
     rows, d = tokens * model.num_experts_per_tok, model.hidden_size  # the sorted rows: on every device
     f = math.ceil(model.moe_intermediate_size / tp)
     routed = rows * d * a + 3 * rows * f * a + rows * d * 4 + tokens * d * 4
-    return routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
+    sparse = routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
+    if model.mixed_mlp_layers:  # its dense layers' MLP runs in its own layers' step
+        return max(sparse, 3 * tokens * math.ceil(model.intermediate_size / tp) * a)
+    return sparse
 
 
 def _expert_layer_params(model: ModelConfig, tp: int) -> int:
