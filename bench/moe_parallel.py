@@ -65,6 +65,7 @@ def measure(devices: int, steps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxserve.config import ModelConfig
     from jaxserve.models import llama, moe, weights
@@ -81,7 +82,10 @@ def measure(devices: int, steps: int) -> list[dict]:
             shardings = sharding.ModelShardings.create(config, mesh, expert_parallel=expert_parallel)
         run = shardings.model_config if shardings else config
         placed = shardings.place(params) if shardings else params
-        layer0 = jax.tree.map(lambda w: w[0], placed["layers"])
+        layer0 = {name: w[0] for name, w in placed["layers"].items()}  # one layer's weights, in their layout
+        if shardings:
+            layer0 = {name: jax.device_put(w, NamedSharding(mesh, P(*shardings.params["layers"][name].spec[1:])))
+                      for name, w in layer0.items()}
         step = jax.jit(lambda p, k, b: llama.forward(p, k, b, config=run, mesh=mesh)[0])
         block = jax.jit(lambda lp, h: moe.sparse_mlp(lp, h, run, mesh))
         for rows in ROWS:
