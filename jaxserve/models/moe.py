@@ -46,8 +46,15 @@ T * k rows (any routing may send every pair to one device), so each device would
 for the all-reduce, and the shapes would be no smaller. The step
 keeps the same fixed shapes as on one device (T * k sorted rows on every device, every pair
 computed by the device that holds its expert, no capacity limit). What EP changes is what each
-device holds and reads: E/n whole experts rather than a 1/n slice of all E, so a decode step's
-device reads only those of its experts that its pairs route to (bench/moe_parallel.py).
+device holds: E/n whole experts rather than a 1/n slice of all E (the same bytes), and the
+grouped matmuls' shapes: E/n groups of the full F instead of E groups of F/n. On the CPU, jax
+lowers ragged_dot to one dense dot over a [groups, rows, D] masked copy of the rows, so both
+layouts do the same FLOPs and read all the device's expert weights whatever the routing; EP's
+masked copy is n times smaller (bench/moe_parallel.py measures the step). What each device
+computes for the rows outside its groups, and whether it skips the weights of empty groups, is
+the lowering's (XLA's ragged-dot on GPU); the result is the same. The cost of EP here: every
+device's sorted rows carry the full F ([T * k, F] gate and up), n times TP's (the planner
+counts it, jaxserve.planning.memory).
 """
 from __future__ import annotations
 
