@@ -8,7 +8,9 @@ intermediate size 512, top-2, vocabulary 2048; float32) runs decode steps of 1, 
 split on their intermediate size over N devices (TP, the default) and with whole experts spread
 over them (EP, --enable_expert_parallel); attention is split on heads in both. Also timed: one
 layer's mixture-of-experts block alone (`moe.sparse_mlp` on [rows, 256]). Each figure is the median
-of --steps calls after two warm-up calls (compile excluded).
+of --steps calls after two warm-up calls (compile excluded); the collectives columns count the
+collective ops in each compiled program (XLA's optimized HLO; the step's layers run under a scan,
+so its loop body appears once).
 
 The N devices are XLA's fake CPU devices (--xla_force_host_platform_device_count) sharing this
 machine's cores: the collectives are memory copies and the devices compete for the same cores,
@@ -61,6 +63,15 @@ def median_ms(fn, steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def collectives(fn, *args) -> str:
+    """The collectives in `fn`'s compiled program for `args` (XLA's optimized HLO), e.g. "2 all-reduce"."""
+    import re
+    text = fn.lower(*args).compile().as_text()
+    names = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+    counts = {name: len(re.findall(rf" {name}(?:-start)?\(", text)) for name in names}
+    return ", ".join(f"{n} {name}" for name, n in counts.items() if n) or "none"
+
+
 def measure(devices: int, steps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -96,7 +107,9 @@ def measure(devices: int, steps: int) -> list[dict]:
             h = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, config.hidden_size)), jnp.float32)
             step_ms = median_ms(lambda: step(placed, kv, batch), steps)
             block_ms = median_ms(lambda: block(layer0, h), steps)
-            results.append({"layout": layout, "rows": rows, "step_ms": step_ms, "moe_block_ms": block_ms})
+            results.append({"layout": layout, "rows": rows, "step_ms": step_ms, "moe_block_ms": block_ms,
+                            "step_collectives": collectives(step, placed, kv, batch),
+                            "block_collectives": collectives(block, layer0, h)})
             print(f"{layout:>9}  rows {rows:3d}  step {step_ms:8.2f} ms  moe block {block_ms:7.2f} ms",
                   file=sys.stderr, flush=True)
     return results
@@ -119,7 +132,9 @@ def main() -> None:
     info["jax_devices"] = len(info["jax_devices"])
     print(machine_line(info))
     print(format_table(results, [("layout", "layout", "s"), ("rows", "rows", "d"), ("step_ms", "decode step ms", ".2f"),
-                                 ("moe_block_ms", "one MoE block ms", ".2f")]))
+                                 ("moe_block_ms", "one MoE block ms", ".2f"),
+                                 ("step_collectives", "step collectives", "s"),
+                                 ("block_collectives", "block collectives", "s")]))
     write_json(args.out, {"machine": info, "model": MODEL, "steps": args.steps, "results": results})
 
 
