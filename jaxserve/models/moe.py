@@ -43,8 +43,8 @@ and the "all-gather of tokens" costs nothing. An all-to-all would have to send e
 rows routed to its experts in fixed-size buffers; with no token dropped a buffer must hold all
 T * k rows (any routing may send every pair to one device), so each device would send
 (n - 1) T k rows of D and receive as many back, in two collectives, against about 2 T rows of D
-for the all-reduce, and the shapes would be no smaller. The step
-keeps the same fixed shapes as on one device (T * k sorted rows on every device, every pair
+for the all-reduce, and the shapes would be no smaller. The step keeps the same fixed shapes as
+on one device (T * k sorted rows on every device, every pair
 computed by the device that holds its expert, no capacity limit). What EP changes is what each
 device holds: E/n whole experts rather than a 1/n slice of all E (the same bytes), and the
 grouped matmuls' shapes: E/n groups of the full F instead of E groups of F/n. On the CPU, jax

@@ -16,7 +16,11 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
     [L, E, D, F'] on F', w_down_exps [L, E, F', D] on F' (logical axis "expert_ffn"); the router
     [L, D, E] and Qwen2-MoE's shared-expert gate [L, D, 1] replicated; its shared expert
     w_gate / w_up / w_down like the dense MLP. The routed experts run under `shard_experts`
-    (per-device code, one all-reduce of their [T, D] partial sums).
+    (per-device code, one all-reduce of their [T, D] partial sums). Expert parallel
+    (EngineConfig.enable_expert_parallel; ModelConfig.expert_parallel on the config the step
+    runs): the logical axis "experts" goes over "model" instead of "expert_ffn", so each device
+    holds E/TP whole experts [L, E/TP, D, F'] (E must divide; F' need not); the rest as above.
+    Data parallelism stays independent replicas: each spreads its experts over its own TP devices.
   quantized linear QuantArray(q, scale[, zero, perm]) (jaxserve.models.quantization): q as its
     float weight; scale and zero [L, groups, out] too, except per-output-channel scales of a
     row-sharded weight (one group: replicated); a row-sharded weight's groups must divide evenly
