@@ -114,6 +114,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices each model replica is split over (attention heads, MLP, vocabulary)", minimum=1)
     data_parallel_size: int = setting(1, "model replicas, each on its own tensor_parallel_size devices", minimum=1)
+    # jaxserve.parallel.sharding (expert parallelism) and jaxserve.models.moe; checked against the model by
+    # sharding.expert_parallel_problem when the replica's shardings are made and by the planner.
+    enable_expert_parallel: bool = setting(
+        False, "mixture-of-experts models: spread each layer's routed experts over the tensor_parallel_size devices "
+        "of a replica (whole experts, E / tensor_parallel_size per device) instead of splitting every expert's "
+        "intermediate size; attention keeps its tensor-parallel split")
     # Quantization (jaxserve.models.quantization), after loading.
     quantization: str | None = setting(
         None, "quantize the linear layers after loading: int8 (per output channel), int4 (groups of 32 with a "
@@ -380,6 +386,11 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(data)
+
+    # How the step lays out the routed experts, never read from a checkpoint: set only on the
+    # config a sharded replica runs (jaxserve.parallel.sharding.sharded_model_config, from
+    # EngineConfig.enable_expert_parallel): True spreads whole experts over the replica's devices.
+    expert_parallel: bool = False
 
 
 def _optional_float(value) -> float | None:

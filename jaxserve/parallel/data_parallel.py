@@ -36,12 +36,13 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
     `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
     single device. The split is checked before any weight is loaded (ValueError), and each
     replica's memory budget is read before its weights take memory (the planner subtracts them)."""
-    tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
+    tp, dp, ep = cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel
+    sharding.with_expert_parallel(model_config, ep, tp)  # a dense model or experts that do not divide: refused
     if tp == 1 and dp == 1:
         replica_shardings = [None]
     else:
-        mesh = sharding.make_mesh(model_config, tp, dp)
-        replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh)
+        mesh = sharding.make_mesh(model_config, tp, dp, expert_parallel=ep)
+        replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh, expert_parallel=ep)
                              for replica_mesh in sharding.replica_meshes(mesh)]
     engines = []
     for index, shardings in enumerate(replica_shardings):

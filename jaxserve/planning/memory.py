@@ -6,7 +6,9 @@ quantization formats and the tensor-parallel split rules are jaxserve.models.qua
 jaxserve.parallel.sharding's, imported when used). Every byte count is per device: with tensor parallelism
 the attention heads, the MLP columns and the vocabulary are split over `tensor_parallel_size`
 devices, norms are replicated, and KV heads are split (or replicated when there are fewer KV
-heads than devices).
+heads than devices). A mixture-of-experts model's routed experts are split on their
+intermediate size, or, with EngineConfig.enable_expert_parallel, held whole, E / tensor_parallel_size
+experts per device (`parallel_model`; the step's sorted rows then carry the full intermediate size).
 
     usable      = device_memory_bytes * memory_utilization
     kv_budget   = usable - weights_bytes - activation_bytes - runtime_reserve_bytes
@@ -136,6 +138,17 @@ def kv_heads_per_device(model: ModelConfig, tensor_parallel_size: int) -> int:
     return max(1, model.num_kv_heads // tensor_parallel_size)
 
 
+def parallel_model(model: ModelConfig, cfg: EngineConfig) -> ModelConfig:
+    """`model` as the engine of `cfg` lays it out: with cfg.enable_expert_parallel, its
+    ModelConfig.expert_parallel set (whole experts per device), which every count below follows.
+    MemoryPlanError for a dense model or experts that do not divide over the devices."""
+    from jaxserve.parallel import sharding  # imports jax: the split rules live with the partition rules
+    try:
+        return sharding.with_expert_parallel(model, cfg.enable_expert_parallel, cfg.tensor_parallel_size)
+    except ValueError as e:
+        raise MemoryPlanError(str(e)) from None
+
+
 def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...]]]:
     """(role, shape on one device) of every weight, from the model's one declaration
     (jaxserve.models.weights) and the partition rules: with KV heads replicated up to `tp`, every
@@ -175,7 +188,7 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
 def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
     """Parameters held by one device, by kind: linear (decoder matrices), embeddings (embed and
     lm_head), norms and biases; a mixture-of-experts model's experts (every routed expert's
-    matrices) and routers too."""
+    matrices: a 1/tp slice of each, or E/tp whole experts with model.expert_parallel) and routers too."""
     kinds = {"linear": "linear", "embedding": "embeddings", "norm": "norms", "bias": "biases",
              "experts": "experts", "router": "routers"}
     counts = dict.fromkeys(kinds.values(), 0)
@@ -291,7 +304,8 @@ def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
     if not model.is_moe:
         return 3 * tokens * math.ceil(model.intermediate_size / tp) * a
     rows, d = tokens * model.num_experts_per_tok, model.hidden_size  # the sorted rows: on every device
-    f = math.ceil(model.moe_intermediate_size / tp)
+    # Expert parallel: every device's rows carry the whole F (its own pairs in groups, the others' zeros).
+    f = model.moe_intermediate_size if model.expert_parallel else math.ceil(model.moe_intermediate_size / tp)
     routed = rows * d * a + 3 * rows * f * a + rows * d * 4 + tokens * d * 4
     sparse = routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
     if model.mixed_mlp_layers:  # its dense layers' MLP runs in its own layers' step
@@ -366,6 +380,7 @@ def plan_memory(
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
     """
+    model = parallel_model(model, cfg)
     weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(model, cfg, device_memory_bytes, runtime_reserve_fraction)
     max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
     memory_utilization, tp = cfg.memory_utilization, cfg.tensor_parallel_size

@@ -281,7 +281,7 @@ def predict(model: ModelConfig, plan: memory.MemoryPlan, cfg: EngineConfig, ceil
             raise PredictError(f"{name} must be a positive integer, got {value!r}")
     if not batch_sizes:
         raise PredictError("give at least one batch size")
-    costs = cost_model_for_plan(model, plan)
+    costs = cost_model_for_plan(memory.parallel_model(model, cfg), plan)
     pages_per_seq = math.ceil(context_len / plan.page_size)
     kv_limit = (plan.num_pages - 1) // pages_per_seq
     decode = []
