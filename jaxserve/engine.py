@@ -487,7 +487,8 @@ def _step_cost_model(model_config, cfg: EngineConfig):
 
     run = device_setup.platform_config(cfg)
     costs = predict.StepCostModel.create(
-        memory.parallel_model(model_config, cfg), weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
+        memory.parallel_model(model_config, cfg),
+        weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
         compute_dtype=run.dtype, kv_cache_dtype=run.dtype if run.kv_cache_dtype == "auto" else run.kv_cache_dtype,
         tensor_parallel_size=run.tensor_parallel_size)
     target = gpu_targets.target_for_device_kind(device_setup.device_kind()) if device_setup.on_gpu() else None
