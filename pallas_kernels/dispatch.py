@@ -13,17 +13,28 @@ Default: "pallas" when jax's default backend is a GPU with the Pallas GPU loweri
 "xla" otherwise; a backend named explicitly wins (jaxserve passes EngineConfig.attention_backend,
 else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backend).
 
+Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmul`): "xla"
+(jax.lax.ragged_dot, the default everywhere: the Pallas kernel has not been measured against it on
+a GPU yet), "pallas" (pallas_kernels.grouped_matmul compiled for the GPU when the program is
+lowered for one, ragged_dot on any other platform) or "interpret" (the kernel in interpret mode,
+for tests); chosen by $JAXSERVE_GROUPED_MATMUL_BACKEND, read when the model is traced.
+
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
+
+import os
 
 import jax
 
 import cpu_kernels
 from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_paged
+from pallas_kernels import grouped_matmul as grouped_matmul_kernel
 from pallas_kernels.common import softmax_scale
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
+GROUPED_MATMUL_BACKENDS = ("xla", "pallas", "interpret")
+GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL_BACKEND"
 
 
 def attention_backend(choice: str | None = None) -> str:
@@ -111,3 +122,31 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
     """
     return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)
+
+
+def grouped_matmul_backend(choice: str | None = None) -> str:
+    """Grouped-matmul backend to use: `choice` (any case), else $JAXSERVE_GROUPED_MATMUL_BACKEND,
+    else "xla". ValueError for an unknown name."""
+    choice = (choice or os.environ.get(GROUPED_MATMUL_ENV, "") or "xla").strip().lower()
+    if choice not in GROUPED_MATMUL_BACKENDS:
+        raise ValueError(f"unknown grouped matmul backend {choice!r} (from ${GROUPED_MATMUL_ENV} or the caller); "
+                         f"expected one of {GROUPED_MATMUL_BACKENDS}")
+    return choice
+
+
+def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None):
+    """jax.lax.ragged_dot(lhs, rhs, group_sizes) through `backend` (see the module docstring).
+
+    lhs [M, K] with its rows sorted by group; rhs [G, K, N]; group_sizes int32[G] summing to at
+    most M. Returns [M, N] in lhs's dtype; rows past sum(group_sizes) are zero. Operands the
+    kernel does not take (pallas_kernels.grouped_matmul.supports) go to ragged_dot on every backend.
+    """
+    backend = grouped_matmul_backend(backend)
+    if backend == "xla" or not grouped_matmul_kernel.supports(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if backend == "interpret":
+        return grouped_matmul_kernel.grouped_matmul(lhs, rhs, group_sizes, interpret=True)
+    return jax.lax.platform_dependent(  # the Triton kernel lowers for CUDA only
+        lhs, rhs, group_sizes,
+        cuda=grouped_matmul_kernel.grouped_matmul,
+        default=jax.lax.ragged_dot)

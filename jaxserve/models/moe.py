@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
+from pallas_kernels import dispatch
 
 _ACTIVATIONS = {"silu": jax.nn.silu}
 
@@ -68,9 +69,9 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate:
     token_of = order // k  # [T*k]: the token of each sorted pair
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E], sums to T*k
     rows = h[token_of]  # [T*k, D]
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [T*k, F]
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)  # [T*k, F]
-    out = jax.lax.ragged_dot(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
+    gate = dispatch.grouped_matmul(rows, w_gate, group_sizes)  # [T*k, F]
+    up = dispatch.grouped_matmul(rows, w_up, group_sizes)  # [T*k, F]
+    out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
     scaled = out.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]
     return combined.astype(out_dtype or h.dtype)
