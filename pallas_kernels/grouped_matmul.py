@@ -117,15 +117,18 @@ def _grouped_matmul_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("preferred_element_type", "interpret", "block_m", "block_k", "block_n", "num_warps",
-                     "num_stages"),
+                     "num_stages", "items_last_first"),
 )
 def grouped_matmul(
     lhs, rhs, group_sizes, *, preferred_element_type=None,
-    interpret=False, block_m=None, block_k=None, block_n=None, num_warps=4, num_stages=3,
+    interpret=False, block_m=None, block_k=None, block_n=None, num_warps=4, num_stages=3, items_last_first=False,
 ):
     """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes int32[G] (sum <= M) ->
     [M, N] in `preferred_element_type` (default lhs's dtype), as jax.lax.ragged_dot; rows past
     sum(group_sizes) are zero. Block sizes default to `default_blocks`; `interpret=True` runs on CPU.
+    items_last_first: the grid visits the work items in reverse order. The result must not change
+    (the interpreter runs programs one after another, so a program storing rows of another item
+    shows up in one order or the other: the tests run both).
     ValueError when `supports(lhs, rhs)` is false or a block does not divide K or N.
     """
     if not supports(lhs, rhs):
@@ -149,7 +152,10 @@ def grouped_matmul(
     kernel = functools.partial(_grouped_matmul_kernel, block_m=block_m, block_k=block_k,
                                num_k_blocks=k // block_k, precision=precision)
     compiler_params = None if interpret else compat.pallas_gpu_compiler_params(num_warps, num_stages)
-    item_spec = pl.BlockSpec((1,), lambda item, col: (item,))
+    if items_last_first:
+        item_spec = pl.BlockSpec((1,), lambda item, col: (num_items - 1 - item,))
+    else:
+        item_spec = pl.BlockSpec((1,), lambda item, col: (item,))
     with compat.quiet_pallas_deprecations():
         out = pl.pallas_call(
             kernel,

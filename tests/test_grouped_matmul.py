@@ -62,6 +62,17 @@ def test_kernel_matches_ragged_dot(case, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE[dtype] * scale, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("items_last_first", [False, True], ids=["items-in-order", "items-last-first"])
+def test_no_work_item_stores_rows_of_another(items_last_first):
+    """Tiles crossed by many group boundaries, the items run first-to-last and last-to-first: a
+    program storing one row too many on either side overwrites a row already stored by another."""
+    case = ("boundaries", [1, 2, 0, 3, 1, 1, 4, 2, 0, 1, 2, 3, 7], 30, 16, 16, dict(block_m=16))
+    lhs, rhs, group_sizes = draw(case, jnp.float32, 50 + items_last_first)
+    out = gmm.grouped_matmul(lhs, rhs, group_sizes, interpret=INTERPRET, items_last_first=items_last_first,
+                             **case[5])
+    np.testing.assert_allclose(np.asarray(out), expected(lhs, rhs, group_sizes), rtol=0, atol=1e-5)
+
+
 def test_float32_output_of_bfloat16_inputs():
     lhs, rhs, group_sizes = draw(CASES[0], jnp.bfloat16, 99)
     out = gmm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, interpret=INTERPRET,
