@@ -123,10 +123,13 @@ def test_backend_choice(monkeypatch):
         dispatch.grouped_matmul_backend()
 
 
-def test_pallas_backend_off_a_gpu_lowers_to_ragged_dot():
+def test_pallas_backend_is_the_kernel_on_a_gpu_and_ragged_dot_elsewhere():
     lhs, rhs, group_sizes = draw(CASES[0], jnp.float32, 7)
-    got = jax.jit(lambda *a: dispatch.grouped_matmul(*a, backend="pallas"))(lhs, rhs, group_sizes)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.ragged_dot(lhs, rhs, group_sizes)))
+    got = np.asarray(jax.jit(lambda *a: dispatch.grouped_matmul(*a, backend="pallas"))(lhs, rhs, group_sizes))
+    if INTERPRET:  # not a GPU: the program holds ragged_dot, bit for bit
+        np.testing.assert_array_equal(got, np.asarray(jax.lax.ragged_dot(lhs, rhs, group_sizes)))
+    else:
+        np.testing.assert_allclose(got, expected(lhs, rhs, group_sizes), rtol=0, atol=1e-5)
 
 
 def test_routed_experts_through_the_interpreted_kernel(monkeypatch):
