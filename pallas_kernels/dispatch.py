@@ -16,8 +16,8 @@ else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backe
 Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmul`):
   "xla"         the default: plain XLA. Lowered for the CPU, a loop over the work items in use
                 (xla_grouped.py: only the groups with rows are read; jax's own CPU lowering of
-                ragged_dot reads every group's matrix and does G times the FLOPs, measured 100x
-                slower at a decode step in bench/RESULTS.md); for any other platform
+                ragged_dot reads every group's matrix and does G times the FLOPs: a 1-row decode
+                step of a 16-expert model 13-35x slower, bench/RESULTS.md); for any other platform
                 jax.lax.ragged_dot (XLA's GPU lowering). The Pallas kernel is not the GPU
                 default: it has not been measured against ragged_dot on a GPU yet;
   "ragged_dot"  jax.lax.ragged_dot on every platform (to compare);
