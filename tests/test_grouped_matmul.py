@@ -155,6 +155,15 @@ def test_backend_choice(monkeypatch):
         dispatch.grouped_matmul_backend()
 
 
+def test_saved_executables_follow_the_backend_choice(monkeypatch):
+    from jaxserve.executor import executables
+
+    monkeypatch.delenv(dispatch.GROUPED_MATMUL_ENV, raising=False)
+    default = executables.environment()["grouped_matmul"]
+    monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, "pallas")
+    assert (default, executables.environment()["grouped_matmul"]) == ("xla", "pallas")
+
+
 def test_pallas_backend_is_the_kernel_on_a_gpu_and_the_xla_path_elsewhere():
     lhs, rhs, group_sizes = draw(CASES[0], jnp.float32, 7)
     got = np.asarray(jax.jit(lambda *a: dispatch.grouped_matmul(*a, backend="pallas"))(lhs, rhs, group_sizes))
