@@ -43,8 +43,9 @@ def main() -> int:
                        quantization=args.quantization, warmup=False)
     engine = Engine.from_model(args.model, cfg)
     model = engine.model_config
-    bandwidth, peak = probe.probe(model.hidden_size, model.intermediate_size)
-    ceilings = predict.Ceilings(bandwidth, peak, None, "cpu probe")
+    bandwidth, peak, operators = probe.probe(model, sizes, args.prompt_len + (args.skip + args.steps) // 2,
+                                             cfg.page_size)
+    ceilings = predict.Ceilings(bandwidth, peak, None, "cpu probe", tuple(operators))
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(sizes[0])]
@@ -71,6 +72,9 @@ def main() -> int:
                      "step_over_predicted": whole / seconds, "steps": len(steps)})
     print(f"{args.model} {args.quantization or 'float32'}; ceilings (probe): {bandwidth / 1e9:.1f} GB/s, "
           f"{peak / 1e9:.1f} GFLOP/s; load average {common.load_average()}")
+    for o in operators:
+        print(f"  at {o.rows} rows: matmul {o.matmul_bandwidth / 1e9:.1f} GB/s, {o.matmul_flops / 1e9:.1f} GFLOP/s; "
+              f"decode attention {o.attention_bandwidth / 1e9:.1f} GB/s")
     print(f"{'batch':>5} {'context':>7} {'predicted ms':>12} {'bound':>10} {'device ms':>9} {'min ms':>7} "
           f"{'step ms':>8} {'device/pred':>11} {'min/pred':>8} {'step/pred':>9}")
     for r in rows:

@@ -11,11 +11,15 @@ SLO verdict and plot), one server at a time so each has the machine to itself:
   llama.cpp    its llama-server on the model's GGUF, when built (`make llama-server`) or given with
                --llama_server (only for a model converted from a GGUF: the default SmolLM2 is);
   transformers with --hf: the first level's prompts one at a time in this process, float32 (TTFT:
-               one forward of the prompt; TPOT: one forward per token with the KV cache).
+               one forward of the prompt; TPOT: one forward per token with the KV cache);
+  Engine.step  with --engine: the same prompts one at a time through jaxserve's Engine in this
+               process, with the engine flags of the server (--server_args), timed as bench/single_stream.py times it
+               (add_request to the step that returns the first token): what the server's TTFT and
+               TPOT come to without HTTP, tokenizing, detokenizing and the event loop.
 Reported: each server's sweep table, and at the first level (concurrency 1 by default) the median
 TTFT and TPOT of each engine with their ratio to transformers'.
 
-  python bench/serving.py --launch --hf --out=bench/out/serving.json
+  python bench/serving.py --launch --hf --engine --out=bench/out/serving.json
   python bench/serving.py --url=http://127.0.0.1:8000 --concurrency=1,8 --input_len=256
 """
 from __future__ import annotations
@@ -108,6 +112,32 @@ def hf_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
             "num_prompts": len(prompts)}
 
 
+def engine_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
+    """jaxserve's Engine in this process on the same prompts, one at a time, with the engine
+    settings `jaxserve serve` takes from --server_args (serve's CPU default for the long-prefill
+    threshold included): TTFT and TPOT medians in ms."""
+    from absl import flags
+
+    from bench.single_stream import jaxserve_request
+    from checkpoints.load import load_tokenizer
+    from jaxserve.commands import serve
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+
+    fv = flags.FlagValues()
+    serve.define_flags(fv)
+    fv(["serve", *shlex.split(args.server_args)])
+    engine = Engine.from_model(model_dir, EngineConfig(**serve.serve_engine_kwargs(fv)))
+    tokenizer = load_tokenizer(model_dir)
+    ttfts, tpots = [], []
+    for line in prompts:
+        ttft, token_times, _ = jaxserve_request(engine, tokenizer.encode(line["prompt"]), line["output_tokens"])
+        ttfts.append(ttft * 1e3)
+        tpots.append(statistics.median(token_times) * 1e3)
+    return {"median_ttft_ms": statistics.median(ttfts), "median_tpot_ms": statistics.median(tpots),
+            "num_prompts": len(prompts)}
+
+
 def single_stream_row(name: str, sweep: dict) -> dict:
     """The engine's first level (the prompts transformers also got): median TTFT and TPOT (ms)."""
     level = sweep["levels"][0]
@@ -157,6 +187,8 @@ def parse_args(argv=None):
     parser.add_argument("--server_args", default="", help="with --launch: extra `jaxserve serve` flags")
     parser.add_argument("--llama_server", default=None, help=f"llama-server binary (default: {LLAMA_SERVER} if built)")
     parser.add_argument("--hf", action="store_true", help="transformers on the same prompts, one at a time")
+    parser.add_argument("--engine", action="store_true",
+                        help="jaxserve's Engine.step in process on the same prompts, one at a time")
     parser.add_argument("--concurrency", default="1,4,8", help="comma list of max_concurrency levels")
     parser.add_argument("--num_prompts", type=int, default=16, help="prompts (the same set at every level)")
     parser.add_argument("--input_len", type=int, default=500, help="tokens per random prompt")
@@ -194,6 +226,11 @@ def main(argv=None) -> int:
         from checkpoints.default_model import resolve_model
         report["transformers"] = hf_single_stream(args, resolve_model(args.model), prompts)
     rows = [single_stream_row(name, sweep) for name, sweep in report["servers"].items()]
+    if args.engine:
+        from checkpoints.default_model import resolve_model
+        report["engine_step"] = engine_single_stream(args, resolve_model(args.model), prompts)
+        rows.append({"engine": "jaxserve (Engine.step, in process)", "max_concurrency": 1,
+                     **{k: report["engine_step"][k] for k in ("median_ttft_ms", "median_tpot_ms")}})
     report["machine_line"] = common.machine_line(report["machine"])
     print(report["machine_line"])
     print(f"the first level (max_concurrency {args.concurrency.split(',')[0]}; {args.input_len}-token prompts, "

@@ -102,7 +102,7 @@ def build_engine(model_dir, engine_kwargs):
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     offline.warm_engine(engine)
-    return engine, dict(load_s=load_s, warmup_s=warmup_s, num_step_shapes=num_shapes,
+    return engine, dict(load_s=load_s, warmup_s=warmup_s, num_shapes=num_shapes,
                         first_request_s=time.perf_counter() - start)
 
 
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     print(common.machine_line(info))
     print(f"model {args.model}: {weights.num_params(cfg) / 1e6:.1f}M params, {cfg.num_layers} layers; engine "
           f"{engine_kwargs}; load {timings['load_s']:.1f}s, warm-up {timings['warmup_s']:.1f}s "
-          f"({timings['num_step_shapes']} step shapes), first request {timings['first_request_s']:.1f}s")
+          f"({timings['num_shapes']} shapes), first request {timings['first_request_s']:.1f}s")
 
     hf_model = None
     if not args.skip_hf:

@@ -2,6 +2,19 @@
 
 llama.cpp stores the rows of Q and K of `llama` models permuted (rotary pairs interleaved instead
 of split in halves); `_unpermute_rows` restores the Hugging Face order.
+
+Mixture-of-experts files, as llama.cpp's converter writes them: Mixtral is arch "llama" with
+`llama.expert_count` (its Q/K permuted like Llama's), Qwen2-MoE "qwen2moe", Qwen3-MoE "qwen3moe".
+A sparse layer holds its router `ffn_gate_inp` [E, D], its experts as one tensor each
+`ffn_{gate,up,down}_exps` [E, out, in] (split into the experts' slots here) and, for
+Qwen2-MoE, the shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` ([D] or [1, D]).
+Config: `{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length` (an expert's
+intermediate size; Mixtral's is `feed_forward_length`), `expert_shared_feed_forward_length`.
+Whether the top-k weights are renormalised: `{arch}.expert_weights_norm` where the file has it,
+else llama.cpp's own choice per architecture (`_NORM_TOPK_DEFAULT`: Mixtral and Qwen3-MoE yes,
+Qwen2-MoE no). A layer without a router (`ffn_gate`/`ffn_up`/`ffn_down` instead) is a dense
+MLP layer (ModelConfig.mlp_only_layers). Quantized expert tensors are dequantized to float, as
+every other tensor of a file converted without --quantization.
 """
 from __future__ import annotations
 
@@ -14,15 +27,23 @@ import numpy as np
 
 from checkpoints import ConversionError
 from checkpoints.gguf_tokenizer import build_tokenizer
-from checkpoints.layout import describe_slot, source_names
+from checkpoints.layout import describe_slot, expert_slot, source_names
 from checkpoints.rope_freqs import llama3_scaling_from_factors
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.models import weights
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+# general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp); "llama" with experts: Mixtral
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+                 "qwen2moe": ("Qwen2MoeForCausalLM", False), "qwen3moe": ("Qwen3MoeForCausalLM", False)}
+_MOE_ARCHS = ("qwen2moe", "qwen3moe")
+# llama.cpp's top-k renormalisation where a file has no `{arch}.expert_weights_norm` (its graph of
+# each architecture: llama (Mixtral) and qwen3moe renormalise, qwen2moe does not)
+_NORM_TOPK_DEFAULT = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+_ROUTER = "ffn_gate_inp.weight"
+_SHARED_GATE = "ffn_gate_inp_shexp.weight"
 
 _LAYER_PREFIX = "blk.{layer}."
 _ROPE_PERMUTED = {"attn_q.weight": "q", "attn_q.bias": "q", "attn_k.weight": "kv", "attn_k.bias": "kv"}
@@ -66,9 +87,11 @@ class GGUFSource:
             raise ConversionError(
                 f"{path}: unsupported architecture {self.gguf_arch!r}; supported: {', '.join(ARCHITECTURES)}")
         self.architecture, self.permuted_qk = ARCHITECTURES[self.gguf_arch]
-        if (self._field(f"{self.gguf_arch}.expert_count") or 0) > 0:  # llama.cpp's Mixtral, Qwen2-MoE
-            raise ConversionError(f"{path}: mixture-of-experts GGUF files ({self.gguf_arch}.expert_count > 0) are not "
-                                  "supported yet; convert the Hugging Face checkpoint instead")
+        self.num_experts = int(self._field(f"{self.gguf_arch}.expert_count") or 0)
+        if self.gguf_arch == "llama" and self.num_experts > 0:  # llama.cpp's Mixtral
+            self.architecture = "MixtralForCausalLM"
+        if self.gguf_arch in _MOE_ARCHS and self.num_experts < 1:
+            raise ConversionError(f"{path}: {self.gguf_arch} file without {self.gguf_arch}.expert_count")
         try:
             self.config = self._read_config()
         except (TypeError, ValueError) as e:
@@ -76,6 +99,7 @@ class GGUFSource:
                 raise
             raise ConversionError(f"{path}: malformed model metadata ({e})") from None
         self._whole_names, self._layer_names = source_names(self.config, "gguf")
+        self._stacked_experts = {info.path for info in weights.weight_infos(self.config).values() if info.per_expert}
 
     def _field(self, key: str, required: bool = False, default=None):
         field = self.reader.get_field(key)
@@ -131,10 +155,48 @@ class GGUFSource:
             "bos_token_id": None if bos is None else int(bos),
             "eos_token_id": eos_ids,
         }
+        if self.num_experts:
+            hf_dict.update(self._moe_fields(hf_dict))
         try:
             return ModelConfig.from_hf_dict(hf_dict)
         except ConfigError as e:
             raise ConversionError(f"{self.path}: {e}") from None
+
+    def _moe_fields(self, hf_dict: dict) -> dict:
+        """The config.json fields of a mixture-of-experts file (see the module docstring)."""
+        arch = self.gguf_arch
+        top_k = self._field(f"{arch}.expert_used_count", required=True)
+        norm = self._field(f"{arch}.expert_weights_norm")
+        scale = self._field(f"{arch}.expert_weights_scale")
+        if scale not in (None, 0.0, 1.0):  # llama.cpp: 0 (unset) and 1 leave the weights as they are
+            raise ConversionError(f"{self.path}: {arch}.expert_weights_scale={scale} is not supported")
+        gating = self._field(f"{arch}.expert_gating_func")
+        if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
+            raise ConversionError(f"{self.path}: {arch}.expert_gating_func={gating} is not supported (softmax only)")
+        fields = {"num_experts_per_tok": int(top_k)}
+        if arch == "llama":
+            if norm is not None and not norm:
+                raise ConversionError(f"{self.path}: {arch}.expert_weights_norm=false is not supported for Mixtral")
+            return {**fields, "num_local_experts": self.num_experts}
+        num_layers = hf_dict["num_hidden_layers"]
+        dense = [i for i in range(num_layers) if f"blk.{i}.{_ROUTER}" not in self.tensors_by_name]
+        sparse = [i for i in range(num_layers) if i not in dense]
+        size = self._field(f"{arch}.expert_feed_forward_length")
+        if size is None and sparse:  # older files: from the first sparse layer's experts [E, F, D]
+            gate = self.tensors_by_name.get(f"blk.{sparse[0]}.ffn_gate_exps.weight")
+            size = None if gate is None or len(gate.shape) != 3 else int(gate.shape[1])
+        if size is None:
+            raise ConversionError(f"{self.path}: no {arch}.expert_feed_forward_length metadata")
+        fields.update(num_experts=self.num_experts, moe_intermediate_size=int(size), mlp_only_layers=dense,
+                      norm_topk_prob=bool(_NORM_TOPK_DEFAULT[arch] if norm is None else norm))
+        if arch == "qwen2moe":
+            shared = self._field(f"{arch}.expert_shared_feed_forward_length")
+            if shared is None:
+                gate = self.tensors_by_name.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight") if sparse else None
+                shared = None if gate is None else int(gate.shape[1])
+            fields.update(shared_expert_intermediate_size=0 if shared is None else int(shared),
+                          qkv_bias=hf_dict["attention_bias"])
+        return fields
 
     def _rope_scaling(self, rope_theta: float, head_dim: int) -> dict | None:
         tensor = self.tensors_by_name.get(_ROPE_FREQS)
@@ -201,13 +263,27 @@ class GGUFSource:
                 layer, (slot, transpose) = None, self._whole_names[name]
             else:
                 raise ConversionError(f"{self.path}: unexpected tensor {name!r}")
+            if slot in self._stacked_experts:
+                yield from self._experts(tensor, slot, layer, transpose)
+                continue
             values = self._blocks(tensor) if slot in keep_blocks else self._dequantize(tensor)
             permuted = _ROPE_PERMUTED.get(match.group(2)) if match else None
             if self.permuted_qk and permuted:
                 heads = self.config.num_q_heads if permuted == "q" else self.config.num_kv_heads
                 if values.shape[0] % (2 * heads) == 0:  # otherwise the shape check reports it
                     values = _unpermute_rows(values, heads)
+            if match and match.group(2) == _SHARED_GATE and values.ndim == 1:
+                values = values[None, :]  # llama.cpp declares it [D]; the weight is [1, D]
             yield self.path, name, slot, layer, values, transpose
+
+    def _experts(self, tensor, slot: str, layer: int, transpose: bool):
+        """The per-expert slots of one `ffn_*_exps` tensor [E, out, in] of every expert."""
+        values = self._dequantize(tensor)
+        if values.ndim != 3 or values.shape[0] != self.config.num_experts:
+            raise ConversionError(f"{self.path}: tensor {tensor.name!r} has shape {tuple(values.shape)}, expected "
+                                  f"[{self.config.num_experts} experts, out, in]")
+        for expert in range(values.shape[0]):
+            yield self.path, tensor.name, expert_slot(slot, expert), layer, values[expert], transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)

@@ -35,6 +35,8 @@ class ParamBuffers:
 
     Every `put` checks the source tensor's shape; `finish` checks that every slot was filled once.
     A mixture-of-experts weight stored one tensor per expert has a slot per expert (`expert_slot`).
+    A per-layer weight stacked over some layers only (a mixed model's dense or sparse MLP layers,
+    jaxserve.models.weights.LayerKinds) takes those layers' tensors, each at its row of the stack.
     """
 
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str):
@@ -44,8 +46,13 @@ class ParamBuffers:
         self.arrays = {k: np.empty(s, dtype) for k, s in shapes.items() if k != "layers"}
         self.arrays["layers"] = {k: np.empty(s, dtype) for k, s in shapes["layers"].items()}
         self._filled: dict[tuple[str, int | None], str] = {}
-        self._num_experts = {info.path: info.shape[1] for info in weights.weight_infos(config).values()
-                             if info.per_expert}
+        infos = weights.weight_infos(config).values()
+        self._num_experts = {info.path: info.shape[1] for info in infos if info.per_expert}
+        self._stacks = {info.path: info for info in infos if info.per_layer}
+
+    def row(self, name: str, layer: int) -> int | None:
+        """The row of model layer `layer` in the stack of slot `name` (None: that layer has no such weight)."""
+        return self._stacks[split_slot(name)[0]].row_of(layer)
 
     def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
         """Shape of one slot: a whole leaf, or one layer of a stacked leaf (`name` like 'layers/wq'),
@@ -74,6 +81,10 @@ class ParamBuffers:
             raise ConversionError(
                 f"{where}: tensor {source_name!r} is for layer {layer}, but the model has "
                 f"{self.config.num_layers} layers")
+        if layer is not None and self.row(name, layer) is None:
+            kind = "dense" if layer in self.config.mlp_only_layers else "mixture-of-experts"
+            raise ConversionError(f"{where}: unexpected tensor {source_name!r}: layer {layer}'s MLP is {kind} in "
+                                  f"this config (its mlp_only_layers / decoder_sparse_step)")
         key = (name, layer)
         if key in self._filled:
             raise ConversionError(
@@ -95,14 +106,14 @@ class ParamBuffers:
         if layer is None:
             self.arrays[name][...] = value
         elif expert is None:
-            self.arrays["layers"][name.split("/", 1)[1]][layer] = value
+            self.arrays["layers"][name.split("/", 1)[1]][self.row(name, layer)] = value
         else:
-            self.arrays["layers"][name.split("/", 1)[1]][layer, expert] = value
+            self.arrays["layers"][name.split("/", 1)[1]][self.row(name, layer), expert] = value
 
     def finish(self, describe_missing) -> dict:
         """The filled pytree; `describe_missing(name, layer)` names the absent source tensor."""
         for leaf in _leaf_names(self.arrays):
-            layers = range(self.config.num_layers) if leaf.startswith("layers/") else [None]
+            layers = self._stacks[leaf].stack_layers if leaf.startswith("layers/") else [None]
             slots = ([expert_slot(leaf, e) for e in range(self._num_experts[leaf])] if leaf in self._num_experts
                      else [leaf])
             for layer in layers:
@@ -117,13 +128,15 @@ def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
     """The tensor names of `config`'s weights in a source format ("hf" or "gguf"), as two maps to
     (slot, transposed): whole-model names ("model.norm.weight") and per-layer names without their
     layer prefix ("self_attn.q_proj.weight" of "model.layers.{i}."). A weight stored one tensor per
-    expert has one name per expert, each to its own slot (`expert_slot`)."""
+    expert has one name per expert, each to its own slot (`expert_slot`); one stored as a single
+    tensor of every expert (GGUF's `ffn_*_exps`) maps to the weight's path, which its source
+    splits into the experts' slots."""
     whole, per_layer = {}, {}
     for info in weights.weight_infos(config).values():
         name = getattr(info, fmt)
         if name is None:
             continue
-        if info.per_expert:
+        if "{expert}" in name:
             for expert in range(info.shape[1]):
                 per_layer[name.format(expert=expert)] = (expert_slot(info.path, expert), info.transposed)
         else:
@@ -132,9 +145,11 @@ def source_names(config: ModelConfig, fmt: str) -> tuple[dict, dict]:
 
 
 def describe_slot(whole: dict, per_layer: dict, layer_prefix: str, slot: str, layer: int | None) -> str:
-    """The source name of `slot` (of `layer`), for messages about a missing tensor."""
-    for table, prefix in ((whole, ""), (per_layer, layer_prefix.format(layer=layer))):
-        for name, (candidate, _) in table.items():
-            if candidate == slot:
-                return prefix + name
+    """The source name of `slot` (of `layer`), for messages about a missing tensor (an expert's
+    slot of a weight stored as one tensor of every expert: that tensor's name)."""
+    for wanted in (slot, split_slot(slot)[0]):
+        for table, prefix in ((whole, ""), (per_layer, layer_prefix.format(layer=layer))):
+            for name, (candidate, _) in table.items():
+                if candidate == wanted:
+                    return prefix + name
     return slot

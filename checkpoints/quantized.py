@@ -137,4 +137,4 @@ class QuantizedParamBuffers(ParamBuffers):
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)
         for key, array in weight.stored().items():  # the checkpoint's dict of the leaf's arrays
-            self.arrays["layers"][leaf][key][layer] = array
+            self.arrays["layers"][leaf][key][self.row(name, layer)] = array

@@ -63,8 +63,13 @@ class AsyncEngine:
         self.engine.add_step_listener(listener)
 
     def health(self) -> dict:
-        """What /health reports beyond liveness: failed steps and the last one's error."""
-        return {"num_step_failures": self.engine.num_step_failures, "last_step_error": self.engine.last_step_error}
+        """What /health reports beyond liveness: failed steps, the last one's error and, while
+        it compiles, the warm-up's progress (serve.app answers 503 until it is "ready")."""
+        report = {"num_step_failures": self.engine.num_step_failures, "last_step_error": self.engine.last_step_error}
+        warmup = self.engine.warmup_status()
+        if warmup is not None:
+            report["warmup"] = warmup
+        return report
 
     def compile_structured_output(self, params: SamplingParams) -> None:
         """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be

@@ -96,9 +96,12 @@ class EngineConfig:
     memory_utilization: float = setting(
         0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "
         "and KV pages may use", minimum=0.0, maximum=1.0, vllm_name="gpu_memory_utilization")
-    # Not a flag: each command decides (serve compiles every shape first, generate only what it runs
+    # Not a flag: each command decides (serve compiles every shape, generate only what it runs
     # unless it saves or loads executables); tests and benchmarks set it.
     warmup: bool = True
+    # Not a flag: `jaxserve serve` sets it. The warm-up goes on in the background once the shapes a
+    # first request needs are compiled (ModelRunner.warmup), so the server answers meanwhile.
+    background_warmup: bool = False
     # Compiled step executables (jaxserve.executor.executables): None keeps them automatically beside the
     # compilation cache.
     executables: str | None = setting(
@@ -111,6 +114,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices each model replica is split over (attention heads, MLP, vocabulary)", minimum=1)
     data_parallel_size: int = setting(1, "model replicas, each on its own tensor_parallel_size devices", minimum=1)
+    # jaxserve.parallel.sharding (expert parallelism) and jaxserve.models.moe; checked against the model by
+    # sharding.expert_parallel_problem when the replica's shardings are made and by the planner.
+    enable_expert_parallel: bool = setting(
+        False, "mixture-of-experts models: spread each layer's routed experts over the tensor_parallel_size devices "
+        "of a replica (whole experts, E / tensor_parallel_size per device) instead of splitting every expert's "
+        "intermediate size; attention keeps its tensor-parallel split")
     # Quantization (jaxserve.models.quantization), after loading.
     quantization: str | None = setting(
         None, "quantize the linear layers after loading: int8 (per output channel), int4 (groups of 32 with a "
@@ -213,6 +222,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # intermediate size of each expert's SwiGLU
     norm_topk_prob: bool = False  # the k chosen softmax probabilities renormalised to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared SwiGLU behind a sigmoid gate (0: none)
+    # Qwen2/3-MoE: the layers whose MLP is dense (of intermediate_size) rather than sparse, from
+    # their configs' mlp_only_layers and decoder_sparse_step; (): every layer is sparse.
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -225,6 +237,18 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.mlp_only_layers)
+
+    @property
+    def mixed_mlp_layers(self) -> bool:
+        """Dense and sparse MLP layers in one model (see jaxserve.models.weights.LayerKinds)."""
+        return self.is_moe and bool(self.mlp_only_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -363,6 +387,11 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(data)
 
+    # How the step lays out the routed experts, never read from a checkpoint: set only on the
+    # config a sharded replica runs (jaxserve.parallel.sharding.sharded_model_config, from
+    # EngineConfig.enable_expert_parallel): True spreads whole experts over the replica's devices.
+    expert_parallel: bool = False
+
 
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
@@ -436,8 +465,10 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields ({} for a dense family), from transformers 4 or 5
     names: the expert count is `num_local_experts` (Mixtral; Qwen3-MoE under transformers 5) or
     `num_experts` (Qwen2/3-MoE under transformers 4). Mixtral always renormalises its top-k
-    weights; the Qwen families do where `norm_topk_prob` says. Dense layers mixed with sparse ones
-    (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused: every layer here is sparse."""
+    weights; the Qwen families do where `norm_topk_prob` says. The Qwen families may mix dense MLP
+    layers with sparse ones, by transformers' rule (the same for both): layer i is sparse iff
+    i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the dense ones are
+    kept as ModelConfig.mlp_only_layers. A model without any sparse layer is refused."""
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return {}
     experts = cfg.get("num_local_experts") if arch == "MixtralForCausalLM" else None
@@ -449,10 +480,7 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                     moe_intermediate_size=int(cfg["intermediate_size"]))
-    step, dense = int(cfg.get("decoder_sparse_step") or 1), list(cfg.get("mlp_only_layers") or [])
-    if dense or any((i + 1) % step for i in range(num_layers)):
-        raise ConfigError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: dense MLP layers mixed with "
-                          f"mixture-of-experts layers are not supported (every layer must be sparse)")
+    dense_layers = _dense_mlp_layers(cfg, num_layers)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     if arch == "Qwen2MoeForCausalLM" and shared < 1:
         raise ConfigError(f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE needs its shared expert")
@@ -460,16 +488,34 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ConfigError(f"moe_intermediate_size must be a positive integer, got {size!r}")
     return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                moe_intermediate_size=size, shared_expert_intermediate_size=shared)
+                moe_intermediate_size=size, shared_expert_intermediate_size=shared, mlp_only_layers=dense_layers)
+
+
+def _dense_mlp_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The Qwen MoE layers whose MLP is dense: in `mlp_only_layers` (entries past the last layer
+    name no layer, as in transformers), or not a multiple of `decoder_sparse_step` (counting from 1)."""
+    step = cfg.get("decoder_sparse_step")
+    step = 1 if step is None else step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    listed = cfg.get("mlp_only_layers") or []
+    if not isinstance(listed, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in listed):
+        raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {listed!r}")
+    dense = tuple(i for i in range(num_layers) if i in listed or (i + 1) % step)
+    if len(dense) == num_layers:
+        raise ConfigError(f"decoder_sparse_step={step}, mlp_only_layers={list(listed)}: no layer of the "
+                          f"{num_layers} is a mixture-of-experts layer (serve it as a dense model)")
+    return dense
 
 
 def _moe_hf_fields(config: "ModelConfig") -> dict[str, Any]:
-    """The config.json fields of a mixture-of-experts model (both transformers 4 and 5 read them)."""
+    """The config.json fields of a mixture-of-experts model (both transformers 4 and 5 read them);
+    the dense layers as `mlp_only_layers`, with decoder_sparse_step 1."""
     if config.architecture == "MixtralForCausalLM":
         return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok}
     out = {"num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
            "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": []}
+           "decoder_sparse_step": 1, "mlp_only_layers": list(config.mlp_only_layers)}
     if config.architecture == "Qwen2MoeForCausalLM":
         out.update(shared_expert_intermediate_size=config.shared_expert_intermediate_size,
                    qkv_bias=config.attention_bias)

@@ -123,7 +123,10 @@ class Engine:
                 draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
                 num_speculative_tokens=cfg.num_speculative_tokens, eos_token_ids=self.eos_token_ids)
         if cfg.warmup:
-            self.runner.warmup()
+            # In the background only for one process without a draft model (a multi-host job's
+            # processes, and the draft's shapes, warm up before the first step).
+            background = cfg.background_warmup and self.runner.draft is None and device_setup.process_count() == 1
+            self.runner.warmup(background=background)
             if self.runner.draft is not None:
                 self.runner.draft.warmup(self.runner.all_buckets())
 
@@ -207,6 +210,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         spec = self.scheduler.spec_stats
+        warmup = self.runner.warmup_state
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_usable_pages,
@@ -216,7 +220,14 @@ class Engine:
             weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_cache_bytes,
             num_step_failures=self.num_step_failures, spec_verify_steps=spec.num_verify_steps,
             spec_proposed_tokens=spec.num_proposed_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position))
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0)
+
+    def warmup_status(self) -> dict | None:
+        """The warm-up's progress ({"ready", "compiled", "total", "error"}: ModelRunner.warmup_state),
+        None without a warm-up. "ready": the shapes a first request needs are compiled."""
+        state = self.runner.warmup_state
+        return None if state is None else state.to_dict()
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Calls `listener(record)` after every step that ran, on the thread that steps the engine."""
@@ -387,7 +398,7 @@ class Engine:
         n, extra = len(batch.decode), len(batch.decode) * steps * (steps - 1) // 2
         cost = self.step_costs.step(n * steps, steps * kv_read + extra, steps * batch.num_attention_pairs + extra)
         return dataclasses.replace(cost, bytes=cost.bytes + (steps - 1) * self.step_costs.weights_bytes,
-                                   collectives=cost.collectives * steps)
+                                   collectives=cost.collectives * steps, rows=n)
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an
@@ -476,7 +487,8 @@ def _step_cost_model(model_config, cfg: EngineConfig):
 
     run = device_setup.platform_config(cfg)
     costs = predict.StepCostModel.create(
-        model_config, weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
+        memory.parallel_model(model_config, cfg),
+        weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
         compute_dtype=run.dtype, kv_cache_dtype=run.dtype if run.kv_cache_dtype == "auto" else run.kv_cache_dtype,
         tensor_parallel_size=run.tensor_parallel_size)
     target = gpu_targets.target_for_device_kind(device_setup.device_kind()) if device_setup.on_gpu() else None

@@ -295,7 +295,12 @@ async def handle_health(request: web.Request) -> web.Response:
         return web.json_response({"status": "shutting down"}, status=503)
     if not engine_is_alive(state.engine):
         return web.json_response({"status": "engine not running"}, status=503)
-    return web.json_response({"status": "ok", **state.engine.health()})
+    health = state.engine.health()
+    warmup = health.get("warmup")
+    if warmup is not None and not warmup["ready"]:  # requests are taken, but wait for their shapes
+        status = "warm-up failed" if warmup.get("error") else "warming up"
+        return web.json_response({"status": status, **health}, status=503)
+    return web.json_response({"status": "ok", **health})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

@@ -43,6 +43,37 @@ def test_random_prompts_with_a_tokenizer_are_text():
         assert isinstance(r.prompt, str) and r.prompt_len == len(tokenizer.encode(r.prompt)) == 12
 
 
+class MergingTokenizer(CharTokenizer):
+    """Re-encoding is not the identity: ids decode to one character each, but "de" (ids 100, 101)
+    encodes to one token (id 1000), as byte-level BPE merges pieces of random ids."""
+
+    def encode(self, text, add_special_tokens=True):
+        ids, i = [], 0
+        while i < len(text):
+            if text.startswith("de", i):
+                ids.append(1000)
+                i += 2
+            else:
+                ids.append(ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids):
+        return "".join("de" if i == 1000 else chr(i) for i in ids)
+
+    def __len__(self):
+        return 104  # random ids 100..103: one adjacent pair in 16 is "de"
+
+
+def test_random_text_prompts_encode_back_to_the_length_asked():
+    tokenizer = MergingTokenizer()
+    merged = tokenizer.encode(tokenizer.decode(list(range(100, 104)) * 10))
+    assert len(merged) < 40  # decoding and encoding again does change the count
+    for seed in range(20):
+        for r in random_requests(5, 40, 3, seed=seed, tokenizer=tokenizer):
+            assert r.prompt_len == len(tokenizer.encode(r.prompt)) == 40, f"seed {seed}"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_prompts=0), "must be >= 1"), (dict(range_ratio=1.0), "range_ratio"),
     (dict(vocab_size=None), "needs a tokenizer"), (dict(vocab_size=RANDOM_TOKEN_LOW), "needs a tokenizer")])

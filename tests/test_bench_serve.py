@@ -82,6 +82,9 @@ class FakeOpenAI:
         body = await request.json()
         self.bodies.append(body)
         number = len(self.bodies)
+        if self.mode == "drop_always" or (self.mode == "drop_every_2" and number % 2 == 1):
+            request.transport.close()  # the connection closes before any response
+            return web.Response()
         if self.mode == "400" or (self.mode == "500_every_2" and number % 2 == 0):
             status = 400 if self.mode == "400" else 500
             return web.json_response({"error": {"message": f"boom {status}"}}, status=status)
@@ -105,6 +108,10 @@ class FakeOpenAI:
             await response.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
         if self.mode == "not_json":
             await response.write(b"data: {not json\n\n")
+            return
+        if self.mode == "cut_mid_stream":
+            response.force_close()
+            response._req.transport.close()
             return
         if self.usage:
             usage = {"prompt_tokens": 3, "completion_tokens": count, "total_tokens": 3 + count}
@@ -300,6 +307,29 @@ def test_rejected_requests_fail_with_their_message(fake, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"]) == (2, 2)
     assert sorted(result["errors"]) == ["", "", "HTTP 500: boom 500", "HTTP 500: boom 500"]
+
+
+def test_a_connection_closed_before_any_response_is_sent_once_more(fake, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    server = fake(mode="drop_every_2")  # every first send of a request is dropped, its second served
+    assert bench(server.url, "--num_prompts=3", "--max_concurrency=1", "--random_output_len=2",
+                 f"--result_json={out}") == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["retried"]) == (3, 0, 3) and len(server.bodies) == 6
+    server = fake(mode="drop_always")  # one retry only, then the request fails with its message
+    assert bench(server.url, "--num_prompts=2", "--max_concurrency=1", f"--result_json={out}") == 1
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (0, 2) and len(server.bodies) == 4
+    assert "ServerDisconnectedError" in capsys.readouterr().err
+
+
+def test_a_stream_cut_after_it_began_is_not_sent_again(fake, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    server = fake(mode="cut_mid_stream")
+    assert bench(server.url, "--num_prompts=2", "--max_concurrency=1", "--random_output_len=2",
+                 f"--result_json={out}") == 1
+    result = json.loads(out.read_text())
+    assert (result["failed"], result["retried"]) == (2, 0) and len(server.bodies) == 2
 
 
 @pytest.mark.parametrize("mode, message", [("not_json", "a data line is not JSON"),

@@ -36,14 +36,14 @@ FAMILIES = {  # name: (transformers config class, model class, config fields)
 }
 
 
-def make_moe_model(path: str, family: str, vocab_size: int = 128, seed: int = SEED):
+def make_moe_model(path: str, family: str, vocab_size: int = 128, seed: int = SEED, **extra):
     """Saves a random model of `family` under `path` (safetensors); returns the torch model.
     Weights of unit scale (router included), so routing is decisive and every expert's share shows
-    in the logits; non-trivial norms."""
+    in the logits; non-trivial norms. `extra`: more config fields (num_hidden_layers, mlp_only_layers...)."""
     import torch
     import transformers
     config_cls, model_cls, fields = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**BASE, **fields, "vocab_size": vocab_size})
+    config = getattr(transformers, config_cls)(**{**BASE, **fields, "vocab_size": vocab_size, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -269,8 +269,10 @@ MOE_BASE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [0, 1]}, "no layer"),
+    ({"decoder_sparse_step": 3}, "no layer"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
     ({"architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 0}, "shared_expert"),
@@ -345,18 +347,20 @@ def test_convert_refuses_to_quantize_a_moe_model(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_moe_gguf_is_refused_by_name(tmp_path):
-    """llama.cpp writes Mixtral as arch "llama" with an expert count: refused, not misread as dense."""
+def test_a_moe_gguf_without_its_expert_metadata_is_refused_by_name(tmp_path):
+    """llama.cpp writes Mixtral as arch "llama" with an expert count (tests/test_moe_gguf.py
+    converts such files); one without its top-k is refused by the key's name, not misread."""
     import gguf
     from checkpoints import ConversionError
     from checkpoints.convert import open_source
     writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
-    writer.add_block_count(1)
-    writer.add_expert_count(4)
+    for add, value in (("block_count", 1), ("embedding_length", 4), ("head_count", 1), ("feed_forward_length", 8),
+                       ("vocab_size", 8), ("expert_count", 4)):
+        getattr(writer, f"add_{add}")(value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConversionError, match="expert_count"):
+    with pytest.raises(ConversionError, match="expert_used_count"):
         open_source(str(tmp_path / "mixtral.gguf"))

@@ -2,6 +2,7 @@
 the bound it names, and `jaxserve plan --predict`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,6 +48,31 @@ def test_the_constants_and_a_decode_step_by_hand():
     assert second.bytes == 5792 + 64 * (3 + 2) + 1216 * 2
 
 
+def test_the_linear_layers_and_the_attention_add_each_under_its_own_ceiling():
+    step = cost_model().decode(batch=2, context=10)
+    assert (step.attention_bytes, step.attention_flops, step.rows) == (64 * 22, 64 * 2 * 11, 2)
+    # Linear: 8224 bytes, 5632 FLOPs; attention: 1408 bytes, 1408 FLOPs.
+    skewed = predict.Ceilings(memory_bandwidth=1e3, peak_flops=100.0, interconnect_bandwidth=None, source="test")
+    times = step.times(skewed)
+    assert times == pytest.approx({"bandwidth": 0.0, "compute": (5632 + 1408) / 100.0, "interconnect": 0.0})
+    # Probed rates give the times; the device-wide roofline (1.2e3 B/s, 1e3 FLOP/s) names each
+    # part's bound: the linear layers bandwidth (8224 / 1.2e3 > 5632 / 1e3), the attention compute.
+    probed = predict.Ceilings(1.2e3, 1e3, None, "test", operators=(predict.OperatorCeilings(2, 1e4, 1e3, 1e2),))
+    times = step.times(probed)  # linear max(0.8224, 5.632) s, attention max(14.08, 1.408) s
+    assert times == pytest.approx({"bandwidth": 5.632, "compute": 14.08, "interconnect": 0.0})
+    assert step.seconds_and_bound(probed) == (pytest.approx(14.08 + 5.632), "compute")
+
+
+def test_probed_operator_ceilings_interpolate_on_log_rows():
+    ops = (predict.OperatorCeilings(1, 10.0, 100.0, 1.0), predict.OperatorCeilings(16, 50.0, 900.0, 5.0))
+    ceilings = dataclasses.replace(CEILINGS, operators=ops)
+    assert ceilings.at_rows(1) == ops[0] and ceilings.at_rows(64) == ops[1]
+    at_4 = ceilings.at_rows(4)  # log2 4 is halfway from log2 1 to log2 16
+    assert (at_4.rows, at_4.matmul_bandwidth, at_4.matmul_flops, at_4.attention_bandwidth) == (4, 30.0, 500.0, 3.0)
+    plain = CEILINGS.at_rows(7)
+    assert (plain.matmul_bandwidth, plain.matmul_flops, plain.attention_bandwidth) == (1e3, 1e3, 1e3)
+
+
 def test_the_bound_moves_from_bandwidth_to_compute_as_the_batch_grows():
     c = cost_model()
     bounds = [c.decode(batch, 16).seconds_and_bound(CEILINGS)[1] for batch in (1, 64)]
@@ -84,8 +110,12 @@ def test_ceilings_from_flags_presets_and_the_probe():
     assert (flags_only.memory_bandwidth, flags_only.peak_flops, flags_only.source) == (20e9, 0.5e12, "flags")
     a100 = predict.resolve_ceilings(EngineConfig(), "a100")
     assert (a100.memory_bandwidth, a100.peak_flops, a100.interconnect_bandwidth) == (2039e9, 312e12, 300e9)
-    probed = predict.resolve_ceilings(EngineConfig(peak_tflops=1.0), probe=lambda: (5e9, 7e10))
+    ops = [predict.OperatorCeilings(8, 1e9, 1e10, 2e9)]
+    probed = predict.resolve_ceilings(EngineConfig(peak_tflops=1.0), probe=lambda: (5e9, 7e10, ops))
     assert (probed.memory_bandwidth, probed.peak_flops, probed.source) == (5e9, 1e12, "cpu probe and flags")
+    assert probed.operators == ()  # a flag's figure is the ceiling for all the work
+    probed = predict.resolve_ceilings(EngineConfig(), probe=lambda: (5e9, 7e10, ops))
+    assert (probed.source, probed.operators) == ("cpu probe", tuple(ops))
     assert predict.resolve_ceilings(EngineConfig()) is None
     with pytest.raises(predict.PredictError, match="memory_bandwidth_gbps must be positive"):
         predict.resolve_ceilings(EngineConfig(memory_bandwidth_gbps=0))
@@ -146,3 +176,18 @@ def test_tensor_parallel_prediction_without_a_target_needs_the_interconnect(tmp_
     argv = ["jaxserve", "plan", f"--config={path}", "--device_memory_gb=1", "--predict", "--memory_bandwidth_gbps=10",
             "--peak_tflops=0.1", "--tensor_parallel_size=2"]
     assert cli.main(argv) == 2 and "--interconnect_gbps" in capsys.readouterr().err
+
+
+def test_the_cpu_probe_measures_every_row_count_asked(monkeypatch):
+    from jaxserve.planning import probe
+    for name, value in (("COPY_BYTES", 8 << 20), ("WEIGHT_STACK_BYTES", 4 << 20), ("PROBE_CACHE_BYTES", 1 << 20),
+                        ("BUDGET_S", 0.01), ("PREFILL_PROBE_ROWS", 16)):
+        monkeypatch.setattr(probe, name, value)
+    model = ModelConfig.from_hf_dict({**TINY, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "head_dim": 16})
+    bandwidth, peak, operators = probe.probe(model, rows=[4, 1, 4], context_len=40, page_size=16)
+    assert [o.rows for o in operators] == [1, 4]
+    assert bandwidth > 0 and peak >= max(o.matmul_flops for o in operators) > 0
+    assert all(o.matmul_bandwidth > 0 and o.attention_bandwidth > 0 for o in operators)
+    # The same matmul time gives both rates: FLOP/s / bytes/s = 2 rows / 4 bytes per weight.
+    assert operators[1].matmul_flops / operators[1].matmul_bandwidth == pytest.approx(2 * 4 / 4)

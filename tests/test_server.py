@@ -110,6 +110,7 @@ class FakeEngine:
         self.num_running = self.num_waiting = self.kv_pages_used = 0
         self.prefix_queried = self.prefix_hits = 0
         self.prompts: list[list[int]] = []
+        self.health_report: dict = {}  # what health() adds (e.g. the warm-up's progress)
         self.params: list[Any] = []
         self.aborted: list[str] = []
         self.abort_calls: list[str] = []
@@ -130,7 +131,7 @@ class FakeEngine:
         return self.alive
 
     def health(self) -> dict:
-        return {}
+        return self.health_report
 
     def add_step_listener(self, listener) -> None:
         """The fake runs no steps: the listener is never called."""
@@ -458,6 +459,19 @@ def test_models_and_health(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
     server.engine.alive = False
     assert server.request("GET", "/health")[0] == 503
+
+
+def test_health_is_503_while_the_first_shapes_compile(server):
+    warmup = {"ready": False, "compiled": 3, "total": 20, "error": None}
+    server.engine.health_report = {"warmup": warmup}
+    status, _, body = server.request("GET", "/health")
+    assert (status, body) == (503, {"status": "warming up", "warmup": warmup})
+    server.engine.health_report = {"warmup": {**warmup, "error": "RuntimeError: out of memory"}}
+    status, _, body = server.request("GET", "/health")
+    assert status == 503 and body["status"] == "warm-up failed"
+    server.engine.health_report = {"warmup": {**warmup, "ready": True, "compiled": 9}}
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["warmup"]["compiled"] == 9
 
 
 def test_model_entries_carry_vllms_fields(server):

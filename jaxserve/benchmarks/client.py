@@ -7,6 +7,12 @@ Nothing raises out of it: a refused connection, an HTTP error status, an error e
 that is not JSON or a stream that ends without `data: [DONE]` all come back as a record with
 `error` set. `probe` asks `/v1/models` before a run, so that a server that is down is one clear
 message rather than a run of failures.
+
+A pooled keep-alive connection can be closed by the server just as the client reuses it (llama.cpp's
+server does this under load): the write fails ("Can not write request body") or the server
+disconnects before answering. Such a request never got a response, so `send` sends it once more, on a
+fresh connection, and counts the retry in the record (`retries`); its `start` stays the first send,
+so the retry's cost is in its TTFT. A failure after the response began is never retried.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class RequestRecord:
     text: str = ""
     usage_completion_tokens: int | None = None  # from the final usage chunk, when sent
     error: str | None = None
+    retries: int = 0  # sends again after the connection closed before any response (see the module docstring)
 
     @property
     def ok(self) -> bool:
@@ -142,20 +149,39 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, record: 
 
 async def send(session: aiohttp.ClientSession, url: str, endpoint: str, body: dict,
                prompt_len: int) -> RequestRecord:
-    """Posts `body` to `url` and times its stream; every failure is kept in the record's `error`."""
+    """Posts `body` to `url` and times its stream; every failure is kept in the record's `error`.
+    A connection that closes before any response is retried once (see the module docstring)."""
     record = RequestRecord(prompt_len=prompt_len, start=time.perf_counter())
-    try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                record.error = _error_message(response.status, await response.text(errors="replace"))
-            else:
-                await _read_stream(response, endpoint, record)
-    except asyncio.TimeoutError:
-        record.error = "the request timed out (--request_timeout_s)"
-    except aiohttp.ClientError as e:
-        record.error = f"{type(e).__name__}: {e}"
-    record.end = time.perf_counter()
-    return record
+    while True:
+        responded = False
+        try:
+            async with session.post(url, json=body) as response:
+                responded = True
+                if response.status != 200:
+                    record.error = _error_message(response.status, await response.text(errors="replace"))
+                else:
+                    await _read_stream(response, endpoint, record)
+        except asyncio.TimeoutError:
+            record.error = "the request timed out (--request_timeout_s)"
+        except aiohttp.ClientError as e:
+            if not responded and record.retries < MAX_RETRIES and _closed_before_response(e):
+                record.retries += 1
+                continue
+            record.error = f"{type(e).__name__}: {e}"
+        record.end = time.perf_counter()
+        return record
+
+
+MAX_RETRIES = 1  # sends again of a request whose connection closed before any response
+
+
+def _closed_before_response(error: aiohttp.ClientError) -> bool:
+    """A kept-alive connection the server had closed: the request body could not be written, or
+    the server disconnected without answering. A connection that could not be opened at all
+    (refused, no route) is not one: sending again would not help."""
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(error, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
 
 
 async def probe(session: aiohttp.ClientSession, base_url: str) -> list[str]:

@@ -47,8 +47,9 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_
                     seed: int = 0, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
                     prefix_len: int = 0) -> list[SampleRequest]:
     """`num_prompts` prompts of random token ids, `input_len` (+/- range_ratio) tokens long after a
-    shared prefix of `prefix_len` random tokens. With a tokenizer the ids are decoded to text (the
-    text's own token count is the prompt_len); without one the prompt is the id list itself."""
+    shared prefix of `prefix_len` random tokens. With a tokenizer the ids are decoded to text that
+    encodes back to as many tokens (`text_of_length`; the text's own token count is the
+    prompt_len); without one the prompt is the id list itself."""
     if num_prompts < 1 or input_len < 1 or output_len < 1 or prefix_len < 0:
         raise DatasetError("random dataset: num_prompts, input_len and output_len must be >= 1, prefix_len >= 0")
     if not 0.0 <= range_ratio < 1.0:
@@ -66,9 +67,37 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_
         if tokenizer is None:
             requests.append(SampleRequest(ids, len(ids), max_tokens))
         else:
-            text = tokenizer.decode(ids)
-            requests.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), max_tokens))
+            text, length = text_of_length(tokenizer, ids, len(ids), rng, vocab)
+            requests.append(SampleRequest(text, length, max_tokens))
     return requests
+
+
+TEXT_LENGTH_TRIES = 10  # rounds of trimming or topping up a random prompt's ids
+
+
+def text_of_length(tokenizer: Tokenizer, ids: list[int], length: int, rng: random.Random,
+                   vocab: int) -> tuple[str, int]:
+    """(text, its token count): random ids decoded to text that encodes back to `length` tokens.
+
+    Decoding random ids and encoding the text again rarely gives the same count (byte pieces merge
+    or split: SmolLM2's 500 random ids come back as about 523 tokens), which would make
+    --random_input_len a different workload on every tokenizer. So the text's own tokens are
+    trimmed to `length`, or topped up with more random ids, and decoded again, for a few rounds;
+    the count returned is the text's own (within a token or two of `length` where the rounds did
+    not settle)."""
+    text = tokenizer.decode(ids)
+    count = len(tokenizer.encode(text, add_special_tokens=False))
+    for _ in range(TEXT_LENGTH_TRIES):
+        if count == length:
+            break
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        if count > length:
+            tokens = tokens[:length]
+        else:
+            tokens = tokens + [rng.randrange(RANDOM_TOKEN_LOW, vocab) for _ in range(length - count)]
+        text = tokenizer.decode(tokens)
+        count = len(tokenizer.encode(text, add_special_tokens=False))
+    return text, count
 
 
 def _read_json_lines(path: str) -> list[tuple[int, object]]:

@@ -152,6 +152,7 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, percentile_m
     rate = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
     result = {
         "completed": len(metrics), "failed": len(failed), "duration": duration,
+        "retried": sum(r.retries > 0 for r in records),  # sent again after a closed keep-alive connection
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": rate(len(metrics)), "output_throughput": rate(output_tokens),
         "total_token_throughput": rate(input_tokens + output_tokens),
@@ -194,6 +195,7 @@ def format_summary(result: dict, percentile_metrics: Sequence[str], percentiles:
     """The printed result, laid out as vLLM's."""
     lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
              _line("Successful requests:", result["completed"]), _line("Failed requests:", result["failed"]),
+             _line("Requests sent again (closed connection):", result.get("retried", 0)),
              _line("Maximum request concurrency:", result.get("max_concurrency")),
              _line("Benchmark duration (s):", result["duration"]),
              _line("Total input tokens:", result["total_input_tokens"]),

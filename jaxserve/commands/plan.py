@@ -85,7 +85,7 @@ def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
     shardings = None
     if cfg.tensor_parallel_size > 1:
         mesh = AbstractMesh((1, cfg.tensor_parallel_size), sharding.AXES)
-        shardings = sharding.ModelShardings.create(source.config, mesh)
+        shardings = sharding.ModelShardings.create(source.config, mesh, expert_parallel=cfg.enable_expert_parallel)
     return device_setup.quantized_weights_bytes(params, shardings) + device_setup.cpu_step_layout_bytes(
         params, cfg, on_gpu)
 
@@ -101,7 +101,7 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
         on_gpu = device_setup.on_gpu()
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
-    memory.kv_heads_per_device(model, cfg.tensor_parallel_size)  # a bad split is named before anything is read
+    memory.kv_heads_per_device(memory.parallel_model(model, cfg), cfg.tensor_parallel_size)  # a bad split is named before anything is read
     if cfg.quantize_embedding and cfg.tensor_parallel_size * cfg.data_parallel_size > 1:
         raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1)")
     verification.check_speculative_config(cfg)
@@ -191,7 +191,8 @@ def predict_for_flags(fv: flags.FlagValues, model: ModelConfig, plan: memory.Mem
 
     def probe():
         from jaxserve.planning import probe as probe_lib  # loads jax: only when no ceilings are given
-        return probe_lib.probe(model.hidden_size, model.intermediate_size)
+        rows = [*sizes, predict.prefill_chunk(cfg)]  # the decode steps and the TTFT's prefill chunks
+        return probe_lib.probe(model, rows, fv.predict_context_len, cfg.page_size)
 
     ceilings = predict.resolve_ceilings(cfg, fv.target, probe)
     if cfg.tensor_parallel_size > 1 and ceilings.interconnect_bandwidth is None:

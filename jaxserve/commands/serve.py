@@ -150,6 +150,21 @@ def _log_ready(fv: flags.FlagValues, port: int) -> None:
     logging.getLogger(__name__).info("ready: the OpenAI API at %s/v1%s", base, page)
 
 
+async def _log_ready_after_warmup(engine, fv: flags.FlagValues, port: int, poll_s: float = 0.2) -> None:
+    """`_log_ready` once /health would answer 200: at once, or when the warm-up has compiled the
+    shapes a first request needs (the server already listens and takes requests meanwhile)."""
+    warmup = engine.health().get("warmup")
+    if warmup is not None and not warmup["ready"]:
+        logging.getLogger(__name__).info("listening on port %d while the warm-up compiles (/health: 503 until "
+                                         "the first requests' shapes are ready)", port)
+        while warmup is not None and not warmup["ready"]:
+            if warmup.get("error"):
+                return  # logged by the warm-up; /health says so
+            await asyncio.sleep(poll_s)
+            warmup = engine.health().get("warmup")
+    _log_ready(fv, port)
+
+
 def _log_chat_parsing(app) -> None:
     """One line on what tool_choice "auto" does, and which reasoning parser splits the output."""
     state = app[STATE]
@@ -192,7 +207,9 @@ def run(fv: flags.FlagValues) -> int:
         from jaxserve.async_engine import build_async_engine  # loads jax: the command runs it after --help and the flags are done
 
         try:
-            engine = build_async_engine(fv.model, **serve_engine_kwargs(fv))
+            # The server listens while the warm-up compiles; /health says 503 until the shapes a
+            # first request needs are ready (one process; a multi-host job warms up first).
+            engine = build_async_engine(fv.model, **serve_engine_kwargs(fv), background_warmup=True)
             config.sampling_defaults, defaults_line = sampling_defaults(fv)
         except (ValueError, OSError) as e:
             print(f"jaxserve serve: cannot build the engine for {fv.model!r}: {e}", file=sys.stderr)
@@ -217,8 +234,14 @@ def run(fv: flags.FlagValues) -> int:
             print(f"jaxserve serve: {e}", file=sys.stderr)
             return 2
         _log_chat_parsing(app)
+        announcements = set()  # the task that logs the ready line (kept referenced until it ends)
+
+        def _announce(engine, port: int) -> None:
+            task = asyncio.get_running_loop().create_task(_log_ready_after_warmup(engine, fv, port))
+            announcements.add(task)
+            task.add_done_callback(announcements.discard)
         try:
-            await http_server.serve_until_stopped(app, fv.host, fv.port, limits=limits, on_ready=lambda port: _log_ready(fv, port))
+            await http_server.serve_until_stopped(app, fv.host, fv.port, limits=limits, on_ready=lambda port: _announce(engine, port))
         except OSError as e:
             print(f"jaxserve serve: cannot listen on {fv.host}:{fv.port}: {e}", file=sys.stderr)
             return 1

@@ -98,6 +98,9 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Warm-up: shapes compiled so far of all it compiles (0 of 0 without a warm-up).
+    warmup_shapes_compiled: int = 0
+    warmup_shapes_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

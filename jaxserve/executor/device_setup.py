@@ -26,6 +26,11 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def process_count() -> int:
+    """Processes of the jax job (1 unless multi-host)."""
+    return jax.process_count()
+
+
 def device_kind() -> str:
     """What the first device is, as jax names it ("cpu", "NVIDIA H100 80GB HBM3", ...)."""
     return jax.devices()[0].device_kind

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -40,6 +41,29 @@ from jaxserve.executor import decode_loop, device_setup, executables, prompt_log
 from jaxserve.models import cpu_layout, llama
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WarmupState:
+    """How far the warm-up is (read from any thread): `compiled` of `total` shapes; `first_ready`
+    is set once the first `first_total` (what a first request needs) are compiled, `finished` once
+    all are; both also when the warm-up failed (`error`)."""
+    total: int
+    first_total: int
+    compiled: int = 0
+    error: str | None = None
+    first_ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)  # every shape, or the failure
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def advance(self) -> None:
+        with self._lock:
+            self.compiled += 1
+
+    def to_dict(self) -> dict:
+        """/health's view: {"ready", "compiled", "total", "error"}."""
+        return {"ready": self.first_ready.is_set() and self.error is None, "compiled": self.compiled,
+                "total": self.total, "error": self.error}
 
 
 class LocalTransport:
@@ -109,6 +133,8 @@ class ModelRunner:
         self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, sampler.ALWAYS_BIAS)
         self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
+        self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
+        self.warmup_state: WarmupState | None = None  # None: no warm-up started
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
 
     def use_transport(self, transport) -> None:
@@ -247,7 +273,7 @@ class ModelRunner:
         bucket = self.bucket_for(len(batch.decode), 0, batch.max_pages_per_seq)
         arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps)
         device_start = time.perf_counter()
-        compiled = self._compiled_multi_step.get(bucket, self._functions.multi_step)
+        compiled = self._compiled(self._compiled_multi_step, bucket, "multi_step") or self._functions.multi_step
         tokens, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling, num_steps)
         tokens = np.asarray(jax.device_get(tokens))[:len(batch.decode), :batch.num_steps]  # [rows, num_steps]
         device_seconds = time.perf_counter() - device_start
@@ -337,11 +363,18 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         return True
 
-    def warmup(self) -> int:
-        """Compiles the step for every bucket, ahead of time and on all cores. Returns the count.
+    def warmup(self, background: bool = False) -> int:
+        """Compiles the step for every bucket, ahead of time and on all cores. Returns the count of
+        shapes (step, sampler, multi-step and prompt-logprob ones).
 
         XLA compiles with the GIL released, so a thread per core compiles that many shapes at
-        once; the executables are kept and used by `execute`, so serving never compiles."""
+        once; the executables are kept and used by `execute`, so serving never compiles. The
+        shapes a first request needs (prefill-only and decode-only steps, their samplers without
+        penalties) compile first; `warmup_state.ready` is set when they are done. With
+        `background` the call returns at once and the compiles go on in a thread: a step whose
+        shape is not compiled yet waits for it (it is never compiled on the stepping thread), and
+        `warmup_state` reports the progress (the server's /health). Only for a single-process
+        engine: a multi-host job's processes warm up before the first step."""
         start = time.perf_counter()
         buckets = self.all_buckets()
 
@@ -384,47 +417,99 @@ class ModelRunner:
                 ("multi_step", bucket), lambda: self._functions.multi_step.lower(
                     self._step_params, self.kv_cache, arrays, sampling, num_steps))
 
-        row_counts = sorted({len(self.empty_batch(b)["logits_indices"]) for b in buckets})
-        samplers = [(n, penalties, sampler.ALWAYS_BIAS) for n in row_counts for penalties in (False, True)]
-        multi_steps = self.multi_step_buckets()
-        total = len(buckets) + len(samplers) + len(multi_steps) + len(self.prompt_logprob_buckets)
+        rows_of = {b: len(self.empty_batch(b)["logits_indices"]) for b in buckets}
+        samplers = [(n, penalties, sampler.ALWAYS_BIAS) for n in sorted(set(rows_of.values()))
+                    for penalties in (False, True)]
+        # What a first request needs: its prefill chunks alone, then its decoding alone.
+        first = [b for b in buckets if not b.num_verify and not (b.num_decode and b.num_prefill_tokens)]
+        first_samplers = [(rows_of[b], False, sampler.ALWAYS_BIAS) for b in first]
+        phases = [
+            [("forward", b, compile_bucket, (b,)) for b in first]
+            + [("sample", v, compile_sampler, v) for v in dict.fromkeys(first_samplers)],
+            [("forward", b, compile_bucket, (b,)) for b in buckets if b not in first]
+            + [("sample", v, compile_sampler, v) for v in samplers if v not in first_samplers]
+            + [("multi_step", m, compile_multi_step, (m,)) for m in self.multi_step_buckets()],
+            [("prompt_logprobs", n, compile_prompt_logprobs, (n,)) for n in self.prompt_logprob_buckets],
+        ]
+        total = sum(len(phase) for phase in phases)
+        state = self.warmup_state = WarmupState(total=total, first_total=len(phases[0]))
+        self._pending = {(kind, key): concurrent.futures.Future() for phase in phases for kind, key, _, _ in phase}
         threads = os.cpu_count() or 1
-        log.info("warm-up: compiling %d shapes on %d threads (a filled compilation cache makes this seconds)",
-                 total, threads)
+        log.info("warm-up: compiling %d shapes on %d threads%s (a filled compilation cache makes this seconds)",
+                 total, threads, ", serving once the first requests' shapes are ready" if background else "")
         # Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both.
         fresh = executables.persistent_cache_off() if store is not None and store.mode != "load" else contextlib.nullcontext()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
-                Progress(total, "warm-up", "shapes compiled", log) as progress:
-            def run_all(calls):
-                jobs = [pool.submit(*call) for call in calls]
-                for job in jobs:
-                    job.add_done_callback(lambda _: progress.advance())
-                for job in jobs:
-                    job.result()
 
-            run_all([(compile_bucket, b) for b in buckets] + [(compile_sampler, *v) for v in samplers]
-                    + [(compile_multi_step, m) for m in multi_steps])
-            run_all([(compile_prompt_logprobs, n) for n in self.prompt_logprob_buckets])
-        log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties), %d prompt-logprob shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
-                 len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start,
-                 "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
-        return len(buckets)
+        def compile_one(kind, key, fn, args, progress):
+            future = self._pending[kind, key]
+            try:
+                fn(*args)
+            except BaseException as e:
+                future.set_exception(e)
+                raise
+            future.set_result(None)
+            state.advance()
+            progress.advance()
+
+        def compile_all():
+            with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
+                    Progress(total, "warm-up", "shapes compiled", log) as progress:
+                for number, phase in enumerate(phases):
+                    jobs = [pool.submit(compile_one, *job, progress) for job in phase]
+                    for job in jobs:
+                        job.result()
+                    if number == 0:
+                        state.first_ready.set()
+            log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties), %d prompt-logprob "
+                     "shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
+                     len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start,
+                     "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
+
+        if not background:
+            compile_all()
+            state.finished.set()
+            return total
+
+        def compile_in_background():
+            try:
+                compile_all()
+            except BaseException as e:  # the steps that wait for a failed shape raise it
+                state.error = f"{type(e).__name__}: {e}"
+                log.exception("warm-up failed")
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_exception(RuntimeError(f"warm-up failed: {state.error}"))
+                state.first_ready.set()
+            state.finished.set()
+
+        threading.Thread(target=compile_in_background, name="warm-up", daemon=True).start()
+        return total
+
+    def _compiled(self, table: dict, key, kind: str):
+        """The executable of `key` in `table`, waiting for it while the warm-up compiles it in
+        the background; None when no warm-up will compile it (the jitted function then does)."""
+        compiled = table.get(key)
+        if compiled is None and (future := self._pending.get((kind, key))) is not None:
+            future.result()  # compiled on the warm-up's threads, never on the stepping thread
+            compiled = table.get(key)
+        return compiled
 
     def run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
         """Dispatches the step's jitted functions (forward, sampler, prompt logprobs when
         `prompt_rows` is given) on its inputs (host or device arrays); returns their device
         outputs (sampler's, prompt logprobs' or None). The transport calls it (a multi-host
         worker too). The grammar rows' bitmasks are filled on the host while the forward runs."""
-        forward = self._compiled_forward.get(bucket, self._functions.forward_for(bucket))
+        forward = self._compiled(self._compiled_forward, bucket, "forward") or self._functions.forward_for(bucket)
         logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
         if self.draft is not None:  # the draft's K/V of the same tokens, in the same slots
             self.draft.mirror(bucket, arrays)
         structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
         key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
-        sampled = self._compiled_sample.get(key, self._functions.sample)(logits, sampling)
+        sampled = (self._compiled(self._compiled_sample, key, "sample") or self._functions.sample)(logits, sampling)
         if prompt_rows is None:
             return sampled, None
-        compute = self._compiled_prompt_logprobs.get(len(prompt_rows["indices"]), self._functions.prompt_logprobs)
+        compute = (self._compiled(self._compiled_prompt_logprobs, len(prompt_rows["indices"]), "prompt_logprobs")
+                   or self._functions.prompt_logprobs)
         return sampled, compute(self._head, hidden, prompt_rows["indices"], prompt_rows["targets"])
 
 

@@ -231,25 +231,48 @@ class LayerWeights:
       are passed whole with the layer index instead, which the kernel reads at (a slice of a
       stacked weight is a copy);
     * per layer (`per_layer`): a switch on the layer index whose branch i reads layer i's own
-      arrays, which the dots then read in place."""
+      arrays, which the dots then read in place.
+    A model with kinds of layer (jaxserve.models.weights.LayerKinds: dense and sparse MLP layers
+    mixed) keeps each kind's own weights stacked over its layers only (`own`, passed whole): a
+    part that reads them runs under a switch over the kinds, whose branch reads the layer's row
+    of its kind's stacks (a dynamic slice, as the scan's own) under the names a uniform layer
+    has. (`layer_views` keeps such a model's weights stacked: `_per_layer_views` wants every
+    array on the one "layers" stack.)"""
     scanned: Params | None  # what the scan slices, [L, ...] each (None: per-layer weights)
     whole: dict[str, KernelLayout]  # the stacked kernel layouts of the QuantArrays that have one
     per_layer: tuple[Params, ...] | None  # layer_views' per-layer dicts (None: stacked weights)
+    own: Params = dataclasses.field(default_factory=dict)  # kinds' own stacks, [L_kind, ...] each
+    kinds: Any = None  # weights.LayerKinds, or None: every layer has the same weights
 
     @classmethod
-    def of(cls, layers: Params | tuple[Params, ...]) -> "LayerWeights":
+    def of(cls, layers: Params | tuple[Params, ...], kinds=None) -> "LayerWeights":
+        """`kinds`: weights.layer_kinds(config) of the model (None: every layer has the same weights)."""
         if isinstance(layers, (list, tuple)):
             return cls(None, {}, tuple(layers))
+        own = {name: w for name, w in layers.items() if kinds is not None and name in kinds.leaves}
+        layers = {name: w for name, w in layers.items() if name not in own}
         whole = {name: w.kernel for name, w in layers.items() if isinstance(w, QuantArray) and w.kernel is not None}
         scanned = {name: dataclasses.replace(w, kernel=None) if name in whole else w for name, w in layers.items()}
-        return cls(scanned, whole, None)
+        return cls(scanned, whole, None, own, kinds if own else None)
 
-    def apply(self, part: Callable, lp: Params | None, layer_idx: jax.Array, *args):
+    def apply(self, part: Callable, lp: Params | None, layer_idx: jax.Array, *args, own_weights: bool = True):
         """part(this layer's weights, *args): on the scan's slice `lp` of the stacked weights
-        (with the kernel layouts whole, read at `layer_idx`), or under a switch on `layer_idx`."""
+        (with the kernel layouts whole, read at `layer_idx`), or under a switch on `layer_idx`;
+        with kinds of layer and `own_weights` (the part reads a kind's own weights), under a
+        switch on the layer's kind, its own weights added."""
         if self.per_layer is not None:
             return jax.lax.switch(layer_idx, [functools.partial(part, w) for w in self.per_layer], *args)
         if self.whole:
             lp = {**lp, **{name: dataclasses.replace(lp[name], kernel=dataclasses.replace(kernel, layer=layer_idx))
                            for name, kernel in self.whole.items()}}
-        return part(lp, *args)
+        if self.kinds is None or not own_weights:
+            return part(lp, *args)
+        kind = jnp.asarray(self.kinds.kind_of, jnp.int32)[layer_idx]  # scalar: this layer's kind
+        row = jnp.asarray(self.kinds.row_of, jnp.int32)[layer_idx]  # scalar: its row in that kind's stacks
+
+        def branch(k, *args):
+            own = {read: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), self.own[name])
+                   for name, read in self.kinds.own_weights(k).items()}
+            return part({**lp, **own}, *args)
+
+        return jax.lax.switch(kind, [functools.partial(branch, k) for k in range(len(self.kinds.kinds))], *args)

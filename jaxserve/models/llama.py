@@ -7,7 +7,8 @@ differences are switches of `ModelConfig`); the weights it reads are declared on
 stacked on a leading layer axis and run under `jax.lax.scan`, so compile time stays flat as models
 get deeper. Every matrix is multiplied through `quantization.linear`, float or quantized alike;
 on one CPU device the layers may come in the layouts of `jaxserve.models.cpu_layout.layer_views`,
-which the scan reads through `cpu_layout.LayerWeights`.
+which the scan reads through `cpu_layout.LayerWeights` (as it reads a model whose dense and sparse
+MLP layers are mixed: `jaxserve.models.weights.LayerKinds`).
 
 KV cache layout: per cache, `[num_layers * num_pages, page_size, num_kv_heads, head_dim]`; layer
 `l` owns pages `l * num_pages .. (l + 1) * num_pages - 1`, so a block table entry `p` of layer `l`
@@ -27,6 +28,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import cpu_layout, moe, quantization
+from jaxserve.models.weights import layer_kinds
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
 from pallas_kernels import dispatch, kv_quant
@@ -130,12 +132,14 @@ def attention_output(lp: Params, x: jax.Array, attn: jax.Array, config: ModelCon
 
 def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """The residual stream x [T, D] plus the gated MLP of its normed rows (a mixture-of-experts
-    model's: jaxserve.models.moe, its routed experts split over `mesh`'s "model" axis when given)."""
+    layer's: jaxserve.models.moe, its routed experts split over `mesh`'s "model" axis when given).
+    A layer is sparse when its weights have a router: every layer of a mixture-of-experts model
+    but its dense ones (ModelConfig.mlp_only_layers; see weights.LayerKinds)."""
     eps, offset = config.rms_norm_eps, config.norm_weight_offset
     activation = _ACTIVATIONS[config.hidden_act]
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
-        if config.is_moe:
+        if "router" in lp:
             return x + moe.sparse_mlp(lp, h, config, mesh)
         out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
         if config.sandwich_norms:
@@ -188,6 +192,8 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     """x [T, D] through every layer under `jax.lax.scan` (stacked weights, or any layout of
     cpu_layout.layer_views), each layer writing its K/V into its own pages of the caches.
     `mesh` (tensor parallel): where a mixture-of-experts model's routed experts run split.
+    A model with dense and sparse MLP layers mixed (weights.LayerKinds) runs the same scan: the
+    part after attention goes under a switch on the layer's kind, which reads its own weights.
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
@@ -196,7 +202,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     local_rope = config.rope_local_theta is not None
     if local_rope:
         local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
-    weights = cpu_layout.LayerWeights.of(layers)
+    weights = cpu_layout.LayerWeights.of(layers, layer_kinds(config))
     projection = functools.partial(qkv_projection, config=config)
     rest_of_layer = functools.partial(after_attention, config=config, mesh=mesh)
 
@@ -205,7 +211,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
         lp, window = scanned  # this layer's slice of the stacked weights (None: per-layer weights);
         #                       its sliding window (int32 scalar, 0: none)
         page_offset = layer_idx * num_pages
-        q, k, v = weights.apply(projection, lp, layer_idx, x)
+        q, k, v = weights.apply(projection, lp, layer_idx, x, own_weights=False)
         layer_cos, layer_sin = cos, sin
         if local_rope:
             layer_cos, layer_sin = jnp.where(window > 0, local_cos, cos), jnp.where(window > 0, local_sin, sin)

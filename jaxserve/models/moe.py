@@ -26,6 +26,35 @@ partial sums are added over the "model" axis (`sharding.shard_experts`). Per-dev
 than XLA's partitioning: on GPU ragged_dot lowers to XLA's ragged-dot (or a Pallas kernel), so
 the split is explicit whatever the lowering, and the one all-reduce is of [T, D], not of the
 T * k sorted rows. The shared expert is a dense SwiGLU, split like the dense MLP by XLA.
+
+Expert parallelism (EngineConfig.enable_expert_parallel, config.expert_parallel): the n devices
+of a replica's "model" axis each hold E/n whole experts (full F; device r the experts
+[r E/n, (r+1) E/n)), attention keeping its head split. Every device still computes the router
+and the top-k of every token (replicated, [T, E] is small), sorts the T * k pairs so that those
+routed to its own experts come first (by expert, then token) and the others last, and runs the
+grouped matmuls with the E/n local group sizes: the other devices' pairs are in no group (their
+rows come out of ragged_dot as zeros, and are masked besides). The partial sums [T, D] float32
+are added over the axis by the same one all-reduce as under tensor parallelism.
+
+Why replicated tokens and one all-reduce rather than an all-to-all dispatch and combine: under
+tensor parallelism the residual stream is already replicated on every device of the replica
+(attention's output projection ends in an all-reduce), so every device already has every token
+and the "all-gather of tokens" costs nothing. An all-to-all would have to send each device the
+rows routed to its experts in fixed-size buffers; with no token dropped a buffer must hold all
+T * k rows (any routing may send every pair to one device), so each device would send
+(n - 1) T k rows of D and receive as many back, in two collectives, against about 2 T rows of D
+for the all-reduce, and the shapes would be no smaller. The step keeps the same fixed shapes as
+on one device (T * k sorted rows on every device, every pair
+computed by the device that holds its expert, no capacity limit). What EP changes is what each
+device holds: E/n whole experts rather than a 1/n slice of all E (the same bytes), and the
+grouped matmuls' shapes: E/n groups of the full F instead of E groups of F/n. On the CPU, jax
+lowers ragged_dot to one dense dot over a [groups, rows, D] masked copy of the rows, so both
+layouts do the same FLOPs and read all the device's expert weights whatever the routing; EP's
+masked copy is n times smaller (bench/moe_parallel.py measures the step). What each device
+computes for the rows outside its groups, and whether it skips the weights of empty groups, is
+the lowering's (XLA's ragged-dot on GPU); the result is the same. The cost of EP here: every
+device's sorted rows carry the full F ([T * k, F] gate and up), n times TP's (the planner
+counts it, jaxserve.planning.memory).
 """
 from __future__ import annotations
 
@@ -53,33 +82,41 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.
 
 
 def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, activation=jax.nn.silu, out_dtype=None) -> jax.Array:
-    """sum_j weights[t, j] * SwiGLU_{experts[t, j]}(h[t]) -> [T, D] in `out_dtype` (default h's).
+                   w_down: jax.Array, activation=jax.nn.silu, out_dtype=None, first_expert=0) -> jax.Array:
+    """sum_j weights[t, j] * SwiGLU_{experts[t, j]}(h[t]) -> [T, D] in `out_dtype` (default h's),
+    over the pairs whose expert is one of those given.
 
-    h [T, D]; weights, experts [T, k]; w_gate, w_up [E, D, F]; w_down [E, F, D]. The T * k pairs
-    are sorted by expert (stable: by token within an expert), the experts' matmuls run grouped
-    over the sorted rows, and each row's output is scaled by its weight and added back to its token.
+    h [T, D]; weights, experts [T, k] (global expert indices); w_gate, w_up [G, D, F]; w_down
+    [G, F, D]: experts first_expert .. first_expert + G - 1 (all E from 0 on one device). The
+    T * k pairs are sorted by expert (stable: by token within an expert), the pairs of other experts
+    last and in no group, the experts' matmuls run grouped over the sorted rows, and each row's
+    output is scaled by its weight (0 for the other experts' pairs) and added back to its token.
     Given a slice of F (w_gate, w_up [E, D, F/n], w_down [E, F/n, D]) it returns that slice's
-    partial sum: the result is linear in the down projection's rows.
+    partial sum: the result is linear in the down projection's rows; given G = E/n whole experts
+    (`first_expert` may be traced: the device's index times G) it returns their partial sum.
     """
     T, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat_experts = experts.reshape(T * k)  # [T*k]
-    order = jnp.argsort(flat_experts, stable=True)  # [T*k]: the pairs sorted by expert
+    num_local = w_gate.shape[0]
+    local = experts.reshape(T * k) - first_expert  # [T*k]: index among the given experts
+    held = (local >= 0) & (local < num_local)  # [T*k]: pairs this call computes
+    key = jnp.where(held, local, num_local)  # [T*k]: the others sort last, into group `num_local`
+    order = jnp.argsort(key, stable=True)  # [T*k]: the pairs sorted by expert
     token_of = order // k  # [T*k]: the token of each sorted pair
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E], sums to T*k
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [G], sums to <= T*k
     rows = h[token_of]  # [T*k, D]
     gate = dispatch.grouped_matmul(rows, w_gate, group_sizes)  # [T*k, F]
     up = dispatch.grouped_matmul(rows, w_up, group_sizes)  # [T*k, F]
     out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
-    scaled = out.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]  # [T*k, D]
+    pair_weight = jnp.where(held, weights.reshape(T * k), 0.0)[order]  # [T*k]: 0 past the groups
+    scaled = jnp.where(held[order][:, None], out.astype(jnp.float32) * pair_weight[:, None], 0.0)  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]
     return combined.astype(out_dtype or h.dtype)
 
 
 def sparse_mlp(lp: dict, h: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """One layer's mixture-of-experts MLP of the normed rows h [T, D] -> [T, D] (no residual);
-    with a `mesh`, the routed experts split over its "model" axis (see the module docstring)."""
+    with a `mesh`, the routed experts split over its "model" axis: on their intermediate size, or
+    whole experts per device with config.expert_parallel (see the module docstring)."""
     activation = _ACTIVATIONS[config.hidden_act]
     with jax.named_scope("moe"):
         router_logits = linear(h, lp["router"])  # [T, E]

@@ -2,7 +2,7 @@
 
 `Weights` is an NNX module whose `nnx.Param`s are the model's weights. Each carries its metadata:
 
-  axes   logical axis of every dimension: "layers", "vocab", "embed" (hidden size), "q" (query
+  axes   logical axis of every dimension: "layers" (or "moe_layers" / "dense_layers", below), "vocab", "embed" (hidden size), "q" (query
          heads x head_dim), "kv" (KV heads x head_dim), "ffn" (intermediate size), "head_dim";
          mixture-of-experts models: "experts" (routed experts), "expert_ffn" (an expert's
          intermediate size), "router" (the router's experts, or the shared expert's one gate)
@@ -11,11 +11,17 @@
   hf     the Hugging Face tensor name (per-layer weights: the part after "model.layers.{i}."); an
          expert's own tensor has "{expert}" where its index goes (one tensor per expert, as
          transformers' save_pretrained and the published checkpoints write them)
-  gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files
+  gguf   the llama.cpp tensor name (per-layer: the part after "blk.{i}."); None: not in GGUF files.
+         A routed expert weight is one GGUF tensor of every expert, [E, out, in] (`ffn_*_exps`)
   transposed  stored for `x @ W`, i.e. transposed from the [out, in] of both file formats
 
 Per-layer weights are stacked on a leading "layers" axis (the step scans over it) and sit under
-`layers/`. From this one declaration come: the shapes (`param_shapes`), random weights
+`layers/`. A mixture-of-experts model whose MLP layers are not all sparse (Qwen2/3-MoE's
+`mlp_only_layers`, `decoder_sparse_step`) stacks each kind's own MLP weights over only the layers
+of that kind: a leading "moe_layers" axis (the router, the experts, Qwen2-MoE's shared expert;
+ModelConfig.sparse_layers) or "dense_layers" (the dense SwiGLU `dense_w_gate`, `dense_w_up`,
+`dense_w_down`; ModelConfig.mlp_only_layers), so no layer holds the other kind's weights and
+no memory goes to padding. `LayerKinds` says how the step reads them (see its docstring). From this one declaration come: the shapes (`param_shapes`), random weights
 (`random_params`), the tensor-parallel partition specs (`jaxserve.parallel.sharding` maps logical axes to
 mesh axes), the quantizable set (`linear_leaves`), the planner's per-device byte counts
 (`jaxserve.planning.memory`) and the checkpoint names (`checkpoints/`). The computation is
@@ -46,6 +52,14 @@ class WeightInfo:
     hf: str
     gguf: str | None
     transposed: bool
+    stack_layers: tuple[int, ...] = ()  # per-layer weights: the model layer of each row of the stack, in order
+
+    def row_of(self, layer: int) -> int | None:
+        """The row of model layer `layer` in this per-layer weight's stack (None: not held there)."""
+        try:
+            return self.stack_layers.index(layer)
+        except ValueError:
+            return None
 
     @property
     def per_layer(self) -> bool:
@@ -98,6 +112,14 @@ class Weights(nnx.Module):
         }
         if config.is_moe:
             layers.update(_expert_weights(config, param))
+            if config.mlp_only_layers:  # the dense layers of a mixed model, on their own stack
+                Ld = len(config.mlp_only_layers)
+                dense = lambda shape, axes, hf, gguf: param((Ld, *shape), ("dense_layers", *axes), "linear", hf, gguf,
+                                                            transposed=True)
+                layers.update(
+                    dense_w_gate=dense((D, F), ("embed", "ffn"), "mlp.gate_proj.weight", "ffn_gate.weight"),
+                    dense_w_up=dense((D, F), ("embed", "ffn"), "mlp.up_proj.weight", "ffn_up.weight"),
+                    dense_w_down=dense((F, D), ("ffn", "embed"), "mlp.down_proj.weight", "ffn_down.weight"))
         else:
             layers.update(
                 w_gate=matrix((D, F), ("embed", "ffn"), "mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -128,34 +150,39 @@ def _expert_weights(config: ModelConfig, param) -> dict:
     """A mixture-of-experts layer's weights (jaxserve.models.moe): the router [D, E], the routed
     experts' SwiGLU matrices stacked on an "experts" axis, and Qwen2-MoE's shared expert with its
     sigmoid gate [D, 1]. Mixtral names them `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, the
-    Qwen families `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`. Not in GGUF files yet."""
-    L, D, E, F = config.num_layers, config.hidden_size, config.num_experts, config.moe_intermediate_size
+    Qwen families `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; llama.cpp `ffn_gate_inp`,
+    `ffn_{gate,up,down}_exps` (every expert in one tensor) and the shared expert's `*_shexp`, its
+    gate `ffn_gate_inp_shexp`. Stacked on "layers", or on
+    "moe_layers" (the sparse layers only) in a model with dense MLP layers too."""
+    D, E, F = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    L, stack = len(config.sparse_layers), "moe_layers" if config.mlp_only_layers else "layers"
     mixtral = config.architecture == "MixtralForCausalLM"
     prefix = "block_sparse_moe" if mixtral else "mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
 
-    def expert(shape, axes, name):
-        return param((L, E, *shape), ("layers", "experts", *axes), "experts",
-                     f"{prefix}.experts.{{expert}}.{name}.weight", None, transposed=True)
+    def expert(shape, axes, name, gguf):
+        return param((L, E, *shape), (stack, "experts", *axes), "experts",
+                     f"{prefix}.experts.{{expert}}.{name}.weight", gguf, transposed=True)
 
     out = {
-        "router": param((L, D, E), ("layers", "embed", "router"), "router", f"{prefix}.gate.weight", None,
-                        transposed=True),
-        "w_gate_exps": expert((D, F), ("embed", "expert_ffn"), names[0]),
-        "w_up_exps": expert((D, F), ("embed", "expert_ffn"), names[1]),
-        "w_down_exps": expert((F, D), ("expert_ffn", "embed"), names[2]),
+        "router": param((L, D, E), (stack, "embed", "router"), "router", f"{prefix}.gate.weight",
+                        "ffn_gate_inp.weight", transposed=True),
+        "w_gate_exps": expert((D, F), ("embed", "expert_ffn"), names[0], "ffn_gate_exps.weight"),
+        "w_up_exps": expert((D, F), ("embed", "expert_ffn"), names[1], "ffn_up_exps.weight"),
+        "w_down_exps": expert((F, D), ("expert_ffn", "embed"), names[2], "ffn_down_exps.weight"),
     }
     if config.shared_expert_intermediate_size:
         S = config.shared_expert_intermediate_size
+        shared = lambda shape, axes, role, hf, gguf: param((L, *shape), (stack, *axes), role, hf, gguf,
+                                                           transposed=True)
         out.update(
-            w_gate=param((L, D, S), ("layers", "embed", "ffn"), "linear", "mlp.shared_expert.gate_proj.weight", None,
-                         transposed=True),
-            w_up=param((L, D, S), ("layers", "embed", "ffn"), "linear", "mlp.shared_expert.up_proj.weight", None,
-                       transposed=True),
-            w_down=param((L, S, D), ("layers", "ffn", "embed"), "linear", "mlp.shared_expert.down_proj.weight",
-                         None, transposed=True),
-            shared_gate=param((L, D, 1), ("layers", "embed", "router"), "router", "mlp.shared_expert_gate.weight",
-                              None, transposed=True))
+            w_gate=shared((D, S), ("embed", "ffn"), "linear", "mlp.shared_expert.gate_proj.weight",
+                          "ffn_gate_shexp.weight"),
+            w_up=shared((D, S), ("embed", "ffn"), "linear", "mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+            w_down=shared((S, D), ("ffn", "embed"), "linear", "mlp.shared_expert.down_proj.weight",
+                          "ffn_down_shexp.weight"),
+            shared_gate=shared((D, 1), ("embed", "router"), "router", "mlp.shared_expert_gate.weight",
+                               "ffn_gate_inp_shexp.weight"))
     return out
 
 
@@ -191,9 +218,71 @@ def weight_infos(config: ModelConfig) -> dict[str, WeightInfo]:
     for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         meta = variable.get_metadata()
         key = "/".join(str(p) for p in path)
-        infos[key] = WeightInfo(path=key, shape=tuple(variable.get_value().shape), axes=tuple(meta["axes"]),
-                                role=meta["role"], hf=meta["hf"], gguf=meta["gguf"], transposed=meta["transposed"])
+        axes = tuple(meta["axes"])
+        infos[key] = WeightInfo(path=key, shape=tuple(variable.get_value().shape), axes=axes,
+                                role=meta["role"], hf=meta["hf"], gguf=meta["gguf"], transposed=meta["transposed"],
+                                stack_layers=stack_layers(config, axes[0]) if key.startswith("layers/") else ())
     return infos
+
+
+# The leading axes of per-layer weights, by the layers they stack.
+LAYER_STACKS = ("layers", "moe_layers", "dense_layers")
+
+
+def stack_layers(config: ModelConfig, axis: str) -> tuple[int, ...]:
+    """The model layers a per-layer stack with leading axis `axis` holds, in row order."""
+    if axis == "layers":
+        return tuple(range(config.num_layers))
+    if axis == "moe_layers":
+        return config.sparse_layers
+    if axis == "dense_layers":
+        return config.mlp_only_layers
+    raise ValueError(f"not a layer stack axis: {axis!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKinds:
+    """How the step reads a model whose layers do not all have the same weights (dense and sparse
+    MLP layers mixed): the layer scan slices the weights every layer has ("layers" stacks), and a
+    layer of kind k reads its own weights at its row of kind k's stacks, passed to the scan
+    whole. `jaxserve.models.cpu_layout.LayerWeights` runs the rest of the layer under a
+    `jax.lax.switch` over the kinds (two branches, not one a layer: the step's size stays flat in
+    the depth), and a branch sees its kind's weights under the names a uniform model's layer has
+    (`reads`): a dense layer's `dense_w_gate` as `w_gate`. So the layer code is the one of dense
+    and of all-sparse models (jaxserve.models.llama.mlp_block tells a sparse layer by its
+    router), only the branch taken runs (a select would run both MLPs), and every shape is fixed.
+    Why not one stack of every layer's MLP weights: a dense layer would hold all E experts'
+    worth of zeros, a sparse one a zero dense MLP (Qwen3-MoE's dense MLP is 4-8x an expert)."""
+
+    kinds: tuple[str, ...]  # the kinds' stack axes, e.g. ("dense_layers", "moe_layers")
+    kind_of: tuple[int, ...]  # [L] each layer's kind (an index into `kinds`)
+    row_of: tuple[int, ...]  # [L] each layer's row in its kind's stacks
+    leaves: dict[str, int]  # the stored name of every kind's weight -> its kind
+    reads: dict[str, str]  # stored name -> the name the layer code reads it by
+
+    def own_weights(self, kind: int) -> dict[str, str]:
+        """{stored name: read name} of kind `kind`'s own weights."""
+        return {name: self.reads[name] for name, k in self.leaves.items() if k == kind}
+
+
+def layer_kinds(config: ModelConfig) -> LayerKinds | None:
+    """The kinds of layer of `config`'s model (see LayerKinds); None when every layer's weights
+    are on the one "layers" stack (every dense model, and mixture-of-experts models whose layers
+    are all sparse)."""
+    if not config.mixed_mlp_layers:
+        return None
+    kinds = ("dense_layers", "moe_layers")
+    kind_of, row_of = [], []
+    for layer in range(config.num_layers):
+        kind = kinds.index("dense_layers" if layer in config.mlp_only_layers else "moe_layers")
+        kind_of.append(kind)
+        row_of.append(stack_layers(config, kinds[kind]).index(layer))
+    leaves, reads = {}, {}
+    for info in weight_infos(config).values():
+        if info.per_layer and info.axes[0] in kinds:
+            leaves[info.name] = kinds.index(info.axes[0])
+            reads[info.name] = info.name.removeprefix("dense_")
+    return LayerKinds(kinds, tuple(kind_of), tuple(row_of), leaves, reads)
 
 
 def tree_of(infos: dict[str, WeightInfo], leaf) -> dict:

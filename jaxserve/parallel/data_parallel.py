@@ -36,12 +36,13 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
     `sharding.ModelShardings` (restore into `shardings.checkpoint_shardings()`), or None for a
     single device. The split is checked before any weight is loaded (ValueError), and each
     replica's memory budget is read before its weights take memory (the planner subtracts them)."""
-    tp, dp = cfg.tensor_parallel_size, cfg.data_parallel_size
+    tp, dp, ep = cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.enable_expert_parallel
+    sharding.with_expert_parallel(model_config, ep, tp)  # a dense model or experts that do not divide: refused
     if tp == 1 and dp == 1:
         replica_shardings = [None]
     else:
-        mesh = sharding.make_mesh(model_config, tp, dp)
-        replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh)
+        mesh = sharding.make_mesh(model_config, tp, dp, expert_parallel=ep)
+        replica_shardings = [sharding.ModelShardings.create(model_config, replica_mesh, expert_parallel=ep)
                              for replica_mesh in sharding.replica_meshes(mesh)]
     engines = []
     for index, shardings in enumerate(replica_shardings):
@@ -167,8 +168,15 @@ class DataParallelAsyncEngine:
     def health(self) -> dict:
         reports = [r.health() for r in self.replicas]
         errors = [h["last_step_error"] for h in reports if h["last_step_error"]]
-        return {"num_step_failures": sum(h["num_step_failures"] for h in reports),
-                "last_step_error": errors[-1] if errors else None}
+        report = {"num_step_failures": sum(h["num_step_failures"] for h in reports),
+                  "last_step_error": errors[-1] if errors else None}
+        warmups = [h["warmup"] for h in reports if "warmup" in h]
+        if warmups:  # ready when every replica is
+            failed = [w["error"] for w in warmups if w["error"]]
+            report["warmup"] = {"ready": all(w["ready"] for w in warmups),
+                                "compiled": sum(w["compiled"] for w in warmups),
+                                "total": sum(w["total"] for w in warmups), "error": failed[0] if failed else None}
+        return report
 
     def compile_structured_output(self, params) -> None:
         """AsyncEngine.compile_structured_output (the replicas share the tokenizer: one compile serves all)."""

@@ -16,7 +16,11 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
     [L, E, D, F'] on F', w_down_exps [L, E, F', D] on F' (logical axis "expert_ffn"); the router
     [L, D, E] and Qwen2-MoE's shared-expert gate [L, D, 1] replicated; its shared expert
     w_gate / w_up / w_down like the dense MLP. The routed experts run under `shard_experts`
-    (per-device code, one all-reduce of their [T, D] partial sums).
+    (per-device code, one all-reduce of their [T, D] partial sums). Expert parallel
+    (EngineConfig.enable_expert_parallel; ModelConfig.expert_parallel on the config the step
+    runs): the logical axis "experts" goes over "model" instead of "expert_ffn", so each device
+    holds E/TP whole experts [L, E/TP, D, F'] (E must divide; F' need not); the rest as above.
+    Data parallelism stays independent replicas: each spreads its experts over its own TP devices.
   quantized linear QuantArray(q, scale[, zero, perm]) (jaxserve.models.quantization): q as its
     float weight; scale and zero [L, groups, out] too, except per-output-channel scales of a
     row-sharded weight (one group: replicated); a row-sharded weight's groups must divide evenly
@@ -63,16 +67,41 @@ def tensor_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> s
         return (f"num_key_value_heads ({config.num_kv_heads}) and it must divide one another "
                 f"(KV heads are split, or replicated when there are fewer than devices)")
     if config.is_moe:  # the experts' intermediate sizes are split (intermediate_size is not a weight's)
-        if config.moe_intermediate_size % tp:
+        if config.expert_parallel:  # whole experts per device instead
+            if config.num_experts % tp:
+                return (f"with --enable_expert_parallel the routed experts ({config.num_experts}) are spread over "
+                        f"the devices, and {config.num_experts} is not divisible by it")
+        elif config.moe_intermediate_size % tp:
             return (f"the experts' intermediate size (moe_intermediate_size, {config.moe_intermediate_size}) "
                     f"is not divisible by it")
         if config.shared_expert_intermediate_size % tp:
             return (f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) "
                     f"is not divisible by it")
-        return None
+        if not config.mixed_mlp_layers:  # only the dense layers of a mixed model have intermediate_size
+            return None
     if config.intermediate_size % tp:
         return f"intermediate_size ({config.intermediate_size}) is not divisible by it"
     return None
+
+
+def expert_parallel_problem(config: ModelConfig, tensor_parallel_size: int) -> str | None:
+    """Why --enable_expert_parallel cannot run `config` over `tensor_parallel_size` devices, or None."""
+    if not config.is_moe:
+        return (f"--enable_expert_parallel needs a mixture-of-experts model; {config.architecture} is dense "
+                f"(it has no routed experts to spread over devices)")
+    problem = tensor_parallel_problem(dataclasses.replace(config, expert_parallel=True), tensor_parallel_size)
+    return None if problem is None else f"cannot use tensor_parallel_size={tensor_parallel_size}: {problem}"
+
+
+def with_expert_parallel(config: ModelConfig, enabled: bool, tensor_parallel_size: int) -> ModelConfig:
+    """`config` with its routed experts spread over the devices when `enabled` (ModelConfig.expert_parallel);
+    ValueError naming the problem when that cannot be done (a dense model, experts that do not divide)."""
+    if not enabled:
+        return config
+    problem = expert_parallel_problem(config, tensor_parallel_size)
+    if problem is not None:
+        raise ValueError(problem)
+    return dataclasses.replace(config, expert_parallel=True)
 
 
 def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
@@ -97,13 +126,13 @@ def sharded_model_config(config: ModelConfig, tensor_parallel_size: int) -> Mode
 
 
 def make_mesh(config: ModelConfig, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-              devices=None) -> Mesh:
+              devices=None, expert_parallel: bool = False) -> Mesh:
     """A (data_parallel_size, tensor_parallel_size) mesh over the first devices; over the devices
     of several processes (jax.distributed), every replica spans every process (see
-    `_process_spanning_grid`).
+    `_process_spanning_grid`). `expert_parallel`: the split is checked for whole experts per device.
 
     Raises ValueError when the model cannot be split that way or there are too few devices."""
-    check_tensor_parallel(config, tensor_parallel_size)
+    check_tensor_parallel(with_expert_parallel(config, expert_parallel, tensor_parallel_size), tensor_parallel_size)
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     devices = list(jax.devices() if devices is None else devices)
@@ -154,9 +183,12 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
 def logical_axis_rules(config: ModelConfig, tensor_parallel_size: int) -> dict[str, str | None]:
     """Mesh axis of each logical weight axis (jaxserve.models.weights): heads, KV heads, the
     intermediate size and each routed expert's over "model"; the vocabulary too when it divides;
-    the rest (experts and router axes included) replicated."""
+    the rest (experts and router axes included) replicated. With config.expert_parallel the routed
+    experts' "experts" axis goes over "model" instead of their "expert_ffn" (whole experts per device)."""
     vocab = MODEL_AXIS if config.vocab_size % tensor_parallel_size == 0 else None
-    return {"q": MODEL_AXIS, "kv": MODEL_AXIS, "ffn": MODEL_AXIS, "expert_ffn": MODEL_AXIS, "vocab": vocab}
+    experts, expert_ffn = (MODEL_AXIS, None) if config.expert_parallel else (None, MODEL_AXIS)
+    return {"q": MODEL_AXIS, "kv": MODEL_AXIS, "ffn": MODEL_AXIS, "experts": experts, "expert_ffn": expert_ffn,
+            "vocab": vocab}
 
 
 def param_partition_specs(config: ModelConfig, tensor_parallel_size: int) -> dict:
@@ -181,9 +213,11 @@ class ModelShardings:
     replicated: NamedSharding
 
     @classmethod
-    def create(cls, config: ModelConfig, mesh: Mesh) -> "ModelShardings":
+    def create(cls, config: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> "ModelShardings":
+        """The layout of `config` on `mesh`; `expert_parallel` (EngineConfig.enable_expert_parallel):
+        whole routed experts per device. ValueError when the model cannot be split that way."""
         tp = mesh.shape[MODEL_AXIS]
-        run_config = sharded_model_config(config, tp)
+        run_config = sharded_model_config(with_expert_parallel(config, expert_parallel, tp), tp)
         named = lambda spec: NamedSharding(mesh, spec)
         params = jax.tree.map(named, param_partition_specs(run_config, tp),
                               is_leaf=lambda x: isinstance(x, P))
@@ -192,6 +226,10 @@ class ModelShardings:
     @property
     def tensor_parallel_size(self) -> int:
         return self.mesh.shape[MODEL_AXIS]
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.model_config.expert_parallel
 
     @property
     def kv_head_replicas(self) -> int:
@@ -328,17 +366,25 @@ EXPERT_WEIGHTS = ("w_gate_exps", "w_up_exps", "w_down_exps")
 def shard_experts(routed, mesh: Mesh, config: ModelConfig):
     """Runs `routed` per device over the model axis, its partial sums added over it.
 
-    routed(h, weights, experts, w_gate, w_up, w_down) -> [T, D] float32, with h [T, D] and the
-    routing weights, experts [T, k] replicated, and one layer's expert weights (w_gate, w_up
-    [E, D, F'], w_down [E, F', D]) split as their declaration says (`param_partition_specs`, less
-    the layers axis: on F'). Each device computes its slice of F' for every (token, expert) pair;
-    the result, linear in w_down's rows, is a partial sum, all-reduced once ([T, D] float32)."""
-    specs = param_partition_specs(config, mesh.shape[MODEL_AXIS])["layers"]
+    routed(h, weights, experts, w_gate, w_up, w_down, first_expert) -> [T, D] float32, with h
+    [T, D] and the routing weights, experts [T, k] replicated, and one layer's expert weights
+    (w_gate, w_up [E, D, F'], w_down [E, F', D]) split as their declaration says
+    (`param_partition_specs`, less the layers axis); `first_expert` is the global index of the
+    device's first expert. Tensor parallel (on F'): each device computes its slice of F' for every
+    (token, expert) pair, first_expert 0. Expert parallel (config.expert_parallel, on E): each
+    device holds E/n whole experts from first_expert = device index * E/n and computes only the
+    pairs routed to them. Either way the device's result is a partial sum of the output,
+    all-reduced once ([T, D] float32)."""
+    tp = mesh.shape[MODEL_AXIS]
+    specs = param_partition_specs(config, tp)["layers"]
     weight_specs = tuple(P(*specs[name][1:]) for name in EXPERT_WEIGHTS)
+    local_experts = config.num_experts // tp if config.expert_parallel else config.num_experts
 
     @functools.wraps(routed)
     def per_device(h, weights, experts, w_gate, w_up, w_down):
-        return jax.lax.psum(routed(h, weights, experts, w_gate, w_up, w_down), MODEL_AXIS)  # [T, D]
+        first_expert = jax.lax.axis_index(MODEL_AXIS) * local_experts if config.expert_parallel else 0
+        partial = routed(h, weights, experts, w_gate, w_up, w_down, first_expert=first_expert)  # [T, D]
+        return jax.lax.psum(partial, MODEL_AXIS)
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
                          check_vma=False)
 

@@ -151,10 +151,12 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     """
     cfg = engine_config.for_platform(on_gpu=True)
     tensor_parallel_size = cfg.tensor_parallel_size
-    sharding.check_tensor_parallel(model_config, tensor_parallel_size)
+    sharding.check_tensor_parallel(
+        sharding.with_expert_parallel(model_config, cfg.enable_expert_parallel, tensor_parallel_size),
+        tensor_parallel_size)
     max_model_len = cfg.model_len(model_config)
     mesh = gpu_mesh(target, tensor_parallel_size)
-    shardings = sharding.ModelShardings.create(model_config, mesh)
+    shardings = sharding.ModelShardings.create(model_config, mesh, expert_parallel=cfg.enable_expert_parallel)
     run_config = shardings.model_config
     float_dtype = jnp.dtype(cfg.dtype)
     params = jax.eval_shape(lambda: weights.random_params(run_config, float_dtype))
@@ -206,7 +208,7 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
 def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: BucketSet, cfg: EngineConfig) -> int:
     """The planner's activation estimate for one step bucket of the GPU build of `cfg` (its GPU defaults filled in)."""
     return memory.activation_bytes(
-        model_config, compute_dtype=cfg.dtype, weight_dtype=cfg.quantization or cfg.dtype,
+        memory.parallel_model(model_config, cfg), compute_dtype=cfg.dtype, weight_dtype=cfg.quantization or cfg.dtype,
         max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
         max_context_len=bucket.pages_per_seq * cfg.page_size, tensor_parallel_size=cfg.tensor_parallel_size,
         max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0,

@@ -6,7 +6,9 @@ quantization formats and the tensor-parallel split rules are jaxserve.models.qua
 jaxserve.parallel.sharding's, imported when used). Every byte count is per device: with tensor parallelism
 the attention heads, the MLP columns and the vocabulary are split over `tensor_parallel_size`
 devices, norms are replicated, and KV heads are split (or replicated when there are fewer KV
-heads than devices).
+heads than devices). A mixture-of-experts model's routed experts are split on their
+intermediate size, or, with EngineConfig.enable_expert_parallel, held whole, E / tensor_parallel_size
+experts per device (`parallel_model`; the step's sorted rows then carry the full intermediate size).
 
     usable      = device_memory_bytes * memory_utilization
     kv_budget   = usable - weights_bytes - activation_bytes - runtime_reserve_bytes
@@ -136,6 +138,17 @@ def kv_heads_per_device(model: ModelConfig, tensor_parallel_size: int) -> int:
     return max(1, model.num_kv_heads // tensor_parallel_size)
 
 
+def parallel_model(model: ModelConfig, cfg: EngineConfig) -> ModelConfig:
+    """`model` as the engine of `cfg` lays it out: with cfg.enable_expert_parallel, its
+    ModelConfig.expert_parallel set (whole experts per device), which every count below follows.
+    MemoryPlanError for a dense model or experts that do not divide over the devices."""
+    from jaxserve.parallel import sharding  # imports jax: the split rules live with the partition rules
+    try:
+        return sharding.with_expert_parallel(model, cfg.enable_expert_parallel, cfg.tensor_parallel_size)
+    except ValueError as e:
+        raise MemoryPlanError(str(e)) from None
+
+
 def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, ...]]]:
     """(role, shape on one device) of every weight, from the model's one declaration
     (jaxserve.models.weights) and the partition rules: with KV heads replicated up to `tp`, every
@@ -150,8 +163,15 @@ def _device_weights(model: ModelConfig, tp: int) -> list[tuple[str, tuple[int, .
 
 
 def _linear_shapes(model: ModelConfig, tp: int) -> list[tuple[int, int]]:
-    """(in_features, out_features) on one device of every linear layer in one decoder layer."""
+    """(in_features, out_features) on one device of every linear layer in one decoder layer (a
+    model with dense and sparse MLP layers: of one layer of each kind, an upper bound of either)."""
     return [shape[1:] for role, shape in _device_weights(model, tp) if role == "linear"]
+
+
+def _linear_stacks(model: ModelConfig, tp: int) -> list[tuple[int, int, int]]:
+    """(layers, in_features, out_features) on one device of every stacked linear weight: a mixed
+    model's dense MLP (and its sparse layers' shared expert) stack only the layers of their kind."""
+    return [shape for role, shape in _device_weights(model, tp) if role == "linear"]
 
 
 def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int:
@@ -168,7 +188,7 @@ def _linear_bytes(in_features: int, out_features: int, weight_dtype: str) -> int
 def count_params(model: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
     """Parameters held by one device, by kind: linear (decoder matrices), embeddings (embed and
     lm_head), norms and biases; a mixture-of-experts model's experts (every routed expert's
-    matrices) and routers too."""
+    matrices: a 1/tp slice of each, or E/tp whole experts with model.expert_parallel) and routers too."""
     kinds = {"linear": "linear", "embedding": "embeddings", "norm": "norms", "bias": "biases",
              "experts": "experts", "router": "routers"}
     counts = dict.fromkeys(kinds.values(), 0)
@@ -191,7 +211,7 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
     weight_dtype = normalize_dtype(weight_dtype, WEIGHT_DTYPES)
     tp = tensor_parallel_size
     counts = count_params(model, tp)
-    linear = model.num_layers * sum(_linear_bytes(i, o, weight_dtype) for i, o in _linear_shapes(model, tp))
+    linear = sum(layers * _linear_bytes(i, o, weight_dtype) for layers, i, o in _linear_stacks(model, tp))
     float_bytes = FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
     rest = (counts["norms"] + counts["biases"] + counts["experts"] + counts["routers"]) * float_bytes
     if not int8_embedding:
@@ -284,9 +304,13 @@ def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
     if not model.is_moe:
         return 3 * tokens * math.ceil(model.intermediate_size / tp) * a
     rows, d = tokens * model.num_experts_per_tok, model.hidden_size  # the sorted rows: on every device
-    f = math.ceil(model.moe_intermediate_size / tp)
+    # Expert parallel: every device's rows carry the whole F (its own pairs in groups, the others' zeros).
+    f = model.moe_intermediate_size if model.expert_parallel else math.ceil(model.moe_intermediate_size / tp)
     routed = rows * d * a + 3 * rows * f * a + rows * d * 4 + tokens * d * 4
-    return routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
+    sparse = routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
+    if model.mixed_mlp_layers:  # its dense layers' MLP runs in its own layers' step
+        return max(sparse, 3 * tokens * math.ceil(model.intermediate_size / tp) * a)
+    return sparse
 
 
 def _expert_layer_params(model: ModelConfig, tp: int) -> int:
@@ -356,6 +380,7 @@ def plan_memory(
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
     """
+    model = parallel_model(model, cfg)
     weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(model, cfg, device_memory_bytes, runtime_reserve_fraction)
     max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
     memory_utilization, tp = cfg.memory_utilization, cfg.tensor_parallel_size

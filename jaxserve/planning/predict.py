@@ -2,29 +2,42 @@
 
 The model. A step computes `tokens` token rows (decode rows + prefill tokens); each row reads the
 K/V of its context. On one device (tensor parallelism splits heads, MLP columns and vocabulary
-as jaxserve.planning.memory does), with a = compute-dtype bytes:
+as jaxserve.planning.memory does), with a = compute-dtype bytes, the step is two kinds of work:
 
+  linear layers (and lm_head):
     bytes       = weights_bytes                          every weight read once (quantized sizes)
-                + kv_bytes_per_token * (kv_read + tokens)  K/V read for every row's context, and written
                 + activation_bytes_per_token * tokens    per layer 4 d + (2 hq + 2 hkv) hd + 4 f
                                                           elements, and the float32 logits twice
-    flops       = 2 * matmul_params * tokens             linear layers and lm_head (the embedding
-                                                          lookup multiplies nothing)
-                + 4 * layers * hq * hd * pairs           QK^T and PV of every (query, key) pair
-    interconnect (tensor_parallel_size n > 1): two all-reduces of [tokens, d] per layer (after the
-                  attention and MLP outputs) and one all-gather of the [tokens, vocab / n] float32
-                  logits, a ring moving 2 (n - 1) / n of each all-reduce and (n - 1) / n of the
-                  gather per device, plus COLLECTIVE_LATENCY_S per collective
-    seconds     = max(bytes / memory_bandwidth, flops / peak_flops,
-                      interconnect_bytes / interconnect_bandwidth + collectives * COLLECTIVE_LATENCY_S)
+    flops       = 2 * matmul_params * tokens             (the embedding lookup multiplies nothing)
+  attention:
+    bytes       = kv_bytes_per_token * (kv_read + tokens)  K/V read for every row's context, and written
+    flops       = 4 * layers * hq * hd * pairs           QK^T and PV of every (query, key) pair
+  interconnect (tensor_parallel_size n > 1): two all-reduces of [tokens, d] per layer (after the
+                attention and MLP outputs) and one all-gather of the [tokens, vocab / n] float32
+                logits, a ring moving 2 (n - 1) / n of each all-reduce and (n - 1) / n of the
+                gather per device, plus COLLECTIVE_LATENCY_S per collective
 
-and the bound is the term that wins: "bandwidth", "compute" or "interconnect". It is a roofline:
-the ceilings are the device's (a GPU preset's datasheet figures, a CPU probe, or the flags), and
-no efficiency factor is fitted to a measurement; a run reaches a fraction of them, which the
-engine's step records report (`StepCostModel.step`, the same arithmetic). Decode TPOT at batch B
-and context C: one step of B rows, kv_read = B C, pairs = B (C + 1). TTFT of a prompt of L tokens:
-its prefill chunks of the step's token budget, each reading the weights again, then the first
-token comes out of the last chunk. Host time (scheduling, sampling on the host) is not in it.
+    seconds     = max(linear bytes / bandwidth, linear flops / peak)
+                + max(attention bytes / bandwidth, attention flops / peak)
+                + interconnect_bytes / interconnect_bandwidth + collectives * COLLECTIVE_LATENCY_S
+
+Each kind is bound by its own ceiling and the kinds run one after the other (a layer's matmuls,
+then its attention, then its collective: nothing in the step overlaps them), so their times add,
+rather than the step's total bytes and FLOPs meeting one roofline. The bound named is the ceiling
+that accounts for most of the seconds: "bandwidth", "compute" or "interconnect".
+
+The ceilings are the device's: a GPU preset's datasheet figures or the flags, one bandwidth and
+one peak for all the work. On the CPU, where the probe (jaxserve.planning.probe) measures them,
+they are the rates the step's own operations reach at the step's number of rows
+(`Ceilings.operators`): a float32 matmul of the model's shape reads its weights at a fraction of a
+plain copy's bandwidth and multiplies at a fraction of the large-matmul rate when it has few rows,
+and the decode attention kernel walks its pages at a bandwidth of its own. No efficiency factor is
+fitted to a measured step: the probe times single operations, never the step predicted. A run
+reaches a fraction of the ceilings, which the engine's step records report (`StepCostModel.step`,
+the same arithmetic). Decode TPOT at batch B and context C: one step of B rows, kv_read = B C,
+pairs = B (C + 1). TTFT of a prompt of L tokens: its prefill chunks of the step's token budget,
+each reading the weights again, then the first token comes out of the last chunk. Host time
+(scheduling, sampling on the host) is not in it.
 
 Pure host arithmetic on ModelConfig and the memory plan; the per-device parameter counts come
 from jaxserve.planning.memory (which reads the model's weight declaration).
@@ -51,13 +64,45 @@ class PredictError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class OperatorCeilings:
+    """What the step's operations reach on this machine at `rows` token rows (the CPU probe):
+    bytes/s and FLOP/s of the linear layers' matmul, bytes/s of the decode attention kernel."""
+    rows: int
+    matmul_bandwidth: float
+    matmul_flops: float
+    attention_bandwidth: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Ceilings:
     """What one device can do at most: bytes/s of memory, FLOP/s, and bytes/s it sends to its
-    tensor-parallel peers in one direction (None: unknown; only needed with tensor parallelism)."""
+    tensor-parallel peers in one direction (None: unknown; only needed with tensor parallelism).
+    `operators` (the CPU probe; empty for presets and flags): the rates of the step's own
+    operations at a few row counts, which replace the two device-wide figures for the step's work."""
     memory_bandwidth: float
     peak_flops: float
     interconnect_bandwidth: float | None
     source: str  # where the figures come from: a GPU preset, a probe, the flags
+    operators: tuple[OperatorCeilings, ...] = ()
+
+    def at_rows(self, rows: int) -> OperatorCeilings:
+        """The ceilings of a step of `rows` token rows: the device-wide figures, or the probed
+        operators' rates interpolated on log2(rows) between the row counts probed (the nearest
+        one's outside them)."""
+        if not self.operators:
+            return OperatorCeilings(rows, self.memory_bandwidth, self.peak_flops, self.memory_bandwidth)
+        probed = sorted(self.operators, key=lambda o: o.rows)
+        if rows <= probed[0].rows or len(probed) == 1:
+            return probed[0] if rows <= probed[0].rows else probed[-1]
+        if rows >= probed[-1].rows:
+            return probed[-1]
+        upper = next(i for i, o in enumerate(probed) if o.rows >= rows)
+        lo, hi = probed[upper - 1], probed[upper]
+        w = (math.log2(rows) - math.log2(lo.rows)) / (math.log2(hi.rows) - math.log2(lo.rows))
+        mix = lambda a, b: a + w * (b - a)  # noqa: E731
+        return OperatorCeilings(rows, mix(lo.matmul_bandwidth, hi.matmul_bandwidth),
+                                mix(lo.matmul_flops, hi.matmul_flops),
+                                mix(lo.attention_bandwidth, hi.attention_bandwidth))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,53 +115,72 @@ def _positive(name: str, value: float | None) -> float | None:
 
 
 def resolve_ceilings(cfg: EngineConfig, target: str | None = None,
-                     probe: Callable[[], tuple[float, float]] | None = None) -> Ceilings | None:
+                     probe: Callable[[], tuple] | None = None) -> Ceilings | None:
     """The device ceilings: cfg's memory_bandwidth_gbps / peak_tflops / interconnect_gbps where
     set, else the `target` GPU preset's (memory bandwidth from its proto; bfloat16 dense peak and
     half the NVLink figure, one direction, from gpu_targets), else `probe()` -> (bytes/s, FLOP/s)
-    for what is still missing. None when bandwidth or peak stays unknown (no target, no probe)."""
+    or (bytes/s, FLOP/s, [OperatorCeilings]) for what is still missing; the probed operators'
+    rates are kept only when no flag gave a ceiling (a flag's figure is then the ceiling for all
+    the work). None when bandwidth or peak stays unknown (no target, no probe)."""
     bandwidth = _positive("memory_bandwidth_gbps", cfg.memory_bandwidth_gbps)
     peak = _positive("peak_tflops", cfg.peak_tflops)
     link = _positive("interconnect_gbps", cfg.interconnect_gbps)
     given = [bandwidth is not None, peak is not None]
     bandwidth, peak, link = (None if v is None else v * s for v, s in ((bandwidth, 1e9), (peak, 1e12), (link, 1e9)))
-    source = "flags"
+    source, operators = "flags", ()
     if target is not None:
         bandwidth = bandwidth or gpu_targets.target_memory_bandwidth(target)
         peak = peak or gpu_targets.TARGET_PEAK_BF16_FLOPS[target]
         link = link or gpu_targets.TARGET_NVLINK_BYTES_PER_S[target] / 2
         source = f"{target} preset" + (" and flags" if any(given) else "")
     elif not all(given) and probe is not None:
-        probed_bandwidth, probed_peak = probe()
+        probed_bandwidth, probed_peak, *probed_operators = probe()
+        if not any(given) and probed_operators:
+            operators = tuple(probed_operators[0])
         bandwidth, peak = bandwidth or probed_bandwidth, peak or probed_peak
         source = "cpu probe" + (" and flags" if any(given) else "")
     if bandwidth is None or peak is None:
         return None
-    return Ceilings(float(bandwidth), float(peak), None if link is None else float(link), source)
+    return Ceilings(float(bandwidth), float(peak), None if link is None else float(link), source, operators)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """What one step moves and computes on one device."""
+    """What one step of `rows` token rows moves and computes on one device; `attention_bytes` and
+    `attention_flops` are the attention's part of `bytes` and `flops` (the rest is the linear layers')."""
     bytes: float
     flops: float
     interconnect_bytes: float
     collectives: int
+    attention_bytes: float = 0.0
+    attention_flops: float = 0.0
+    rows: int = 1
 
     def times(self, ceilings: Ceilings) -> dict[str, float]:
-        """Seconds of each roofline term (interconnect 0 without collectives)."""
+        """Seconds of the work each ceiling binds: "bandwidth" and "compute" sum the linear layers'
+        and the attention's time (at `ceilings.at_rows(rows)`'s rates) under whichever of the two
+        binds each on the device-wide roofline; "interconnect" is the collectives' (0 without)."""
         link = 0.0
         if self.collectives:
             if ceilings.interconnect_bandwidth is None:
                 raise PredictError("tensor parallelism needs the interconnect bandwidth (--interconnect_gbps)")
             link = self.interconnect_bytes / ceilings.interconnect_bandwidth + self.collectives * COLLECTIVE_LATENCY_S
-        return {"bandwidth": self.bytes / ceilings.memory_bandwidth, "compute": self.flops / ceilings.peak_flops,
-                "interconnect": link}
+        at = ceilings.at_rows(max(self.rows, 1))
+        times = {"bandwidth": 0.0, "compute": 0.0, "interconnect": link}
+        for moved, computed, bandwidth, peak in (
+                (self.bytes - self.attention_bytes, self.flops - self.attention_flops, at.matmul_bandwidth,
+                 at.matmul_flops),
+                (self.attention_bytes, self.attention_flops, at.attention_bandwidth, ceilings.peak_flops)):
+            # The time at the rates this work reaches; the bound it is charged to by the device's
+            # roofline (a probed rate comes from one timing, which alone cannot say what bound it).
+            bound = "bandwidth" if moved / ceilings.memory_bandwidth >= computed / ceilings.peak_flops else "compute"
+            times[bound] += max(moved / bandwidth, computed / peak)
+        return times
 
     def seconds_and_bound(self, ceilings: Ceilings) -> tuple[float, str]:
+        """The step's seconds (the sum of `times`) and the ceiling that binds most of them."""
         times = self.times(ceilings)
-        bound = max(BOUNDS, key=times.__getitem__)
-        return times[bound], bound
+        return sum(times.values()), max(BOUNDS, key=times.__getitem__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +228,14 @@ class StepCostModel:
     def step(self, num_tokens: int, kv_tokens_read: int, attention_pairs: int) -> StepCost:
         """One step of `num_tokens` token rows whose rows read `kv_tokens_read` cached tokens' K/V
         in all and whose attention covers `attention_pairs` (query, key) pairs."""
+        attention_bytes = float(self.kv_bytes_per_token * (kv_tokens_read + num_tokens))
+        attention_flops = float(self.attention_flops_per_pair * attention_pairs)
         return StepCost(
-            bytes=float(self.weights_bytes + self.kv_bytes_per_token * (kv_tokens_read + num_tokens)
-                        + self.activation_bytes_per_token * num_tokens),
-            flops=float(2 * self.matmul_params * num_tokens + self.attention_flops_per_pair * attention_pairs),
+            bytes=float(self.weights_bytes + self.activation_bytes_per_token * num_tokens) + attention_bytes,
+            flops=float(2 * self.matmul_params * num_tokens) + attention_flops,
             interconnect_bytes=self.interconnect_bytes_per_token * num_tokens,
-            collectives=self.collectives_per_step if num_tokens else 0)
+            collectives=self.collectives_per_step if num_tokens else 0,
+            attention_bytes=attention_bytes, attention_flops=attention_flops, rows=num_tokens)
 
     def decode(self, batch: int, context: int) -> StepCost:
         """A decode step of `batch` rows, each at `context` cached tokens."""
@@ -199,7 +265,7 @@ def prefill_chunk(cfg: EngineConfig) -> int:
 
 def _point(cost: StepCost, ceilings: Ceilings) -> dict[str, Any]:
     times = cost.times(ceilings)
-    seconds, bound = cost.seconds_and_bound(ceilings)
+    seconds, bound = sum(times.values()), max(BOUNDS, key=times.__getitem__)
     return {"ms": seconds * 1e3, "bound": bound, "bytes": cost.bytes, "flops": cost.flops,
             **{f"{name}_ms": t * 1e3 for name, t in times.items()}}
 
@@ -215,7 +281,7 @@ def predict(model: ModelConfig, plan: memory.MemoryPlan, cfg: EngineConfig, ceil
             raise PredictError(f"{name} must be a positive integer, got {value!r}")
     if not batch_sizes:
         raise PredictError("give at least one batch size")
-    costs = cost_model_for_plan(model, plan)
+    costs = cost_model_for_plan(memory.parallel_model(model, cfg), plan)
     pages_per_seq = math.ceil(context_len / plan.page_size)
     kv_limit = (plan.num_pages - 1) // pages_per_seq
     decode = []
@@ -250,6 +316,9 @@ def format_table(prediction: dict[str, Any]) -> str:
     link = "-" if c["interconnect_bandwidth"] is None else f"{c['interconnect_bandwidth'] / 1e9:,.0f} GB/s"
     lines = [f"ceilings ({c['source']}): memory {c['memory_bandwidth'] / 1e9:,.1f} GB/s, compute "
              f"{c['peak_flops'] / 1e12:,.2f} TFLOP/s, interconnect {link}",
+             *[f"  at {o['rows']} rows (probed): matmul {o['matmul_bandwidth'] / 1e9:,.1f} GB/s and "
+               f"{o['matmul_flops'] / 1e9:,.1f} GFLOP/s, decode attention {o['attention_bandwidth'] / 1e9:,.1f} GB/s"
+               for o in c.get("operators") or ()],
              f"{'batch':>6} {'context':>8} {'TPOT ms':>9} {'bound':>12} {'bw ms':>9} {'compute ms':>10} "
              f"{'link ms':>8} {'tok/s':>9} {'fits':>5}"]
     for d in prediction["decode"]:

@@ -1,19 +1,39 @@
-"""A few-second probe of this machine's ceilings for the latency predictor (jaxserve.planning.predict):
-the copy bandwidth of a buffer larger than the caches, and the float32 matmul rate jax reaches for the
-engine's [rows, hidden] x [hidden, intermediate] products (its dtype and shape class) at the rows of a
-full CPU decode step and of a prefill chunk, the better of the two being the peak (a roofline's
-ceiling is the most the machine does; small-row matmuls reach less of it)."""
+"""A few-second probe of this machine's ceilings for the latency predictor (jaxserve.planning.predict).
+
+It measures, each as the fastest of a few repeats:
+  * the copy bandwidth of a buffer larger than the caches (the device-wide bandwidth);
+  * at each row count the predictor will price, the rates of the step's two kinds of work:
+    - a float32 [rows, hidden] x [hidden, intermediate] matmul, over a stack of such weight matrices
+      larger than the caches, one after the other as the engine's layer scan reads its weights:
+      the bytes/s at which it reads them and the FLOP/s it reaches at that many rows;
+    - the engine's CPU decode attention (pallas_kernels.dispatch, "xla": the C++ kernel where it
+      is built) of that many rows over a float32 paged cache of the model's heads, at the context
+      asked, over as many layers as fit in PROBE_CACHE_BYTES: the bytes/s at which it reads K/V;
+  * the device-wide peak: the best matmul rate of those row counts and of a prefill chunk.
+
+It times single operations of the model's shapes, never the step it predicts, so the roofline
+stays a roofline: what a step's parts would take at the rates the machine reaches for them.
+"""
 from __future__ import annotations
 
+import math
 import time
+from typing import Sequence
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
+from jaxserve.planning.predict import OperatorCeilings
+
 COPY_BYTES = 256 << 20  # far past any last-level cache
-PROBE_ROWS = (64, 512)  # the largest CPU decode bucket, and the default prefill chunk
+WEIGHT_STACK_BYTES = 256 << 20  # the matmul probe's weights: also past the caches
+PROBE_CACHE_BYTES = 512 << 20  # the attention probe's K and V pages, at most
+ATTENTION_PROBE_MAX_ROWS = 64  # more rows (a prefill chunk) take the rate of this many
+PREFILL_PROBE_ROWS = 512  # the default prefill chunk: the matmul's best rate
+BUDGET_S = 0.3  # seconds of repeats per measurement (at least 3 calls)
 
 
-def _best_seconds(fn, budget_s: float) -> float:
+def _best_seconds(fn, budget_s: float = BUDGET_S) -> float:
     """The fastest of repeated calls of `fn` within about `budget_s` (at least 3)."""
     best, spent, calls = float("inf"), 0.0, 0
     while calls < 3 or spent < budget_s:
@@ -31,18 +51,70 @@ def copy_bandwidth(budget_s: float = 1.0) -> float:
     return 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), budget_s)
 
 
-def matmul_rate(hidden: int, intermediate: int, rows: int, budget_s: float = 0.75) -> float:
-    """FLOP/s of a jitted float32 [rows, hidden] x [hidden, intermediate] matmul."""
+def matmul_rates(hidden: int, intermediate: int, rows: int) -> tuple[float, float]:
+    """(weight bytes/s, FLOP/s) of float32 [rows, hidden] x [hidden, intermediate] matmuls over a
+    stack of weight matrices larger than the caches, run one after the other under a scan."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
+    matrix_bytes = hidden * intermediate * 4
+    count = max(1, math.ceil(WEIGHT_STACK_BYTES / matrix_bytes))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))  # [rows, hidden]
-    w = jnp.asarray(rng.standard_normal((hidden, intermediate), np.float32))  # [hidden, intermediate]
-    matmul = jax.jit(jnp.matmul)
-    matmul(x, w).block_until_ready()  # compile
-    return 2 * rows * hidden * intermediate / _best_seconds(lambda: matmul(x, w).block_until_ready(), budget_s)
+    stack = jnp.asarray(rng.standard_normal((count, hidden, intermediate), np.float32) * 0.01)  # [n, hidden, inter]
+
+    @jax.jit
+    def run(x, stack):
+        def one(total, w):  # total [rows, intermediate]
+            return total + x @ w, None
+        return jax.lax.scan(one, jnp.zeros((rows, intermediate), jnp.float32), stack)[0]
+
+    run(x, stack).block_until_ready()  # compile
+    seconds = _best_seconds(lambda: run(x, stack).block_until_ready())
+    return count * matrix_bytes / seconds, count * 2 * rows * hidden * intermediate / seconds
 
 
-def probe(hidden: int, intermediate: int) -> tuple[float, float]:
-    """(memory bytes/s, FLOP/s) of this machine, in about 3 s."""
-    return copy_bandwidth(), max(matmul_rate(hidden, intermediate, rows) for rows in PROBE_ROWS)
+def attention_bandwidth(model: ModelConfig, rows: int, context_len: int, page_size: int) -> float:
+    """Bytes/s at which the engine's CPU decode attention reads a float32 paged cache: `rows`
+    sequences of `context_len` tokens, over as many of the model's layers as PROBE_CACHE_BYTES holds
+    (each layer its own pages, as in the engine's cache)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import dispatch
+    heads, kv_heads, head_dim = model.num_q_heads, model.num_kv_heads, model.head_dim
+    token_bytes = 2 * kv_heads * head_dim * 4  # K and V of one token of one layer
+    context_len = max(1, min(context_len, PROBE_CACHE_BYTES // (rows * token_bytes)))
+    pages_per_seq = math.ceil(context_len / page_size)
+    layers = max(1, min(model.num_layers, PROBE_CACHE_BYTES // (rows * pages_per_seq * page_size * token_bytes)))
+    pages_per_layer = rows * pages_per_seq
+    rng = np.random.default_rng(0)
+    shape = (1 + layers * pages_per_layer, page_size, kv_heads, head_dim)  # page 0: the null page
+    k_pages = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v_pages = jnp.asarray(rng.standard_normal(shape, np.float32))
+    q = jnp.asarray(rng.standard_normal((rows, heads, head_dim), np.float32))  # [rows, Hq, hd]
+    table = jnp.asarray(1 + np.arange(pages_per_layer, dtype=np.int32).reshape(rows, pages_per_seq))  # [rows, pages]
+    seq_lens = jnp.full((rows,), context_len, jnp.int32)  # [rows]
+
+    @jax.jit
+    def run(q, k_pages, v_pages):
+        def layer(i, total):  # total [rows, Hq, hd]
+            return total + dispatch.decode_attention("xla", q, k_pages, v_pages, table + i * pages_per_layer, seq_lens)
+        return jax.lax.fori_loop(0, layers, layer, jnp.zeros_like(q))
+
+    run(q, k_pages, v_pages).block_until_ready()  # compile
+    seconds = _best_seconds(lambda: run(q, k_pages, v_pages).block_until_ready())
+    return layers * rows * context_len * token_bytes / seconds
+
+
+def probe(model: ModelConfig, rows: Sequence[int], context_len: int, page_size: int
+          ) -> tuple[float, float, list[OperatorCeilings]]:
+    """(copy bytes/s, peak FLOP/s, the operators' ceilings at each of `rows`) of this machine, in
+    a few seconds (about 2 x BUDGET_S and two compiles per row count, and a prefill chunk's matmul)."""
+    operators = []
+    for count in sorted(set(rows)):
+        bandwidth, flops = matmul_rates(model.hidden_size, model.intermediate_size, count)
+        attention = attention_bandwidth(model, min(count, ATTENTION_PROBE_MAX_ROWS), context_len, page_size)
+        operators.append(OperatorCeilings(count, bandwidth, flops, attention))
+    best_flops = max(o.matmul_flops for o in operators) if operators else 0.0
+    if PREFILL_PROBE_ROWS not in rows:
+        best_flops = max(best_flops, matmul_rates(model.hidden_size, model.intermediate_size, PREFILL_PROBE_ROWS)[1])
+    return copy_bandwidth(), best_flops, operators
