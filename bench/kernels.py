@@ -4,7 +4,11 @@ Decode: achieved HBM bandwidth against the bytes the kernel must move (the K/V p
 q and the output), batch 64 at contexts 1k/4k/8k with Llama-3-8B heads (32 query heads, 8 KV
 heads, head_dim 128, bfloat16, page size 16). Ragged: TFLOP/s of causal attention for 8 prefills
 of 512 tokens. A device-to-device copy and a bf16 matmul measured in the same run give the
-bandwidth and FLOP/s ceilings.
+bandwidth and FLOP/s ceilings. Grouped matmul (the routed experts of a mixture-of-experts layer):
+the Pallas kernel against XLA's ragged_dot on the gate projection of Qwen3-30B-A3B (128 experts,
+2048 -> 768, top-8) at 1, 64 and 512 tokens and of Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) at
+8 tokens, each token routed to distinct random experts; bandwidth against the bytes of the experts
+a call routes to (their weights, the rows in and out), FLOP/s against 2 * rows * K * N.
 
   python bench/kernels.py --out bench/out/kernels.json            # on a GPU
   python bench/kernels.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
@@ -24,12 +28,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels import paged_decode, ragged_prefill, reference  # noqa: E402
+from pallas_kernels import grouped_matmul, paged_decode, ragged_prefill, reference  # noqa: E402
 
+# Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
+QWEN3_30B_A3B, MIXTRAL_8X7B = (128, 2048, 768, 8), (8, 4096, 14336, 2)
 FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_dim=128,
-            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, matmul=8192, repeats=20)
+            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, matmul=8192, repeats=20,
+            grouped=[("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 1), ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 64),
+                     ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)])
 QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
-             page_size=16, prefills=2, prefill_len=24, copy_mib=4, matmul=128, repeats=2)
+             page_size=16, prefills=2, prefill_len=24, copy_mib=4, matmul=128, repeats=2,
+             grouped=[("tiny gate", 8, 64, 128, 2, 1), ("tiny gate", 8, 64, 128, 2, 16)])
 
 
 def time_call(function, *args, repeats):
@@ -136,6 +145,44 @@ def bench_ragged(config, rng, interpret, with_reference):
     return result
 
 
+def routed_rows(rng, num_experts, top_k, tokens):
+    """Group sizes [E] of `tokens` tokens each routed to top_k distinct random experts, and how
+    many experts got at least one row."""
+    chosen = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(tokens)])  # [tokens, k]
+    sizes = np.bincount(chosen.reshape(-1), minlength=num_experts).astype(np.int32)
+    return jnp.asarray(sizes), int(np.count_nonzero(sizes))
+
+
+def bench_grouped(config, rng, interpret):
+    """The Pallas grouped matmul against jax.lax.ragged_dot (bf16) on each case of config["grouped"]."""
+    dtype = jnp.bfloat16
+    results = []
+    for name, num_experts, k, n, top_k, tokens in config["grouped"]:
+        rows = tokens * top_k
+        group_sizes, experts_used = routed_rows(rng, num_experts, top_k, tokens)
+        key_lhs, key_rhs = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+        lhs = jax.random.normal(key_lhs, (rows, k), dtype)
+        rhs = (jax.random.normal(key_rhs, (num_experts, k, n), jnp.float32) / math.sqrt(k)).astype(dtype)
+        kernel = jax.jit(lambda *a: grouped_matmul.grouped_matmul(*a, interpret=interpret))
+        xla = jax.jit(jax.lax.ragged_dot)
+        error = float(jnp.max(jnp.abs(kernel(lhs, rhs, group_sizes).astype(jnp.float32)
+                                      - xla(lhs, rhs, group_sizes).astype(jnp.float32))))
+        seconds = time_call(kernel, lhs, rhs, group_sizes, repeats=config["repeats"])
+        xla_seconds = time_call(xla, lhs, rhs, group_sizes, repeats=config["repeats"])
+        itemsize = jnp.dtype(dtype).itemsize
+        needed = (experts_used * k * n + rows * (k + n)) * itemsize  # routed experts' weights, rows in and out
+        flops = 2 * rows * k * n
+        results.append({
+            "case": name, "experts": num_experts, "k": k, "n": n, "top_k": top_k, "tokens": tokens, "rows": rows,
+            "experts_routed": experts_used, "bytes": needed, "flops": flops, "max_abs_diff_vs_xla": error,
+            "seconds": seconds, "gb_per_s": needed / seconds / 1e9, "tflop_per_s": flops / seconds / 1e12,
+            "xla_seconds": xla_seconds, "xla_gb_per_s": needed / xla_seconds / 1e9,
+            "kernel_speedup_over_xla": xla_seconds / seconds,
+        })
+        del lhs, rhs
+    return results
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +215,10 @@ def main(argv=None):
         row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
     report["ragged"] = bench_ragged(config, rng, args.interpret, args.with_reference)
     report["ragged"]["fraction_of_matmul_rate"] = report["ragged"]["tflop_per_s"] / report["matmul"]["tflop_per_s"]
+    report["grouped_matmul"] = bench_grouped(config, rng, args.interpret)
+    for row in report["grouped_matmul"]:
+        row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
+        row["fraction_of_matmul_rate"] = row["tflop_per_s"] / report["matmul"]["tflop_per_s"]
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     with open(args.out, "w") as handle:

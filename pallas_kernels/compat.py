@@ -49,3 +49,13 @@ def quiet_pallas_deprecations():
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*pallas.*")
         yield
+
+
+def masked_store(ref, value, mask):
+    """Stores `value` into `ref` (a whole ref or a `ref.at[...]` view) where `mask` is true only:
+    the Triton lowering's masked store, which its interpreter runs too."""
+    from jax.experimental.pallas import triton as pallas_triton
+    store = getattr(pallas_triton, "store", None)
+    if store is not None:
+        return store(ref, value, mask=mask)
+    return pl.store(ref, (), value, mask=mask)  # a jax whose Triton module has no store of its own

@@ -13,17 +13,36 @@ Default: "pallas" when jax's default backend is a GPU with the Pallas GPU loweri
 "xla" otherwise; a backend named explicitly wins (jaxserve passes EngineConfig.attention_backend,
 else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backend).
 
+Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmul`):
+  "xla"         the default: plain XLA. Lowered for the CPU, a loop over the work items in use
+                (xla_grouped.py: only the groups with rows are read; jax's own CPU lowering of
+                ragged_dot reads every group's matrix and does G times the FLOPs: a 1-row decode
+                step of a 16-expert model 13-35x slower, bench/RESULTS.md); for any other platform
+                jax.lax.ragged_dot (XLA's GPU lowering). The Pallas kernel is not the GPU
+                default: it has not been measured against ragged_dot on a GPU yet;
+  "ragged_dot"  jax.lax.ragged_dot on every platform (to compare);
+  "pallas"      the Pallas kernel (grouped_matmul.py) when the program is lowered for a CUDA GPU,
+                "xla" on any other platform;
+  "interpret"   the Pallas kernel in interpret mode (runs anywhere, slowly: for tests).
+Chosen by $JAXSERVE_GROUPED_MATMUL_BACKEND, read when the model is traced (a jitted step keeps
+the choice it was traced with).
+
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
 
+import os
+
 import jax
 
 import cpu_kernels
-from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_paged
+from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_grouped, xla_paged
+from pallas_kernels import grouped_matmul as grouped_matmul_kernel
 from pallas_kernels.common import softmax_scale
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
+GROUPED_MATMUL_BACKENDS = ("xla", "ragged_dot", "pallas", "interpret")
+GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL_BACKEND"
 
 
 def attention_backend(choice: str | None = None) -> str:
@@ -111,3 +130,32 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     Returns (k_pages, v_pages) with the same shapes and dtypes (quantized caches quantize the rows).
     """
     return kv_quant.write_rows(k_pages, k, slot_mapping), kv_quant.write_rows(v_pages, v, slot_mapping)
+
+
+def grouped_matmul_backend(choice: str | None = None) -> str:
+    """Grouped-matmul backend to use: `choice` (any case), else $JAXSERVE_GROUPED_MATMUL_BACKEND,
+    else "xla". ValueError for an unknown name."""
+    choice = (choice or os.environ.get(GROUPED_MATMUL_ENV, "") or "xla").strip().lower()
+    if choice not in GROUPED_MATMUL_BACKENDS:
+        raise ValueError(f"unknown grouped matmul backend {choice!r} (from ${GROUPED_MATMUL_ENV} or the caller); "
+                         f"expected one of {GROUPED_MATMUL_BACKENDS}")
+    return choice
+
+
+def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None):
+    """jax.lax.ragged_dot(lhs, rhs, group_sizes) through `backend` (see the module docstring).
+
+    lhs [M, K] with its rows sorted by group; rhs [G, K, N]; group_sizes int32[G] summing to at
+    most M. Returns [M, N] in lhs's dtype; rows past sum(group_sizes) are zero. Operands the
+    kernel does not take (pallas_kernels.grouped_matmul.supports) go to the "xla" path.
+    """
+    backend = grouped_matmul_backend(backend)
+    if backend == "ragged_dot":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    takes = grouped_matmul_kernel.supports(lhs, rhs)
+    if backend == "interpret" and takes:
+        return grouped_matmul_kernel.grouped_matmul(lhs, rhs, group_sizes, interpret=True)
+    branches = dict(cpu=xla_grouped.grouped_matmul, default=jax.lax.ragged_dot)
+    if backend == "pallas" and takes:
+        branches["cuda"] = grouped_matmul_kernel.grouped_matmul  # the Triton kernel lowers for CUDA only
+    return jax.lax.platform_dependent(lhs, rhs, group_sizes, **branches)

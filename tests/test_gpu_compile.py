@@ -14,6 +14,8 @@ from jaxserve.commands import cli
 from jaxserve.config import ModelConfig
 from jaxserve.engine import EngineConfig
 from jaxserve.planning import gpu_compile, gpu_targets, memory
+from pallas_kernels import dispatch
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 
@@ -89,6 +91,41 @@ def test_kernels_at_their_shipped_block_sizes_do_not_spill_on_sm90a(model):
     if jax.__version__.startswith("0.10."):  # later XLA dumps no PTX (README: what runs where)
         for r in reports:
             assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
+
+
+GROUPED_MATMUL_SHAPES = {  # (rows = tokens x top-k, K, N, experts): the experts' gate/up and down matmuls
+    "qwen3_30b_a3b_decode_gate": (64 * 8, 2048, 768, 128),
+    "qwen3_30b_a3b_decode_down": (64 * 8, 768, 2048, 128),
+    "mixtral_8x7b_prefill_gate": (512 * 2, 4096, 14336, 8),
+    "mixtral_8x7b_prefill_down": (512 * 2, 14336, 4096, 8),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(GROUPED_MATMUL_SHAPES))
+def test_grouped_matmul_at_its_default_blocks_does_not_spill_on_sm90a(shape):
+    rows, k, n, experts = GROUPED_MATMUL_SHAPES[shape]
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    args = _abstract(mesh, ((rows, k), jnp.bfloat16), ((experts, k, n), jnp.bfloat16), ((experts,), jnp.int32))
+    reports = gpu_compile.kernel_reports(jax.jit(grouped_matmul), args, mesh, "h100")
+    print(json.dumps([vars(r) for r in reports], indent=1))
+    assert [r.name for r in reports] == ["grouped_matmul"]
+    (report,) = reports
+    assert report.gpu == "sm_90a" and report.threads == 128  # 4 warps
+    assert 0 < report.shared_memory_bytes <= 232448, report
+    assert report.grid[0] * report.grid[1] * report.grid[2] >= n // 128  # work items x column blocks
+    if jax.__version__.startswith("0.10."):
+        assert 0 < report.registers <= 255 and report.spill_store_bytes == report.spill_load_bytes == 0, report
+
+
+def test_the_pallas_grouped_matmul_backend_puts_the_kernel_in_a_gpu_program():
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    args = _abstract(mesh, ((64, 256), jnp.bfloat16), ((8, 256, 512), jnp.bfloat16), ((8,), jnp.int32))
+    kernels = {}
+    for backend in ("xla", "pallas"):
+        program = jax.jit(lambda *a, backend=backend: dispatch.grouped_matmul(*a, backend=backend))
+        compiled, _ = gpu_compile._compile(program, args, mesh)
+        kernels[backend] = gpu_compile.count_pallas_kernels(compiled.as_text())
+    assert kernels == {"xla": 0, "pallas": 1}
 
 
 def test_an_oversized_block_is_refused_by_the_compiler():

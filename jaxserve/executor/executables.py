@@ -85,7 +85,9 @@ def environment() -> dict[str, str]:
     devices = jax.devices()
     env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
-           "xla_flags": xla_flags(), "source": source_digest()}
+           "xla_flags": xla_flags(), "source": source_digest(),
+           # the MoE grouped-matmul backend (pallas_kernels.dispatch), read when the step is traced:
+           "grouped_matmul": os.environ.get("JAXSERVE_GROUPED_MATMUL_BACKEND", "").strip().lower() or "xla"}
     if env["platform"] == "cpu":  # the step calls the C++ kernels where they are built: registered
         import cpu_kernels       # here, since a loaded executable is never traced (tracing registers them)
         env["cpu_kernels"] = "registered" if cpu_kernels.available() else "off"

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
+from pallas_kernels import dispatch
 
 _ACTIVATIONS = {"silu": jax.nn.silu}
 
@@ -103,9 +104,9 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate:
     token_of = order // k  # [T*k]: the token of each sorted pair
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [G], sums to <= T*k
     rows = h[token_of]  # [T*k, D]
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)  # [T*k, F]
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)  # [T*k, F]
-    out = jax.lax.ragged_dot(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
+    gate = dispatch.grouped_matmul(rows, w_gate, group_sizes)  # [T*k, F]
+    up = dispatch.grouped_matmul(rows, w_up, group_sizes)  # [T*k, F]
+    out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
     pair_weight = jnp.where(held, weights.reshape(T * k), 0.0)[order]  # [T*k]: 0 past the groups
     scaled = jnp.where(held[order][:, None], out.astype(jnp.float32) * pair_weight[:, None], 0.0)  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]

@@ -216,7 +216,7 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
 
 
 # ---- the kernels on the real compiler ------------------------------------------------------------
-KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention")
+KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention", "grouped_matmul")
 _THUNK_LINE = re.compile(r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
                          r"shared_memory: (\d+) bytes")
 
