@@ -12,18 +12,19 @@ it; the weights are declared in jaxserve.models.weights). For the normed residua
 Ties in top-k: `jax.lax.top_k` returns the lower expert index first among equal probabilities,
 so a token whose router scores tie goes to the same experts on every run and every device.
 
-The experts run as grouped matmuls (`jax.lax.ragged_dot`) over the T * k (token, expert) pairs
+The experts run as grouped matmuls (`pallas_kernels.dispatch.grouped_matmul`: on the CPU an XLA
+loop over (row tile, expert) work items that reads only the routed experts' weights, on a GPU
+`jax.lax.ragged_dot` or the Pallas kernel, `$JAXSERVE_GROUPED_MATMUL_BACKEND`) over the T * k (token, expert) pairs
 sorted by expert: the group sizes are a device array [E] that sums to T * k, so every pair is
 computed (no token is dropped and no capacity limit is needed) while the step keeps fixed
 shapes: T is the bucket's token count, and the sorted rows are always exactly T * k (a padding row is
 routed like any other; its output is never read).
-`jax.lax.ragged_dot(lhs, rhs, group_sizes)` has the same signature in jax 0.10 and 0.11 (no shim).
 
 Tensor parallelism (a `mesh`, see jaxserve.parallel.sharding): the router and the routing are
 replicated; every device runs the routed experts on its slice of their intermediate size F
 (gate/up split on their columns, down on its rows) under `jax.shard_map`, and the [T, D] float32
 partial sums are added over the "model" axis (`sharding.shard_experts`). Per-device code rather
-than XLA's partitioning: on GPU ragged_dot lowers to XLA's ragged-dot (or a Pallas kernel), so
+than XLA's partitioning: the grouped matmul is a loop, XLA's ragged-dot or a Pallas kernel, so
 the split is explicit whatever the lowering, and the one all-reduce is of [T, D], not of the
 T * k sorted rows. The shared expert is a dense SwiGLU, split like the dense MLP by XLA.
 
@@ -33,7 +34,7 @@ of a replica's "model" axis each hold E/n whole experts (full F; device r the ex
 and the top-k of every token (replicated, [T, E] is small), sorts the T * k pairs so that those
 routed to its own experts come first (by expert, then token) and the others last, and runs the
 grouped matmuls with the E/n local group sizes: the other devices' pairs are in no group (their
-rows come out of ragged_dot as zeros, and are masked besides). The partial sums [T, D] float32
+rows come out of the grouped matmul as zeros, and are masked besides). The partial sums [T, D] float32
 are added over the axis by the same one all-reduce as under tensor parallelism.
 
 Why replicated tokens and one all-reduce rather than an all-to-all dispatch and combine: under
@@ -47,12 +48,12 @@ for the all-reduce, and the shapes would be no smaller. The step keeps the same 
 on one device (T * k sorted rows on every device, every pair
 computed by the device that holds its expert, no capacity limit). What EP changes is what each
 device holds: E/n whole experts rather than a 1/n slice of all E (the same bytes), and the
-grouped matmuls' shapes: E/n groups of the full F instead of E groups of F/n. On the CPU, jax
-lowers ragged_dot to one dense dot over a [groups, rows, D] masked copy of the rows, so both
-layouts do the same FLOPs and read all the device's expert weights whatever the routing; EP's
-masked copy is n times smaller (bench/moe_parallel.py measures the step). What each device
-computes for the rows outside its groups, and whether it skips the weights of empty groups, is
-the lowering's (XLA's ragged-dot on GPU); the result is the same. The cost of EP here: every
+grouped matmuls' shapes: E/n groups of the full F instead of E groups of F/n. jax's own
+ragged_dot lowers, on the CPU and in XLA for GPU, to one dense dot over a [groups, rows, D]
+masked copy of the rows (every expert's weights read, whatever the routing), which is why the
+CPU default is the work-item loop and the GPU has the Pallas kernel (bench/moe_decode.py,
+bench/moe_parallel.py). What each device computes for the rows outside its groups is the
+backend's; the result is the same. The cost of EP here: every
 device's sorted rows carry the full F ([T * k, F] gate and up), n times TP's (the planner
 counts it, jaxserve.planning.memory).
 """
