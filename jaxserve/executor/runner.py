@@ -19,12 +19,9 @@ bucket of rows) turns the wanted ones into logprobs, ranks and top-k on device; 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -35,35 +32,12 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
-from jaxserve.core.progress import Progress
 from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
 from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler, step_functions
+from jaxserve.executor import warmup as warmup_lib
 from jaxserve.models import cpu_layout, llama
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class WarmupState:
-    """How far the warm-up is (read from any thread): `compiled` of `total` shapes; `first_ready`
-    is set once the first `first_total` (what a first request needs) are compiled, `finished` once
-    all are; both also when the warm-up failed (`error`)."""
-    total: int
-    first_total: int
-    compiled: int = 0
-    error: str | None = None
-    first_ready: threading.Event = dataclasses.field(default_factory=threading.Event)
-    finished: threading.Event = dataclasses.field(default_factory=threading.Event)  # every shape, or the failure
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def advance(self) -> None:
-        with self._lock:
-            self.compiled += 1
-
-    def to_dict(self) -> dict:
-        """/health's view: {"ready", "compiled", "total", "error"}."""
-        return {"ready": self.first_ready.is_set() and self.error is None, "compiled": self.compiled,
-                "total": self.total, "error": self.error}
 
 
 class LocalTransport:
@@ -134,7 +108,7 @@ class ModelRunner:
         self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
-        self.warmup_state: WarmupState | None = None  # None: no warm-up started
+        self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
 
     def use_transport(self, transport) -> None:
@@ -364,126 +338,12 @@ class ModelRunner:
         return True
 
     def warmup(self, background: bool = False) -> int:
-        """Compiles the step for every bucket, ahead of time and on all cores. Returns the count of
-        shapes (step, sampler, multi-step and prompt-logprob ones).
-
-        XLA compiles with the GIL released, so a thread per core compiles that many shapes at
-        once; the executables are kept and used by `execute`, so serving never compiles. The
-        shapes a first request needs (prefill-only and decode-only steps, their samplers without
-        penalties) compile first; `warmup_state.ready` is set when they are done. With
-        `background` the call returns at once and the compiles go on in a thread: a step whose
-        shape is not compiled yet waits for it (it is never compiled on the stepping thread), and
-        `warmup_state` reports the progress (the server's /health). Only for a single-process
-        engine: a multi-host job's processes warm up before the first step."""
-        start = time.perf_counter()
-        buckets = self.all_buckets()
-
-        hidden_info = []  # the forward's prefill rows (shape, dtype), for the prompt-logprob function
-        store = self._executable_store
-
-        def load_or_compile(key, lower):
-            """The executable of `key`: from the store, else `lower()` compiled (and saved)."""
-            compiled = store.load(key) if store is not None else None
-            if compiled is None:
-                compiled, fresh = executables.compile_fresh(lower())
-                if store is not None and fresh:
-                    store.save(key, compiled)
-            return compiled
-
-        def compile_bucket(bucket):
-            forward = self._functions.forward_for(bucket)
-            compiled = load_or_compile(("forward", bucket), lambda: forward.lower(
-                self._step_params, self.kv_cache, self.empty_batch(bucket)))
-            if bucket.num_prefill_tokens:
-                hidden_info.append(compiled.out_info[2])
-            self._compiled_forward[bucket] = compiled
-
-        def compile_prompt_logprobs(num_rows):
-            hidden = jax.ShapeDtypeStruct(hidden_info[0].shape, hidden_info[0].dtype)
-            rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
-            self._compiled_prompt_logprobs[num_rows] = load_or_compile(
-                ("prompt_logprobs", num_rows), lambda: self._functions.prompt_logprobs.lower(self._head, hidden, rows, rows))
-
-        def compile_sampler(num_rows, penalties, bias):
-            logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
-            sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties,
-                                                     bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
-            self._compiled_sample[num_rows, penalties, bias] = load_or_compile(
-                ("sample", num_rows, penalties, bias), lambda: self._functions.sample.lower(logits, sampling))
-
-        def compile_multi_step(bucket):
-            arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps)
-            self._compiled_multi_step[bucket] = load_or_compile(
-                ("multi_step", bucket), lambda: self._functions.multi_step.lower(
-                    self._step_params, self.kv_cache, arrays, sampling, num_steps))
-
-        rows_of = {b: len(self.empty_batch(b)["logits_indices"]) for b in buckets}
-        samplers = [(n, penalties, sampler.ALWAYS_BIAS) for n in sorted(set(rows_of.values()))
-                    for penalties in (False, True)]
-        # What a first request needs: its prefill chunks alone, then its decoding alone.
-        first = [b for b in buckets if not b.num_verify and not (b.num_decode and b.num_prefill_tokens)]
-        first_samplers = [(rows_of[b], False, sampler.ALWAYS_BIAS) for b in first]
-        phases = [
-            [("forward", b, compile_bucket, (b,)) for b in first]
-            + [("sample", v, compile_sampler, v) for v in dict.fromkeys(first_samplers)],
-            [("forward", b, compile_bucket, (b,)) for b in buckets if b not in first]
-            + [("sample", v, compile_sampler, v) for v in samplers if v not in first_samplers]
-            + [("multi_step", m, compile_multi_step, (m,)) for m in self.multi_step_buckets()],
-            [("prompt_logprobs", n, compile_prompt_logprobs, (n,)) for n in self.prompt_logprob_buckets],
-        ]
-        total = sum(len(phase) for phase in phases)
-        state = self.warmup_state = WarmupState(total=total, first_total=len(phases[0]))
-        self._pending = {(kind, key): concurrent.futures.Future() for phase in phases for kind, key, _, _ in phase}
-        threads = os.cpu_count() or 1
-        log.info("warm-up: compiling %d shapes on %d threads%s (a filled compilation cache makes this seconds)",
-                 total, threads, ", serving once the first requests' shapes are ready" if background else "")
-        # Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both.
-        fresh = executables.persistent_cache_off() if store is not None and store.mode != "load" else contextlib.nullcontext()
-
-        def compile_one(kind, key, fn, args, progress):
-            future = self._pending[kind, key]
-            try:
-                fn(*args)
-            except BaseException as e:
-                future.set_exception(e)
-                raise
-            future.set_result(None)
-            state.advance()
-            progress.advance()
-
-        def compile_all():
-            with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
-                    Progress(total, "warm-up", "shapes compiled", log) as progress:
-                for number, phase in enumerate(phases):
-                    jobs = [pool.submit(compile_one, *job, progress) for job in phase]
-                    for job in jobs:
-                        job.result()
-                    if number == 0:
-                        state.first_ready.set()
-            log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties), %d prompt-logprob "
-                     "shapes and %d multi-step shapes in %.1fs%s", len(buckets), len(samplers),
-                     len(self.prompt_logprob_buckets), len(self._compiled_multi_step), time.perf_counter() - start,
-                     "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
-
-        if not background:
-            compile_all()
-            state.finished.set()
-            return total
-
-        def compile_in_background():
-            try:
-                compile_all()
-            except BaseException as e:  # the steps that wait for a failed shape raise it
-                state.error = f"{type(e).__name__}: {e}"
-                log.exception("warm-up failed")
-                for future in self._pending.values():
-                    if not future.done():
-                        future.set_exception(RuntimeError(f"warm-up failed: {state.error}"))
-                state.first_ready.set()
-            state.finished.set()
-
-        threading.Thread(target=compile_in_background, name="warm-up", daemon=True).start()
-        return total
+        """Compiles the step for every bucket, ahead of time and on all cores (see
+        jaxserve.executor.warmup: the first requests' shapes first; with `background` the call
+        returns at once and `warmup_state` reports the progress). Returns the count of shapes."""
+        plan = warmup_lib.WarmupPlan(self)
+        self.warmup_state, self._pending = plan.state, plan.pending
+        return plan.run(background)
 
     def _compiled(self, table: dict, key, kind: str):
         """The executable of `key` in `table`, waiting for it while the warm-up compiles it in

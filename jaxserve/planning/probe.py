@@ -77,7 +77,7 @@ def attention_bandwidth(model: ModelConfig, rows: int, context_len: int, page_si
     """Bytes/s at which the engine's CPU decode attention reads a float32 paged cache: `rows`
     sequences of `context_len` tokens, over as many of the model's layers as PROBE_CACHE_BYTES holds
     (each layer its own pages, as in the engine's cache)."""
-    import jax
+    import jax  # as in matmul_rates: only the probe needs jax and the kernels
     import jax.numpy as jnp
     from pallas_kernels import dispatch
     heads, kv_heads, head_dim = model.num_q_heads, model.num_kv_heads, model.head_dim
