@@ -8,6 +8,11 @@ JAXSERVE_CACHE (default ~/.cache/jaxserve)
     executables, the CPU kernels.
 JAXSERVE_COMPILATION_CACHE (default xla/ under JAXSERVE_CACHE)
     JAX's persistent compilation cache; the saved executables are kept beside it. Set empty: both off.
+JAXSERVE_EXECUTABLES_CACHE (default on)
+    0: no automatic store of compiled executables (jaxserve.executor.executables), the compilation
+    cache alone; --executables / --save_executables still work. The test suite sets it: its
+    engines are built once per commit, so warm-ups are better served by the compilation cache
+    (which survives edits that do not change a step) than by stores keyed by the source.
 JAXSERVE_ATTENTION_BACKEND (default: the platform's, pallas on a GPU, else xla)
     The attention implementation where EngineConfig.attention_backend is unset: pallas,
     interpret, xla or reference.
@@ -45,6 +50,7 @@ from typing import Mapping
 
 CACHE = "JAXSERVE_CACHE"
 COMPILATION_CACHE = "JAXSERVE_COMPILATION_CACHE"
+EXECUTABLES_CACHE = "JAXSERVE_EXECUTABLES_CACHE"
 ATTENTION_BACKEND = "JAXSERVE_ATTENTION_BACKEND"
 API_KEY = "JAXSERVE_API_KEY"
 COORDINATOR_ADDRESS = "JAXSERVE_COORDINATOR_ADDRESS"
@@ -63,6 +69,11 @@ def cache_root() -> str:
 def compilation_cache_dir() -> str | None:
     """$JAXSERVE_COMPILATION_CACHE, else `xla/` under cache_root(); None when set empty (off)."""
     return os.environ.get(COMPILATION_CACHE, os.path.join(cache_root(), "xla")) or None
+
+
+def executables_cache() -> bool:
+    """Whether the automatic executable store is on: $JAXSERVE_EXECUTABLES_CACHE other than 0."""
+    return os.environ.get(EXECUTABLES_CACHE, "1").strip() != "0"
 
 
 def attention_backend() -> str | None:

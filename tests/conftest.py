@@ -1,11 +1,19 @@
 """Shared fixtures."""
 
+import os
+
 import pytest
 
 from jaxserve import platforms
 from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
 platforms.default_to_cpu_without_gpu()  # before any test imports jax; inherited by subprocesses
+# No automatic executable store (inherited by every server, CLI and benchmark subprocess too): its
+# folders are keyed by the source, so each commit's run would compile every warm-up afresh (with
+# the compilation cache off, see executables.persistent_cache_off) and keep only the last 8 of the
+# suite's many engines; the compilation cache serves warm-ups across commits instead.
+# tests/test_executables.py switches the store back on; tests/test_fresh_machine.py runs without it.
+os.environ.setdefault("JAXSERVE_EXECUTABLES_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

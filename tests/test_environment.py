@@ -66,3 +66,16 @@ def test_cache_root_and_the_compilation_cache(monkeypatch, tmp_path):
     assert environment.compilation_cache_dir() == str(tmp_path / "xla")
     monkeypatch.setenv(environment.COMPILATION_CACHE, "")
     assert environment.compilation_cache_dir() is None
+
+
+def test_the_automatic_executable_store_can_be_switched_off(monkeypatch, tmp_path):
+    from jaxserve.executor import executables
+    monkeypatch.setenv(environment.CACHE, str(tmp_path))
+    monkeypatch.delenv(environment.COMPILATION_CACHE, raising=False)
+    monkeypatch.delenv(environment.EXECUTABLES_CACHE, raising=False)
+    assert environment.executables_cache() and executables.default_directory() == str(tmp_path / "executables")
+    monkeypatch.setenv(environment.EXECUTABLES_CACHE, "0")
+    assert not environment.executables_cache() and executables.default_directory() is None
+    assert environment.compilation_cache_dir() == str(tmp_path / "xla")  # the compilation cache stays on
+    monkeypatch.setenv(environment.EXECUTABLES_CACHE, "1")
+    assert executables.default_directory() == str(tmp_path / "executables")

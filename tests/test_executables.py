@@ -31,6 +31,7 @@ def params():
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
+    monkeypatch.delenv("JAXSERVE_EXECUTABLES_CACHE", raising=False)  # the suite's conftest turns the store off
     return tmp_path / "cache" / "executables"
 
 

