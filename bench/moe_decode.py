@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jaxserve.models import cpu_layout, llama, quantization, weights
-    from pallas_kernels import dispatch
+    from jaxserve import environment
 
     info = common.machine_info(with_jax=True)
     configs = model_configs()
@@ -81,17 +81,17 @@ def main(argv=None) -> int:
 
     def step_run(name, config, batch, grouped_backend=None):
         """A warm, compiled decode step of model `name` (traced with the given grouped-matmul backend)."""
-        saved = os.environ.get(dispatch.GROUPED_MATMUL_ENV)
+        saved = os.environ.get(environment.GROUPED_MATMUL_BACKEND)
         if grouped_backend:
-            os.environ[dispatch.GROUPED_MATMUL_ENV] = grouped_backend
+            os.environ[environment.GROUPED_MATMUL_BACKEND] = grouped_backend
         try:
             forward = jax.jit(functools.partial(llama.forward, config=config, backend="xla"), donate_argnums=(1,))
             compiled = forward.lower(params[name], caches[name], batch).compile()
         finally:
             if saved is None:
-                os.environ.pop(dispatch.GROUPED_MATMUL_ENV, None)
+                os.environ.pop(environment.GROUPED_MATMUL_BACKEND, None)
             else:
-                os.environ[dispatch.GROUPED_MATMUL_ENV] = saved
+                os.environ[environment.GROUPED_MATMUL_BACKEND] = saved
 
         def run():
             logits, caches[name] = compiled(params[name], caches[name], batch)

@@ -16,6 +16,10 @@ JAXSERVE_EXECUTABLES_CACHE (default on)
 JAXSERVE_ATTENTION_BACKEND (default: the platform's, pallas on a GPU, else xla)
     The attention implementation where EngineConfig.attention_backend is unset: pallas,
     interpret, xla or reference.
+JAXSERVE_GROUPED_MATMUL_BACKEND (default: xla)
+    The mixture-of-experts grouped matmul (pallas_kernels.dispatch.grouped_matmul): xla (on the
+    CPU a loop over the routed experts, on a GPU jax's ragged_dot), ragged_dot, pallas (the kernel
+    on a GPU) or interpret; read when a step is traced, and part of a saved executable's fingerprint.
 JAXSERVE_API_KEY (default: none, no key)
     `serve`: the key the /v1 routes require where --api_key is unset.
 JAXSERVE_COORDINATOR_ADDRESS, JAXSERVE_NUM_PROCESSES, JAXSERVE_PROCESS_ID (default: a SLURM or
@@ -52,6 +56,7 @@ CACHE = "JAXSERVE_CACHE"
 COMPILATION_CACHE = "JAXSERVE_COMPILATION_CACHE"
 EXECUTABLES_CACHE = "JAXSERVE_EXECUTABLES_CACHE"
 ATTENTION_BACKEND = "JAXSERVE_ATTENTION_BACKEND"
+GROUPED_MATMUL_BACKEND = "JAXSERVE_GROUPED_MATMUL_BACKEND"
 API_KEY = "JAXSERVE_API_KEY"
 COORDINATOR_ADDRESS = "JAXSERVE_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "JAXSERVE_NUM_PROCESSES"
@@ -79,6 +84,11 @@ def executables_cache() -> bool:
 def attention_backend() -> str | None:
     """$JAXSERVE_ATTENTION_BACKEND as set (pallas_kernels.dispatch checks the name), None when unset or empty."""
     return os.environ.get(ATTENTION_BACKEND) or None
+
+
+def grouped_matmul_backend() -> str | None:
+    """$JAXSERVE_GROUPED_MATMUL_BACKEND as set (pallas_kernels.dispatch checks the name), None when unset or empty."""
+    return os.environ.get(GROUPED_MATMUL_BACKEND, "").strip() or None
 
 
 def api_key() -> str | None:

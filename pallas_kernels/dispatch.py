@@ -31,7 +31,6 @@ Attention options (the same on every backend, see pallas_kernels.common): slidin
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
 
-import os
 
 import jax
 
@@ -42,7 +41,6 @@ from pallas_kernels.common import softmax_scale
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 GROUPED_MATMUL_BACKENDS = ("xla", "ragged_dot", "pallas", "interpret")
-GROUPED_MATMUL_ENV = "JAXSERVE_GROUPED_MATMUL_BACKEND"
 
 
 def attention_backend(choice: str | None = None) -> str:
@@ -133,12 +131,12 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
 
 def grouped_matmul_backend(choice: str | None = None) -> str:
-    """Grouped-matmul backend to use: `choice` (any case), else $JAXSERVE_GROUPED_MATMUL_BACKEND,
-    else "xla". ValueError for an unknown name."""
-    choice = (choice or os.environ.get(GROUPED_MATMUL_ENV, "") or "xla").strip().lower()
+    """Grouped-matmul backend to use: `choice` (any case; the engine passes
+    $JAXSERVE_GROUPED_MATMUL_BACKEND, jaxserve.environment), else "xla". ValueError for an unknown name."""
+    choice = (choice or "xla").strip().lower()
     if choice not in GROUPED_MATMUL_BACKENDS:
-        raise ValueError(f"unknown grouped matmul backend {choice!r} (from ${GROUPED_MATMUL_ENV} or the caller); "
-                         f"expected one of {GROUPED_MATMUL_BACKENDS}")
+        raise ValueError(f"unknown grouped matmul backend {choice!r} ($JAXSERVE_GROUPED_MATMUL_BACKEND or the "
+                         f"caller); expected one of {GROUPED_MATMUL_BACKENDS}")
     return choice
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve import environment
 from jaxserve.models import moe
 from pallas_kernels import dispatch, xla_grouped
 from pallas_kernels import grouped_matmul as gmm
@@ -144,23 +145,24 @@ def test_operands_the_kernel_does_not_take_are_refused_and_dispatch_falls_back()
 
 
 def test_backend_choice(monkeypatch):
-    monkeypatch.delenv(dispatch.GROUPED_MATMUL_ENV, raising=False)
+    monkeypatch.delenv(environment.GROUPED_MATMUL_BACKEND, raising=False)
+    assert environment.grouped_matmul_backend() is None
     assert dispatch.grouped_matmul_backend() == "xla"  # not measured better on a GPU yet: XLA by default
-    monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, " Pallas ")
-    assert dispatch.grouped_matmul_backend() == "pallas"
+    monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, " Pallas ")
+    assert dispatch.grouped_matmul_backend(environment.grouped_matmul_backend()) == "pallas"
     assert dispatch.grouped_matmul_backend("interpret") == "interpret"
     assert dispatch.grouped_matmul_backend("RAGGED_DOT") == "ragged_dot"
-    monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, "triton")
+    monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, "triton")
     with pytest.raises(ValueError, match="unknown grouped matmul backend 'triton'"):
-        dispatch.grouped_matmul_backend()
+        dispatch.grouped_matmul_backend(environment.grouped_matmul_backend())
 
 
 def test_saved_executables_follow_the_backend_choice(monkeypatch):
     from jaxserve.executor import executables
 
-    monkeypatch.delenv(dispatch.GROUPED_MATMUL_ENV, raising=False)
+    monkeypatch.delenv(environment.GROUPED_MATMUL_BACKEND, raising=False)
     default = executables.environment()["grouped_matmul"]
-    monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, "pallas")
+    monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, "pallas")
     assert (default, executables.environment()["grouped_matmul"]) == ("xla", "pallas")
 
 
@@ -190,9 +192,9 @@ def test_routed_experts_through_the_interpreted_kernel(monkeypatch):
     weights, experts = moe.route(jnp.asarray(rng.standard_normal((tokens, num_experts)), jnp.float32), 2, True)
     w_gate, w_up = (jnp.asarray(rng.standard_normal((num_experts, dim, ffn)) / 6, jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.standard_normal((num_experts, ffn, dim)) / 7, jnp.float32)
-    monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, "ragged_dot")
+    monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, "ragged_dot")
     want = moe.routed_experts(h, weights, experts, w_gate, w_up, w_down)
     for backend in ("xla", "interpret"):
-        monkeypatch.setenv(dispatch.GROUPED_MATMUL_ENV, backend)
+        monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, backend)
         got = moe.routed_experts(h, weights, experts, w_gate, w_up, w_down)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-4, err_msg=backend)

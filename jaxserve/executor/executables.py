@@ -38,7 +38,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.environment import cache_root, compilation_cache_dir, executables_cache, xla_flags
+from jaxserve.environment import cache_root, compilation_cache_dir, executables_cache, grouped_matmul_backend, xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def environment() -> dict[str, str]:
            "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
            "xla_flags": xla_flags(), "source": source_digest(),
            # the MoE grouped-matmul backend (pallas_kernels.dispatch), read when the step is traced:
-           "grouped_matmul": os.environ.get("JAXSERVE_GROUPED_MATMUL_BACKEND", "").strip().lower() or "xla"}
+           "grouped_matmul": (grouped_matmul_backend() or "xla").lower()}
     if env["platform"] == "cpu":  # the step calls the C++ kernels where they are built: registered
         import cpu_kernels       # here, since a loaded executable is never traced (tracing registers them)
         env["cpu_kernels"] = "registered" if cpu_kernels.available() else "off"

@@ -64,6 +64,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxserve import environment
 from jaxserve.config import ModelConfig
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
@@ -105,9 +106,10 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate:
     token_of = order // k  # [T*k]: the token of each sorted pair
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [G], sums to <= T*k
     rows = h[token_of]  # [T*k, D]
-    gate = dispatch.grouped_matmul(rows, w_gate, group_sizes)  # [T*k, F]
-    up = dispatch.grouped_matmul(rows, w_up, group_sizes)  # [T*k, F]
-    out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
+    backend = environment.grouped_matmul_backend()  # read as the step is traced
+    gate = dispatch.grouped_matmul(rows, w_gate, group_sizes, backend)  # [T*k, F]
+    up = dispatch.grouped_matmul(rows, w_up, group_sizes, backend)  # [T*k, F]
+    out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes, backend)  # [T*k, D]
     pair_weight = jnp.where(held, weights.reshape(T * k), 0.0)[order]  # [T*k]: 0 past the groups
     scaled = jnp.where(held[order][:, None], out.astype(jnp.float32) * pair_weight[:, None], 0.0)  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]
