@@ -119,9 +119,9 @@ def test_forward_matches_transformers(moe_model):
     assert np.abs(flipped - expected).max() > 100 * atol
 
 
-def test_greedy_tokens_through_convert_and_generate(tmp_path):
-    """`jaxserve convert` + `jaxserve generate` (chunked prefill, then decode) give transformers'
-    greedy tokens for a Qwen3-MoE model."""
+def greedy_through_the_cli(tmp_path, family: str, prompt: str, **model_kwargs) -> tuple[list[int], list[int]]:
+    """(`jaxserve convert` + `jaxserve generate`'s 8 greedy tokens of `prompt`, transformers') for a
+    tiny `family` model with SmolLM2's tokenizer (chunked prefill of 4 tokens, then decode)."""
     import torch
     from checkpoints.default_model import resolve_model
     from jaxserve.commands import cli
@@ -129,10 +129,9 @@ def test_greedy_tokens_through_convert_and_generate(tmp_path):
     from transformers import AutoTokenizer
     hf_dir, converted = tmp_path / "hf", tmp_path / "converted"
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    model = make_moe_model(str(hf_dir), "qwen3_moe", vocab_size=len(tokenizer))
+    model = make_moe_model(str(hf_dir), family, vocab_size=len(tokenizer), **model_kwargs)
     copy_smollm2_tokenizer(str(hf_dir))
     assert cli.main(["jaxserve", "convert", f"--source={hf_dir}", f"--output={converted}"]) == 0
-    prompt = "Each token goes to two of the four experts."
     prompt_ids = tokenizer(prompt)["input_ids"]
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": 0, "prompt": prompt}) + "\n")
     new_tokens = 8
@@ -144,7 +143,14 @@ def test_greedy_tokens_through_convert_and_generate(tmp_path):
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
                                   min_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt_ids):].tolist()
-    assert row["token_ids"] == expected
+    return row["token_ids"], expected
+
+
+def test_greedy_tokens_through_convert_and_generate(tmp_path):
+    """`jaxserve convert` + `jaxserve generate` (chunked prefill, then decode) give transformers'
+    greedy tokens for a Qwen3-MoE model."""
+    got, expected = greedy_through_the_cli(tmp_path, "qwen3_moe", "Each token goes to two of the four experts.")
+    assert got == expected
 
 
 # ---- the routing against a numpy reference ------------------------------------------------------

@@ -25,7 +25,8 @@ import pytest
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
-from tests.test_sharding import FAKE_DEVICES_ENV, REPO, SMALL_ENGINE, TINY, _greedy_tokens
+from tests.moe_fake_devices import prefill_logits, worker_results
+from tests.test_sharding import SMALL_ENGINE, TINY, _greedy_tokens
 
 BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -40,6 +41,7 @@ FAMILIES = {
 LOGIT_SIZES = (2, 4)  # expert-parallel TP sizes whose logits are compared with one device's
 # family: {run: (tensor_parallel_size, data_parallel_size)}, each against the family's one-device engine
 ENGINE_RUNS = {"qwen2_moe": {"ep2x2": (2, 2)}}
+LAYOUT_NAMES = ("w_gate_exps", "w_up_exps", "w_down_exps", "router", "wq", "w_gate")
 ENGINE_CASES = [(family, run) for family, runs in ENGINE_RUNS.items() for run in runs]
 
 
@@ -48,33 +50,6 @@ def moe_config(family: str) -> ModelConfig:
 
 
 # ---- the subprocess ---------------------------------------------------------------------------
-def _logits(config, params, tp: int):
-    """One prefill step of three prompts through llama.forward, experts spread over `tp` devices
-    (one device for tp 1) -> (logits [T, V], the per-device shapes of some weights)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.models import llama
-    from tests.tiny_models import prefill_batch
-    batch, _, num_pages = prefill_batch([7, 12, 3], 4, 4, config.vocab_size, np.random.default_rng(5))
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    mesh = sharding.make_mesh(config, tp, expert_parallel=True) if tp > 1 else None
-    shardings = sharding.ModelShardings.create(config, mesh, expert_parallel=True) if mesh else None
-    run_config = shardings.model_config if shardings else config
-    kv = llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages=num_pages, page_size=4), jnp.float32,
-                             shardings.kv_cache if shardings else None)
-    placed = shardings.place(params) if shardings else params
-    step = jax.jit(lambda p, k, b: llama.forward(p, k, b, config=run_config, mesh=mesh)[0])
-    layout = {}
-    if shardings:
-        names = [n for n in ("w_gate_exps", "w_up_exps", "w_down_exps", "router", "wq", "w_gate")
-                 if n in placed["layers"]]
-        layout = {name: sorted({tuple(s.data.shape) for s in placed["layers"][name].addressable_shards})
-                  for name in names}
-        layout["per_device_bytes"] = shardings.per_device_bytes(params)
-    return np.asarray(step(placed, kv, batch)).tolist(), layout
-
-
 def _family_runs(family: str) -> dict:
     from jaxserve.engine import Engine
     from jaxserve.models import weights
@@ -84,7 +59,7 @@ def _family_runs(family: str) -> dict:
     prompts = [np.random.default_rng(n).integers(3, config.vocab_size, n).tolist() for n in (5, 17, 9)]
     runs = {}
     for tp in (1, *LOGIT_SIZES):
-        logits, layout = _logits(config, params, tp)
+        logits, layout = prefill_logits(config, params, tp, expert_parallel=True, layout_names=LAYOUT_NAMES)
         runs[f"tp{tp}"] = {"logits": logits, "layout": layout}
     engines = {"tp1": (1, 1), **ENGINE_RUNS[family]} if family in ENGINE_RUNS else {}
     for name, (tp, dp) in engines.items():
@@ -104,11 +79,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    code = "from tests.test_moe_expert_parallel import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **FAKE_DEVICES_ENV})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_results("tests.test_moe_expert_parallel")
 
 
 # ---- on fake devices ----------------------------------------------------------------------------

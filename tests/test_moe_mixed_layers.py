@@ -18,7 +18,7 @@ from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
 from jaxserve.config import ModelConfig
 from jaxserve.models import cpu_layout, llama, weights
-from tests.test_moe import SEED, make_moe_model
+from tests.test_moe import SEED, greedy_through_the_cli, make_moe_model
 from tests.tiny_models import hf_logits, prefill_batch
 
 CASES = {  # name: (family, extra config fields, the dense layers transformers builds)
@@ -136,29 +136,9 @@ def test_each_layer_reads_its_own_row_of_its_kinds_weights():
 def test_greedy_tokens_through_convert_and_generate(tmp_path, family):
     """`jaxserve convert` + `jaxserve generate` (chunked prefill, then decode) give transformers'
     greedy tokens for a Qwen2-MoE model with decoder_sparse_step 2."""
-    import torch
-    from checkpoints.default_model import resolve_model
-    from jaxserve.commands import cli
-    from tests.tiny_models import copy_smollm2_tokenizer
-    from transformers import AutoTokenizer
-    hf_dir, converted = tmp_path / "hf", tmp_path / "converted"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    model = make_moe_model(str(hf_dir), family, vocab_size=len(tokenizer), num_hidden_layers=4, decoder_sparse_step=2)
-    copy_smollm2_tokenizer(str(hf_dir))
-    assert cli.main(["jaxserve", "convert", f"--source={hf_dir}", f"--output={converted}"]) == 0
-    prompt = "Every other layer routes each token to two of four experts."
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": 0, "prompt": prompt}) + "\n")
-    new_tokens = 8
-    assert cli.main(["jaxserve", "generate", f"--model={converted}", f"--input={tmp_path / 'in.jsonl'}",
-                     f"--output={tmp_path / 'out.jsonl'}", f"--max_tokens={new_tokens}", "--ignore_eos",
-                     "--max_num_batched_tokens=4", "--max_num_seqs=2", "--page_size=4", "--num_pages=32",
-                     "--max_model_len=64", "--noprogress"]) == 0
-    row = json.loads((tmp_path / "out.jsonl").read_text())
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
-                                  min_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt_ids):].tolist()
-    assert row["token_ids"] == expected
+    got, expected = greedy_through_the_cli(tmp_path, family, "Every other layer routes each token to two of four experts.",
+                                           num_hidden_layers=4, decoder_sparse_step=2)
+    assert got == expected
 
 
 # ---- tensor parallelism, on fake CPU devices (one subprocess, as tests/test_moe_sharding.py) ----

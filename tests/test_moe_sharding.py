@@ -18,7 +18,8 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.parallel import sharding
-from tests.test_sharding import FAKE_DEVICES_ENV, REPO, SMALL_ENGINE, _greedy_tokens
+from tests.moe_fake_devices import prefill_logits, worker_results
+from tests.test_sharding import SMALL_ENGINE, _greedy_tokens
 
 BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -37,30 +38,6 @@ def moe_config(family: str) -> ModelConfig:
 
 
 # ---- the subprocess ---------------------------------------------------------------------------
-def _logits(config, params, tp: int):
-    """One prefill step of three prompts through llama.forward on `tp` devices -> logits [T, V]."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxserve.models import llama
-    from tests.tiny_models import prefill_batch
-    batch, _, num_pages = prefill_batch([7, 12, 3], 4, 4, config.vocab_size, np.random.default_rng(5))
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    mesh = sharding.make_mesh(config, tp) if tp > 1 else None
-    shardings = sharding.ModelShardings.create(config, mesh) if mesh else None
-    run_config = shardings.model_config if shardings else config
-    kv = llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages=num_pages, page_size=4), jnp.float32,
-                             shardings.kv_cache if shardings else None)
-    placed = shardings.place(params) if shardings else params
-    step = jax.jit(lambda p, k, b: llama.forward(p, k, b, config=run_config, mesh=mesh)[0])
-    layout = {}
-    if shardings:
-        layout = {name: sorted({tuple(s.data.shape) for s in placed["layers"][name].addressable_shards})
-                  for name in ("w_gate_exps", "w_down_exps", "router")}
-    return np.asarray(step(placed, kv, batch)).tolist(), layout
-
-
 def _family_runs(family: str) -> dict:
     import numpy as np
 
@@ -72,7 +49,7 @@ def _family_runs(family: str) -> dict:
     prompts = [np.random.default_rng(n).integers(3, config.vocab_size, n).tolist() for n in (5, 17, 9)]
     runs = {}
     for tp in TENSOR_PARALLEL_SIZES:
-        logits, layout = _logits(config, params, tp)
+        logits, layout = prefill_logits(config, params, tp)
         runs[f"tp{tp}"] = {"logits": logits, "layout": layout}
         if tp in ENGINE_TENSOR_PARALLEL_SIZES:
             cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, tensor_parallel_size=tp)
@@ -90,11 +67,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    code = "from tests.test_moe_sharding import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **FAKE_DEVICES_ENV})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_results("tests.test_moe_sharding")
 
 
 # ---- tests ----------------------------------------------------------------------------------------
