@@ -322,6 +322,24 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
                  "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 40960}
 
 
+def test_the_gpu_planner_counts_ragged_dots_masked_copy_unless_the_kernel_runs(monkeypatch):
+    """XLA's GPU ragged-dot holds the sorted rows once per local expert (its deviceless compile:
+    2.2 GiB for Qwen3-30B-A3B's 512-token prefill at TP 8); the Pallas kernel holds none."""
+    from jaxserve import environment
+    from jaxserve.planning import memory
+    config = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    sizes = dict(max_num_batched_tokens=512, max_num_seqs=32, max_context_len=4096, tensor_parallel_size=8,
+                 backend="pallas", weight_dtype="bfloat16")
+    cpu = {**sizes, "backend": "xla"}
+    monkeypatch.delenv(environment.GROUPED_MATMUL_BACKEND, raising=False)
+    with_copy, cpu_default = memory.activation_bytes(config, **sizes), memory.activation_bytes(config, **cpu)
+    monkeypatch.setenv(environment.GROUPED_MATMUL_BACKEND, "pallas")
+    kernel = memory.activation_bytes(config, **sizes)
+    rows = (32 + 512) * 8  # the GPU build's largest step, top-8
+    assert with_copy - kernel == 128 * rows * 2048 * 2  # [experts, rows, hidden] in bfloat16
+    assert memory.activation_bytes(config, **cpu) == cpu_default  # the CPU runs its loop either way: no copy
+
+
 @pytest.mark.parametrize("hf,published", [(MIXTRAL_8X7B, 46.70e9), (QWEN3_30B_A3B, 30.53e9)])
 def test_the_planner_counts_published_moe_sizes(hf, published):
     """Mixtral-8x7B's 46.7B parameters and Qwen3-30B-A3B's 30.5B (their model cards): every expert counted."""

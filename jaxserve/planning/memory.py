@@ -22,6 +22,7 @@ import math
 import os
 from typing import Any
 
+from jaxserve import environment
 from jaxserve.config import EngineConfig, ModelConfig
 
 MiB = 1 << 20
@@ -287,7 +288,7 @@ def activation_bytes(
         layer_weights = (sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
                          + _expert_layer_params(model, tp) * FLOAT_DTYPE_BYTES[_compute_dtype(stored)])
         step = (layer_weights + 2 * tokens * model.hidden_size * a
-                + max(tokens * (2 * hq + 2 * hkv) * hd * a, _mlp_bytes(model, tokens, tp, a)))
+                + max(tokens * (2 * hq + 2 * hkv) * hd * a, _mlp_bytes(model, tokens, tp, a, gpu=True)))
         return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
     residual = 2 * tokens * model.hidden_size * a
     attention = (tokens * (hq + 2 * hkv) * hd * a
@@ -299,14 +300,21 @@ def activation_bytes(
     return residual + max(attention, mlp, logits)
 
 
-def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int) -> int:
-    """The MLP's live activations of a step of `tokens` tokens (see activation_bytes)."""
+def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int, gpu: bool = False) -> int:
+    """The MLP's live activations of a step of `tokens` tokens (see activation_bytes). On a GPU
+    whose grouped matmul is XLA's ragged-dot (the default, $JAXSERVE_GROUPED_MATMUL_BACKEND unset,
+    xla or ragged_dot), each of the experts' matmuls also holds a masked copy of its rows per local
+    expert, [E_local, T k, max(d, f)] (seen in its deviceless compile, bench/RESULTS.md); the
+    Pallas kernel holds none."""
     if not model.is_moe:
         return 3 * tokens * math.ceil(model.intermediate_size / tp) * a
     rows, d = tokens * model.num_experts_per_tok, model.hidden_size  # the sorted rows: on every device
     # Expert parallel: every device's rows carry the whole F (its own pairs in groups, the others' zeros).
     f = model.moe_intermediate_size if model.expert_parallel else math.ceil(model.moe_intermediate_size / tp)
     routed = rows * d * a + 3 * rows * f * a + rows * d * 4 + tokens * d * 4
+    if gpu and (environment.grouped_matmul_backend() or "xla").lower() in ("xla", "ragged_dot"):
+        local_experts = model.num_experts // tp if model.expert_parallel else model.num_experts
+        routed += local_experts * rows * max(d, f) * a
     sparse = routed + 3 * tokens * math.ceil(model.shared_expert_intermediate_size / tp) * a
     if model.mixed_mlp_layers:  # its dense layers' MLP runs in its own layers' step
         return max(sparse, 3 * tokens * math.ceil(model.intermediate_size / tp) * a)
