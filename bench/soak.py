@@ -80,18 +80,26 @@ def rss_bytes(pid: int) -> int:
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict:
-    """From /metrics: the unlabelled jaxserve_* samples (kv pages used, running, waiting, ...),
-    finished requests by reason, and HTTP responses by status (all routes)."""
+    """`parse_metrics` of the server's /metrics."""
     async with session.get(url + "/metrics") as response:
-        text = await response.text()
+        return parse_metrics(await response.text())
+
+
+def parse_metrics(text: str) -> dict:
+    """From /metrics' text: the unlabelled jaxserve_* samples (kv pages used, running, waiting, ...),
+    finished requests by reason, HTTP responses by status (all routes) and the 5xx among them
+    outside /health."""
     gauges = {name: float(value) for name, value in _METRIC_LINE.findall(text)}
     finished = {_REASON_LABEL.search(labels).group(1): float(value) for labels, value in _FINISHED_LINE.findall(text)
                 if _REASON_LABEL.search(labels)}
     http_status: dict[str, float] = collections.Counter()
+    http_5xx = 0.0  # server errors: every route's but /health's, whose 503 while warming up is its answer
     for labels, value in _HTTP_LINE.findall(text):
         status = _STATUS_LABEL.search(labels)
-        http_status[status.group(1) if status else "?"] += float(value)
-    http_5xx = sum(value for status, value in http_status.items() if status.startswith("5"))
+        code = status.group(1) if status else "?"
+        http_status[code] += float(value)
+        if code.startswith("5") and 'route="/health"' not in labels:
+            http_5xx += float(value)
     return dict(gauges=gauges, finished=finished, http_status=dict(http_status), http_5xx=http_5xx)
 
 

@@ -82,7 +82,7 @@ def test_throughput_quick(tiny_model, soak_run, tmp_path):
                         300)
     assert result.returncode == 0, failure(result)
     report = json.loads(out.read_text())
-    assert report["warmup_s"] > 0 and report["num_step_shapes"] > 0
+    assert report["warmup_s"] > 0 and report["num_shapes"] > 0
     vocab = 49152
     expected = {"fixed": throughput.fixed_workload(*throughput.QUICK["fixed"], vocab, 0),
                 "mixed": throughput.mixed_workload(*throughput.QUICK["mixed"], vocab, 1)}
@@ -143,6 +143,15 @@ def soak_verdict(rss_mib: list[float], final_pages: float, failed: int = 0, serv
     run.server_finished = dict(length=10.0, abort=2.0, **(server_errors or {}))
     run.samples = [dict(t=60.0 * i / len(rss_mib), rss_mib=r, kv_pages_used=3.0) for i, r in enumerate(rss_mib)]
     return run.verdict(dict(kv_pages_used=final_pages, running=0.0, waiting=0.0), 61.0)
+
+
+def test_soak_counts_server_errors_outside_health():
+    """/health's 503 while the server warms up is its answer, not a server error; a 500 anywhere is."""
+    text = ('jaxserve_http_requests_total{model_name="m",route="/health",status="503"} 4.0\n'
+            'jaxserve_http_requests_total{model_name="m",route="/v1/completions",status="200"} 9.0\n'
+            'jaxserve_http_requests_total{model_name="m",route="/v1/completions",status="500"} 1.0\n')
+    parsed = soak.parse_metrics(text)
+    assert parsed["http_status"] == {"503": 4.0, "200": 9.0, "500": 1.0} and parsed["http_5xx"] == 1.0
 
 
 def test_soak_verdict_catches_leaks_and_lost_pages():
