@@ -65,7 +65,7 @@ class _EngineStatsCollector:
                       s.num_preemptions)
         yield gauge("jaxserve_warmup_shapes_compiled", "Warm-up: step, sampler and prompt-logprob shapes "
                     "compiled so far.", s.warmup_shapes_compiled)
-        yield gauge("jaxserve_warmup_shapes_total", "Warm-up: the shapes it compiles in all (0: no warm-up).",
+        yield gauge("jaxserve_warmup_shapes", "Warm-up: the shapes it compiles in all (0: no warm-up).",
                     s.warmup_shapes_total)
         yield counter("jaxserve_step_failures", "Engine steps that failed; their requests ended with an error.",
                       s.num_step_failures)
