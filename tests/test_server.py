@@ -793,8 +793,10 @@ def test_sigterm_drains_in_flight_streams_then_exits_0():
         logged.append(lines.get())
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == fake_text(encode("x"), 25)
-    # the flag given, and serve's own CPU default of the prefill bound beside decoding streams
-    assert "engine kwargs: [{'max_num_seqs': 3, 'long_prefill_token_threshold': 32}]" in "".join(logged)
+    # the flag given, serve's own CPU default of the prefill bound beside decoding streams, and its
+    # warm-up in the background
+    assert ("engine kwargs: [{'max_num_seqs': 3, 'long_prefill_token_threshold': 32, 'background_warmup': True}]"
+            in "".join(logged))
 
 
 # ---- batched prompts, best_of, sampling defaults, the rest of the surface -------------------------
