@@ -26,7 +26,6 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
