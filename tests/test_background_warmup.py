@@ -91,3 +91,29 @@ def test_ready_comes_with_the_first_requests_shapes_and_a_failed_warmup_is_repor
         wait_for_every_shape(engine)
     status = engine.warmup_status()
     assert not status["ready"] and "no memory left" in status["error"]
+
+
+def test_a_process_exiting_mid_warmup_stops_it_without_an_error(params, monkeypatch, caplog):
+    """At the interpreter's exit concurrent.futures takes no new work: a server stopped during the
+    warm-up logs that it stopped, not a failure with a traceback."""
+    import concurrent.futures
+    real = concurrent.futures.ThreadPoolExecutor.submit
+    calls = []
+
+    def refusing_after_the_first_phase(self, fn, *args, **kwargs):
+        calls.append(args[:2])
+        if len(calls) > first_total:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+        return real(self, fn, *args, **kwargs)
+
+    probe = make_engine(params, warmup=False, max_num_batched_tokens=32, max_model_len=64)
+    buckets = probe.runner.all_buckets()
+    first = [b for b in buckets if not (b.num_decode and b.num_prefill_tokens)]
+    first_total = len(first) + len({len(probe.runner.empty_batch(b)["logits_indices"]) for b in first})
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", refusing_after_the_first_phase)
+    with caplog.at_level("INFO", logger="jaxserve.executor.warmup"):
+        engine = make_engine(params, warmup=True, background_warmup=True, max_num_batched_tokens=32, max_model_len=64)
+        assert engine.runner.warmup_state.finished.wait(600)
+    status = engine.warmup_status()
+    assert status["error"] is None and status["compiled"] == first_total < status["total"]
+    assert "warm-up stopped: the process is exiting" in caplog.text and "warm-up failed" not in caplog.text

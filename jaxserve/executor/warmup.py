@@ -54,6 +54,10 @@ class WarmupState:
                 "total": self.total, "error": self.error}
 
 
+class ProcessExiting(Exception):
+    """The interpreter is exiting (concurrent.futures takes no new work): the warm-up stops."""
+
+
 class WarmupPlan:
     """The shapes of one runner in their phases, a future per shape, and how to compile them."""
 
@@ -142,7 +146,10 @@ class WarmupPlan:
         with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
                 Progress(self.total, "warm-up", "shapes compiled", log) as progress:
             for number, phase in enumerate(self.phases):
-                jobs = [pool.submit(self._compile_one, *job, progress) for job in phase]
+                try:
+                    jobs = [pool.submit(self._compile_one, *job, progress) for job in phase]
+                except RuntimeError:  # only the interpreter's exit shuts the pool before the phases end
+                    raise ProcessExiting() from None
                 for job in jobs:
                     job.result()
                 if number == 0:
@@ -155,6 +162,9 @@ class WarmupPlan:
     def _compile_in_background(self, threads: int) -> None:
         try:
             self._compile_all(threads)
+        except ProcessExiting:  # the server stopped before the warm-up ended: nothing failed
+            log.info("warm-up stopped: the process is exiting")
+            self.state.first_ready.set()
         except BaseException as e:  # the steps that wait for a failed shape raise it
             self.state.error = f"{type(e).__name__}: {e}"
             log.exception("warm-up failed")
