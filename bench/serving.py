@@ -101,11 +101,16 @@ def hf_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
     from bench.single_stream import hf_request
     from checkpoints.load import load_tokenizer
 
-    tokenizer = load_tokenizer(model_dir)
     model, _ = load_hf_model(model_dir)
+    return one_at_a_time(lambda ids, n: hf_request(model, ids, n), load_tokenizer(model_dir), prompts)
+
+
+def one_at_a_time(run, tokenizer, prompts: list[dict]) -> dict:
+    """`run(token ids, output tokens) -> (TTFT s, [later tokens' s], tokens)` on each prompt in
+    turn: the TTFT and TPOT medians in ms."""
     ttfts, tpots = [], []
     for line in prompts:
-        ttft, token_times, _ = hf_request(model, tokenizer.encode(line["prompt"]), line["output_tokens"])
+        ttft, token_times, _ = run(tokenizer.encode(line["prompt"]), line["output_tokens"])
         ttfts.append(ttft * 1e3)
         tpots.append(statistics.median(token_times) * 1e3)
     return {"median_ttft_ms": statistics.median(ttfts), "median_tpot_ms": statistics.median(tpots),
@@ -128,14 +133,7 @@ def engine_single_stream(args, model_dir: str, prompts: list[dict]) -> dict:
     serve.define_flags(fv)
     fv(["serve", *shlex.split(args.server_args)])
     engine = Engine.from_model(model_dir, EngineConfig(**serve.serve_engine_kwargs(fv)))
-    tokenizer = load_tokenizer(model_dir)
-    ttfts, tpots = [], []
-    for line in prompts:
-        ttft, token_times, _ = jaxserve_request(engine, tokenizer.encode(line["prompt"]), line["output_tokens"])
-        ttfts.append(ttft * 1e3)
-        tpots.append(statistics.median(token_times) * 1e3)
-    return {"median_ttft_ms": statistics.median(ttfts), "median_tpot_ms": statistics.median(tpots),
-            "num_prompts": len(prompts)}
+    return one_at_a_time(lambda ids, n: jaxserve_request(engine, ids, n), load_tokenizer(model_dir), prompts)
 
 
 def single_stream_row(name: str, sweep: dict) -> dict:
