@@ -80,11 +80,8 @@ def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(path, model, qtype=Q.F32, arch="llama", drop=(), replace=None, raw_types=None):
-    """Writes `model` as llama.cpp would: permuted Q/K rows, F32 norms, 2-D weights as `qtype`."""
-    cfg = model.config
-    state = numpy_state(model)
-    writer = gguf.GGUFWriter(str(path), arch)
+def add_model_header(writer, cfg, rope_theta: float) -> None:
+    """The shape keys of a transformers config `cfg` as llama.cpp writes them into a GGUF header."""
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -92,7 +89,15 @@ def write_gguf(path, model, qtype=Q.F32, arch="llama", drop=(), replace=None, ra
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(50000.0)
+    writer.add_rope_freq_base(rope_theta)
+
+
+def write_gguf(path, model, qtype=Q.F32, arch="llama", drop=(), replace=None, raw_types=None):
+    """Writes `model` as llama.cpp would: permuted Q/K rows, F32 norms, 2-D weights as `qtype`."""
+    cfg = model.config
+    state = numpy_state(model)
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_model_header(writer, cfg, rope_theta=50000.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(TOKENS)
     writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))

@@ -19,7 +19,7 @@ from checkpoints import ConversionError
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
 from jaxserve.models import llama
-from tests.test_convert import llama_cpp_permute
+from tests.test_convert import add_model_header, llama_cpp_permute
 from tests.test_moe import SEED, make_moe_model
 from tests.tiny_models import hf_logits, prefill_batch
 
@@ -73,16 +73,9 @@ def gguf_tensors(model, arch: str, qtype=Q.F32) -> dict[str, np.ndarray]:
 def write_moe_gguf(path, model, arch: str, qtype=Q.F32, metadata: dict | None = None, drop=()) -> str:
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_model_header(writer, cfg, rope_theta=cfg.rope_parameters["rope_theta"])
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
