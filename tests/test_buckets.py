@@ -1,6 +1,7 @@
 """Step buckets chosen from measured step times: the rule (jaxserve.core.bucket_choice), the explicit
 bucket lists (--decode_buckets / --prefill_buckets: parsed, refused when bad, compiled exactly), and
 `jaxserve plan --measure_buckets` on the tiny model (its printed flags are what the engine takes)."""
+import dataclasses
 import itertools
 import re
 
@@ -161,11 +162,10 @@ def test_measure_buckets_prints_flags_the_engine_takes(tiny_chat_model_dir, caps
     decode, prefill = (tuple(int(s) for s in group.split(",")) for group in match.groups())
     assert decode[-1] == 4 and prefill[-1] == 64  # the largest always kept
     assert {int(row[1]) for row in table if row[-1] == "yes"} == set(decode) | set(prefill)
+    from jaxserve.engine import Engine  # the engine serve builds from those flags has those buckets
     cfg = _serve_engine_config([f"--model={tiny_chat_model_dir}", *MEASURE_ENGINE, *line.split()])
-    buckets = step.BucketSet.create(backend="xla", max_num_seqs=4, max_num_batched_tokens=64, max_num_prefill_seqs=2,
-                                    max_model_len=128, page_size=8, decode_buckets=cfg.decode_buckets,
-                                    prefill_buckets=cfg.prefill_buckets)
-    assert buckets.decode_sizes == decode and buckets.prefill_sizes == prefill
+    engine = Engine.from_model(tiny_chat_model_dir, dataclasses.replace(cfg, warmup=False, num_pages=64))
+    assert engine.runner.buckets.decode_sizes == decode and engine.runner.buckets.prefill_sizes == prefill
 
 
 def test_measure_buckets_refuses_flags_it_cannot_measure(tiny_chat_model_dir, capsys):

@@ -9,7 +9,9 @@ of them alike); the median of each is its step time. Full buckets are timed: a r
 into a bucket has cheaper padding rows (no context), so the measured cost of a larger bucket is
 an upper bound and the choice errs towards keeping buckets. The block-table width is the one a
 `context_len` context needs (one width on the CPU). The forward only: the sampler's cost grows
-with the rows too, but is small beside it.
+with the rows too, but is small beside it. Mixed steps (decode rows beside a prefill chunk, in
+the combined buckets) are not timed: the decode and prefill sizes chosen from these pure steps
+are the ones they combine.
 """
 from __future__ import annotations
 
