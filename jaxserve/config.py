@@ -73,6 +73,16 @@ class EngineConfig:
         None, "most prefill tokens a step carries beside decoding sequences (bounds their time per output token "
         "while a long prompt is prefilled; costs that prompt's time to first token)", minimum=1,
         unset=f"serve on CPU: {CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD}; otherwise no bound")
+    # The step shapes (jaxserve.core.step.BucketSet): explicit lists replace the geometric rule's sizes;
+    # checked by step.parse_bucket_sizes (at flag parsing, and when the engine builds its buckets).
+    decode_buckets: str | None = setting(
+        None, "decode rows of the compiled step shapes: comma-separated, ascending, the last equal to "
+        "--max_num_seqs (`jaxserve plan --measure_buckets` measures which are worth compiling here)",
+        unset="8, 16, 32, ... doubling up to --max_num_seqs; on CPU also 1, 2, 4 for decode-only steps")
+    prefill_buckets: str | None = setting(
+        None, "prefill tokens of the compiled step shapes: comma-separated, ascending, the last equal to "
+        "--max_num_batched_tokens (see --decode_buckets)", unset="32, 64, 128, ... doubling up to "
+        "--max_num_batched_tokens")
     max_waiting_requests: int = setting(1024, "bound of the waiting queue", minimum=1)
     # Multi-step decoding (jaxserve.executor.decode_loop): the host sees the tokens, and stops, after the call.
     num_scheduler_steps: int = setting(

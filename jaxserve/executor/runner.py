@@ -344,6 +344,20 @@ class ModelRunner:
         self.warmup_state, self._pending = plan.state, plan.pending
         return plan.run(background)
 
+    def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
+        """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),
+        results waited for; compiled first (into the warm-up's table) if no warm-up has. For
+        measuring the buckets (jaxserve.planning.bucket_measure): it writes the arrays' K/V
+        slots, so only on an engine that serves nothing."""
+        compiled = self._compiled_forward.get(bucket)
+        if compiled is None:
+            compiled = self._compiled_forward[bucket] = self._functions.forward_for(bucket).lower(
+                self._step_params, self.kv_cache, arrays).compile()
+        start = time.perf_counter()
+        logits, self.kv_cache, _ = compiled(self._step_params, self.kv_cache, arrays)
+        jax.block_until_ready((logits, self.kv_cache))
+        return time.perf_counter() - start
+
     def _compiled(self, table: dict, key, kind: str):
         """The executable of `key` in `table`, waiting for it while the warm-up compiles it in
         the background; None when no warm-up will compile it (the jitted function then does)."""
