@@ -10,7 +10,7 @@ here changes a `Request` (`row_params` reads one, to snapshot it), and nothing h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,16 @@ MAX_PROMPT_LOGPROB_ROWS = 256
 
 def prompt_logprob_rows_limit(config: EngineConfig) -> int:
     return min(MAX_PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
+
+
+class PromptLogprobShapes(Protocol):
+    """The prompt-logprob shapes as the scheduler sees them when they are compiled on first use
+    (the device side's `warmup.PromptLogprobShapesOnDemand`)."""
+
+    def rows_ready(self, rows: int) -> int:
+        """How many of a step's `rows` prompt-logprob rows a compiled shape holds now (`rows`, fewer,
+        or 0: the rest wait); starts compiling the shape of `rows`, off the caller's thread, when
+        it is not compiled."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
