@@ -87,6 +87,35 @@ def test_the_declaration_names_every_saved_tensor(moe_model):
     assert weights.num_params(config) == sum(int(np.prod(s)) for s in saved.values())
 
 
+def expert_bytes_read(converted: str, name: str, experts: slice) -> tuple[int, int]:
+    """(bytes read from the files, bytes of the values) when tensorstore reads the experts
+    `experts` of every layer of the routed expert weight `name` of a converted checkpoint (orbax's
+    array "layers.<name>"), and the array's chunk shape."""
+    import tensorstore as ts
+
+    from checkpoints.load import file_bytes_read
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file://" + os.path.join(
+        converted, "params"), "path": f"layers.{name}/"}}).result()
+    before = file_bytes_read()
+    values = array[:, experts].read().result()
+    return file_bytes_read() - before, values.nbytes, tuple(array.chunk_layout.read_chunk.shape)
+
+
+def test_routed_experts_are_stored_one_chunk_per_layer_and_expert(moe_model):
+    """A process that restores only its own experts (expert parallelism over several processes)
+    reads only their chunks: half of the experts cost about half of the bytes of all of them."""
+    _, _, _, converted = moe_model
+    config = load_config(converted)
+    E = config.num_experts
+    for name in ("w_gate_exps", "w_up_exps", "w_down_exps"):
+        half, half_values, chunk = expert_bytes_read(converted, name, slice(E // 2, E))
+        whole, whole_values, _ = expert_bytes_read(converted, name, slice(0, E))
+        shape = weights.param_shapes(config)["layers"][name]
+        assert chunk == (1, 1, *shape[2:]), (name, chunk)
+        assert 2 * half_values == whole_values == 4 * np.prod(shape)
+        assert half_values <= half < 0.65 * whole, (name, half, whole)
+
+
 def test_transformers_5_fused_expert_tensors_convert_to_the_same_weights(moe_model, tmp_path):
     """save_pretrained(save_original_format=False) writes transformers 5's fused experts
     (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj`): the same weights once converted."""
