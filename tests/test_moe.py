@@ -242,6 +242,37 @@ def test_route_breaks_ties_toward_the_lower_expert():
     np.testing.assert_array_equal(np.asarray(again), np.asarray(experts))
 
 
+def near_tie_logits() -> np.ndarray:
+    """[6, 4] float32 router logits with exact ties and ties within one ulp of 1.0, at the top-2
+    boundary (tests/test_moe_expert_parallel.py routes them on every device too)."""
+    one = np.float32(1.0)
+    up, down = np.nextafter(one, np.float32(2)), np.nextafter(one, np.float32(0))
+    return np.asarray([[one, one, one, 0], [down, one, up, one], [one, up, one, up], [up, down, one, one],
+                       [0, down, down, down], [one, one, up, up]], np.float32)
+
+
+def stable_top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """The k largest of each row, the lower index first among equal values."""
+    return np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+
+
+def test_route_on_one_ulp_near_ties_is_the_same_every_run_lower_index_first():
+    """Logits one ulp apart: the softmax keeps some apart and merges others into exact ties;
+    either way the route is the stable order of the float32 probabilities (higher first, then the
+    lower index), the same eagerly and compiled, run after run."""
+    logits = jnp.asarray(near_tie_logits())
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # what route ranks
+    top3 = np.sort(probs, axis=-1)[:, ::-1][:, :3]
+    assert (top3[:, 1] == top3[:, 2]).sum() >= 2  # ties that decide the second expert
+    bits = probs.view(np.int32)  # positive floats: one ulp apart is one apart here
+    assert np.any(bits[:, :, None] - bits[:, None, :] == 1)  # and one-ulp differences that survive
+    expected = stable_top_k(probs, 2)
+    compiled = jax.jit(moe.route, static_argnums=(1, 2))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(moe.route(logits, 2, True)[1]), expected)
+        np.testing.assert_array_equal(np.asarray(compiled(logits, 2, False)[1]), expected)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_sparse_mlp_matches_the_reference(renormalize, with_shared):
