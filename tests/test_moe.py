@@ -101,10 +101,13 @@ def expert_bytes_read(converted: str, name: str, experts: slice) -> tuple[int, i
     return file_bytes_read() - before, values.nbytes, tuple(array.chunk_layout.read_chunk.shape)
 
 
-def test_routed_experts_are_stored_one_chunk_per_layer_and_expert(moe_model):
+def test_routed_experts_are_stored_one_chunk_per_layer_and_expert(tmp_path):
     """A process that restores only its own experts (expert parallelism over several processes)
-    reads only their chunks: half of the experts cost about half of the bytes of all of them."""
-    _, _, _, converted = moe_model
+    reads only their chunks: half of the experts cost about half of the bytes of all of them
+    (experts of 64 KiB, so that the checkpoint's index, a few KiB a read, does not blur it)."""
+    make_moe_model(str(tmp_path / "hf"), "qwen3_moe", moe_intermediate_size=512)
+    converted = str(tmp_path / "converted")
+    convert_checkpoint(str(tmp_path / "hf"), converted)
     config = load_config(converted)
     E = config.num_experts
     for name in ("w_gate_exps", "w_up_exps", "w_down_exps"):
@@ -113,7 +116,7 @@ def test_routed_experts_are_stored_one_chunk_per_layer_and_expert(moe_model):
         shape = weights.param_shapes(config)["layers"][name]
         assert chunk == (1, 1, *shape[2:]), (name, chunk)
         assert 2 * half_values == whole_values == 4 * np.prod(shape)
-        assert half_values <= half < 0.65 * whole, (name, half, whole)
+        assert 0.4 * whole < half < 0.6 * whole, (name, half, whole)
 
 
 def test_transformers_5_fused_expert_tensors_convert_to_the_same_weights(moe_model, tmp_path):
