@@ -139,8 +139,24 @@ def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str, fmt
     params = buffers.finish(source.describe_missing)
     logger.info("conversion: %d tensors read in %.0f s; writing the checkpoint", progress.done, progress.elapsed_s())
     with _numpy_checkpointer(ocp) as checkpointer:
-        checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params))
+        checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params, save_args=_save_args(ocp, params, source.config)))
     return formats
+
+
+def _save_args(ocp, params: dict, config: ModelConfig) -> dict:
+    """orbax's SaveArgs of every array: a routed expert weight ([L, E, ...], and each array of a
+    quantized one) is stored one chunk per (layer, expert), so that a process that restores only
+    its own experts (expert parallelism over several processes) reads and decompresses only their
+    chunks; every other array is one chunk."""
+    import jax
+
+    from jaxserve.models import weights
+    experts = {info.name for info in weights.weight_infos(config).values() if info.per_layer and info.per_expert}
+    whole = lambda array: ocp.SaveArgs()
+    per_expert = lambda array: ocp.SaveArgs(shard_axes=(0, 1) if np.ndim(array) >= 2 else ())
+    return {**{name: jax.tree.map(whole, leaf) for name, leaf in params.items() if name != "layers"},
+            "layers": {name: jax.tree.map(per_expert if name in experts else whole, leaf)
+                       for name, leaf in params["layers"].items()}}
 
 
 def _numpy_checkpointer(ocp):

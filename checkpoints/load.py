@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
 from checkpoints.default_model import resolve_model, served_model_name
 from jaxserve.config import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def check_model_dir(model_dir: str) -> dict:
@@ -114,12 +117,28 @@ class ModelSource:
             except ValueError as e:
                 raise ConversionError(f"shardings do not match the parameter tree of {self.path}: {e}") from None
         params_dir = os.path.abspath(os.path.join(self.path, PARAMS_DIR))
+        read_before = file_bytes_read()
         try:
             with ocp.StandardCheckpointer() as checkpointer:
                 restored = checkpointer.restore(params_dir, quantization.to_stored(target))
         except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{params_dir}: cannot restore the parameters ({e})") from None
+        read_after = file_bytes_read()
+        if read_before is not None and read_after is not None:  # under several processes: only this one's share
+            logger.info("weights restored: %.2f MiB read from %s", (read_after - read_before) / 2**20, params_dir)
         return quantization.from_stored(restored)
+
+
+def file_bytes_read() -> int | None:
+    """Bytes this process has read from local files through tensorstore so far (orbax's restores
+    read through it: compressed chunks and the checkpoint's index), or None where this tensorstore
+    does not count them."""
+    import tensorstore as ts
+    collect = getattr(ts, "experimental_collect_matching_metrics", None)
+    if collect is None:
+        return None
+    metrics = collect("/tensorstore/kvstore/file/bytes_read")
+    return int(sum(v.get("value", 0) for m in metrics for v in m["values"]))
 
 
 def open_model(name_or_path: str) -> ModelSource:

@@ -87,6 +87,38 @@ def test_the_declaration_names_every_saved_tensor(moe_model):
     assert weights.num_params(config) == sum(int(np.prod(s)) for s in saved.values())
 
 
+def expert_bytes_read(converted: str, name: str, experts: slice) -> tuple[int, int]:
+    """(bytes read from the files, bytes of the values) when tensorstore reads the experts
+    `experts` of every layer of the routed expert weight `name` of a converted checkpoint (orbax's
+    array "layers.<name>"), and the array's chunk shape."""
+    import tensorstore as ts
+
+    from checkpoints.load import file_bytes_read
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": "file://" + os.path.join(
+        converted, "params"), "path": f"layers.{name}/"}}).result()
+    before = file_bytes_read()
+    values = array[:, experts].read().result()
+    return file_bytes_read() - before, values.nbytes, tuple(array.chunk_layout.read_chunk.shape)
+
+
+def test_routed_experts_are_stored_one_chunk_per_layer_and_expert(tmp_path):
+    """A process that restores only its own experts (expert parallelism over several processes)
+    reads only their chunks: half of the experts cost about half of the bytes of all of them
+    (experts of 64 KiB, so that the checkpoint's index, a few KiB a read, does not blur it)."""
+    make_moe_model(str(tmp_path / "hf"), "qwen3_moe", moe_intermediate_size=512)
+    converted = str(tmp_path / "converted")
+    convert_checkpoint(str(tmp_path / "hf"), converted)
+    config = load_config(converted)
+    E = config.num_experts
+    for name in ("w_gate_exps", "w_up_exps", "w_down_exps"):
+        half, half_values, chunk = expert_bytes_read(converted, name, slice(E // 2, E))
+        whole, whole_values, _ = expert_bytes_read(converted, name, slice(0, E))
+        shape = weights.param_shapes(config)["layers"][name]
+        assert chunk == (1, 1, *shape[2:]), (name, chunk)
+        assert 2 * half_values == whole_values == 4 * np.prod(shape)
+        assert 0.4 * whole < half < 0.6 * whole, (name, half, whole)
+
+
 def test_transformers_5_fused_expert_tensors_convert_to_the_same_weights(moe_model, tmp_path):
     """save_pretrained(save_original_format=False) writes transformers 5's fused experts
     (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj`): the same weights once converted."""
@@ -211,6 +243,37 @@ def test_route_breaks_ties_toward_the_lower_expert():
     np.testing.assert_array_equal(np.asarray(experts), [[0, 1], [2, 1], [0, 2]])
     _, again = jax.jit(moe.route, static_argnums=(1, 2))(logits, 2, True)  # the same compiled
     np.testing.assert_array_equal(np.asarray(again), np.asarray(experts))
+
+
+def near_tie_logits() -> np.ndarray:
+    """[6, 4] float32 router logits with exact ties and ties within one ulp of 1.0, at the top-2
+    boundary (tests/test_moe_expert_parallel.py routes them on every device too)."""
+    one = np.float32(1.0)
+    up, down = np.nextafter(one, np.float32(2)), np.nextafter(one, np.float32(0))
+    return np.asarray([[one, one, one, 0], [down, one, up, one], [one, up, one, up], [up, down, one, one],
+                       [0, down, down, down], [one, one, up, up]], np.float32)
+
+
+def stable_top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """The k largest of each row, the lower index first among equal values."""
+    return np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+
+
+def test_route_on_one_ulp_near_ties_is_the_same_every_run_lower_index_first():
+    """Logits one ulp apart: the softmax keeps some apart and merges others into exact ties;
+    either way the route is the stable order of the float32 probabilities (higher first, then the
+    lower index), the same eagerly and compiled, run after run."""
+    logits = jnp.asarray(near_tie_logits())
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # what route ranks
+    top3 = np.sort(probs, axis=-1)[:, ::-1][:, :3]
+    assert (top3[:, 1] == top3[:, 2]).sum() >= 2  # ties that decide the second expert
+    bits = probs.view(np.int32)  # positive floats: one ulp apart is one apart here
+    assert np.any(bits[:, :, None] - bits[:, None, :] == 1)  # and one-ulp differences that survive
+    expected = stable_top_k(probs, 2)
+    compiled = jax.jit(moe.route, static_argnums=(1, 2))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(moe.route(logits, 2, True)[1]), expected)
+        np.testing.assert_array_equal(np.asarray(compiled(logits, 2, False)[1]), expected)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

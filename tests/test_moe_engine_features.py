@@ -1,15 +1,25 @@
 """What else meets a mixture-of-experts model in the engine: prefix caching, n-gram speculative
 decoding and multi-step decoding give a tiny Qwen2-MoE (routed experts and a gated shared expert)
-the greedy tokens of the plain engine, as they do a dense model."""
+the greedy tokens of the plain engine, as they do a dense model; structured output (a JSON schema,
+a regex) gives a tiny Qwen2-MoE with SmolLM2's tokenizer transformers' greedy tokens under the
+grammar's masks, step by step."""
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputParams
 from jaxserve.engine import Engine
 from jaxserve.models import weights
+from tests.test_moe import make_moe_model
+from tests.test_structured_output import REGEXES, SCHEMAS
+from tests.tiny_models import copy_smollm2_tokenizer, hf_logits
 
 SEED = 11
 MOE = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_q_heads=4, num_kv_heads=2,
@@ -62,3 +72,59 @@ def test_ngram_speculation_keeps_the_tokens(params, prompts, reference):
 def test_multi_step_decoding_keeps_the_tokens(params, prompts, reference):
     tokens, _ = run(params, prompts, enable_prefix_caching=False, num_scheduler_steps=4)
     assert tokens == reference, f"seed {SEED}"
+
+
+# ---- structured output -------------------------------------------------------------------------
+CONSTRAINED = [("json_schema", SCHEMAS["enums, integer bounds, booleans"], "guided_json"),
+               ("regex", REGEXES[0], "guided_regex")]
+
+
+@pytest.fixture(scope="module")
+def moe_with_tokenizer(tmp_path_factory):
+    """(a transformers Qwen2-MoE with SmolLM2's vocabulary, an Engine on its conversion)."""
+    from checkpoints.convert import convert_checkpoint
+    hf_dir = str(tmp_path_factory.mktemp("moe_tok_hf"))
+    model = make_moe_model(hf_dir, "qwen2_moe", vocab_size=49152)
+    copy_smollm2_tokenizer(hf_dir)
+    converted = str(tmp_path_factory.mktemp("moe_tok") / "model")
+    convert_checkpoint(hf_dir, converted)
+    return model, Engine.from_model(converted, EngineConfig(**{**ENGINE, "max_model_len": 160}))
+
+
+def masked_greedy_reference(model, engine, prompt: list[int], constraint, max_tokens: int) -> list[int]:
+    """Greedy over transformers' logits step by step, each step's argmax taken over the tokens
+    the constraint's grammar allows there (the engine's host-side grammar state, advanced by each
+    chosen token); ends at an end-of-sequence token or after `max_tokens`."""
+    state = engine.grammar_compiler.new_state(constraint)
+    ids, out = list(prompt), []
+    words = np.zeros(engine.grammar_compiler.num_words, np.int32)
+    while len(out) < max_tokens:
+        logits = hf_logits(model, np.asarray([ids]))[0, -1]  # [V]
+        state.fill_bitmask(words)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:logits.shape[0]].astype(bool)  # [V]
+        token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+        out.append(token)
+        assert state.accept(token)
+        if token in engine.eos_token_ids:
+            break
+        ids.append(token)
+    return out
+
+
+@pytest.mark.parametrize("kind, spec, param", CONSTRAINED, ids=[c[0] for c in CONSTRAINED])
+def test_structured_output_gives_the_grammar_masked_greedy_tokens_of_transformers(moe_with_tokenizer, kind, spec,
+                                                                                 param):
+    """A JSON schema / a regex on the tiny MoE model: the output is complete and valid, and its
+    tokens are transformers' greedy ones under the same grammar's masks."""
+    model, engine = moe_with_tokenizer
+    prompt = engine.tokenizer.encode("Answer in the requested format:")
+    constraint = StructuredOutputParams(kind, spec, param)
+    result = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0,
+                                                      structured_output=constraint))[0]
+    assert result.finish_reason == "stop", result.text
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(result.text), spec)
+    else:
+        assert re.fullmatch(spec, result.text, re.ASCII), result.text
+    expected = masked_greedy_reference(model, engine, prompt, StructuredOutputParams(kind, spec, param), 64)
+    assert result.token_ids == expected, (result.text, engine.tokenizer.decode(expected))

@@ -9,7 +9,9 @@ cannot split: only expert parallelism runs it there. Through the engine, greedy 
 device's for Qwen2-MoE (routed and shared experts) at TP 2 x DP 2 (two replicas, each spreading its
 experts over its own 2 devices: data parallelism is independent replicas, data_parallel.py). More
 engine runs would only add compile time: the engine's step is the same `llama.forward` the logits
-compare. As tests/test_moe_sharding.py
+compare. Router ties (exact, and one ulp apart) at the top-k boundary route alike on every
+device, the lower expert first, and a layer whose tied experts decide tokens' second expert gives
+one device's output under expert parallelism. As tests/test_moe_sharding.py
 does, the multi-device runs happen in one subprocess started with
 --xla_force_host_platform_device_count before jax is imported; it prints its results as JSON.
 """
@@ -71,10 +73,47 @@ def _family_runs(family: str) -> dict:
     return runs
 
 
+def _tie_layer():
+    """One Mixtral layer's weights (8 experts) whose router columns 0, 1 and 2 are equal (exact
+    ties, often at the top-2 boundary: the tie decides the second expert) and rows h [16, D]."""
+    from jaxserve.models import weights
+    config = moe_config("mixtral")
+    params = weights.random_params(config, seed=3)
+    lp = {name: np.array(params["layers"][name][0]) for name in ("router", *sharding.EXPERT_WEIGHTS)}
+    lp["router"][:, 1] = lp["router"][:, 2] = lp["router"][:, 0] = 3 * lp["router"][:, 0]  # [D, E]
+    h = np.random.default_rng(3).standard_normal((16, config.hidden_size)).astype(np.float32)  # [T, D]
+    return config, lp, h
+
+
+def _tie_runs() -> dict:
+    """Router ties on every device: each device's own top-2 of tests/test_moe.py's near-tie logits
+    (a shard_map over the expert-parallel mesh, [devices, T, 2]), and `_tie_layer`'s mixture-of-
+    experts MLP on one device and under expert parallelism."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.models import moe
+    from jaxserve.models.quantization import linear
+    from tests.test_moe import near_tie_logits
+    config, lp, h = _tie_layer()
+    logits = jnp.asarray(near_tie_logits())
+    runs = {"router_logits": np.asarray(linear(jnp.asarray(h), jnp.asarray(lp["router"]))).tolist(),
+            "mlp_tp1": np.asarray(jax.jit(lambda w, x: moe.sparse_mlp(w, x, config))(lp, h)).tolist()}
+    for tp in LOGIT_SIZES:
+        mesh = sharding.make_mesh(config, tp, expert_parallel=True)
+        each_device = jax.shard_map(lambda x: moe.route(x, 2, True)[1][None], mesh=mesh, in_specs=P(),
+                                    out_specs=P(sharding.MODEL_AXIS), check_vma=False)
+        runs[f"route_tp{tp}"] = np.asarray(jax.jit(each_device)(logits)).tolist()
+        run_config = sharding.ModelShardings.create(config, mesh, expert_parallel=True).model_config
+        runs[f"mlp_tp{tp}"] = np.asarray(jax.jit(lambda w, x: moe.sparse_mlp(w, x, run_config, mesh))(lp, h)).tolist()
+    return runs
+
+
 def _worker() -> None:
     import jax
     assert jax.device_count() >= 4, jax.devices()
-    print(json.dumps({family: _family_runs(family) for family in FAMILIES}))
+    print(json.dumps({**{family: _family_runs(family) for family in FAMILIES}, "ties": _tie_runs()}))
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +153,38 @@ def test_each_device_holds_whole_experts_and_attention_stays_split(results, fami
         # What the planner says one device holds is what it holds.
         run = memory.parallel_model(config, EngineConfig(tensor_parallel_size=tp, enable_expert_parallel=True))
         assert layout["per_device_bytes"] == memory.weights_bytes(run, "float32", tp)
+
+
+def test_router_ties_route_alike_on_every_device_lower_index_first(results):
+    """Exact and one-ulp near ties at the top-k boundary: every device of the expert-parallel
+    mesh picks the same experts, the stable order of the probabilities (lower index first)."""
+    import jax
+
+    from tests.test_moe import near_tie_logits, stable_top_k
+    expected = stable_top_k(np.asarray(jax.nn.softmax(near_tie_logits(), axis=-1)), 2)
+    for tp in LOGIT_SIZES:
+        each_device = np.asarray(results["ties"][f"route_tp{tp}"])
+        assert each_device.shape == (tp, *expected.shape)
+        for device in range(tp):
+            np.testing.assert_array_equal(each_device[device], expected, err_msg=f"tp {tp}, device {device}")
+
+
+def test_exactly_tied_experts_under_expert_parallel_give_one_devices_output(results):
+    """Tokens whose second expert is decided by an exact three-way tie: one device gives the numpy reference
+    (the lower expert), and the expert-parallel devices, each routing for itself, give the same."""
+    from tests.test_moe import reference_moe
+    config, lp, h = _tie_layer()
+    logits = np.asarray(results["ties"]["router_logits"], np.float32)  # [T, E]
+    top = np.sort(logits, axis=-1)[:, ::-1]
+    assert (top[:, 1] == top[:, 2]).sum() >= 3  # tokens whose second expert the tie decides (0 or 1 of 0, 1, 2)
+    expected = reference_moe(h, logits, lp["w_gate_exps"], lp["w_up_exps"], lp["w_down_exps"], 2, True)
+    flipped = reference_moe(h, logits[:, ::-1], *(lp[name][::-1] for name in sharding.EXPERT_WEIGHTS), 2, True)
+    assert np.abs(flipped - expected).max() > 1e-2  # ties to the higher expert: another answer
+    one = np.asarray(results["ties"]["mlp_tp1"])
+    np.testing.assert_allclose(one, expected, rtol=1e-4, atol=1e-5)
+    for tp in LOGIT_SIZES:
+        np.testing.assert_allclose(np.asarray(results["ties"][f"mlp_tp{tp}"]), one, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"tp {tp}")
 
 
 # ---- in this process ----------------------------------------------------------------------------

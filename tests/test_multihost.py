@@ -220,6 +220,57 @@ def test_two_processes_tp8_and_dp2_tp4_match_one_process(tmp_path, tiny8):
 
 
 @pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    """A converted tiny random Qwen2-MoE (8 routed experts and a shared one) with SmolLM2's
+    tokenizer; routed experts of intermediate size 1024, a third of the checkpoint's bytes."""
+    from checkpoints.convert import convert_checkpoint
+    from tests.test_moe import make_moe_model
+
+    hf_dir = str(tmp_path_factory.mktemp("tiny_moe_hf"))
+    make_moe_model(hf_dir, "qwen2_moe", vocab_size=49152, num_experts=8, moe_intermediate_size=1024)
+    copy_smollm2_tokenizer(hf_dir)
+    out_dir = str(tmp_path_factory.mktemp("tiny_moe") / "model")
+    convert_checkpoint(hf_dir, out_dir)
+    return out_dir
+
+
+def _restored_bytes(log: str) -> float:
+    """MiB one process read from the checkpoint while restoring its weights, from its log."""
+    m = re.search(r"weights restored: ([\d.]+) MiB read from", log)
+    assert m, log[-3000:]
+    return float(m.group(1)) * 2**20
+
+
+def test_two_processes_expert_parallel_match_one_process_and_restore_only_their_experts(tmp_path, tiny_moe):
+    """TP 4 over 2 processes x 2 devices with --enable_expert_parallel: one process's greedy tokens;
+    process p's devices hold experts [4p, 4p + 4) only, and it reads only their chunks."""
+    from checkpoints.load import file_bytes_read, load_params
+    from tests.test_moe import expert_bytes_read
+    prompts = PROMPTS[:2]
+    reference, _ = _generate(tmp_path, tiny_moe, "moe_tp1", prompts=prompts)
+    ep, logs = _generate(tmp_path, tiny_moe, "moe_ep4", 2, 2, ["--tensor_parallel_size=4", "--enable_expert_parallel"],
+                         prompts=prompts)
+    assert ep == reference and len(ep) == 2
+    experts_on_disk = sum(expert_bytes_read(tiny_moe, name, slice(0, 8))[0]
+                          for name in ("w_gate_exps", "w_up_exps", "w_down_exps"))
+    before = file_bytes_read()
+    load_params(tiny_moe, "float32")  # here, on one device: every chunk
+    read_all = file_bytes_read() - before
+    assert experts_on_disk > 0.3 * read_all
+    for p in range(2):
+        held = re.search(r"; routed experts (.*) of 8\n", logs[p])
+        assert held, logs[p][-3000:]
+        assert sorted(held.group(1).split(", ")) == [f"{name} {4 * p}-{4 * p + 3}" for name in
+                                                     ("w_down_exps", "w_gate_exps", "w_up_exps")], held.group(1)
+        # the dense weights are read whole by every process (one chunk each); the experts half
+        saved = read_all - _restored_bytes(logs[p])
+        assert abs(saved - experts_on_disk / 2) < 0.05 * experts_on_disk, (p, saved, experts_on_disk)
+    print(f"\nread from the checkpoint (MiB): {read_all / 2**20:.2f} by one process, "
+          f"{[round(_restored_bytes(log) / 2**20, 2) for log in logs]} by each of 2; "
+          f"routed experts {experts_on_disk / 2**20:.2f} of it")
+
+
+@pytest.fixture(scope="module")
 def smollm2_dir() -> str:
     from checkpoints import default_model
     return default_model.resolve_model("smollm2")

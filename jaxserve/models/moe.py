@@ -10,7 +10,11 @@ it; the weights are declared in jaxserve.models.weights). For the normed residua
           + sigmoid(h[t] @ shared_gate) * SwiGLU_shared(h[t])     (Qwen2-MoE's shared expert)
 
 Ties in top-k: `jax.lax.top_k` returns the lower expert index first among equal probabilities,
-so a token whose router scores tie goes to the same experts on every run and every device.
+so a token whose router scores tie goes to the same experts on every run and every device. The
+ranking is of the float32 probabilities: logits one ulp apart stay apart or become an exact tie
+in the softmax, and either way the order is fixed (higher first, then the lower index). Under
+expert parallelism every device ranks the same replicated logits with the same program, so all
+agree on every token's experts (tests/test_moe.py, tests/test_moe_expert_parallel.py).
 
 The experts run as grouped matmuls (`pallas_kernels.dispatch.grouped_matmul`: on the CPU an XLA
 loop over (row tile, expert) work items that reads only the routed experts' weights, on a GPU

@@ -50,7 +50,7 @@ def build_engine(engine_cls, model_config, tokenizer, cfg, *, model_name: str,
             budget = None if cfg.num_pages else _agreed_memory_budget(shardings, index)
             rss_before = multihost.rss_bytes()
             params = load_params(shardings)
-            _log_loaded_weights(params, rss_before)
+            _log_loaded_weights(params, rss_before, shardings)
         else:
             budget = None if cfg.num_pages else device_setup.memory_budget_bytes(shardings)
             params = load_params(shardings)
@@ -66,15 +66,40 @@ def _agreed_memory_budget(shardings, index: int) -> int:
     return multihost.agree_min(f"memory_budget/{index}", memory.device_memory_budget_bytes(device))
 
 
-def _log_loaded_weights(params, rss_before: int | None) -> None:
-    """Logs what one process of a multi-host job holds of the weights, and its RSS growth."""
+def _log_loaded_weights(params, rss_before: int | None, shardings) -> None:
+    """Logs what one process of a multi-host job holds of the weights, and its RSS growth; under
+    expert parallelism also the routed experts its devices hold."""
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     rss_after = multihost.rss_bytes()
     mib = lambda b: b / 2**20
+    experts = ""
+    if shardings is not None and shardings.expert_parallel:
+        held = {name: addressable_experts(weight) for name, weight in params["layers"].items()
+                if name.endswith("_exps") and isinstance(weight, jax.Array)}
+        experts = "; routed experts " + ", ".join(
+            f"{name} {_ranges(indices)}" for name, indices in held.items()) + f" of {shardings.model_config.num_experts}"
     log.info("process %d of %d: weights loaded: %.1f MiB on this process's devices of %.1f MiB in all; "
-             "RSS %.1f MiB -> %.1f MiB", jax.process_index(), jax.process_count(), mib(local), mib(total),
-             mib(rss_before or 0), mib(rss_after or 0))
+             "RSS %.1f MiB -> %.1f MiB%s", jax.process_index(), jax.process_count(), mib(local), mib(total),
+             mib(rss_before or 0), mib(rss_after or 0), experts)
+
+
+def addressable_experts(weight: jax.Array) -> list[int]:
+    """The routed experts (axis 1 of an [L, E, ...] expert weight) of which this process's
+    devices hold any part, in order."""
+    experts = range(weight.shape[1])
+    return sorted({e for shard in weight.addressable_shards for e in experts[shard.index[1]]})
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
