@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from checkpoints import ConversionError
-from checkpoints.layout import ParamBuffers
+from checkpoints.layout import ParamBuffers, split_slot
 from jaxserve.config import ModelConfig
 from jaxserve.models import quantization as qz
 from jaxserve.models import weights
@@ -99,7 +99,8 @@ def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat]
 
 
 class QuantizedParamBuffers(ParamBuffers):
-    """ParamBuffers whose linear leaves are stored quantized, one layer at a time."""
+    """ParamBuffers whose linear leaves are stored quantized, one layer at a time (the routed
+    experts' leaves of a published quantized checkpoint: one [layer, expert] at a time)."""
 
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str,
                  formats: dict[str, qz.QuantFormat]):
@@ -115,15 +116,22 @@ class QuantizedParamBuffers(ParamBuffers):
             dtypes = qz.quantized_dtypes(fmt)
             self.arrays["layers"][leaf] = {k: np.empty(s, dtypes[k]) for k, s in leaf_shapes.items()}
 
+    def _quantized_leaf(self, name: str) -> tuple[str | None, int | None]:
+        """(leaf, expert) of a slot of a quantized leaf ("layers/w_up_exps[3]" -> ("w_up_exps", 3)),
+        (None, None) for any other slot."""
+        path, expert = split_slot(name)
+        leaf = path.split("/", 1)[-1]
+        return (leaf, expert) if path.startswith("layers/") and leaf in self.formats else (None, None)
+
     def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
-        leaf = name.split("/", 1)[-1]
-        if name.startswith("layers/") and leaf in self.formats:
-            return self._layer_shapes[leaf][1:]
+        leaf, expert = self._quantized_leaf(name)
+        if leaf is not None:  # one layer's [in, out], or one expert's of a layer's [E, in, out]
+            return self._layer_shapes[leaf][1:] if expert is None else self._layer_shapes[leaf][2:]
         return super().slot_shape(name, layer)
 
     def store(self, name: str, layer: int | None, tensor, transpose: bool) -> None:
-        leaf = name.split("/", 1)[-1]
-        if not (name.startswith("layers/") and leaf in self.formats):
+        leaf, expert = self._quantized_leaf(name)
+        if leaf is None:
             return super().store(name, layer, tensor, transpose)
         fmt = self.formats[leaf]
         if isinstance(tensor, GGUFBlocks):
@@ -136,5 +144,6 @@ class QuantizedParamBuffers(ParamBuffers):
         else:
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)
+        at = self.row(name, layer) if expert is None else (self.row(name, layer), expert)
         for key, array in weight.stored().items():  # the checkpoint's dict of the leaf's arrays
-            self.arrays["layers"][leaf][key][self.row(name, layer)] = array
+            self.arrays["layers"][leaf][key][at] = array
