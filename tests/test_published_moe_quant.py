@@ -10,6 +10,10 @@ reference_model). jaxserve converts the same folder:
 
 - the expert leaves are QuantArrays with leading [L, E] axes in one stored format, and every
   expert's weights dequantize to the reference's bit for bit (as do the dense leaves);
+- its logits match transformers' on the reference within 1e-4 of the largest logit, greedy
+  decoding picking the same tokens (teacher-forced on transformers' greedy sequence);
+- `jaxserve convert` + `jaxserve generate` give transformers' greedy tokens, one family for each
+  published format (compressed-tensors, GPTQ act-order, AWQ).
 """
 import os
 
@@ -25,8 +29,10 @@ from checkpoints.load import ModelSource  # noqa: E402
 from jaxserve.models import quantization as qz  # noqa: E402
 from jaxserve.models import weights  # noqa: E402
 from tests import published_checkpoints as pc  # noqa: E402
-from tests.test_moe import make_moe_model  # noqa: E402
-from tests.test_published_quant_formats import stored_layer_weights  # noqa: E402
+from tests.test_moe import greedy_through_the_cli, make_moe_model  # noqa: E402
+from tests.test_published_quant_formats import (GREEDY_TOKENS, LOGIT_TOLERANCE, PROMPT_LEN,  # noqa: E402
+                                                greedy_reference, jaxserve_logits, stored_layer_weights)
+from tests.tiny_models import hf_logits  # noqa: E402
 
 # every input 64 (hidden; 4 heads x 16: o_proj; an expert's intermediate size: its down
 # projection): two groups of 32, so that GPTQ act-order has inputs to move between groups
@@ -55,15 +61,18 @@ CASES = {
 }
 
 
-def write_checkpoint(path: str, family: str, writer: str, kwargs: dict, seed: int, extra: dict):
-    model = make_moe_model(os.path.join(os.path.dirname(path), "float"), family, seed=seed,
-                           **FAMILY_SHAPES[family], **extra)
+def publish(model, path: str, writer: str, kwargs: dict, seed: int):
+    """Writes the published checkpoint of `model` under `path`; returns (path, the reference
+    transformers model: its dequantization by compressed-tensors)."""
     if writer == "ct":
         pc.quantize_compressed_tensors(model, path, ignore=IGNORE, **kwargs)
     elif writer == "gptq":
         pc.write_gptq(model, path, seed=seed, **kwargs)
     else:
         pc.write_awq(model, path, **kwargs)
+    work_dir = f"{path}-reference"
+    os.makedirs(work_dir)
+    return path, pc.reference_model(path, work_dir)
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +84,10 @@ def converted(tmp_path_factory):
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
             family, writer, kwargs, _, *extra = CASES[name]
-            source = str(root / "published")
-            write_checkpoint(source, family, writer, kwargs, list(CASES).index(name), *extra or [{}])
-            os.makedirs(root / "reference")
-            model, state = pc.reference_model(source, str(root / "reference"))
+            seed = list(CASES).index(name)
+            fields = {**FAMILY_SHAPES[family], **(extra[0] if extra else {})}
+            model = make_moe_model(str(root / "float"), family, seed=seed, **fields)
+            source, (model, state) = publish(model, str(root / "published"), writer, kwargs, seed)
             convert_checkpoint(source, str(root / "converted"))
             cache[name] = (source, str(root / "converted"), model, state)
         return cache[name]
@@ -120,3 +129,36 @@ def test_expert_weights_dequantize_bit_for_bit_like_the_reference(converted, nam
             assert not isinstance(params["layers"][info.name], qz.QuantArray)
             want = np.stack([reference[f"model.layers.{layer}.{info.hf}"].T for layer in info.stack_layers])
             np.testing.assert_array_equal(np.asarray(params["layers"][info.name]), want)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_greedy_tokens_match_transformers(converted, name):
+    _, model_dir, model, _ = converted(name)
+    source = ModelSource.open(model_dir)
+    params = source.load_params(jnp.float32)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, source.config.vocab_size, n).tolist() for n in (PROMPT_LEN, 7)]
+    sequences = [greedy_reference(model, p, GREEDY_TOKENS) for p in prompts]
+    for sequence, got in zip(sequences, jaxserve_logits(params, source.config, sequences)):
+        want = hf_logits(model, np.asarray([sequence]))[0]
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOLERANCE * np.abs(want).max())
+        start = len(sequence) - GREEDY_TOKENS - 1  # at every generated position: transformers' next token
+        assert got[start:-1].argmax(-1).tolist() == sequence[start + 1:]
+
+
+CLI_CASES = {"mixtral": ("ct", dict(bits=4, group=32)),
+             "qwen2_moe": ("gptq", dict(group=32, act_order=True, symmetric=False)),
+             "qwen3_moe": ("awq", dict(group=32))}
+
+
+@pytest.mark.parametrize("family", list(CLI_CASES))
+def test_greedy_tokens_through_convert_and_generate(tmp_path, family):
+    writer, kwargs = CLI_CASES[family]
+
+    def published(model, path):
+        path, (reference, _) = publish(model, path, writer, kwargs, seed=7)
+        return path, reference
+
+    got, expected = greedy_through_the_cli(tmp_path, family, "Each token goes to two of the four experts.",
+                                           publish=published, **FAMILY_SHAPES[family])
+    assert got == expected
