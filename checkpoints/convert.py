@@ -75,9 +75,6 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
         raise ConversionError(f"{output_dir}: already exists")
     target_dtype = None if dtype is None else dtype_from_name(dtype)
     source = open_source(source_path)
-    if fmt is not None and source.config.is_moe:
-        raise ConversionError(f"{source_path}: --quantization of mixture-of-experts models ({source.config.architecture}) "
-                              f"is not implemented yet; convert it in a float dtype")
     target_dtype = target_dtype or source.default_dtype()
     if target_dtype.name not in DTYPES:
         raise ConversionError(f"{source_path}: source dtype {target_dtype.name} is not a supported float dtype")

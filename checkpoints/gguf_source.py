@@ -14,7 +14,9 @@ Whether the top-k weights are renormalised: `{arch}.expert_weights_norm` where t
 else llama.cpp's own choice per architecture (`_NORM_TOPK_DEFAULT`: Mixtral and Qwen3-MoE yes,
 Qwen2-MoE no). A layer without a router (`ffn_gate`/`ffn_up`/`ffn_down` instead) is a dense
 MLP layer (ModelConfig.mlp_only_layers). Quantized expert tensors are dequantized to float, as
-every other tensor of a file converted without --quantization.
+every other tensor of a file converted without --quantization; with it, Q8_0 / Q4_0 / Q4_1 expert
+tensors are copied block for block into each expert's slot, as the other matrices are
+(checkpoints.quantized).
 """
 from __future__ import annotations
 
@@ -264,7 +266,7 @@ class GGUFSource:
             else:
                 raise ConversionError(f"{self.path}: unexpected tensor {name!r}")
             if slot in self._stacked_experts:
-                yield from self._experts(tensor, slot, layer, transpose)
+                yield from self._experts(tensor, slot, layer, transpose, slot in keep_blocks)
                 continue
             values = self._blocks(tensor) if slot in keep_blocks else self._dequantize(tensor)
             permuted = _ROPE_PERMUTED.get(match.group(2)) if match else None
@@ -276,14 +278,21 @@ class GGUFSource:
                 values = values[None, :]  # llama.cpp declares it [D]; the weight is [1, D]
             yield self.path, name, slot, layer, values, transpose
 
-    def _experts(self, tensor, slot: str, layer: int, transpose: bool):
-        """The per-expert slots of one `ffn_*_exps` tensor [E, out, in] of every expert."""
-        values = self._dequantize(tensor)
-        if values.ndim != 3 or values.shape[0] != self.config.num_experts:
-            raise ConversionError(f"{self.path}: tensor {tensor.name!r} has shape {tuple(values.shape)}, expected "
+    def _experts(self, tensor, slot: str, layer: int, transpose: bool, keep_blocks: bool = False):
+        """The per-expert slots of one `ffn_*_exps` tensor [E, out, in] of every expert: float
+        [out, in] each, or with `keep_blocks` each expert's rows of GGUF blocks."""
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # [E, out, in]
+        if len(shape) != 3 or shape[0] != self.config.num_experts:
+            raise ConversionError(f"{self.path}: tensor {tensor.name!r} has shape {shape}, expected "
                                   f"[{self.config.num_experts} experts, out, in]")
-        for expert in range(values.shape[0]):
-            yield self.path, tensor.name, expert_slot(slot, expert), layer, values[expert], transpose
+        if keep_blocks:
+            from checkpoints.quantized import GGUFBlocks, gguf_block_bytes
+            data = np.asarray(tensor.data, np.uint8).reshape(shape[0], shape[1], -1, gguf_block_bytes(tensor))
+            per_expert = [GGUFBlocks(tensor.tensor_type.name, rows) for rows in data]
+        else:
+            per_expert = self._dequantize(tensor).reshape(shape)
+        for expert, values in enumerate(per_expert):
+            yield self.path, tensor.name, expert_slot(slot, expert), layer, values, transpose
 
     def describe_missing(self, slot: str, layer: int | None) -> str:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)

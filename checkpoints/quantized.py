@@ -1,4 +1,6 @@
-"""Quantized checkpoints: linear layers stored as int8 / int4 (see jaxserve.models.quantization).
+"""Quantized checkpoints: linear layers and routed experts stored as int8 / int4 (see
+jaxserve.models.quantization; an expert's slot 'layers/w_up_exps[3]' is quantized as a matrix of
+its own).
 
 Conversion quantizes each layer's tensor as it streams in. GGUF Q8_0, Q4_0 and Q4_1 tensors are
 copied block for block, with no float round trip: a block is 32 inputs of one output row with a
@@ -64,12 +66,16 @@ class GGUFBlocks:
         return qz.QuantArray(codes.reshape(rows, -1).T, scale.T, zero)
 
 
+def gguf_block_bytes(tensor) -> int:
+    """Bytes of one block of a gguf ReaderTensor of a COPY_FORMATS type: header and codes."""
+    kind = tensor.tensor_type.name
+    return HEADER_BYTES[kind] + (BLOCK_SIZE if kind == "Q8_0" else BLOCK_SIZE // 2)
+
+
 def gguf_blocks(tensor) -> GGUFBlocks:
     """A gguf ReaderTensor of a COPY_FORMATS type as GGUFBlocks."""
-    header = HEADER_BYTES[tensor.tensor_type.name]
-    block_bytes = header + (BLOCK_SIZE if tensor.tensor_type.name == "Q8_0" else BLOCK_SIZE // 2)
     data = np.asarray(tensor.data, np.uint8)
-    return GGUFBlocks(tensor.tensor_type.name, data.reshape(data.shape[0], -1, block_bytes))
+    return GGUFBlocks(tensor.tensor_type.name, data.reshape(data.shape[0], -1, gguf_block_bytes(tensor)))
 
 
 def copy_format(kind: str | None, fmt: qz.QuantFormat) -> qz.QuantFormat | None:
@@ -86,7 +92,7 @@ def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat]
     """Format of every linear leaf, and the slots ('layers/wq', ...) to copy as GGUF blocks."""
     kinds = source.tensor_kinds() if hasattr(source, "tensor_kinds") else {}
     formats, direct = {}, set()
-    for leaf in weights.linear_leaves(source.config):
+    for leaf in weights.quantizable_leaves(source.config):
         slot_kinds = kinds.get(f"layers/{leaf}", set())
         kind = next(iter(slot_kinds)) if len(slot_kinds) == 1 else None
         mapped = copy_format(kind, fmt)
@@ -99,8 +105,7 @@ def leaf_formats(source, fmt: qz.QuantFormat) -> tuple[dict[str, qz.QuantFormat]
 
 
 class QuantizedParamBuffers(ParamBuffers):
-    """ParamBuffers whose linear leaves are stored quantized, one layer at a time (the routed
-    experts' leaves of a published quantized checkpoint: one [layer, expert] at a time)."""
+    """ParamBuffers whose linear leaves are stored quantized, one layer at a time."""
 
     def __init__(self, config: ModelConfig, dtype: np.dtype, source_file: str,
                  formats: dict[str, qz.QuantFormat]):
@@ -117,15 +122,14 @@ class QuantizedParamBuffers(ParamBuffers):
             self.arrays["layers"][leaf] = {k: np.empty(s, dtypes[k]) for k, s in leaf_shapes.items()}
 
     def _quantized_leaf(self, name: str) -> tuple[str | None, int | None]:
-        """(leaf, expert) of a slot of a quantized leaf ("layers/w_up_exps[3]" -> ("w_up_exps", 3)),
-        (None, None) for any other slot."""
+        """(leaf, expert) of a slot of a quantized leaf ('layers/wq', 'layers/w_up_exps[3]'); leaf None otherwise."""
         path, expert = split_slot(name)
         leaf = path.split("/", 1)[-1]
-        return (leaf, expert) if path.startswith("layers/") and leaf in self.formats else (None, None)
+        return (leaf if path.startswith("layers/") and leaf in self.formats else None), expert
 
     def slot_shape(self, name: str, layer: int | None) -> tuple[int, ...]:
         leaf, expert = self._quantized_leaf(name)
-        if leaf is not None:  # one layer's [in, out], or one expert's of a layer's [E, in, out]
+        if leaf is not None:
             return self._layer_shapes[leaf][1:] if expert is None else self._layer_shapes[leaf][2:]
         return super().slot_shape(name, layer)
 
@@ -144,6 +148,6 @@ class QuantizedParamBuffers(ParamBuffers):
         else:
             value = np.asarray(tensor, np.float32)
             weight = qz.quantize_array(value.T if transpose else value, fmt, leaf)
-        at = self.row(name, layer) if expert is None else (self.row(name, layer), expert)
+        index = self.row(name, layer) if expert is None else (self.row(name, layer), expert)
         for key, array in weight.stored().items():  # the checkpoint's dict of the leaf's arrays
-            self.arrays["layers"][leaf][key][at] = array
+            self.arrays["layers"][leaf][key][index] = array

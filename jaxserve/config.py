@@ -73,6 +73,16 @@ class EngineConfig:
         None, "most prefill tokens a step carries beside decoding sequences (bounds their time per output token "
         "while a long prompt is prefilled; costs that prompt's time to first token)", minimum=1,
         unset=f"serve on CPU: {CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD}; otherwise no bound")
+    # The step shapes (jaxserve.core.step.BucketSet): explicit lists replace the geometric rule's sizes;
+    # checked by step.parse_bucket_sizes (at flag parsing, and when the engine builds its buckets).
+    decode_buckets: str | None = setting(
+        None, "decode rows of the compiled step shapes: comma-separated, ascending, the last equal to "
+        "--max_num_seqs (`jaxserve plan --measure_buckets` measures which are worth compiling here)",
+        unset="8, 16, 32, ... doubling up to --max_num_seqs; on CPU also 1, 2, 4 for decode-only steps")
+    prefill_buckets: str | None = setting(
+        None, "prefill tokens of the compiled step shapes: comma-separated, ascending, the last equal to "
+        "--max_num_batched_tokens (see --decode_buckets)", unset="32, 64, 128, ... doubling up to "
+        "--max_num_batched_tokens")
     max_waiting_requests: int = setting(1024, "bound of the waiting queue", minimum=1)
     # Multi-step decoding (jaxserve.executor.decode_loop): the host sees the tokens, and stops, after the call.
     num_scheduler_steps: int = setting(
@@ -110,6 +120,12 @@ class EngineConfig:
         unset="kept automatically beside the compilation cache")
     save_executables: str | None = setting(
         None, "compile every step shape and save the executables in this folder, for --executables")
+    # The prompt-logprob shapes (jaxserve.executor.warmup): left to the first request that needs each one
+    # unless this is set; --save_executables and a multi-host job compile them at start anyway.
+    warmup_prompt_logprobs: bool = setting(
+        False, "compile the prompt-logprob shapes (8 .. 256 rows) at start with the step shapes; otherwise each "
+        "is compiled in the background when a request asking for prompt_logprobs first needs it, that request "
+        "waiting meanwhile")
     # Parallelism (jaxserve.parallel): an Engine is one replica; from_model builds data_parallel_size of them.
     tensor_parallel_size: int = setting(
         1, "devices each model replica is split over (attention heads, MLP, vocabulary)", minimum=1)

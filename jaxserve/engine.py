@@ -24,7 +24,7 @@ from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, St
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
 from jaxserve.core.scheduler import Scheduler, StepPlan
-from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.core.step import PromptLogprobRows, ScheduledBatch, check_bucket_lists
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
 from jaxserve.speculative import ngram, verification
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 STEP_RECORDS_KEPT = 1024  # the most recent StepRecords an engine keeps
+HELD_WAIT_S = 0.05  # a step with only held requests waits this long at most for their shape (new requests meanwhile)
 
 
 @dataclasses.dataclass
@@ -127,6 +128,8 @@ class Engine:
             # processes, and the draft's shapes, warm up before the first step).
             background = cfg.background_warmup and self.runner.draft is None and device_setup.process_count() == 1
             self.runner.warmup(background=background)
+            # prompt-logprob shapes left to first use: requests wait in the scheduler for theirs
+            self.scheduler.prompt_logprob_shapes = self.runner.prompt_logprob_shapes
             if self.runner.draft is not None:
                 self.runner.draft.warmup(self.runner.all_buckets())
 
@@ -136,12 +139,14 @@ class Engine:
 
         Weights are restored straight into each device's shards. With data_parallel_size > 1
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
-        Raises ValueError when the model cannot be split over the requested devices."""
+        Raises ValueError when the model cannot be split over the requested devices, or for a
+        bad explicit bucket list (step.BucketListError)."""
         from jaxserve.executor import device_setup  # jax lives behind the runner (see __init__)
         from jaxserve.parallel import data_parallel, multihost
 
         multihost.initialize()
         cfg = device_setup.platform_config(engine_config or EngineConfig())
+        check_bucket_lists(cfg)  # before the weights load
         source = load.open_model(model)
         return data_parallel.build_engine(
             cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,
@@ -244,6 +249,8 @@ class Engine:
         self._last_step_end = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.scheduler.num_held:  # only requests waiting for a prompt-logprob shape: no busy loop
+                self.runner.prompt_logprob_shapes.wait(HELD_WAIT_S)
             return []
         batch = plan.to_batch()
         try:

@@ -140,14 +140,29 @@ def grouped_matmul_backend(choice: str | None = None) -> str:
     return choice
 
 
-def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None):
+def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None, *, product=None, dense=None):
     """jax.lax.ragged_dot(lhs, rhs, group_sizes) through `backend` (see the module docstring).
 
     lhs [M, K] with its rows sorted by group; rhs [G, K, N]; group_sizes int32[G] summing to at
     most M. Returns [M, N] in lhs's dtype; rows past sum(group_sizes) are zero. Operands the
     kernel does not take (pallas_kernels.grouped_matmul.supports) go to the "xla" path.
+
+    `rhs` may also be a pytree that stands for the [G, K, N] matrices (a quantized weight: every
+    leaf with the leading G axis), given with `product(rows [m, K], rhs_g) -> [m, N]`, the rows
+    times group g's matrix (rhs_g: every leaf indexed at g), and `dense(rhs) -> [G, K, N]`, its
+    float matrices. The CPU's work-item loop calls `product` per item, so it reads only the groups
+    in use, each at its stored size; every other backend multiplies `dense(rhs)`.
     """
     backend = grouped_matmul_backend(backend)
+    if product is not None:
+        matrices = lambda: dense(rhs)  # noqa: E731  only where a branch needs the float matrices
+        cpu = lambda: xla_grouped.grouped_matmul(lhs, rhs, group_sizes, product=product)  # noqa: E731
+        if backend == "ragged_dot":
+            return jax.lax.ragged_dot(lhs, matrices(), group_sizes)
+        if backend == "interpret":
+            return grouped_matmul(lhs, matrices(), group_sizes, backend)
+        gpu = lambda: grouped_matmul(lhs, matrices(), group_sizes, backend)  # noqa: E731
+        return jax.lax.platform_dependent(cpu=cpu, default=gpu)
     if backend == "ragged_dot":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     takes = grouped_matmul_kernel.supports(lhs, rhs)

@@ -31,31 +31,42 @@ def default_block_rows(num_rows: int, num_groups: int) -> int:
     return min(next_power_of_2(max(num_rows, 1)), max(MIN_BLOCK_ROWS, min(per_group, MAX_BLOCK_ROWS)))
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, block_m=None):
+def grouped_matmul(lhs, rhs, group_sizes, *, block_m=None, product=None):
     """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes int32[G] (sum <= M) -> [M, N]
     in the operands' promoted dtype, as jax.lax.ragged_dot; rows past sum(group_sizes) are zero.
-    block_m (static): rows per tile, default `default_block_rows`."""
+    block_m (static): rows per tile, default `default_block_rows`.
+
+    With `product(rows [block_m, K], rhs_g) -> [block_m, N]`, `rhs` is any pytree whose leaves
+    all have the leading G axis (a quantized weight), and each item multiplies its tile by the
+    tree indexed at its group (rhs_g) through `product`; the result is in lhs's dtype."""
     num_rows, k = lhs.shape
-    num_groups, _, n = rhs.shape
+    num_groups = jax.tree.leaves(rhs)[0].shape[0]
     block_m = block_m or default_block_rows(num_rows, num_groups)
+    if product is None:
+        out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+        precision = jax.lax.Precision.HIGHEST if out_dtype == jnp.float32 else None
+        product = lambda rows, matrix: jnp.dot(rows, matrix, precision=precision,  # noqa: E731
+                                               preferred_element_type=jnp.float32)
+    else:
+        out_dtype = lhs.dtype
+    group_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rhs)
+    n = jax.eval_shape(product, jax.ShapeDtypeStruct((block_m, k), lhs.dtype), group_struct).shape[-1]
     num_tiles = cdiv(max(num_rows, 1), block_m)
     padded_rows = num_tiles * block_m
     item_group, item_tile, row_start, row_end = work_items(group_sizes, num_rows, block_m,
                                                            num_tiles + num_groups - 1)
     items_in_use = jnp.sum(row_end > row_start)  # the items in use come first
     lhs_padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))  # [padded_rows, K]
-    out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-    precision = jax.lax.Precision.HIGHEST if out_dtype == jnp.float32 else None
 
     def item(i, out):  # out: [padded_rows, N]
         tile_start = item_tile[i] * block_m
         rows = jax.lax.dynamic_slice_in_dim(lhs_padded, tile_start, block_m)  # [block_m, K]
-        matrix = jax.lax.dynamic_index_in_dim(rhs, item_group[i], keepdims=False)  # [K, N]
-        product = jnp.dot(rows, matrix, precision=precision, preferred_element_type=jnp.float32)
+        matrix = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, item_group[i], keepdims=False), rhs)
+        result = product(rows, matrix)  # [block_m, N]
         row_ids = tile_start + jnp.arange(block_m, dtype=jnp.int32)
         mine = ((row_ids >= row_start[i]) & (row_ids < row_end[i]))[:, None]  # [block_m, 1]
         current = jax.lax.dynamic_slice_in_dim(out, tile_start, block_m)  # [block_m, N]
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, product.astype(out.dtype), current),
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, result.astype(out.dtype), current),
                                                    tile_start, 0)
 
     out = jax.lax.fori_loop(0, items_in_use, item, jnp.zeros((padded_rows, n), out_dtype))

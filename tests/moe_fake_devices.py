@@ -19,7 +19,8 @@ def prefill_logits(config, params, tp: int, *, expert_parallel: bool = False,
                    layout_names=("w_gate_exps", "w_down_exps", "router")):
     """One prefill step of three prompts on `tp` devices (one device for tp 1), experts split on
     their intermediate size or, with `expert_parallel`, spread whole -> (logits [T, V] as lists,
-    {weight name: its per-device shapes} for the names the layers have, and "per_device_bytes")."""
+    {weight name: its per-device shapes (a quantized weight's: of its codes)} for the names the layers
+    have, and "per_device_bytes")."""
     import jax
     import jax.numpy as jnp
 
@@ -36,7 +37,7 @@ def prefill_logits(config, params, tp: int, *, expert_parallel: bool = False,
     step = jax.jit(lambda p, k, b: llama.forward(p, k, b, config=run_config, mesh=mesh)[0])
     layout = {}
     if shardings:
-        layout = {name: sorted({tuple(s.data.shape) for s in placed["layers"][name].addressable_shards})
+        layout = {name: sorted({tuple(s.data.shape) for s in jax.tree.leaves(placed["layers"][name])[0].addressable_shards})
                   for name in layout_names if name in placed["layers"]}
         layout["per_device_bytes"] = shardings.per_device_bytes(params)
     return np.asarray(step(placed, kv, batch)).tolist(), layout

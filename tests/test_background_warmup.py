@@ -1,6 +1,8 @@
 """The warm-up in the background (`jaxserve serve`'s: EngineConfig.background_warmup): requests
 run while it compiles, a step whose shape is not ready waits for it instead of compiling on the
-stepping thread, the progress is reported, and once it ends serving compiles nothing."""
+stepping thread, the progress is reported, and once it ends serving compiles nothing. The
+prompt-logprob shapes: compiled on first use off the stepping thread (the request waiting, the
+others stepped), or at start with warmup_prompt_logprobs."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +11,10 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from jaxserve.core.request import SamplingParams
 from tests.test_engine import GREEDY, TINY, make_engine, random_prompts, recorded_compilations, run_staggered
+
+WANTING = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +122,68 @@ def test_a_process_exiting_mid_warmup_stops_it_without_an_error(params, monkeypa
     status = engine.warmup_status()
     assert status["error"] is None and status["compiled"] == first_total < status["total"]
     assert "warm-up stopped: the process is exiting" in caplog.text and "warm-up failed" not in caplog.text
+
+
+def test_prompt_logprob_shapes_compile_on_first_use_while_the_other_requests_stream(params, monkeypatch,
+                                                                                  compiles_by_thread, caplog):
+    from jaxserve.executor import warmup
+    seed = 4
+    wanting, plain = random_prompts(np.random.default_rng(seed), 2, low=20, high=40)
+    # Today's path, with the flag: every prompt-logprob shape compiled at start.
+    eager = make_engine(params, warmup=True, warmup_prompt_logprobs=True)
+    buckets = eager.runner.prompt_logprob_buckets
+    assert sorted(eager.runner._compiled_prompt_logprobs) == list(buckets) and eager.runner.prompt_logprob_shapes is None
+    expected = eager.generate([wanting], WANTING)[0]
+    expected_plain = eager.generate([plain], GREEDY)[0].token_ids
+    assert len(expected.prompt_logprobs) == len(wanting) - 1
+
+    gate, started, real = threading.Event(), [], warmup.WarmupPlan._compile_prompt_logprobs
+
+    def gated(self, num_rows):  # the on-demand compile waits for the test's word
+        started.append(num_rows)
+        assert gate.wait(600)
+        real(self, num_rows)
+
+    monkeypatch.setattr(warmup.WarmupPlan, "_compile_prompt_logprobs", gated)
+    with caplog.at_level("INFO", logger="jaxserve.executor.warmup"):
+        engine = make_engine(params, warmup=True, background_warmup=True)
+        wait_for_every_shape(engine)
+    state = engine.runner.warmup_state
+    assert engine.runner._compiled_prompt_logprobs == {} and started == []  # none compiled at start
+    assert state.total == eager.runner.warmup_state.total - len(buckets) and state.on_demand_total == len(buckets)
+    assert f"{len(buckets)} prompt-logprob shapes compiled on first use" in caplog.text
+
+    del compiles_by_thread[:]
+    engine.add_request("wanting", wanting, WANTING)  # first in the queue, held while its shape compiles
+    engine.add_request("plain", plain, GREEDY)
+    outputs = {"wanting": [], "plain": []}
+    for _ in range(100):
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        if outputs["plain"] and outputs["plain"][-1].finished:
+            break
+    assert [t for out in outputs["plain"] for t in out.new_token_ids] == expected_plain, f"seed {seed}"
+    assert outputs["wanting"] == [] and engine.scheduler.num_waiting == 1, "the held request ran or was lost"
+    needed = next(b for b in buckets if b >= len(wanting) - 1)
+    assert started == [needed]
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    entries = next(out.prompt_logprobs for out in outputs["wanting"] if out.prompt_logprobs is not None)
+    assert [(e.token_id, e.rank, [t for t, _ in e.top]) for e in entries] == [
+        (e.token_id, e.rank, [t for t, _ in e.top]) for e in expected.prompt_logprobs], f"seed {seed}"
+    np.testing.assert_allclose([e.logprob for e in entries], [e.logprob for e in expected.prompt_logprobs], atol=1e-6)
+    assert [t for out in outputs["wanting"] for t in out.new_token_ids] == expected.token_ids
+    assert sorted(engine.runner._compiled_prompt_logprobs) == [needed] and state.on_demand_compiled == 1
+    assert threading.get_ident() not in compiles_by_thread, "a step compiled on the stepping thread"
+
+    # The synchronous engine (a warm-up, no stepping thread of a server) waits the same way.
+    monkeypatch.setattr(warmup.WarmupPlan, "_compile_prompt_logprobs", real)
+    sync = make_engine(params, warmup=True)
+    del compiles_by_thread[:]
+    result = sync.generate([wanting], WANTING)[0]
+    assert [e.token_id for e in result.prompt_logprobs] == [e.token_id for e in expected.prompt_logprobs]
+    np.testing.assert_allclose([e.logprob for e in result.prompt_logprobs],
+                               [e.logprob for e in expected.prompt_logprobs], atol=1e-6)
+    assert threading.get_ident() not in compiles_by_thread and list(sync.runner._compiled_prompt_logprobs) == [needed]

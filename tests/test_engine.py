@@ -160,7 +160,7 @@ def test_no_compilation_after_warmup_with_grammar_and_prompt_logprob_rows():
                          eos_token_ids=(tokenizer.eos_token_id,))
     engine = Engine(config, weights.random_params(config, seed=2), tokenizer, EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2, page_size=8, num_pages=64,
-        max_model_len=128, warmup=True))
+        max_model_len=128, warmup=True, warmup_prompt_logprobs=True))  # prompt-logprob shapes at start too
     constraints = [StructuredOutputParams("regex", "[a-z]{1,12}", "guided_regex"),
                    StructuredOutputParams("choice", ["red", "green"], "guided_choice"),
                    StructuredOutputParams("json_schema", {"type": "array", "items": {"type": "integer"},

@@ -89,10 +89,18 @@ def test_a_torn_file_is_compiled_again(params, cache, caplog):
 def test_explicit_folder_saved_then_loaded_strictly(params, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", "")  # no automatic store: only the explicit folder
     folder = str(tmp_path / "exe")
-    saved = Engine(TINY, params, None, EngineConfig(**ENGINE, save_executables=folder)).runner._executable_store
-    assert saved.saved > 0 and os.path.exists(os.path.join(folder, "manifest.json"))
-    loaded = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder)).runner._executable_store
-    assert (loaded.loaded, loaded.saved) == (saved.saved, 0)
+    saver = Engine(TINY, params, None, EngineConfig(**ENGINE, save_executables=folder)).runner
+    saved = saver._executable_store
+    assert saved.saved == saver.warmup_state.total > 0 and os.path.exists(os.path.join(folder, "manifest.json"))
+    num_prompt_shapes = len(saver.prompt_logprob_buckets)  # a saved folder is complete: these too
+    assert sorted(saver._compiled_prompt_logprobs) == list(saver.prompt_logprob_buckets) and num_prompt_shapes
+    engine = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder))
+    loaded = engine.runner._executable_store
+    assert (loaded.loaded, loaded.saved) == (saved.saved - num_prompt_shapes, 0)  # prompt-logprob shapes: on first use
+    result = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert len(result.prompt_logprobs) == 3 and (loaded.loaded, loaded.saved) == (saved.saved - num_prompt_shapes + 1, 0)
+    at_start = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder, warmup_prompt_logprobs=True))
+    assert (at_start.runner._executable_store.loaded, at_start.runner._executable_store.saved) == (saved.saved, 0)
 
     with pytest.raises(executables.ExecutablesMismatch, match=r"saved for another engine \(buckets: saved"):
         Engine(TINY, params, None, EngineConfig(**{**ENGINE, "max_num_seqs": 1}, executables=folder))
@@ -100,7 +108,7 @@ def test_explicit_folder_saved_then_loaded_strictly(params, tmp_path, monkeypatc
         Engine(TINY, params, None, EngineConfig(**ENGINE, executables=str(tmp_path / "nothing")))
     os.remove(os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".exe"))[0]))
     with pytest.raises(executables.ExecutablesMismatch, match="has no executable for the shape"):
-        Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder))
+        Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder, warmup_prompt_logprobs=True))
 
 
 def test_the_fingerprint_follows_jax_devices_and_source(monkeypatch):

@@ -357,27 +357,6 @@ def test_the_planner_counts_published_moe_sizes(hf, published):
     assert memory.weights_bytes(config, "bfloat16") == 2 * count
 
 
-def test_unimplemented_paths_refuse_a_moe_model_by_name(tmp_path):
-    from jaxserve.config import EngineConfig
-    from jaxserve.models import quantization
-    from jaxserve.planning import memory
-    config = _moe_config("mixtral")
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        quantization.quantize_params({"layers": {}}, "int8", config)  # refused before any weight is read
-    cfg = EngineConfig(dtype="bfloat16", quantization="int8")
-    with pytest.raises(memory.MemoryPlanError, match="mixture-of-experts"):
-        memory.plan_memory(config, cfg, device_memory_bytes=8 << 30)
-
-
-def test_convert_refuses_to_quantize_a_moe_model(tmp_path, capsys):
-    from jaxserve.commands import cli
-    make_moe_model(str(tmp_path / "hf"), "mixtral")
-    assert cli.main(["jaxserve", "convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'out'}",
-                     "--quantization=int8"]) == 2
-    assert "mixture-of-experts" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 def test_a_moe_gguf_without_its_expert_metadata_is_refused_by_name(tmp_path):
     """llama.cpp writes Mixtral as arch "llama" with an expert count (tests/test_moe_gguf.py
     converts such files); one without its top-k is refused by the key's name, not misread."""

@@ -148,6 +148,27 @@ def test_quantized_experts_are_dequantized(tmp_path):
     assert np.abs(got - original).max() > 0  # the comparison tells the two apart
 
 
+def test_q4_0_experts_are_copied_block_for_block_under_int4(tmp_path):
+    """With --quantization=int4 a Q4_0 file's experts keep their blocks (int4_g32_sym, no float
+    round trip): each expert's dequantized weight is gguf's dequantization of its tensor, and the
+    model computes what the file's float conversion computes."""
+    from jaxserve.models import quantization
+    model = make_moe_model(str(tmp_path / "hf"), "qwen3_moe", moe_intermediate_size=32)  # Q4_0 rows: 32s
+    path = write_moe_gguf(tmp_path / "q.gguf", model, "qwen3moe", Q.Q4_0)
+    convert_checkpoint(path, str(tmp_path / "int4"), quantization="int4")
+    convert_checkpoint(path, str(tmp_path / "float"))
+    params = load_params(str(tmp_path / "int4"), jnp.float32)
+    down = params["layers"]["w_down_exps"]
+    assert quantization.weight_format(down).name == "int4_g32_sym"
+    original = model.state_dict()["model.layers.1.mlp.experts.down_proj"].numpy()  # [E, D, F]
+    expected = gguf.quants.dequantize(gguf.quants.quantize(original, Q.Q4_0), Q.Q4_0).reshape(original.shape)
+    got = np.swapaxes(np.asarray(quantization.dequantize(down)[1]), -1, -2)  # [E, D, F]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    assert np.abs(expected - original).max() > 0  # the comparison tells the two apart
+    np.testing.assert_allclose(_forward_logits(str(tmp_path / "int4"))[0], _forward_logits(str(tmp_path / "float"))[0],
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("metadata,drop,message", [
     ({"expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID}, (), "expert_gating_func"),
     ({"expert_weights_scale": 2.5}, (), "expert_weights_scale"),

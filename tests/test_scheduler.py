@@ -443,3 +443,40 @@ def test_prefill_beside_decoding_rows_is_bounded_by_long_prefill_token_threshold
         assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 1"):
         Scheduler(allocator, dataclasses.replace(config, long_prefill_token_threshold=0), max_model_len=512)
+
+
+class FakePromptLogprobShapes:
+    """core.step.PromptLogprobShapes with the shapes the test has marked `compiled`; records the
+    shape each ask needs."""
+
+    def __init__(self, sizes):
+        self.sizes, self.compiled, self.asked = sizes, set(), []
+
+    def rows_ready(self, rows):
+        self.asked.append(next(s for s in self.sizes if s >= rows))
+        return rows if any(s >= rows for s in self.compiled) else max(self.compiled, default=0)
+
+
+def test_a_request_whose_prompt_logprob_shape_is_compiling_is_held_in_place_and_the_others_run():
+    scheduler = make_scheduler(num_pages=100, budget=64, max_len=512)
+    shapes = scheduler.prompt_logprob_shapes = FakePromptLogprobShapes((8, 16, 32, 64))
+    device = FakeDevice(scheduler.allocator)
+    prompt = list(range(10, 40))  # 29 prompt-logprob rows: the 32-row shape
+    wanting = Request("wanting", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    plain, later = Request("plain", list(range(50, 60)), greedy(3)), Request("later", list(range(60, 65)), greedy(1))
+    for request in (wanting, plain):
+        scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert [r.request_id for r, _ in plan.prefill] == ["plain"] and scheduler.num_held == 1 and shapes.asked == [32]
+    assert list(scheduler.waiting) == [wanting]
+    scheduler.update(plan, device.run(plan))
+    scheduler.add_request(later)
+    plan = scheduler.schedule()  # still held: the request added after it passes it, and keeps its place behind
+    assert [r.request_id for r in plan.decode] == ["plain"] and [r.request_id for r, _ in plan.prefill] == ["later"]
+    assert list(scheduler.waiting) == [wanting] and scheduler.num_held == 1
+    scheduler.update(plan, device.run(plan))
+    shapes.compiled.add(16)  # a smaller shape first: the chunk is cut to the rows it holds
+    rows = _run_with_prompt_logprobs(scheduler, [], device)
+    assert [(rid, start, end) for rid, start, end, _ in rows] == [("wanting", 0, 16), ("wanting", 16, 30)]
+    assert wanting.prompt_logprobs == prompt[1:] and len(wanting.output_token_ids) == 2
+    assert len(plain.output_token_ids) == 3 and len(later.output_token_ids) == 1

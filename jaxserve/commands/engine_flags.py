@@ -16,6 +16,7 @@ from absl import flags
 
 from checkpoints.default_model import DEFAULT_MODEL
 from jaxserve.config import EngineConfig, Flag
+from jaxserve.core import step
 from jaxserve.parallel import multihost, multihost_front  # jax only inside their functions: `plan` starts without jax
 
 _DEFINE = {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_boolean, str: flags.DEFINE_string}
@@ -57,6 +58,20 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
             _DEFINE[kind](field.name, None, _help(field, flag), flag_values=fv, **bounds)
         if flag.vllm_name:  # a vLLM command line ports by changing dashes
             flags.DEFINE_alias(flag.vllm_name, field.name, flag_values=fv)
+    flags.register_multi_flags_validator(_BUCKET_FLAGS, _check_bucket_flags, flag_values=fv)
+
+
+# The explicit bucket lists and the limits their largest sizes must equal (step.check_bucket_lists).
+_BUCKET_FLAGS = ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _check_bucket_flags(values: dict) -> bool:
+    """absl validator: a bad bucket list fails the command line (exit 2, naming the flag)."""
+    try:
+        step.check_bucket_lists(EngineConfig(**{k: v for k, v in values.items() if v is not None}))
+    except step.BucketListError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:

@@ -1,9 +1,11 @@
 """`jaxserve plan`: the engine `jaxserve serve` (and `generate`) would build with the same flags,
 sized for one device: weights, KV bytes per token, activations, the KV pages (the pool the engine
 allocates) and the concurrency. With `--target=h100 --compile`, the GPU build compiled for that
-GPU without one (jaxserve.planning.gpu_compile)."""
+GPU without one (jaxserve.planning.gpu_compile). With `--measure_buckets`, the step buckets worth
+compiling on this machine, measured (jaxserve.planning.bucket_measure, jaxserve.core.bucket_choice)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -12,6 +14,7 @@ from absl import flags
 from checkpoints.load import open_model
 from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.core import bucket_choice, step
 from jaxserve.planning import memory, predict
 from jaxserve.planning.gpu_targets import target_memory_budget_bytes
 from jaxserve.speculative import verification
@@ -43,6 +46,20 @@ def define_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_enum("buckets", "all", ["all", "ends"], "With --compile: every bucket warm-up compiles, or "
                       "the smallest and largest of each kind.", flag_values=fv)
+    flags.DEFINE_boolean("measure_buckets", False, "Build the engine of --model and the engine flags on this "
+                         "machine, time a step in each of its decode and prefill buckets (median of "
+                         "--measure_repeats) and print the --decode_buckets / --prefill_buckets worth compiling: a "
+                         "bucket whose steps cost at most --measure_tolerance more in the next larger bucket kept is "
+                         "dropped (jaxserve.core.bucket_choice).", flag_values=fv)
+    flags.DEFINE_float("measure_tolerance", bucket_choice.DEFAULT_TOLERANCE, "With --measure_buckets: the fraction "
+                       "of extra step time a step may pay in a larger bucket before its own bucket is kept.",
+                       lower_bound=0.0, flag_values=fv)
+    flags.DEFINE_integer("measure_context_len", 512, "With --measure_buckets: tokens of context of every decoding "
+                         "row of the measured decode steps (at most the engine's max_model_len).", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("measure_repeats", 5, "With --measure_buckets: timed steps of each bucket (after one "
+                         "untimed), interleaved over the buckets; their median counts.", lower_bound=1,
+                         flag_values=fv)
 
 
 def _open_model(fv: flags.FlagValues):
@@ -149,8 +166,14 @@ def run(fv: flags.FlagValues) -> int:
     if fv.compile and fv.target is None:
         print("jaxserve plan: --compile needs --target (one of a100, h100, h200)", file=sys.stderr)
         return 2
+    if fv.measure_buckets and (fv.target is not None or fv.config is not None):
+        print("jaxserve plan: --measure_buckets times steps on this machine: it takes --model, not --target or "
+              "--config", file=sys.stderr)
+        return 2
     try:
         model, source = _open_model(fv)
+        if fv.measure_buckets:
+            return _measure_buckets(fv, model)
         if fv.compile:
             return _compile(fv, model)
         plan = plan_for_flags(fv, model, source)
@@ -237,4 +260,62 @@ def format_compile_table(report: dict) -> str:
                      f"{mib(entry['temp_bytes']):>9} {mib(entry['planned_activation_bytes']):>9} "
                      f"{mib(entry['argument_bytes']):>10} {mib(entry['output_bytes']):>9} "
                      f"{entry['compile_seconds']:>9}")
+    return "\n".join(lines)
+
+
+def _measure_buckets(fv: flags.FlagValues, model: ModelConfig) -> int:
+    """`--measure_buckets`: the engine of the flags built here (warm-up off, a KV pool of the pages
+    the measured steps write unless --num_pages), its candidate buckets timed
+    (jaxserve.planning.bucket_measure), the buckets worth keeping chosen (bucket_choice) and
+    printed, last as the engine flags that select them. ValueError on flags that cannot work."""
+    from jaxserve.engine import Engine  # loads jax: the command runs it after --help and the flags are done
+    from jaxserve.planning import bucket_measure
+    cfg = engine_flags.engine_config(fv, warmup=False)
+    if cfg.data_parallel_size > 1:
+        raise ConfigError("--measure_buckets times one replica: give --data_parallel_size=1")
+    max_model_len = cfg.model_len(model)
+    if cfg.max_num_batched_tokens > max_model_len:
+        raise ConfigError(f"--measure_buckets times a prefill step of --max_num_batched_tokens="
+                          f"{cfg.max_num_batched_tokens} tokens of one sequence: more than max_model_len "
+                          f"{max_model_len}")
+    context_len = min(fv.measure_context_len, max_model_len)
+    needed = bucket_measure.pages_needed(cfg.max_num_seqs, cfg.max_num_batched_tokens, context_len, cfg.page_size)
+    if cfg.num_pages is not None and cfg.num_pages < needed:
+        raise ConfigError(f"--measure_buckets needs --num_pages >= {needed} (--max_num_seqs rows of "
+                          f"--measure_context_len={context_len} tokens), got {cfg.num_pages}")
+    engine = Engine.from_model(fv.model, dataclasses.replace(cfg, num_pages=cfg.num_pages or needed))
+    times = bucket_measure.measure(engine.runner, context_len, fv.measure_repeats)
+    chosen = {kind: bucket_choice.choose_buckets(getattr(times, kind), fv.measure_tolerance)
+              for kind in ("decode", "prefill")}
+    flags_line = " ".join(f"--{kind}_buckets={step.format_bucket_sizes(sizes)}" for kind, sizes in chosen.items())
+    rows = [dict(kind=kind, size=size, step_seconds=seconds, kept=size in chosen[kind],
+                 padded_into=bucket_choice.padded_into(size, chosen[kind]))
+            for kind in chosen for size, seconds in sorted(getattr(times, kind).items())]
+    if _output_format(fv) == "table":
+        print(format_measure_table(rows, times, fv))
+        print(flags_line)
+    else:
+        print(json.dumps(dict(context_len=context_len, repeats=fv.measure_repeats, tolerance=fv.measure_tolerance,
+                              buckets=rows, flags=flags_line), indent=2))
+        print(flags_line, file=sys.stderr)
+    return 0
+
+
+def format_measure_table(rows: list[dict], times, fv: flags.FlagValues) -> str:
+    """One line per candidate bucket: its step time, the next larger bucket kept and what a step
+    of this size costs more there (what dropping it would cost: a dropped bucket's steps go there)."""
+    seconds = {(row["kind"], row["size"]): row["step_seconds"] for row in rows}
+    kept = {kind: [row["size"] for row in rows if row["kind"] == kind and row["kept"]] for kind in ("decode", "prefill")}
+    lines = [f"step times on this machine (median of {fv.measure_repeats}; decode rows at {times.context_len} "
+             f"tokens of context, prefill tokens of one sequence), tolerance {100 * fv.measure_tolerance:g}%",
+             f"{'kind':<8} {'size':>6} {'step ms':>9}  {'next kept':>9} {'extra there':>11}  kept"]
+    for row in rows:
+        above = [k for k in kept[row["kind"]] if k > row["size"]]
+        if above:
+            extra = seconds[row["kind"], above[0]] / row["step_seconds"] - 1
+            there = f"{above[0]:>9} {100 * extra:>+10.1f}%"
+        else:
+            there = f"{'-':>9} {'-':>11}"
+        lines.append(f"{row['kind']:<8} {row['size']:>6} {1e3 * row['step_seconds']:>9.1f}  {there}  "
+                     f"{'yes' if row['kept'] else 'no'}")
     return "\n".join(lines)

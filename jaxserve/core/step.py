@@ -10,7 +10,7 @@ here changes a `Request` (`row_params` reads one, to snapshot it), and nothing h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,16 @@ MAX_PROMPT_LOGPROB_ROWS = 256
 
 def prompt_logprob_rows_limit(config: EngineConfig) -> int:
     return min(MAX_PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
+
+
+class PromptLogprobShapes(Protocol):
+    """The prompt-logprob shapes as the scheduler sees them when they are compiled on first use
+    (the device side's `warmup.PromptLogprobShapesOnDemand`)."""
+
+    def rows_ready(self, rows: int) -> int:
+        """How many of a step's `rows` prompt-logprob rows a compiled shape holds now (`rows`, fewer,
+        or 0: the rest wait); starts compiling the shape of `rows`, off the caller's thread, when
+        it is not compiled."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,6 +152,45 @@ def geometric_buckets(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+class BucketListError(ValueError):
+    """An explicit bucket list (--decode_buckets, --prefill_buckets) that cannot work."""
+
+
+def parse_bucket_sizes(text: str, flag: str, largest: int, largest_flag: str) -> tuple[int, ...]:
+    """The sizes of an explicit bucket list: `text` is comma-separated integers, ascending, each
+    at least 1, the last equal to `largest` (the limit a step may reach, the value of
+    --`largest_flag`: a step that size must fit, and no bucket beyond it is ever used).
+    Raises BucketListError naming --`flag` and what is wrong."""
+    items = [item.strip() for item in text.split(",")]
+    try:
+        sizes = tuple(int(item) for item in items)
+    except ValueError:
+        raise BucketListError(f"--{flag}={text!r}: expected comma-separated positive integers") from None
+    if min(sizes) < 1:
+        raise BucketListError(f"--{flag}={text!r}: every size must be at least 1")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise BucketListError(f"--{flag}={text!r}: sizes must be strictly ascending (no repeats)")
+    if sizes[-1] != largest:
+        raise BucketListError(f"--{flag}={text!r}: the largest size must be --{largest_flag}={largest} "
+                              f"(a step of that size must fit, and none is larger)")
+    return sizes
+
+
+def check_bucket_lists(config: EngineConfig) -> None:
+    """Raises BucketListError when the config's explicit bucket lists cannot work (before a model
+    loads: the same check as BucketSet.create's)."""
+    if config.decode_buckets is not None:
+        parse_bucket_sizes(config.decode_buckets, "decode_buckets", config.max_num_seqs, "max_num_seqs")
+    if config.prefill_buckets is not None:
+        parse_bucket_sizes(config.prefill_buckets, "prefill_buckets", config.max_num_batched_tokens,
+                           "max_num_batched_tokens")
+
+
+def format_bucket_sizes(sizes) -> str:
+    """The flag value of a bucket list: its sizes, comma-separated (parse_bucket_sizes reads it)."""
+    return ",".join(str(size) for size in sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """One compiled step shape."""
@@ -154,6 +203,9 @@ class Bucket:
     num_verify: int = 0
 
 
+# The geometric rule's smallest decode and prefill buckets (when no explicit list is given).
+MIN_DECODE_BUCKET = 8
+MIN_PREFILL_BUCKET = 32
 # Decode-only buckets of the CPU (XLA) path below the smallest decode bucket, from
 # bench/step_profile.py --row_sweep (see BucketSet).
 CPU_SMALL_DECODE_BUCKETS = (1, 2, 4)
@@ -173,7 +225,11 @@ class BucketSet:
     (CPU_SMALL_DECODE_BUCKETS): a decode step's cost there is its weight and K/V bytes plus work
     per row, so one or two streams in an 8-row bucket would pay for six idle rows (SmolLM2,
     ~500-token contexts, bench/step_profile.py --row_sweep in bench/RESULTS.md). They are not
-    combined with prefill buckets, whose tokens outweigh a few padded decode rows."""
+    combined with prefill buckets, whose tokens outweigh a few padded decode rows.
+
+    Explicit lists (EngineConfig.decode_buckets / prefill_buckets, e.g. from `jaxserve plan
+    --measure_buckets`) replace the geometric rule's sizes; on the CPU the decode sizes below
+    min(MIN_DECODE_BUCKET, the largest) are the decode-only ones, as above."""
     decode: tuple[int, ...]
     prefill: tuple[int, ...]
     pages: tuple[int, ...]
@@ -185,17 +241,38 @@ class BucketSet:
     @classmethod
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
                max_num_prefill_seqs: int, max_model_len: int, page_size: int,
-               speculative_tokens: int = 0, max_verify_rows: int = 0) -> "BucketSet":
+               speculative_tokens: int = 0, max_verify_rows: int = 0,
+               decode_buckets: str | None = None, prefill_buckets: str | None = None) -> "BucketSet":
         """The buckets of an engine; with `speculative_tokens` K > 0 also verification buckets of
-        1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens."""
+        1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens. `decode_buckets` / `prefill_buckets`:
+        explicit lists of decode rows / prefill tokens (parse_bucket_sizes; BucketListError when
+        bad), else the geometric rule's."""
         max_pages_per_seq = -(-max_model_len // page_size)
         pages = ((max_pages_per_seq,) if backend == "xla" else
                  geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
-        decode = geometric_buckets(8, max_num_seqs, 2)
-        small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
+        if decode_buckets is None:
+            decode = geometric_buckets(MIN_DECODE_BUCKET, max_num_seqs, 2)
+            small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
+        else:
+            sizes = parse_bucket_sizes(decode_buckets, "decode_buckets", max_num_seqs, "max_num_seqs")
+            split = min(MIN_DECODE_BUCKET, sizes[-1]) if backend == "xla" else 0
+            decode, small = tuple(s for s in sizes if s >= split), tuple(s for s in sizes if s < split)
+        prefill = (geometric_buckets(MIN_PREFILL_BUCKET, max_num_batched_tokens, 2) if prefill_buckets is None else
+                   parse_bucket_sizes(prefill_buckets, "prefill_buckets", max_num_batched_tokens,
+                                      "max_num_batched_tokens"))
         verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
-        return cls((0,) + decode, (0,) + geometric_buckets(32, max_num_batched_tokens, 2), pages,
-                   max_num_prefill_seqs, small, verify, speculative_tokens + 1 if speculative_tokens else 0)
+        return cls((0,) + decode, (0,) + prefill, pages, max_num_prefill_seqs, small, verify,
+                   speculative_tokens + 1 if speculative_tokens else 0)
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """Every decode row count of a decode-only step (the decode-only and the combined ones)."""
+        return tuple(sorted(set(self.decode_only) | {d for d in self.decode if d}))
+
+    @property
+    def prefill_sizes(self) -> tuple[int, ...]:
+        """Every prefill token count of a step."""
+        return tuple(p for p in self.prefill if p)
 
     def all(self) -> list[Bucket]:
         return ([Bucket(d, 0, n) for d in self.decode_only for n in self.pages]

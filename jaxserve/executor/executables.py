@@ -95,20 +95,31 @@ def environment() -> dict[str, str]:
     return env
 
 
+_cache_off_lock = threading.Lock()
+_cache_off = {"holders": 0, "enabled": False}  # threads inside persistent_cache_off; the setting before the first
+
+
 @contextlib.contextmanager
 def persistent_cache_off():
     """JAX's persistent compilation cache switched off meanwhile (process-wide). An executable
     served by that cache cannot be serialized again on the CPU (loaded in another process it fails
     with "Function ... not found"), so shapes to be saved are compiled afresh. jax decides once per
-    process whether the cache is used: `reset_cache` makes it decide again, on and after."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    process whether the cache is used: `reset_cache` makes it decide again, on and after. Threads
+    may overlap (the warm-up and a shape compiled on first use): the last one out restores it."""
+    with _cache_off_lock:
+        if not _cache_off["holders"]:
+            _cache_off["enabled"] = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+        _cache_off["holders"] += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        with _cache_off_lock:
+            _cache_off["holders"] -= 1
+            if not _cache_off["holders"]:
+                jax.config.update("jax_enable_compilation_cache", _cache_off["enabled"])
+                compilation_cache.reset_cache()
 
 
 _compile_events = threading.local()  # per compiling thread: whether jax's last compile was a cache hit

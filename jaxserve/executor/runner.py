@@ -79,6 +79,7 @@ class ModelRunner:
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
         self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
+        self.warmup_prompt_logprobs = engine_config.warmup_prompt_logprobs  # at start, else on first use
         # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
         # model, with KV heads replicated when tensor parallelism exceeds them).
         self.params = params if shardings is None else shardings.place(params)
@@ -108,6 +109,8 @@ class ModelRunner:
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
+        # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
+        self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
 
     def use_transport(self, transport) -> None:
@@ -277,7 +280,8 @@ class ModelRunner:
             offset += len(row.token_ids)
         if not indices:
             return None
-        size = next((b for b in self.prompt_logprob_buckets if b >= len(indices)), None)
+        size = (next((b for b in self.prompt_logprob_buckets if b >= len(indices)), None)
+                if self.prompt_logprob_shapes is None else self.prompt_logprob_shapes.size_for(len(indices)))
         if size is None:
             raise ValueError(f"{len(indices)} prompt-logprob rows exceed the step's {self.prompt_logprob_buckets[-1]}")
         arrays = {"indices": np.zeros(size, np.int32), "targets": np.zeros(size, np.int32)}
@@ -339,10 +343,25 @@ class ModelRunner:
     def warmup(self, background: bool = False) -> int:
         """Compiles the step for every bucket, ahead of time and on all cores (see
         jaxserve.executor.warmup: the first requests' shapes first; with `background` the call
-        returns at once and `warmup_state` reports the progress). Returns the count of shapes."""
+        returns at once and `warmup_state` reports the progress; the prompt-logprob shapes on first
+        use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
         plan = warmup_lib.WarmupPlan(self)
-        self.warmup_state, self._pending = plan.state, plan.pending
+        self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
         return plan.run(background)
+
+    def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
+        """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),
+        results waited for; compiled first (into the warm-up's table) if no warm-up has. For
+        measuring the buckets (jaxserve.planning.bucket_measure): it writes the arrays' K/V
+        slots, so only on an engine that serves nothing."""
+        compiled = self._compiled_forward.get(bucket)
+        if compiled is None:
+            compiled = self._compiled_forward[bucket] = self._functions.forward_for(bucket).lower(
+                self._step_params, self.kv_cache, arrays).compile()
+        start = time.perf_counter()
+        logits, self.kv_cache, _ = compiled(self._step_params, self.kv_cache, arrays)
+        jax.block_until_ready((logits, self.kv_cache))
+        return time.perf_counter() - start
 
     def _compiled(self, table: dict, key, kind: str):
         """The executable of `key` in `table`, waiting for it while the warm-up compiles it in

@@ -43,14 +43,15 @@ class StepFunctions:
 
 def bucket_set(engine_config: EngineConfig, backend: str, max_model_len: int) -> BucketSet:
     """The shape buckets an engine under `engine_config` compiles (verification buckets too with
-    speculative decoding)."""
+    speculative decoding); step.BucketListError for a bad explicit bucket list."""
     speculative_tokens = engine_config.speculative_tokens
     return BucketSet.create(
         backend=backend, max_num_seqs=engine_config.max_num_seqs,
         max_num_batched_tokens=engine_config.max_num_batched_tokens,
         max_num_prefill_seqs=engine_config.max_num_prefill_seqs, max_model_len=max_model_len,
         page_size=engine_config.page_size, speculative_tokens=speculative_tokens,
-        max_verify_rows=verification.max_verify_rows(engine_config) if speculative_tokens else 0)
+        max_verify_rows=verification.max_verify_rows(engine_config) if speculative_tokens else 0,
+        decode_buckets=engine_config.decode_buckets, prefill_buckets=engine_config.prefill_buckets)
 
 
 def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logprobs: int = 0,

@@ -8,9 +8,16 @@ every step, so serving never compiles. Three phases, in order:
   2. the rest of the steps (decoding rows beside prefill chunks), the samplers with penalties
      and the multi-step shapes;
   3. the prompt-logprob shapes (they take the forward's hidden rows, known once a prefill step
-     compiled).
+     compiled), only with `warmup_prompt_logprobs`, `--save_executables` (a saved folder is
+     complete) or in a multi-host job (its processes compile together).
 In the background (`jaxserve serve`) the phases run in a thread and the runner's steps wait on
 each shape's future (`pending`) until it is compiled: nothing compiles on the stepping thread.
+
+Otherwise the prompt-logprob shapes are compiled on first use (`PromptLogprobShapesOnDemand`,
+the scheduler's `PromptLogprobShapes`): the first step that would compute rows no compiled shape
+holds starts that shape on a thread of its own (loaded from the executable store when saved
+there, else compiled and saved), the request waits in the scheduler meanwhile and every other
+request is stepped; a larger shape already compiled serves in the meantime.
 """
 from __future__ import annotations
 
@@ -38,7 +45,9 @@ class WarmupState:
     all are; both also when the warm-up failed (`error`)."""
     total: int
     first_total: int
+    on_demand_total: int = 0  # prompt-logprob shapes left to first use (not in `total`)
     compiled: int = 0
+    on_demand_compiled: int = 0
     error: str | None = None
     first_ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)  # every shape, or the failure
@@ -47,6 +56,10 @@ class WarmupState:
     def advance(self) -> None:
         with self._lock:
             self.compiled += 1
+
+    def advance_on_demand(self) -> None:
+        with self._lock:
+            self.on_demand_compiled += 1
 
     def to_dict(self) -> dict:
         """/health's view: {"ready", "compiled", "total", "error"}."""
@@ -78,11 +91,19 @@ class WarmupPlan:
             [("forward", b, self._compile_bucket, (b,)) for b in buckets if b not in first]
             + [("sample", v, self._compile_sampler, v) for v in self.samplers if v not in first_samplers]
             + [("multi_step", m, self._compile_multi_step, (m,)) for m in runner.multi_step_buckets()],
-            [("prompt_logprobs", n, self._compile_prompt_logprobs, (n,)) for n in runner.prompt_logprob_buckets],
+            [("prompt_logprobs", n, self._compile_prompt_logprobs, (n,)) for n in runner.prompt_logprob_buckets]
+            if self.prompt_logprobs_at_start() else [],
         ]
         self.total = sum(len(phase) for phase in self.phases)
-        self.state = WarmupState(total=self.total, first_total=len(self.phases[0]))
+        on_demand = () if self.phases[2] else runner.prompt_logprob_buckets
+        self.state = WarmupState(total=self.total, first_total=len(self.phases[0]), on_demand_total=len(on_demand))
         self.pending = {(kind, key): concurrent.futures.Future() for phase in self.phases for kind, key, _, _ in phase}
+        self.on_demand = PromptLogprobShapesOnDemand(self, on_demand) if on_demand else None
+
+    def prompt_logprobs_at_start(self) -> bool:
+        """Whether the prompt-logprob shapes compile with the others (else on first use)."""
+        return (self.runner.warmup_prompt_logprobs or (self.store is not None and self.store.mode == "save")
+                or jax.process_count() > 1)
 
     # ---- one shape each -------------------------------------------------------------------
     def _load_or_compile(self, key, lower):
@@ -137,13 +158,33 @@ class WarmupPlan:
         self.state.advance()
         progress.advance()
 
+    def _fresh(self):
+        """Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both."""
+        return (executables.persistent_cache_off() if self.store is not None and self.store.mode != "load"
+                else contextlib.nullcontext())
+
+    def compile_on_demand(self, num_rows: int, future: concurrent.futures.Future) -> None:
+        """Compiles (or loads) the prompt-logprob shape of `num_rows` rows once the forward's
+        prefill rows are known (the first phase), then resolves `future` (with the error, if any)."""
+        start = time.perf_counter()
+        try:
+            self.state.first_ready.wait()
+            with self._fresh():
+                self._compile_prompt_logprobs(num_rows)
+        except BaseException as e:
+            log.exception("the prompt-logprob shape of %d rows failed to compile", num_rows)
+            future.set_exception(e)
+            return
+        self.state.advance_on_demand()
+        log.info("compiled the prompt-logprob shape of %d rows on first use in %.1fs (%d of %d prompt-logprob "
+                 "shapes)", num_rows, time.perf_counter() - start, self.state.on_demand_compiled,
+                 self.state.on_demand_total)
+        future.set_result(None)
+
     def _compile_all(self, threads: int) -> None:
         start = time.perf_counter()
         store = self.store
-        # Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both.
-        fresh = (executables.persistent_cache_off() if store is not None and store.mode != "load"
-                 else contextlib.nullcontext())
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, fresh, \
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, self._fresh(), \
                 Progress(self.total, "warm-up", "shapes compiled", log) as progress:
             for number, phase in enumerate(self.phases):
                 try:
@@ -177,11 +218,66 @@ class WarmupPlan:
     def run(self, background: bool) -> int:
         """Compiles every shape (in a thread when `background`); returns the count."""
         threads = os.cpu_count() or 1
-        log.info("warm-up: compiling %d shapes on %d threads%s (a filled compilation cache makes this seconds)",
-                 self.total, threads, ", serving once the first requests' shapes are ready" if background else "")
+        log.info("warm-up: compiling %d shapes at start (%d prompt-logprob shapes among them) on %d threads%s (a "
+                 "filled compilation cache makes this seconds); %d prompt-logprob shapes compiled on first use%s",
+                 self.total, len(self.phases[2]), threads,
+                 ", serving once the first requests' shapes are ready" if background else "",
+                 self.state.on_demand_total, " (--warmup_prompt_logprobs: at start)" if self.on_demand else "")
         if background:
             threading.Thread(target=self._compile_in_background, args=(threads,), name="warm-up", daemon=True).start()
         else:
             self._compile_all(threads)
             self.state.finished.set()
         return self.total
+
+
+class PromptLogprobShapesOnDemand:
+    """The prompt-logprob shapes a warm-up left to first use (jaxserve.core.step.PromptLogprobShapes):
+    each started by the first step that needs it, on a thread of its own, through the plan's
+    `compile_on_demand`. Read by the stepping thread, resolved by the compiling ones."""
+
+    def __init__(self, plan: WarmupPlan, sizes) -> None:
+        self.plan = plan
+        self.sizes = tuple(sizes)  # row buckets, ascending
+        self.futures: dict[int, concurrent.futures.Future] = {}  # size -> done once compiled (or failed)
+        self._lock = threading.Lock()
+
+    def _compiled(self) -> list[int]:
+        return [size for size, future in self.futures.items() if future.done() and future.exception() is None]
+
+    def _failed(self, size: int) -> bool:
+        future = self.futures.get(size)
+        return future is not None and future.done() and future.exception() is not None
+
+    def _start(self, size: int) -> None:
+        with self._lock:
+            if size in self.futures:
+                return
+            future = self.futures[size] = concurrent.futures.Future()
+        threading.Thread(target=self.plan.compile_on_demand, args=(size, future), daemon=True,
+                         name=f"prompt-logprobs-{size}").start()
+
+    def rows_ready(self, rows: int) -> int:
+        """`rows` when a compiled shape holds them, else the most one does (0: none yet); the
+        shape of `rows` is started when not compiled. A shape that failed to compile lets its
+        rows run: the step then compiles it itself and fails its requests with the error."""
+        size = self.size_needed(rows)
+        if size is None or self._failed(size):
+            return rows
+        self._start(size)
+        compiled = self._compiled()
+        return rows if any(s >= rows for s in compiled) else max(compiled, default=0)
+
+    def size_needed(self, rows: int) -> int | None:
+        """The smallest shape of `rows` rows (None: more than the largest)."""
+        return next((size for size in self.sizes if size >= rows), None)
+
+    def size_for(self, rows: int) -> int | None:
+        """The shape a step of `rows` rows runs with: the smallest compiled one that holds them,
+        else the one it needs (then compiled by the step itself)."""
+        return min((s for s in self._compiled() if s >= rows), default=None) or self.size_needed(rows)
+
+    def wait(self, timeout: float) -> None:
+        """Returns once a shape that is compiling is done, or after `timeout` seconds."""
+        concurrent.futures.wait([f for f in self.futures.values() if not f.done()], timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)

@@ -192,12 +192,19 @@ def _kernel_takes_every_matrix(layers: Params) -> bool:
     (and the kernel is built): then the layers stay stacked, with the kernel's layout beside
     the stored one, and no matrix is sliced out of its stack in the step."""
     for weight in layers.values():
+        if _routed_experts(weight):  # read one expert at a time by the grouped matmul
+            return False
         if isinstance(weight, QuantArray):
             if not kernel_takes(weight):
                 return False
         elif weight.ndim > 2:  # a float matrix [L, in, out] (norms and biases are [L, n])
             return False
     return cpu_kernels.available()
+
+
+def _routed_experts(weight) -> bool:
+    """Whether a stacked weight is a mixture-of-experts layer's routed experts [L, E, in, out]."""
+    return (weight.q if isinstance(weight, QuantArray) else weight).ndim == 4
 
 
 def _lm_head_takes_kernel(params: Params) -> bool:
@@ -216,7 +223,10 @@ def _with_lm_head_kernel_layout(params: Params) -> Params:
 
 
 def _cpu_layout(weight, int8_activations: bool):
-    """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout."""
+    """A stacked weight with what the CPU step's few-row matmuls read besides its stored layout
+    (routed experts: none, the grouped matmul reads their stored codes)."""
+    if _routed_experts(weight):
+        return weight
     if int8_activations and kernel_takes(weight) and cpu_kernels.available():
         return with_kernel_layout(weight)
     if isinstance(weight, QuantArray):

@@ -20,6 +20,11 @@ computed (no token is dropped and no capacity limit is needed) while the step ke
 shapes: T is the bucket's token count, and the sorted rows are always exactly T * k (a padding row is
 routed like any other; its output is never read).
 
+Quantized experts (int8 / int4 and the published formats, jaxserve.models.quantization: a
+QuantArray [E, in, out] per layer): on the CPU each work item multiplies its tile by one
+expert's codes through `linear`, so a step still reads only the routed experts, at their stored
+size; on a GPU the layer's experts are dequantized to float for ragged_dot or the Pallas kernel.
+
 Tensor parallelism (a `mesh`, see jaxserve.parallel.sharding): the router and the routing are
 replicated; every device runs the routed experts on its slice of their intermediate size F
 (gate/up split on their columns, down on its rows) under `jax.shard_map`, and the [T, D] float32
@@ -66,7 +71,7 @@ import jax.numpy as jnp
 
 from jaxserve import environment
 from jaxserve.config import ModelConfig
-from jaxserve.models.quantization import linear
+from jaxserve.models.quantization import QuantArray, dequantize_in_input_order, linear
 from jaxserve.parallel import sharding
 from pallas_kernels import dispatch
 
@@ -106,14 +111,24 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate:
     token_of = order // k  # [T*k]: the token of each sorted pair
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [G], sums to <= T*k
     rows = h[token_of]  # [T*k, D]
-    backend = environment.grouped_matmul_backend()  # read as the step is traced
-    gate = dispatch.grouped_matmul(rows, w_gate, group_sizes, backend)  # [T*k, F]
-    up = dispatch.grouped_matmul(rows, w_up, group_sizes, backend)  # [T*k, F]
-    out = dispatch.grouped_matmul(activation(gate) * up, w_down, group_sizes, backend)  # [T*k, D]
+    gate = _grouped(rows, w_gate, group_sizes)  # [T*k, F]
+    up = _grouped(rows, w_up, group_sizes)  # [T*k, F]
+    out = _grouped(activation(gate) * up, w_down, group_sizes)  # [T*k, D]
     pair_weight = jnp.where(held, weights.reshape(T * k), 0.0)[order]  # [T*k]: 0 past the groups
     scaled = jnp.where(held[order][:, None], out.astype(jnp.float32) * pair_weight[:, None], 0.0)  # [T*k, D]
     combined = jnp.zeros((T, h.shape[1]), jnp.float32).at[token_of].add(scaled)  # [T, D]
     return combined.astype(out_dtype or h.dtype)
+
+
+def _grouped(rows: jax.Array, experts_weight, group_sizes: jax.Array) -> jax.Array:
+    """rows [M, K] sorted by expert @ the experts' matrices [G, K, N], float or quantized (a
+    QuantArray [G, K, N]: each expert's slice multiplied at its stored size by `linear` on the CPU,
+    its float matrices elsewhere) -> [M, N] in rows' dtype."""
+    backend = environment.grouped_matmul_backend()  # read as the step is traced
+    if not isinstance(experts_weight, QuantArray):
+        return dispatch.grouped_matmul(rows, experts_weight, group_sizes, backend)
+    return dispatch.grouped_matmul(rows, experts_weight, group_sizes, backend, product=linear,
+                                   dense=lambda w: dequantize_in_input_order(w, rows.dtype))
 
 
 def sparse_mlp(lp: dict, h: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:

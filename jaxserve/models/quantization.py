@@ -13,6 +13,10 @@ multiplies by it as by the float array (the one matmul entry point of the model)
            with a zero point:     w = u * scale + zero      (zero = the group's minimum, as Q4_1)
     scale, zero: float16 [L, groups, out]; groups = in // group_size, or 1 (per output channel).
 
+A mixture-of-experts model's routed experts [L, E, in, out] quantize the same way with one more
+leading axis (q [L, E, in, out], scale [L, E, groups, out], ...): every expert's matrix has its
+own scales, and the grouped matmul multiplies one expert's slice at a time (jaxserve.models.moe).
+
 Published checkpoints (compressed-tensors, GPTQ, AWQ; checkpoints/prequantized.py) keep their
 own numbers, which adds a few stored-only variants (not choices of --quantization):
 
@@ -50,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
-from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.config import ModelConfig
 from jaxserve.models import weights
 
 GROUP_SIZES = (32, 64, 128)
@@ -305,6 +309,16 @@ def dequantize(weight: QuantArray, dtype=jnp.float32) -> jax.Array:
     return values.reshape(*lead, groups * group, out).astype(dtype)
 
 
+def dequantize_in_input_order(weight: QuantArray, dtype=jnp.float32) -> jax.Array:
+    """The float `[..., in, out]` weight with its rows in the inputs' order: `dequantize`, and an
+    act-order weight's stored rows put back where its `perm` says (stored row i is input perm[i])."""
+    values = dequantize(weight, dtype)
+    if weight.perm is None:
+        return values
+    inverse = jnp.argsort(weight.perm, axis=-1)  # [..., in]: the stored row of each input
+    return jnp.take_along_axis(values, inverse[..., None], axis=-2)
+
+
 def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
     """x [..., in] @ weight [in, out] for a float array or a QuantArray (2-D: one layer's slice),
     in x's dtype, or accumulated and returned in `out_dtype`.
@@ -429,17 +443,15 @@ def embedding_logits(x: jax.Array, embed) -> jax.Array:
 # ---- whole parameter trees ---------------------------------------------------------------------
 
 def quantize_params(params: dict, quantization: str | QuantFormat, config: ModelConfig) -> dict:
-    """`params` (of `config`'s model) with every float linear leaf quantized (on its device, one
-    leaf at a time; the linear leaves are those jaxserve.models.weights declares with role "linear").
+    """`params` (of `config`'s model) with every float quantizable leaf quantized (on its device,
+    one leaf at a time; jaxserve.models.weights.quantizable_leaves: the decoder matrices and the
+    routed experts, each expert's [in, out] matrix with its own scales).
 
     Leaves already quantized are kept when they have the requested number of bits; a different
     number of bits is a ValueError (convert the model again instead)."""
     fmt = parse_format(quantization) if isinstance(quantization, str) else quantization
-    if config.is_moe:
-        raise ConfigError(f"quantization={fmt.name}: quantized weights of mixture-of-experts models "
-                          f"({config.architecture}) are not implemented yet; serve it in a float dtype")
     layers = dict(params["layers"])
-    for name in weights.linear_leaves(config):
+    for name in weights.quantizable_leaves(config):
         weight = layers[name]
         if isinstance(weight, QuantArray):
             stored = weight_format(weight)

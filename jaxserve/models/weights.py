@@ -23,7 +23,7 @@ ModelConfig.sparse_layers) or "dense_layers" (the dense SwiGLU `dense_w_gate`, `
 `dense_w_down`; ModelConfig.mlp_only_layers), so no layer holds the other kind's weights and
 no memory goes to padding. `LayerKinds` says how the step reads them (see its docstring). From this one declaration come: the shapes (`param_shapes`), random weights
 (`random_params`), the tensor-parallel partition specs (`jaxserve.parallel.sharding` maps logical axes to
-mesh axes), the quantizable set (`linear_leaves`), the planner's per-device byte counts
+mesh axes), the quantizable set (`quantizable_leaves`), the planner's per-device byte counts
 (`jaxserve.planning.memory`) and the checkpoint names (`checkpoints/`). The computation is
 `jaxserve.models.llama.forward`.
 """
@@ -300,8 +300,15 @@ def param_shapes(config: ModelConfig) -> dict:
 
 
 def linear_leaves(config: ModelConfig) -> tuple[str, ...]:
-    """Names (under layers/) of the decoder matrices: the weights that quantization applies to."""
+    """Names (under layers/) of the decoder matrices, the routed experts' aside."""
     return tuple(info.name for info in weight_infos(config).values() if info.role == "linear")
+
+
+def quantizable_leaves(config: ModelConfig) -> tuple[str, ...]:
+    """Names (under layers/) of the weights that quantization applies to: the decoder matrices
+    and a mixture-of-experts model's routed experts ([L, E, in, out], quantized per expert like a
+    matrix). Routers, embeddings, norms and biases stay float."""
+    return tuple(info.name for info in weight_infos(config).values() if info.role in ("linear", "experts"))
 
 
 def num_params(config: ModelConfig) -> int:

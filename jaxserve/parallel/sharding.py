@@ -24,7 +24,8 @@ the logical axes each weight declares (jaxserve.models.weights; `logical_axis_ru
   quantized linear QuantArray(q, scale[, zero, perm]) (jaxserve.models.quantization): q as its
     float weight; scale and zero [L, groups, out] too, except per-output-channel scales of a
     row-sharded weight (one group: replicated); a row-sharded weight's groups must divide evenly
-    over the devices
+    over the devices. Quantized routed experts [L, E, in, out] likewise (`quantized_specs`);
+    act-order experts only under expert parallelism
   KV cache [L*pages, page_size, kv_heads, hd]            sharded on kv_heads (dim 2)
 so every device holds 1/TP of the weights and of the KV pages. When TP exceeds the KV heads,
 KV heads are replicated the way vLLM does it: the model runs with TP KV heads, head j holding
@@ -298,33 +299,49 @@ def _is_perm(path) -> bool:
 
 def leaf_shardings(float_sharding: NamedSharding, weight, name: str = "weight"):
     """The sharding of one weight: `float_sharding` itself for a float array; for a QuantArray
-    (see jaxserve.models.quantization) a QuantArray with one sharding per stored array.
-
-    q is split like the float weight. scale / zero [L, groups, out] follow it on the output axis;
-    on the input axis (row-parallel weights) they are split with the input when there are several
-    groups (which must divide evenly over the devices), and replicated when there is one (per
-    output channel: every device applies the same scales to its partial sums). An act-order
-    `perm` [L, in] is replicated: the input is gathered in its order before the matmul."""
+    (see jaxserve.models.quantization) a QuantArray with one sharding per stored array
+    (`quantized_specs`)."""
     if not isinstance(weight, QuantArray):
         return float_sharding
-    spec = tuple(float_sharding.spec) + (None,) * (3 - len(float_sharding.spec))
-    devices = float_sharding.mesh.shape[MODEL_AXIS]
-    shardings = {}
+    mesh = float_sharding.mesh
+    specs = quantized_specs(float_sharding.spec, weight, name, mesh.shape[MODEL_AXIS])
+    return QuantArray(**{key: NamedSharding(mesh, spec) for key, spec in specs.items()})
+
+
+def quantized_specs(float_spec: P, weight: QuantArray, name: str, devices: int) -> dict[str, P]:
+    """{stored array name: its PartitionSpec} of a QuantArray [..., in, out] whose float weight is
+    split as `float_spec` over `devices` devices of the model axis.
+
+    q is split like the float weight. scale / zero [..., groups, out] follow it on the output
+    axis; on the input axis (row-parallel weights) they are split with the input when there are
+    several groups (which must divide evenly over the devices), and replicated when there is one
+    (per output channel: every device applies the same scales to its partial sums). An act-order
+    `perm` [..., in] is replicated: the input is gathered in its order before the matmul, which
+    a routed expert's per-device code (`shard_experts`) cannot do, so an act-order expert split
+    on its input is a ValueError. ValueError too when the groups do not divide."""
+    ndim = weight.q.ndim
+    spec = tuple(float_spec) + (None,) * (ndim - len(float_spec))
+    inputs_split = spec[-2] == MODEL_AXIS
+    if weight.perm is not None and inputs_split and name in EXPERT_WEIGHTS:
+        raise ValueError(f"{name}: act-order (GPTQ desc_act) expert weights cannot be split on their input "
+                         f"over tensor_parallel_size={devices}; serve with --enable_expert_parallel (whole "
+                         f"experts per device) or use a checkpoint without act-order")
+    specs = {}
     for key, array in weight.stored().items():
         array_spec = spec
         if key == "perm":
-            array_spec = (spec[0], None)
-        elif key != "q" and spec[1] == MODEL_AXIS:
-            groups = array.shape[1]
+            array_spec = (*spec[:-2], None)
+        elif key != "q" and inputs_split:
+            groups = array.shape[-2]
             if groups == 1:
-                array_spec = (spec[0], None, spec[2])
+                array_spec = (*spec[:-2], None, spec[-1])
             elif groups % devices:
                 raise ValueError(
                     f"{name}: {groups} quantization groups over its input cannot be split over "
                     f"tensor_parallel_size={devices}; use a group size that gives a multiple of "
                     f"{devices} groups (e.g. a larger or smaller _g32/_g64/_g128) or per-channel int8")
-        shardings[key] = NamedSharding(float_sharding.mesh, P(*array_spec))
-    return QuantArray(**shardings)
+        specs[key] = P(*array_spec)
+    return specs
 
 
 def quantized_checkpoint_shardings(float_shardings: dict, structs: dict) -> dict:
@@ -376,17 +393,22 @@ def shard_experts(routed, mesh: Mesh, config: ModelConfig):
     pairs routed to them. Either way the device's result is a partial sum of the output,
     all-reduced once ([T, D] float32)."""
     tp = mesh.shape[MODEL_AXIS]
-    specs = param_partition_specs(config, tp)["layers"]
-    weight_specs = tuple(P(*specs[name][1:]) for name in EXPERT_WEIGHTS)
+    float_specs = {name: P(*param_partition_specs(config, tp)["layers"][name][1:]) for name in EXPERT_WEIGHTS}
     local_experts = config.num_experts // tp if config.expert_parallel else config.num_experts
 
-    @functools.wraps(routed)
     def per_device(h, weights, experts, w_gate, w_up, w_down):
         first_expert = jax.lax.axis_index(MODEL_AXIS) * local_experts if config.expert_parallel else 0
         partial = routed(h, weights, experts, w_gate, w_up, w_down, first_expert=first_expert)  # [T, D]
         return jax.lax.psum(partial, MODEL_AXIS)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
-                         check_vma=False)
+
+    @functools.wraps(routed)
+    def sharded(h, weights, experts, *expert_weights):
+        weight_specs = tuple(QuantArray(**quantized_specs(float_specs[name], w, name, tp))
+                             if isinstance(w, QuantArray) else float_specs[name]
+                             for name, w in zip(EXPERT_WEIGHTS, expert_weights))
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
+                             check_vma=False)(h, weights, experts, *expert_weights)
+    return sharded
 
 
 def per_device_bytes(array: jax.Array) -> int:

@@ -202,10 +202,10 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
                   int8_embedding: bool = False) -> int:
     """Bytes of the parameters on one device, quantization scales included.
 
-    Quantized formats store only the decoder's linear layers in int8/int4 (plus their scales and
-    zero points: int8 per output channel, int4 in groups of 32 with a zero point, as the engine);
-    embeddings, lm_head, norms and biases stay in the compute dtype (bfloat16), as do a
-    mixture-of-experts model's experts (all of them: every expert's bytes) and routers. `int8_embedding`
+    Quantized formats store only the decoder's linear layers and a mixture-of-experts model's
+    routed experts (every expert on the device, each a matrix of its own) in int8/int4 (plus their
+    scales and zero points: int8 per output channel, int4 in groups of 32 with a zero point, as the
+    engine); embeddings, lm_head, norms, biases and routers stay in the compute dtype (bfloat16). `int8_embedding`
     (EngineConfig.quantize_embedding, one device): the embedding in int8 with a float32 scale per
     vocabulary row, an untied lm_head in int8 with a float16 scale per output.
     """
@@ -213,8 +213,10 @@ def weights_bytes(model: ModelConfig, weight_dtype: str = "bfloat16", tensor_par
     tp = tensor_parallel_size
     counts = count_params(model, tp)
     linear = sum(layers * _linear_bytes(i, o, weight_dtype) for layers, i, o in _linear_stacks(model, tp))
+    linear += sum(math.prod(shape[:2]) * _linear_bytes(*shape[2:], weight_dtype)  # [L, E, in, out]
+                  for role, shape in _device_weights(model, tp) if role == "experts")
     float_bytes = FLOAT_DTYPE_BYTES[_compute_dtype(weight_dtype)]
-    rest = (counts["norms"] + counts["biases"] + counts["experts"] + counts["routers"]) * float_bytes
+    rest = (counts["norms"] + counts["biases"] + counts["routers"]) * float_bytes
     if not int8_embedding:
         return linear + rest + counts["embeddings"] * float_bytes
     heads = 1 if model.tie_word_embeddings else 2
@@ -286,7 +288,7 @@ def activation_bytes(
         tokens = max_num_seqs + max_num_batched_tokens
         stored = normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES)
         layer_weights = (sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
-                         + _expert_layer_params(model, tp) * FLOAT_DTYPE_BYTES[_compute_dtype(stored)])
+                         + _expert_layer_bytes(model, tp, stored))
         step = (layer_weights + 2 * tokens * model.hidden_size * a
                 + max(tokens * (2 * hq + 2 * hkv) * hd * a, _mlp_bytes(model, tokens, tp, a, gpu=True)))
         return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
@@ -321,9 +323,17 @@ def _mlp_bytes(model: ModelConfig, tokens: int, tp: int, a: int, gpu: bool = Fal
     return sparse
 
 
-def _expert_layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one layer's experts and routers on one device (0 for a dense model)."""
-    return sum(math.prod(shape[1:]) for role, shape in _device_weights(model, tp) if role in ("experts", "router"))
+def _expert_layer_bytes(model: ModelConfig, tp: int, stored: str) -> int:
+    """Bytes of one layer's experts and routers on one device as the GPU step reads them (0 for a
+    dense model): the experts stored in `stored` (a float dtype or a quantization format) and,
+    quantized, the float copy of one matmul's experts [E_local, in, out] that the GPU's grouped
+    matmul multiplies (jaxserve.models.moe); routers in the compute dtype."""
+    a = FLOAT_DTYPE_BYTES[_compute_dtype(stored)]
+    experts = [shape[1:] for role, shape in _device_weights(model, tp) if role == "experts"]  # [E, in, out] each
+    routers = sum(math.prod(shape[1:]) for role, shape in _device_weights(model, tp) if role == "router")
+    held = sum(e * _linear_bytes(i, o, stored) for e, i, o in experts)
+    dequantized = max((math.prod(shape) for shape in experts), default=0) * a if quant_format(stored) else 0
+    return held + dequantized + routers * a
 
 
 def _require_positive(**values: float) -> None:
@@ -357,9 +367,6 @@ def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: 
     kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
                 else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
     kv_heads_per_device(model, cfg.tensor_parallel_size)  # validates the head split
-    if model.is_moe and quant_format(weight_dtype) is not None:
-        raise MemoryPlanError(f"quantization={weight_dtype}: quantized weights of mixture-of-experts models "
-                              f"({model.architecture}) are not implemented yet; serve it in a float dtype")
     return weight_dtype, compute_dtype, kv_dtype
 
 
