@@ -64,9 +64,6 @@ class HFSource:
                 self._owner[name] = file
         # a checkpoint published quantized (compressed-tensors, GPTQ, AWQ): checkpoints.prequantized
         self.published, self._published_codes, self._published_skip = None, {}, set()
-        if hf_config.get("quantization_config") and self.config.is_moe:
-            raise ConversionError(f"{config_path}: published quantized mixture-of-experts checkpoints are not "
-                                  f"supported yet (convert a float checkpoint of {self.config.architecture})")
         if hf_config.get("quantization_config"):
             from checkpoints.prequantized import PublishedQuantization
             self.published = PublishedQuantization(hf_config["quantization_config"], config_path)

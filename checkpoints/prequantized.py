@@ -37,6 +37,13 @@ stored. A leaf ("layers/w_down", ...) is stacked over the layers in one format; 
 disagree (some quantized, some not; int and fp8; a group size not divisible by 32) it is stored
 dequantized to float, exactly (u - zero) * scale rounded once to the conversion dtype.
 
+Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE) publish every routed expert as
+its own linear modules (`mlp.experts.M.gate_proj` ..., Mixtral's `block_sparse_moe.experts.M.w1`
+...), each quantized like a dense linear layer: each is read as above and stored at its [layer,
+expert] of the expert leaf (w_gate_exps [L, E, D, F] -> q [L, E, D/2, F] in int4, ...), one
+format for all its layers and experts. The routers (and Qwen2-MoE's shared-expert gate) are
+left float by the published checkpoints (in `ignore`); a quantized one is stored dequantized.
+
 Refused with a ConversionError naming the config field: activation quantization (W8A8, W4A8,
 FP8 dynamic: `input_activations`), output activations, a KV-cache scheme, sparsity (2:4),
 transforms, block / tensor-group strategies, dynamic weight scales, other bit widths, AWQ other
@@ -515,14 +522,18 @@ def leaf_format(layer_weights: list) -> qz.QuantFormat | None:
 
 
 def leaf_formats(source) -> tuple[dict[str, qz.QuantFormat], list[str]]:
-    """For an HFSource of a published quantized checkpoint: {linear leaf: format} of the leaves
-    stored quantized, and the leaves that have quantized layers but are stored float (leaf_format)."""
+    """For an HFSource of a published quantized checkpoint: {leaf: format} of the linear leaves and
+    the routed experts' leaves stored quantized, and those that have quantized layers but are
+    stored float (leaf_format). An expert leaf [L, E, in, out] takes one format for the per-expert
+    modules of all its layers (`model.layers.N.mlp.experts.M.gate_proj`, ...), each stored like a
+    dense linear layer's weight at its [layer, expert]."""
     published = source.published_weights()
     formats, dequantized = {}, []
     for info in model_weights.weight_infos(source.config).values():
-        if info.role != "linear":
+        if info.role not in ("linear", "experts"):
             continue
-        layers = [published.get(f"model.layers.{i}.{info.hf}") for i in range(source.config.num_layers)]
+        experts = [info.hf.format(expert=e) for e in range(info.shape[1])] if info.per_expert else [info.hf]
+        layers = [published.get(f"model.layers.{i}.{name}") for i in info.stack_layers for name in experts]
         if not any(layers):
             continue
         fmt = leaf_format(layers)

@@ -9,6 +9,12 @@
   tests check the packing against compressed-tensors' `unpack_from_int32` and, for AWQ, its
   AutoAWQ converter.
 
+Every writer quantizes the decoder's linear modules as the checkpoint names them
+(`linear_modules`): a dense Llama's attention and MLP projections; a mixture of experts' attention,
+each routed expert's own modules (`mlp.experts.M.gate_proj`, Mixtral's `block_sparse_moe.experts.M.w1`)
+and Qwen2-MoE's shared expert, the routers left float as the published checkpoints leave them
+(ROUTERS, in `ignore`).
+
 `reference_model` dequantizes any of them with compressed-tensors (its converters and
 dequantizer) into a float folder that transformers loads: the reference the tests compare with.
 """
@@ -16,30 +22,74 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
-LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# the routers (and Qwen2-MoE's shared-expert gate), in compressed-tensors' target syntax
+ROUTERS = (r"re:.*(mlp|block_sparse_moe)\.gate$", r"re:.*shared_expert_gate$")
+
+
+def checkpoint_tensors(model) -> dict:
+    """{name: torch tensor} of `model` as save_pretrained writes it, in its dtype (a mixture of
+    experts: one tensor per expert's linear module, not transformers' fused in-memory experts)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    tensors = {}
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, safe_serialization=True)
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def _matches(module: str, patterns) -> bool:
+    """Whether a compressed-tensors target / ignore entry ("re:<regex>" or a name) names `module`."""
+    return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
+
+
+def linear_modules(names) -> list[str]:
+    """The decoder's linear modules among a checkpoint's tensor names: the module of every 2-D
+    `model.layers.N.<module>.weight`, less the routers (ROUTERS)."""
+    return [n.removesuffix(".weight") for n in names
+            if re.fullmatch(r"model\.layers\.\d+\..+\.weight", n) and "norm" not in n
+            and not _matches(n.removesuffix(".weight"), ROUTERS)]
 
 
 def quantize_compressed_tensors(model, path: str, *, bits: int = 4, group: int | str | None = 128,
                                 symmetric: bool = True, kind: str = "int", fmt: str | None = None,
                                 ignore=("lm_head",)) -> None:
-    """Quantizes `model` (a torch LlamaForCausalLM, changed in place) with compressed-tensors and
-    saves it compressed under `path`. `group`: a group size, None (per output channel) or "tensor"."""
+    """Quantizes `model` (a torch causal LM) with compressed-tensors and saves it compressed under
+    `path`. `group`: a group size, None (per output channel) or "tensor". The scheme targets
+    every Linear of the checkpoint as saved (every 2-D weight but the embedding: a mixture of
+    experts' per-expert modules too), less `ignore`."""
+    import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
 
+    tensors = checkpoint_tensors(model)
+    linears = torch.nn.Module()  # the checkpoint's Linear modules under their saved names
+    for name in [n for n, t in tensors.items() if t.ndim == 2 and n.endswith(".weight") and "embed" not in n]:
+        *parents, leaf = name.removesuffix(".weight").split(".")
+        node = linears
+        for part in parents:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        linear = torch.nn.Linear(tensors[name].shape[1], tensors[name].shape[0], bias=False, dtype=tensors[name].dtype)
+        linear.weight.data.copy_(tensors.pop(name))
+        node.add_module(leaf, linear)
     strategy = "group" if isinstance(group, int) else ("channel" if group is None else "tensor")
     args = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
                             group_size=group if strategy == "group" else None)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=list(ignore), quantization_status="frozen")
-    apply_quantization_config(model, config)
-    for module in model.modules():
+    apply_quantization_config(linears, config)
+    for module in linears.modules():
         if not hasattr(module, "weight_scale"):
             continue
         w = module.weight.data
@@ -51,9 +101,12 @@ def quantize_compressed_tensors(model, path: str, *, bits: int = 4, group: int |
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if getattr(module, "weight_zero_point", None) is not None:
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(path)
+    compressor = ModelCompressor.from_pretrained_model(linears, quantization_format=fmt)
+    compressor.compress_model(linears)
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    state = {**tensors, **{k: v.detach().contiguous() for k, v in linears.state_dict().items()}}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     compressor.update_config(path)
 
 
@@ -93,13 +146,12 @@ def _pack(codes: np.ndarray, bits: int, order=None) -> np.ndarray:
 
 
 def _quantized_state(model, make) -> dict:
-    """The model's tensors as numpy, each decoder linear weight replaced by make(name, w [out, in])."""
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    for layer in range(model.config.num_hidden_layers):
-        for module in LINEAR_MODULES:
-            name = f"model.layers.{layer}.{module}"
-            for suffix, tensor in make(name, state.pop(f"{name}.weight")).items():
-                state[f"{name}.{suffix}"] = tensor
+    """The model's saved tensors as numpy, each decoder linear weight (`linear_modules`) replaced
+    by make(name, w [out, in])."""
+    state = {k: v.float().numpy() for k, v in checkpoint_tensors(model).items()}
+    for name in linear_modules(list(state)):
+        for suffix, tensor in make(name, state.pop(f"{name}.weight")).items():
+            state[f"{name}.{suffix}"] = tensor
     return state
 
 
@@ -184,7 +236,7 @@ def reference_model(path: str, work_dir: str):
     from compressed_tensors.entrypoints.convert.converters import AutoAWQConverter, CompressedTensorsDequantizer
     from safetensors.numpy import load_file, save_file
     from safetensors.torch import load_file as load_torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -211,8 +263,9 @@ def reference_model(path: str, work_dir: str):
         dequantizer = CompressedTensorsDequantizer(path, dtype=torch.float32)
         for name, scheme in dequantizer.quant_config.config_groups.items():
             scheme.format = qconfig["config_groups"][name].get("format") or qconfig["format"]  # not inferred
-            # by tensor names alone, "Linear" would also take the embedding's "weight": Llama's Linears
-            scheme.targets = [r"re:.*(_proj|lm_head)$" if t == "Linear" else t for t in scheme.targets]
+            # by tensor names alone, "Linear" would also take the embedding's "weight": the Linears
+            # of Llama, Qwen and Mixtral's experts (w1, w2, w3)
+            scheme.targets = [r"re:.*(_proj|lm_head|\.w[123])$" if t == "Linear" else t for t in scheme.targets]
         state = {k: (v.float() if v.is_floating_point() else v).numpy()
                  for k, v in dequantizer.process(tensors).items()}
     float_dir = os.path.join(work_dir, "dequantized")
@@ -220,5 +273,5 @@ def reference_model(path: str, work_dir: str):
     with open(os.path.join(float_dir, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(state, os.path.join(float_dir, "model.safetensors"))
-    model = LlamaForCausalLM.from_pretrained(float_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(float_dir, torch_dtype=torch.float32).eval()
     return model, {k: v.astype(np.float32) for k, v in state.items()}

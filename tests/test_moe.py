@@ -151,9 +151,12 @@ def test_forward_matches_transformers(moe_model):
     assert np.abs(flipped - expected).max() > 100 * atol
 
 
-def greedy_through_the_cli(tmp_path, family: str, prompt: str, **model_kwargs) -> tuple[list[int], list[int]]:
+def greedy_through_the_cli(tmp_path, family: str, prompt: str, publish=None,
+                           **model_kwargs) -> tuple[list[int], list[int]]:
     """(`jaxserve convert` + `jaxserve generate`'s 8 greedy tokens of `prompt`, transformers') for a
-    tiny `family` model with SmolLM2's tokenizer (chunked prefill of 4 tokens, then decode)."""
+    tiny `family` model with SmolLM2's tokenizer (chunked prefill of 4 tokens, then decode).
+    `publish(model, folder)`: the folder converted instead of the float one and the transformers
+    model it is compared with (a published quantized checkpoint of it and its reference)."""
     import torch
     from checkpoints.default_model import resolve_model
     from jaxserve.commands import cli
@@ -163,7 +166,11 @@ def greedy_through_the_cli(tmp_path, family: str, prompt: str, **model_kwargs) -
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     model = make_moe_model(str(hf_dir), family, vocab_size=len(tokenizer), **model_kwargs)
     copy_smollm2_tokenizer(str(hf_dir))
-    assert cli.main(["jaxserve", "convert", f"--source={hf_dir}", f"--output={converted}"]) == 0
+    source = str(hf_dir)
+    if publish is not None:
+        source, model = publish(model, str(tmp_path / "published"))
+        copy_smollm2_tokenizer(source)
+    assert cli.main(["jaxserve", "convert", f"--source={source}", f"--output={converted}"]) == 0
     prompt_ids = tokenizer(prompt)["input_ids"]
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": 0, "prompt": prompt}) + "\n")
     new_tokens = 8

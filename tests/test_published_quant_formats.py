@@ -116,17 +116,16 @@ def jaxserve_logits(params, config, sequences):
 
 
 def stored_layer_weights(params, leaf: str) -> np.ndarray:
-    """[L, out, in] float32 of a stored leaf, dequantized by jaxserve, rows back in input order."""
+    """[..., out, in] float32 of a stored leaf ([L, out, in]; experts [L, E, out, in]), dequantized
+    by jaxserve, rows back in input order."""
     weight = params["layers"][leaf]
     if not isinstance(weight, qz.QuantArray):
-        return np.swapaxes(np.asarray(weight, np.float32), 1, 2)
-    values = np.asarray(qz.dequantize(weight))  # [L, in, out], rows in their stored order
-    if weight.perm is not None:  # row i holds input perm[i]
-        unpermuted = np.empty_like(values)
-        for layer, perm in enumerate(np.asarray(weight.perm)):
-            unpermuted[layer][perm] = values[layer]
-        values = unpermuted
-    return np.swapaxes(values, 1, 2)
+        return np.swapaxes(np.asarray(weight, np.float32), -1, -2)
+    values = np.asarray(qz.dequantize(weight))  # [..., in, out], rows in their stored order
+    if weight.perm is not None:  # row i holds input perm[i]: input j is at row argsort(perm)[j]
+        rows = np.argsort(np.asarray(weight.perm), axis=-1)[..., None]  # [..., in, 1]
+        values = np.take_along_axis(values, rows, axis=-2)
+    return np.swapaxes(values, -1, -2)
 
 
 @pytest.mark.parametrize("name", list(CASES))
