@@ -14,7 +14,12 @@ the grouped-matmul backend jaxserve uses on the CPU ("xla": the loop over routed
 pallas_kernels.xla_grouped) and with jax.lax.ragged_dot ("ragged_dot": jax's CPU lowering, which
 reads every expert and does 16x the FLOPs).
 
+With --quantization (int8, int4, ...) every model's linear layers and experts are quantized
+first (the MoE's experts multiplied at their stored size by the CPU loop), and "param_bytes"
+is the stored bytes; the MLP byte columns stay the float32 ones.
+
   python bench/moe_decode.py --out bench/out/moe_decode.json
+  python bench/moe_decode.py --quantization=int8 --out bench/out/moe_decode_int8.json
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,8,64", help="comma list of decode row counts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantization", default=None,
+                        help="quantize every model's linear layers and experts (e.g. int8, int4) before timing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -72,6 +79,9 @@ def main(argv=None) -> int:
     info = common.machine_info(with_jax=True)
     configs = model_configs()
     stacked = {name: weights.random_params(config, jnp.float32, seed=i) for i, (name, config) in enumerate(configs.items())}
+    if args.quantization:
+        stacked = {name: quantization.quantize_params(tree, args.quantization, configs[name])
+                   for name, tree in stacked.items()}
     params = {name: cpu_layout.layer_views(tree) for name, tree in stacked.items()}  # as the engine's step reads them
     page_size, max_pages = 16, 8
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
     for name, m in models.items():
         print(f"{name}: weights {m['param_bytes'] / 2**20:.0f} MiB, MLP {m['mlp_bytes'] / 2**20:.0f} MiB, MLP read per "
               f"token {m['mlp_bytes_per_token'] / 2**20:.0f} MiB")
-    common.write_json(args.out, {"machine": info, "models": models, "results": results,
+    common.write_json(args.out, {"machine": info, "quantization": args.quantization, "models": models, "results": results,
                                  "experts": EXPERTS, "top_k": TOP_K, "expert_intermediate_size": EXPERT_FFN})
     return 0
 
