@@ -30,9 +30,7 @@ from jaxserve.models import quantization as qz  # noqa: E402
 from jaxserve.models import weights  # noqa: E402
 from tests import published_checkpoints as pc  # noqa: E402
 from tests.test_moe import greedy_through_the_cli, make_moe_model  # noqa: E402
-from tests.test_published_quant_formats import (GREEDY_TOKENS, LOGIT_TOLERANCE, PROMPT_LEN,  # noqa: E402
-                                                greedy_reference, jaxserve_logits, stored_layer_weights)
-from tests.tiny_models import hf_logits  # noqa: E402
+from tests.test_published_quant_formats import check_logits_and_greedy_tokens, stored_layer_weights  # noqa: E402
 
 # every input 64 (hidden; 4 heads x 16: o_proj; an expert's intermediate size: its down
 # projection): two groups of 32, so that GPTQ act-order has inputs to move between groups
@@ -134,16 +132,7 @@ def test_expert_weights_dequantize_bit_for_bit_like_the_reference(converted, nam
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_and_greedy_tokens_match_transformers(converted, name):
     _, model_dir, model, _ = converted(name)
-    source = ModelSource.open(model_dir)
-    params = source.load_params(jnp.float32)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, source.config.vocab_size, n).tolist() for n in (PROMPT_LEN, 7)]
-    sequences = [greedy_reference(model, p, GREEDY_TOKENS) for p in prompts]
-    for sequence, got in zip(sequences, jaxserve_logits(params, source.config, sequences)):
-        want = hf_logits(model, np.asarray([sequence]))[0]
-        np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOLERANCE * np.abs(want).max())
-        start = len(sequence) - GREEDY_TOKENS - 1  # at every generated position: transformers' next token
-        assert got[start:-1].argmax(-1).tolist() == sequence[start + 1:]
+    check_logits_and_greedy_tokens(model_dir, model)
 
 
 CLI_CASES = {"mixtral": ("ct", dict(bits=4, group=32)),
