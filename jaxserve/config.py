@@ -28,6 +28,9 @@ _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _ROPE_TYPES = ("default", "llama3", "linear")
 
 
+# --attention_backend: pallas_kernels.dispatch's names ("triton" is "pallas", Pallas' Triton lowering).
+ATTENTION_BACKENDS = ("pallas", "triton", "interpret", "mosaic", "mosaic_interpret", "xla", "reference")
+KERNEL_BACKENDS = ("pallas", "mosaic")  # the compiled GPU kernels, whose memory the planner models alike
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
 # SmolLM2 on 2 cores, 8 decoding streams beside a 2000-token prompt: their longest gap between tokens
 # 2.16 s unbounded, 0.43 s at 64, 0.25 s at 32 (4.4x a decode step); that prompt's TTFT 6.5 s -> 11.0 s.
@@ -100,8 +103,7 @@ class EngineConfig:
     dtype: str | None = setting(None, "weights, activations and KV cache dtype",
                                 choices=("float32", "bfloat16", "float16"), unset="float32 on CPU, bfloat16 on GPU")
     attention_backend: str | None = setting(None, "attention implementation",
-                                            choices=("pallas", "interpret", "xla", "reference"),
-                                            unset="pallas on GPU, xla on CPU")
+                                            choices=ATTENTION_BACKENDS, unset="pallas on GPU, xla on CPU")
     max_logprobs: int = setting(20, "the most logprobs (and prompt logprobs) one request may ask for", minimum=0)
     memory_utilization: float = setting(
         0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "

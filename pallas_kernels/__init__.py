@@ -7,8 +7,9 @@ KV pages per layer: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is th
 Attention options shared by every entry point (sliding_window, scale, logit_soft_cap): see
 pallas_kernels.common.
 
-Modules: dispatch (the KV write and the backend choice), paged_decode and ragged_prefill (Pallas kernels, sharing
-pallas_common), xla_paged (CPU path), common (masks, options, query layout), kv_quant (int8 / fp8
+Modules: dispatch (the KV write and the backend choice), paged_decode and ragged_prefill (Pallas kernels through
+the Triton lowering, sharing pallas_common), mosaic_decode and mosaic_ragged (Pallas Mosaic GPU kernels for Hopper,
+sharing mosaic_common), xla_paged (CPU path), common (masks, options, query layout), kv_quant (int8 / fp8
 pages), compat (jax-version shims), reference (test oracle), grouped_matmul (the experts' grouped-matmul kernel; the
 models call it through dispatch.grouped_matmul).
 """

@@ -1,12 +1,12 @@
 """The jax-version shims the Pallas kernels need (0.10.x here, 0.11.x on GPU).
 
-The kernels are written for the Triton lowering of Pallas (selected by passing Triton compiler
-params, whatever `jax_pallas_use_mosaic_gpu` says). Upstream marks that lowering deprecated since
-jax 0.11 in favour of Mosaic GPU, whose `pallas_call` path is itself deprecated for
-`plgpu.kernel`; the gather-by-page-table loads these kernels rely on map directly onto Triton
-pointers, so Triton stays the choice until a Mosaic GPU port is written and measured on hardware.
-If a jax release drops the Triton lowering, `pallas_gpu_compiler_params` raises a clear error and
-`pallas_kernels.dispatch` does not pick the "pallas" backend.
+Two kernel families: paged_decode / ragged_prefill are written for the Triton lowering of Pallas
+(selected by passing Triton compiler params), which upstream marks deprecated since jax 0.11;
+mosaic_decode / mosaic_ragged are written for Mosaic GPU (`plgpu.kernel`, Hopper's TMA and
+wgmma), whose API and CPU interpreter this project uses from jax 0.11 on (`mosaic_gpu` says
+NotImplementedError before). If a jax release drops the Triton lowering,
+`pallas_gpu_compiler_params` raises a clear error and `pallas_kernels.dispatch` picks the Mosaic
+kernels on Hopper. Private jax state (the interpreter's race detector) is read here only.
 """
 
 import contextlib
@@ -59,3 +59,40 @@ def masked_store(ref, value, mask):
     if store is not None:
         return store(ref, value, mask=mask)
     return pl.store(ref, (), value, mask=mask)  # a jax whose Triton module has no store of its own
+
+
+def mosaic_gpu():
+    """jax's Pallas Mosaic GPU module (`plgpu`), with its CPU interpreter (jax >= 0.11);
+    NotImplementedError on a jax without them."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as error:
+        raise NotImplementedError(f"jax {jax.__version__} has no Pallas Mosaic GPU backend") from error
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        raise NotImplementedError(f"jax {jax.__version__}'s Pallas Mosaic GPU has no interpreter; the Mosaic "
+                                  "kernels need jax >= 0.11")
+    return plgpu
+
+
+def has_mosaic_gpu() -> bool:
+    """Whether this jax has the Pallas Mosaic GPU backend the Mosaic kernels are written for."""
+    try:
+        mosaic_gpu()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def mosaic_interpret_params():
+    """Mosaic GPU interpreter settings for the kernels' tests: race detection on."""
+    return mosaic_gpu().InterpretGPUParams(detect_races=True)
+
+
+def mosaic_races_found() -> bool:
+    """Whether Mosaic GPU's interpreter has reported a data race (printed "RACE DETECTED") since
+    the process started: it keeps that in private state, which moves between jax releases."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    try:
+        return bool(gpu_callbacks.get_races().races_found)
+    except AssertionError:  # no kernel interpreted yet
+        return False

@@ -2,15 +2,22 @@
 decides which attention implementation runs.
 
 Backends:
-  "pallas"     the Pallas kernels compiled for the GPU (Triton lowering, see pallas_kernels.compat);
+  "pallas"     the Pallas kernels compiled for the GPU through Pallas' Triton lowering
+               (paged_decode.py, ragged_prefill.py; "triton" is the same backend by its other name);
   "interpret"  the same kernels in Pallas interpret mode (runs anywhere, slowly: for tests);
+  "mosaic"     the Pallas Mosaic GPU kernels (mosaic_decode.py, mosaic_ragged.py: TMA and wgmma,
+               Hopper only; bfloat16/float16 pages, see mosaic_common.unsupported), jax >= 0.11;
+  "mosaic_interpret"  the same kernels in Mosaic GPU's interpreter (on the CPU, with race
+               detection: for tests);
   "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py); on
                the CPU, decode attention over float32 pages runs in a C++ kernel instead
                (cpu_kernels, when built): the fast path on CPU;
   "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
                only when this backend is asked for.
-Default: "pallas" when jax's default backend is a GPU with the Pallas GPU lowering available,
-"xla" otherwise; a backend named explicitly wins (jaxserve passes EngineConfig.attention_backend,
+Default on a GPU: "pallas" while the installed jax ships the Triton lowering (it is deprecated
+upstream since jax 0.11; the Mosaic kernels have not run on hardware yet), else "mosaic" on a
+Hopper GPU (compute capability 9.x) with Mosaic GPU, else "xla"; "xla" off a GPU. A backend named
+explicitly wins (jaxserve passes EngineConfig.attention_backend,
 else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backend).
 
 Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmul`):
@@ -35,11 +42,14 @@ int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static
 import jax
 
 import cpu_kernels
-from pallas_kernels import compat, kv_quant, paged_decode, ragged_prefill, xla_grouped, xla_paged
+from pallas_kernels import compat, kv_quant, mosaic_common, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
+from pallas_kernels import xla_grouped, xla_paged
 from pallas_kernels import grouped_matmul as grouped_matmul_kernel
 from pallas_kernels.common import softmax_scale
 
-BACKENDS = ("pallas", "interpret", "xla", "reference")
+BACKENDS = ("pallas", "interpret", "mosaic", "mosaic_interpret", "xla", "reference")
+BACKEND_ALIASES = {"triton": "pallas"}
+MOSAIC_BACKENDS = ("mosaic", "mosaic_interpret")
 GROUPED_MATMUL_BACKENDS = ("xla", "ragged_dot", "pallas", "interpret")
 
 
@@ -47,12 +57,26 @@ def attention_backend(choice: str | None = None) -> str:
     """Backend name to use: `choice` (any case), else by platform. ValueError for an unknown name."""
     if choice:
         choice = choice.strip().lower()
+        choice = BACKEND_ALIASES.get(choice, choice)
         if choice not in BACKENDS:
-            raise ValueError(f"unknown attention backend {choice!r}; expected one of {BACKENDS}")
+            raise ValueError(f"unknown attention backend {choice!r}; expected one of "
+                             f"{BACKENDS + tuple(BACKEND_ALIASES)}")
         return choice
-    if jax.default_backend() in ("gpu", "cuda", "rocm") and compat.has_pallas_triton():
-        return "pallas"
+    if jax.default_backend() in ("gpu", "cuda", "rocm"):
+        if compat.has_pallas_triton():
+            return "pallas"
+        if compat.has_mosaic_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
+            return "mosaic"
     return "xla"
+
+
+def unsupported_operands(backend: str, q, k_pages) -> str | None:
+    """Why `backend` cannot take these operands (abstract or concrete arrays: q [.., heads, d],
+    k_pages [pages, page_size, kv_heads, d] or a quantized cache), None when it can. Only the
+    Mosaic kernels refuse some; the engine asks this before it builds a step."""
+    if BACKEND_ALIASES.get(backend, backend) in MOSAIC_BACKENDS:
+        return mosaic_common.unsupported(q, k_pages)
+    return None
 
 
 def _plain_module(backend: str):
@@ -69,13 +93,18 @@ def decode_attention(
     backend: str, q, k_pages, v_pages, block_table, seq_lens, *,
     sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
 ):
-    """Paged attention of one query token per sequence through `backend`.
+    """Paged attention of one query token per sequence through `backend` (a name of BACKENDS or
+    BACKEND_ALIASES: "triton" and "mosaic" pick the two GPU kernel families).
 
     q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, page_size, num_kv_heads,
     head_dim] (or quantized caches); block_table: int32[num_seqs, max_pages]; seq_lens:
     int32[num_seqs] (0: padding row). Returns [num_seqs, num_q_heads, head_dim] in q's dtype.
     """
     options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
+    backend = BACKEND_ALIASES.get(backend, backend)
+    if backend in MOSAIC_BACKENDS:
+        return mosaic_decode.paged_decode_attention(
+            q, k_pages, v_pages, block_table, seq_lens, interpret=backend == "mosaic_interpret", **options)
     if backend in ("pallas", "interpret"):
         return paged_decode.paged_decode_attention(
             q, k_pages, v_pages, block_table, seq_lens, interpret=backend == "interpret", **options
@@ -108,6 +137,11 @@ def ragged_attention(
     verification, would otherwise each pay for a chunk of PREFILL_QUERY_CHUNK queries).
     """
     options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
+    backend = BACKEND_ALIASES.get(backend, backend)
+    if backend in MOSAIC_BACKENDS:
+        return mosaic_ragged.ragged_paged_attention(
+            q, k_pages, v_pages, block_table, seq_lens, query_start_loc,
+            interpret=backend == "mosaic_interpret", **options)
     if backend in ("pallas", "interpret"):
         return ragged_prefill.ragged_paged_attention(
             q, k_pages, v_pages, block_table, seq_lens, query_start_loc,

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import common, dispatch, kv_quant, paged_decode, ragged_prefill, reference, xla_paged
+from pallas_kernels import (
+    common, dispatch, kv_quant, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill, reference, xla_paged,
+)
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Interpret mode on CPU; on a GPU the kernels run natively (bench/gpu_check.sh).
@@ -231,14 +233,15 @@ def ragged_batch(seq_lens, page_size, rng):
     return query_lens, query_start_loc, num_tokens
 
 
-def check_ragged(case, rng, options=Options(), int8=False, label="ragged"):
-    """Pallas kernel, XLA path and reference against the oracle on one random ragged batch
-    (decode tokens, whole prefills and chunks starting mid-sequence)."""
+def ragged_problem(case, rng, window=None, int8=False):
+    """Random ragged inputs (decode tokens, whole prefills and chunks starting mid-sequence) and
+    the oracle's answer. Returns args (q, k, v, block_table, seq_lens, query_start_loc) for the
+    implementations and the expected output [num_tokens, heads, d] as a function of the options."""
     seq_lens = context_lengths(case.page_size, rng)
     k_pages, v_pages, block_table = paged_inputs(case, seq_lens, rng)
     query_lens, query_start_loc, num_tokens = ragged_batch(seq_lens, case.page_size, rng)
     k_pages, v_pages, block_table = garbage_before_window(
-        k_pages, v_pages, block_table, seq_lens, query_lens, options.window)
+        k_pages, v_pages, block_table, seq_lens, query_lens, window)
     num_heads = case.group * case.num_kv_heads
     q = np.full((num_tokens, num_heads, case.head_dim), np.nan)  # padding tokens stay NaN
     q[: query_start_loc[-1]] = rng.standard_normal((query_start_loc[-1], num_heads, case.head_dim))
@@ -250,13 +253,24 @@ def check_ragged(case, rng, options=Options(), int8=False, label="ragged"):
     q_padded = np.zeros((len(seq_lens), max_query_len, num_heads, case.head_dim))
     for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
         q_padded[row, :count] = q[start : start + count].astype(np.float64)
-    padded_expected = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens, **options.oracle())
-    expected = np.zeros((num_tokens, num_heads, case.head_dim))
-    for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
-        expected[start : start + count] = padded_expected[row, :count]
+
+    def expected(options):
+        padded = oracle(q_padded, k_pages, v_pages, block_table, seq_lens, query_lens, **options.oracle())
+        out = np.zeros((num_tokens, num_heads, case.head_dim))
+        for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
+            out[start : start + count] = padded[row, :count]
+        return out
 
     args = (jnp.asarray(q), k_cache, v_cache, jnp.asarray(block_table), jnp.asarray(seq_lens),
             jnp.asarray(query_start_loc))
+    return args, expected
+
+
+def check_ragged(case, rng, options=Options(), int8=False, label="ragged"):
+    """Pallas kernel, XLA path and reference against the oracle on one random ragged batch
+    (decode tokens, whole prefills and chunks starting mid-sequence)."""
+    args, expected_of = ragged_problem(case, rng, options.window, int8)
+    q, query_start_loc, expected = np.asarray(args[0]), np.asarray(args[5]), expected_of(options)
     kernel_tiles = dict(case.tiles, block_q=2) if case.tiles else {}
     xla_blocks = case.tiles.get("pages_per_block", 3)  # several blocks, a width not dividing the table
     outputs = {
@@ -478,14 +492,14 @@ def test_write_kv_updates_donated_pages_in_place():
     assert stats.temp_size_in_bytes < page_bytes // 8
 
 
-@pytest.mark.parametrize("backend", dispatch.BACKENDS)
+@pytest.mark.parametrize("backend", dispatch.BACKENDS + tuple(dispatch.BACKEND_ALIASES))
 def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
     calls = []
 
     def recorder(name):
         return lambda *args, **kwargs: calls.append((name, len(args), kwargs)) or name
 
-    for module in (paged_decode, ragged_prefill, reference, xla_paged):
+    for module in (paged_decode, ragged_prefill, mosaic_decode, mosaic_ragged, reference, xla_paged):
         for kind, function in (("decode", "paged_decode_attention"), ("ragged", "ragged_paged_attention")):
             monkeypatch.setattr(module, function, recorder(f"{module.__name__}.{kind}"), raising=False)
     decode_args = ("q", "k", "v", "table", "lens")
@@ -493,15 +507,17 @@ def test_dispatch_routes_to_the_chosen_implementation(backend, monkeypatch):
     options = dict(sliding_window="window", scale=0.5, logit_soft_cap=30.0)
     decoded = dispatch.decode_attention(backend, *decode_args, **options)
     ragged = dispatch.ragged_attention(backend, *ragged_args, **options)
-    plain = {"reference": "pallas_kernels.reference", "xla": "pallas_kernels.xla_paged"}
-    assert decoded == f"{plain.get(backend, 'pallas_kernels.paged_decode')}.decode"
-    assert ragged == f"{plain.get(backend, 'pallas_kernels.ragged_prefill')}.ragged"
+    modules = {"reference": ("reference",) * 2, "xla": ("xla_paged",) * 2,
+               "mosaic": ("mosaic_decode", "mosaic_ragged"), "mosaic_interpret": ("mosaic_decode", "mosaic_ragged")}
+    decode_module, ragged_module = modules.get(backend, ("paged_decode", "ragged_prefill"))
+    assert decoded == f"pallas_kernels.{decode_module}.decode"
+    assert ragged == f"pallas_kernels.{ragged_module}.ragged"
     assert [c[1] for c in calls] == [5, 6]
     for _, _, kwargs in calls:
         assert {name: kwargs[name] for name in options} == options
-        assert kwargs.get("interpret", False) == (backend == "interpret")
+        assert kwargs.get("interpret", False) == backend.endswith("interpret")
     with pytest.raises(ValueError):
-        dispatch.decode_attention("triton", *decode_args)
+        dispatch.decode_attention("cuda", *decode_args)
 
 
 @pytest.mark.parametrize("window", [None, 9])

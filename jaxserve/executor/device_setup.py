@@ -57,6 +57,18 @@ def kv_cache_dtype(name: str | None):
     return kv_quant.KV_CACHE_DTYPES[name]
 
 
+def check_attention_operands(backend: str, config: ModelConfig, dtype, kv_dtype, page_size: int) -> None:
+    """ValueError, naming the flags to change, when `backend`'s kernels cannot take this model's
+    attention: queries in `dtype` over pages of `page_size` in `kv_dtype` (None: `dtype`)."""
+    q = jax.ShapeDtypeStruct((1, config.num_q_heads, config.head_dim), dtype)
+    pages = jax.eval_shape(lambda: kv_quant.zeros((1, page_size, config.num_kv_heads, config.head_dim),
+                                                  kv_dtype or dtype))
+    reason = dispatch.unsupported_operands(backend, q, pages)
+    if reason:
+        raise ValueError(f"--attention_backend={backend}: the Mosaic GPU kernels do not take {reason}; use "
+                         "--attention_backend=pallas (Triton) or xla, or change --dtype / --kv_cache_dtype / --page_size")
+
+
 def quantize_weights(params, name: str | None, config, *, embedding: bool = False, sharded: bool = False):
     """`params` with the linear layers quantized as `name` (int8, int4, ...; None: unchanged),
     and with `embedding` the token embedding and lm_head in int8 (quantization.quantize_embedding).

@@ -90,6 +90,8 @@ class ModelRunner:
         self._head = prompt_logprobs.head_params(self.params)
         # "auto": the model's float dtype (the norms keep it)
         self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or params["final_norm"].dtype
+        device_setup.check_attention_operands(self.backend, config, params["final_norm"].dtype, self.kv_cache_dtype,
+                                              self.page_size)
         self._new_kv_cache = functools.partial(
             llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, self.page_size), self.kv_cache_dtype,
             None if shardings is None else shardings.kv_cache)

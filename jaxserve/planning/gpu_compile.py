@@ -31,13 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxserve import compat
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import KERNEL_BACKENDS, EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
 from jaxserve.executor import device_setup, executables, sampler, step_functions
 from jaxserve.models import llama, quantization, weights
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
 from jaxserve.planning.gpu_targets import target_config, target_memory_budget_bytes
+from pallas_kernels import dispatch
 from pallas_kernels.compat import quiet_pallas_deprecations
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]' (jax's CUDA plugin and ptxas, about 1.2 GB)"
@@ -150,6 +151,7 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     XLA's message, not raised.
     """
     cfg = engine_config.for_platform(on_gpu=True)
+    cfg = dataclasses.replace(cfg, attention_backend=dispatch.attention_backend(cfg.attention_backend))
     tensor_parallel_size = cfg.tensor_parallel_size
     sharding.check_tensor_parallel(
         sharding.with_expert_parallel(model_config, cfg.enable_expert_parallel, tensor_parallel_size),
@@ -168,6 +170,7 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
                               measured_weights_bytes=shardings.per_device_bytes(params))
     num_pages = cfg.num_pages or plan.num_pages
     kv_dtype = device_setup.kv_cache_dtype(cfg.kv_cache_dtype) or float_dtype
+    device_setup.check_attention_operands(cfg.attention_backend, run_config, float_dtype, kv_dtype, cfg.page_size)
     kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, cfg.page_size),
                                                           kv_dtype))
     kv_cache = _abstract(kv_cache, jax.tree.map(lambda _: shardings.kv_cache, kv_cache))
@@ -212,7 +215,7 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
         max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
         max_context_len=bucket.pages_per_seq * cfg.page_size, tensor_parallel_size=cfg.tensor_parallel_size,
         max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0,
-        backend="pallas" if cfg.attention_backend == "pallas" else "reference")
+        backend="pallas" if cfg.attention_backend in KERNEL_BACKENDS else "reference")
 
 
 # ---- the kernels on the real compiler ------------------------------------------------------------

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from jaxserve import environment
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import KERNEL_BACKENDS, EngineConfig, ModelConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -385,7 +385,7 @@ def plan_memory(
     """Sizes the KV page pool of one device for `cfg`, whose dtype must be set (for_platform
     fills it in): the activations and, with kv_cache_dtype "auto", the KV cache in cfg.dtype;
     the linear layers in cfg.quantization when it names a format; the Pallas build's activations
-    when cfg.attention_backend is "pallas", else the reference attention's; the context
+    when cfg.attention_backend is a GPU kernel one (pallas, mosaic), else the reference attention's; the context
     cfg.model_len(model). `measured_weights_bytes` (the loaded weights, e.g. quantized ones)
     replaces the estimate. `max_num_pages` caps the pool; cfg.num_pages fixes it (the estimates
     are still reported, the fit checks are skipped). `draft_model`: a speculative-decoding draft
@@ -422,7 +422,7 @@ def plan_memory(
         model, compute_dtype=compute_dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_context_len=pages_per_seq * page_size, tensor_parallel_size=tp,
         max_prefill_seqs=cfg.max_num_prefill_seqs, weight_dtype=weight_dtype,
-        backend="pallas" if cfg.attention_backend == "pallas" else "reference")
+        backend="pallas" if cfg.attention_backend in KERNEL_BACKENDS else "reference")
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - resident - activations - reserve

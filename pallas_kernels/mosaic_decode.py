@@ -1,0 +1,102 @@
+"""Mosaic GPU paged decode attention (Hopper: TMA page copies, wgmma): one query token per sequence.
+
+Grid (num_kv_heads, num_splits, num_seqs), one warpgroup per program. A program owns one KV head
+of one sequence and one contiguous slice of its context: the query heads of that KV head (the
+group, padded to the 64 rows of a wgmma) are copied into shared memory once, then the slice's
+pages are walked as mosaic_common.attend_pages says (TMA page copies, two blocks of 64 keys in
+flight, wgmma for Q K^T and P V). With a sliding window, a program starts at the first block of
+keys the query sees. The splits' partial results are merged with their log-sum-exp weights in
+the wrapper, as in the Triton kernel (paged_decode.merge_splits).
+
+Hopper (sm_90a) only: TMA and wgmma. On Ampere the Triton kernels run (pallas_kernels.dispatch).
+Operands: mosaic_common.unsupported. Options (sliding_window, scale,
+logit_soft_cap): see pallas_kernels.common.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import compat
+from pallas_kernels.common import first_visible_key, softmax_scale, window_size
+from pallas_kernels.mosaic_common import KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, scratch, store_outputs, unsupported
+from pallas_kernels.paged_decode import choose_num_splits, merge_splits
+from pallas_kernels.pallas_common import cdiv
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
+                   scale, logit_soft_cap, page_size, pages_per_split, windowed, plgpu):
+    # q_ref: [num_seqs, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d];
+    # block_table_ref: [num_seqs, num_splits * pages_per_split]; seq_lens_ref: [num_seqs];
+    # window_ref: [1] (from window_size) when windowed; then the outputs acc_ref [s, kv, splits, 64, d],
+    # max_ref, sum_ref [s, kv, splits, 64] (float32), then the scratch of mosaic_common.scratch.
+    refs = list(refs)
+    window_ref = refs.pop(0) if windowed else None
+    (acc_ref, max_ref, sum_ref), (q_smem, k_smem, v_smem, p_smem, out_smem, stat_smem, q_barrier, k_barriers,
+                                  v_barriers) = refs[:3], refs[3:]
+    head, split, seq = lax.axis_index("head"), lax.axis_index("split"), lax.axis_index("seq")
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier)
+    keys_per_split = pages_per_split * page_size
+    seq_len = seq_lens_ref[seq]
+    split_start = split * keys_per_split
+    split_end = jnp.minimum(seq_len, split_start + keys_per_split)
+    first_key = split_start
+    if windowed:  # the query is the last token, at seq_len - 1: skip blocks before its window
+        first_key = jnp.maximum(first_key, first_visible_key(seq_len - 1, window_ref[0]))
+    num_blocks = (split_end + KEYS_PER_BLOCK - 1) // KEYS_PER_BLOCK
+    first_block = jnp.minimum(first_key // KEYS_PER_BLOCK, num_blocks)
+    plgpu.barrier_wait(q_barrier)
+    acc, row_max, row_sum = attend_pages(
+        plgpu, (q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers), k_ref, v_ref,
+        page_id=lambda block, p: block_table_ref[seq, block * (KEYS_PER_BLOCK // page_size) + p],
+        head=head, first_block=first_block, num_blocks=num_blocks, key_lo=first_key, key_hi=split_end,
+        visible=lambda key_pos: key_pos >= 0, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size)
+    store_outputs(plgpu, out_smem, stat_smem, acc, row_max, row_sum, acc_ref.at[seq, head, split],
+                  max_ref.at[seq, head, split], sum_ref.at[seq, head, split])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logit_soft_cap", "interpret", "num_splits"))
+def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, sliding_window=None, scale=None,
+                           logit_soft_cap=None, interpret=False, num_splits=None):
+    """Paged attention of one query token per sequence: the arguments and result of
+    pallas_kernels.paged_decode.paged_decode_attention. `interpret=True` runs the kernel in
+    Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
+    not take (mosaic_common.unsupported)."""
+    plgpu = compat.mosaic_gpu()
+    reason = unsupported(q, k_pages)
+    if reason:
+        raise ValueError(f"the Mosaic GPU attention kernels do not take {reason}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    scale = softmax_scale(scale, head_dim)
+    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
+    pages_per_block = KEYS_PER_BLOCK // page_size
+    num_blocks = cdiv(block_table.shape[1], pages_per_block)
+    num_splits = min(num_splits or choose_num_splits(num_seqs, num_kv_heads, num_blocks), num_blocks)
+    pages_per_split = cdiv(num_blocks, num_splits) * pages_per_block
+    block_table = jnp.pad(block_table.astype(jnp.int32),
+                          ((0, 0), (0, num_splits * pages_per_split - block_table.shape[1])))
+    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
+    windowed = sliding_window is not None
+    extra = [window_size(sliding_window).reshape(1)] if windowed else []
+    partial_shape = (num_seqs, num_kv_heads, num_splits, WGMMA_ROWS)
+    kernel = functools.partial(_decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size,
+                               pages_per_split=pages_per_split, windowed=windowed, plgpu=plgpu)
+    acc, row_max, row_sum = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+                  jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
+        scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
+        grid=(num_kv_heads, num_splits, num_seqs),
+        grid_names=("head", "split", "seq"),
+        interpret=compat.mosaic_interpret_params() if interpret else None,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="paged_decode_attention_mosaic",
+    )(q_grouped, k_pages, v_pages, block_table, seq_lens.astype(jnp.int32), *extra)
+    out = merge_splits(acc[..., :group, :], row_max[..., :group], row_sum[..., :group])
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

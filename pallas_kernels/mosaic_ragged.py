@@ -1,0 +1,133 @@
+"""Mosaic GPU ragged paged attention (Hopper: TMA page copies, wgmma): prefill chunks and decode
+tokens of several sequences in one call.
+
+The query tokens are cut, per sequence, into blocks of block_q = 64 / group_pad tokens (the
+schedule of the Triton kernel, ragged_prefill.query_block_schedule), so that a block's tokens
+times the query heads of one KV head (the group, padded to a power of two) are the 64 rows of a
+wgmma. Grid (num_kv_heads, num_query_blocks), one warpgroup per program: it copies its 64 query
+rows into shared memory (one TMA copy of the rows the wrapper gathered for it), walks its sequence's pages up to the causal limit of its last row, from the
+first block its first row's sliding window reaches (mosaic_common.attend_pages), and writes its
+own output block, so no two programs write the same memory. Spare programs (the grid is sized for
+the worst case) do no work.
+
+Hopper (sm_90a) only; operands: mosaic_common.unsupported. Options (sliding_window, scale,
+logit_soft_cap): see pallas_kernels.common.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import compat
+from pallas_kernels.common import first_visible_key, in_window, softmax_scale, window_size
+from pallas_kernels.mosaic_common import KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, scratch, store_outputs, unsupported
+from pallas_kernels.pallas_common import cdiv, next_power_of_2
+from pallas_kernels.ragged_prefill import query_block_schedule
+
+
+def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref,
+                   query_start_loc_ref, *refs, scale, logit_soft_cap, group_pad, page_size, windowed, plgpu):
+    # block_seq_ref, block_start_ref: [num_query_blocks]; q_ref: [num_query_blocks, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d]; block_table_ref: [num_seqs,
+    # max_pages]; seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
+    # window_size) when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (float32),
+    # then the scratch of mosaic_common.scratch.
+    refs = list(refs)
+    window_ref = refs.pop(0) if windowed else None
+    out_ref, (q_smem, k_smem, v_smem, p_smem, out_smem, stat_smem, q_barrier, k_barriers, v_barriers) = \
+        refs[0], refs[1:]
+    head, block_index = lax.axis_index("head"), lax.axis_index("block")
+    block_q = WGMMA_ROWS // group_pad
+    seq = block_seq_ref[block_index]
+    seq_index = jnp.maximum(seq, 0)
+    block_start = block_start_ref[block_index]
+    plgpu.copy_gmem_to_smem(q_ref.at[block_index, head], q_smem, q_barrier)
+    seq_len = jnp.where(seq >= 0, seq_lens_ref[seq_index], 0)
+    first_pos = seq_len - query_start_loc_ref[seq_index + 1] + block_start  # the block's first token
+    kv_end = jnp.clip(first_pos + block_q, 0, seq_len)  # keys any row of this block may read
+    num_blocks = (kv_end + KEYS_PER_BLOCK - 1) // KEYS_PER_BLOCK
+    row_pos = first_pos + plgpu.broadcasted_iota(jnp.int32, (WGMMA_ROWS, KEYS_PER_BLOCK), 0,
+                                                 layout=plgpu.Layout.WGMMA) // group_pad
+    first_key = jnp.int32(0)
+    if windowed:  # keys before the window of the block's first row are read by no row
+        window = window_ref[0]
+        first_key = first_visible_key(jnp.maximum(first_pos, 0), window)
+        visible = lambda key_pos: in_window(row_pos, key_pos, window)  # noqa: E731
+    else:
+        visible = lambda key_pos: key_pos <= row_pos  # noqa: E731
+    plgpu.barrier_wait(q_barrier)
+    acc, _, row_sum = attend_pages(
+        plgpu, (q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers), k_ref, v_ref,
+        page_id=lambda block, p: block_table_ref[seq_index, block * (KEYS_PER_BLOCK // page_size) + p],
+        head=head, first_block=jnp.minimum(first_key // KEYS_PER_BLOCK, num_blocks), num_blocks=num_blocks,
+        key_lo=first_key, key_hi=kv_end, visible=visible, scale=scale, logit_soft_cap=logit_soft_cap,
+        page_size=page_size)
+    safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
+    out = jnp.where(lax.broadcast_in_dim(row_sum > 0, acc.shape, [0]),
+                    acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0]), 0.0)
+    store_outputs(plgpu, out_smem, stat_smem, out, None, None, out_ref.at[block_index, head])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logit_soft_cap", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, sliding_window=None,
+                           scale=None, logit_soft_cap=None, interpret=False):
+    """Causal paged attention of a ragged batch of query tokens: the arguments and result of
+    pallas_kernels.ragged_prefill.ragged_paged_attention. `interpret=True` runs the kernel in
+    Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
+    not take (mosaic_common.unsupported)."""
+    plgpu = compat.mosaic_gpu()
+    reason = unsupported(q, k_pages)
+    if reason:
+        raise ValueError(f"the Mosaic GPU attention kernels do not take {reason}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs = block_table.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_q = WGMMA_ROWS // group_pad
+    scale = softmax_scale(scale, head_dim)
+    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
+    num_query_blocks = cdiv(num_tokens, block_q) + num_seqs
+    pages_per_block = KEYS_PER_BLOCK // page_size
+    padded_pages = cdiv(block_table.shape[1], pages_per_block) * pages_per_block
+    block_table = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, padded_pages - block_table.shape[1])))
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    seq_lens = seq_lens.astype(jnp.int32)
+    block_seq, block_start, block_offset = query_block_schedule(
+        query_start_loc, seq_lens, num_seqs, block_q, num_query_blocks)
+    # Each program's 64 query rows, gathered here so that its one TMA copy starts on a tile (a copy into
+    # tiled shared memory cannot start mid-tile): block b, KV head h, row i * group_pad + j is token
+    # block_start[b] + i, query head h * group + j (zeros past the group and past the tokens).
+    q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_grouped = jnp.pad(q_grouped, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    tokens_of_block = block_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [blocks, block_q]
+    q_blocks = q_grouped[tokens_of_block].transpose(0, 2, 1, 3, 4)  # [blocks, kv, block_q, group_pad, d]
+    q_blocks = q_blocks.reshape(num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim)
+    windowed = sliding_window is not None
+    extra = [window_size(sliding_window).reshape(1)] if windowed else []
+    kernel = functools.partial(_ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, group_pad=group_pad,
+                               page_size=page_size, windowed=windowed, plgpu=plgpu)
+    out_blocks = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), jnp.float32),
+        scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
+        grid=(num_kv_heads, num_query_blocks),
+        grid_names=("head", "block"),
+        interpret=compat.mosaic_interpret_params() if interpret else None,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="ragged_paged_attention_mosaic",
+    )(block_seq, block_start, q_blocks, k_pages, v_pages, block_table, seq_lens, query_start_loc, *extra)
+
+    # Back to the token layout: token t of a sequence starting at `start` is in block
+    # block_offset + (t - start) // block_q, rows ((t - start) % block_q) * group_pad + head.
+    out_blocks = out_blocks.reshape(num_query_blocks, num_kv_heads, block_q, group_pad, head_dim)
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.minimum(jnp.searchsorted(query_start_loc[1:num_seqs + 1], tokens, side="right"),
+                               num_seqs - 1)
+    index_in_seq = tokens - query_start_loc[seq_of_token]
+    block_of_token = jnp.clip(block_offset[seq_of_token] + index_in_seq // block_q, 0, num_query_blocks - 1)
+    out = out_blocks[block_of_token, :, index_in_seq % block_q]  # [num_tokens, kv, group_pad, d]
+    token_valid = (tokens < query_start_loc[num_seqs]) & (seq_lens[seq_of_token] > 0)
+    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
