@@ -45,10 +45,10 @@ def unsupported(q, k_pages) -> str | None:
 
 
 def scratch(plgpu, head_dim: int, dtype, page_size: int):
-    """The shared memory and barriers of one program, in `attend_pages`'s order after the query:
-    q [64, d], K and V slots [NUM_SLOTS, 64, d], P [64, 64] (16-bit, tiled and swizzled for wgmma),
-    the float32 outputs [64, d] and row stats [2, 64], the query's barrier and one barrier per page
-    slot for K and for V."""
+    """The shared memory and barriers of one program: q [64, d] (the output after the walk), K and
+    V slots [NUM_SLOTS, 64, d], P [64, 64] (16-bit, tiled and swizzled for wgmma), the float32
+    row stats [2, 64], the query's barrier and one barrier per page slot for K and for V. At
+    head_dim 256 that is 168 KiB of the 227 KiB a Hopper block may have."""
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     slots = NUM_SLOTS * (KEYS_PER_BLOCK // page_size)
     return (
@@ -56,7 +56,6 @@ def scratch(plgpu, head_dim: int, dtype, page_size: int):
         plgpu.SMEM((NUM_SLOTS, KEYS_PER_BLOCK, head_dim), dtype, **tiled),
         plgpu.SMEM((NUM_SLOTS, KEYS_PER_BLOCK, head_dim), dtype, **tiled),
         plgpu.SMEM((WGMMA_ROWS, KEYS_PER_BLOCK), dtype, **tiled),
-        plgpu.SMEM((WGMMA_ROWS, head_dim), jnp.float32),
         plgpu.SMEM((2, WGMMA_ROWS), jnp.float32),
         plgpu.Barrier(),
         plgpu.Barrier(num_barriers=slots),
@@ -150,15 +149,18 @@ def attend_pages(plgpu, smem, k_ref, v_ref, *, page_id, head, first_block, num_b
     return lax.fori_loop(first_block, num_blocks, body, init)
 
 
-def store_outputs(plgpu, out_smem, stat_smem, acc, row_max, row_sum, acc_dst, max_dst=None, sum_dst=None):
-    """Writes a program's results to GMEM through shared memory: acc [64, d] into acc_dst, and the
-    row stats into max_dst and sum_dst when given (the decode kernel's splits are merged after)."""
-    out_smem[...] = acc
+def store_outputs(plgpu, q_smem, stat_smem, acc, row_max, row_sum, out_dst, max_dst=None, sum_dst=None):
+    """Writes a program's results to GMEM through shared memory: acc / row_sum (0 where no key was
+    seen) in the query's dtype into out_dst, through q_smem (the walk is done with the query), and
+    the row stats into max_dst and sum_dst when given (the decode kernel's splits are merged after)."""
+    seen = lax.broadcast_in_dim(row_sum > 0, acc.shape, [0])
+    safe_sum = lax.broadcast_in_dim(jnp.where(row_sum > 0, row_sum, 1.0), acc.shape, [0])
+    q_smem[...] = jnp.where(seen, acc / safe_sum, 0.0).astype(q_smem.dtype)
     if max_dst is not None:
         stat_smem.at[0][...] = row_max
         stat_smem.at[1][...] = row_sum
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, acc_dst)
+    plgpu.copy_smem_to_gmem(q_smem, out_dst)
     if max_dst is not None:
         plgpu.copy_smem_to_gmem(stat_smem.at[0], max_dst)
         plgpu.copy_smem_to_gmem(stat_smem.at[1], sum_dst)

@@ -30,11 +30,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
                    scale, logit_soft_cap, page_size, pages_per_split, windowed, plgpu):
     # q_ref: [num_seqs, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d];
     # block_table_ref: [num_seqs, num_splits * pages_per_split]; seq_lens_ref: [num_seqs];
-    # window_ref: [1] (from window_size) when windowed; then the outputs acc_ref [s, kv, splits, 64, d],
-    # max_ref, sum_ref [s, kv, splits, 64] (float32), then the scratch of mosaic_common.scratch.
+    # window_ref: [1] (from window_size) when windowed; then the outputs out_ref [s, kv, splits, 64, d]
+    # (each split's normalised partial, q's dtype), max_ref, sum_ref [s, kv, splits, 64] (float32),
+    # then the scratch of mosaic_common.scratch.
     refs = list(refs)
     window_ref = refs.pop(0) if windowed else None
-    (acc_ref, max_ref, sum_ref), (q_smem, k_smem, v_smem, p_smem, out_smem, stat_smem, q_barrier, k_barriers,
+    (out_ref, max_ref, sum_ref), (q_smem, k_smem, v_smem, p_smem, stat_smem, q_barrier, k_barriers,
                                   v_barriers) = refs[:3], refs[3:]
     head, split, seq = lax.axis_index("head"), lax.axis_index("split"), lax.axis_index("seq")
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier)
@@ -53,7 +54,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
         page_id=lambda block, p: block_table_ref[seq, block * (KEYS_PER_BLOCK // page_size) + p],
         head=head, first_block=first_block, num_blocks=num_blocks, key_lo=first_key, key_hi=split_end,
         visible=lambda key_pos: key_pos >= 0, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size)
-    store_outputs(plgpu, out_smem, stat_smem, acc, row_max, row_sum, acc_ref.at[seq, head, split],
+    store_outputs(plgpu, q_smem, stat_smem, acc, row_max, row_sum, out_ref.at[seq, head, split],
                   max_ref.at[seq, head, split], sum_ref.at[seq, head, split])
 
 
@@ -86,9 +87,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     partial_shape = (num_seqs, num_kv_heads, num_splits, WGMMA_ROWS)
     kernel = functools.partial(_decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size,
                                pages_per_split=pages_per_split, windowed=windowed, plgpu=plgpu)
-    acc, row_max, row_sum = plgpu.kernel(
+    partial, row_max, row_sum = plgpu.kernel(
         kernel,
-        out_type=[jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+        out_type=[jax.ShapeDtypeStruct(partial_shape + (head_dim,), q.dtype),
                   jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                   jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
         scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
@@ -98,5 +99,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="paged_decode_attention_mosaic",
     )(q_grouped, k_pages, v_pages, block_table, seq_lens.astype(jnp.int32), *extra)
-    out = merge_splits(acc[..., :group, :], row_max[..., :group], row_sum[..., :group])
+    row_max, row_sum = row_max[..., :group], row_sum[..., :group]
+    acc = partial[..., :group, :].astype(jnp.float32) * row_sum[..., None]  # the splits' unnormalised sums
+    out = merge_splits(acc, row_max, row_sum)
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

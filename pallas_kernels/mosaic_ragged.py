@@ -31,12 +31,11 @@ def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_ta
                    query_start_loc_ref, *refs, scale, logit_soft_cap, group_pad, page_size, windowed, plgpu):
     # block_seq_ref, block_start_ref: [num_query_blocks]; q_ref: [num_query_blocks, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d]; block_table_ref: [num_seqs,
     # max_pages]; seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
-    # window_size) when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (float32),
+    # window_size) when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype),
     # then the scratch of mosaic_common.scratch.
     refs = list(refs)
     window_ref = refs.pop(0) if windowed else None
-    out_ref, (q_smem, k_smem, v_smem, p_smem, out_smem, stat_smem, q_barrier, k_barriers, v_barriers) = \
-        refs[0], refs[1:]
+    out_ref, (q_smem, k_smem, v_smem, p_smem, stat_smem, q_barrier, k_barriers, v_barriers) = refs[0], refs[1:]
     head, block_index = lax.axis_index("head"), lax.axis_index("block")
     block_q = WGMMA_ROWS // group_pad
     seq = block_seq_ref[block_index]
@@ -57,16 +56,13 @@ def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_ta
     else:
         visible = lambda key_pos: key_pos <= row_pos  # noqa: E731
     plgpu.barrier_wait(q_barrier)
-    acc, _, row_sum = attend_pages(
+    acc, row_max, row_sum = attend_pages(
         plgpu, (q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers), k_ref, v_ref,
         page_id=lambda block, p: block_table_ref[seq_index, block * (KEYS_PER_BLOCK // page_size) + p],
         head=head, first_block=jnp.minimum(first_key // KEYS_PER_BLOCK, num_blocks), num_blocks=num_blocks,
         key_lo=first_key, key_hi=kv_end, visible=visible, scale=scale, logit_soft_cap=logit_soft_cap,
         page_size=page_size)
-    safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
-    out = jnp.where(lax.broadcast_in_dim(row_sum > 0, acc.shape, [0]),
-                    acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0]), 0.0)
-    store_outputs(plgpu, out_smem, stat_smem, out, None, None, out_ref.at[block_index, head])
+    store_outputs(plgpu, q_smem, stat_smem, acc, row_max, row_sum, out_ref.at[block_index, head])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "logit_soft_cap", "interpret"))
@@ -110,7 +106,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
                                page_size=page_size, windowed=windowed, plgpu=plgpu)
     out_blocks = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), q.dtype),
         scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
         grid=(num_kv_heads, num_query_blocks),
         grid_names=("head", "block"),
@@ -129,5 +125,5 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     block_of_token = jnp.clip(block_offset[seq_of_token] + index_in_seq // block_q, 0, num_query_blocks - 1)
     out = out_blocks[block_of_token, :, index_in_seq % block_q]  # [num_tokens, kv, group_pad, d]
     token_valid = (tokens < query_start_loc[num_seqs]) & (seq_lens[seq_of_token] > 0)
-    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], 0.0)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], jnp.zeros((), q.dtype))
+    return out.reshape(num_tokens, num_q_heads, head_dim)

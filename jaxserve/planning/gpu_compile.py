@@ -14,6 +14,7 @@ a100). Needs the `gpu-compile` extra (jax's CUDA plugin and ptxas, not the CUDA 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -219,7 +220,8 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
 
 
 # ---- the kernels on the real compiler ------------------------------------------------------------
-KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention", "grouped_matmul")
+KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention", "grouped_matmul",  # Triton lowering
+                "paged_decode_attention_mosaic", "ragged_paged_attention_mosaic")  # Mosaic GPU
 _THUNK_LINE = re.compile(r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
                          r"shared_memory: (\d+) bytes")
 
@@ -234,7 +236,7 @@ class KernelReport:
     spill_load_bytes: int | None
     shared_memory_bytes: int  # dynamic shared memory of the launch
     threads: int  # per block
-    grid: list[int]
+    grid: list[int] | None  # None for a Mosaic GPU kernel (its dump does not give the launch grid)
 
 
 # Where the nvidia-cuda-nvcc wheels put ptxas: CUDA 12's nvidia/cuda_nvcc/bin, CUDA 13's nvidia/cu13/bin.
@@ -259,20 +261,64 @@ def ptxas_gpu_name(target: str) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
+@contextlib.contextmanager
+def _mosaic_dumps(folder: str):
+    """Mosaic GPU writes each kernel's PTX, ptxas -v report and resources into `folder` meanwhile
+    (read from the environment at each compile)."""
+    saved = {name: os.environ.get(name) for name in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")}
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=folder)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _ptxas_resources(report: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas -v's report of one kernel."""
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def _mosaic_kernel_reports(dump: str, gpu: str) -> list[KernelReport]:
+    """The Mosaic GPU kernels of a compile, from the files `_mosaic_dumps` left: ptxas's registers
+    and spills, the dynamic shared memory Mosaic allocated, the threads of the PTX entry."""
+    reports = []
+    for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
+        stem = path[:-len(".ptxas")]
+        name = re.sub(r"_\d+$", "", os.path.basename(stem))
+        if name not in KERNEL_NAMES:
+            continue
+        with open(path) as f:
+            registers, spill_stores, spill_loads = _ptxas_resources(f.read())
+        with open(f"{stem}.resources.txt") as f:
+            shared = int(re.search(r"smem_scratch_bytes=(\d+)", f.read()).group(1))
+        with open(f"{stem}.ptx") as f:
+            threads = int(re.search(r"\.(?:maxntid|reqntid) (\d+)", f.read()).group(1))
+        reports.append(KernelReport(name, gpu, registers, spill_stores, spill_loads, shared, threads, None))
+    return reports
+
+
 def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
-    """Compiles `jitted` for the target with XLA's dump on, then runs ptxas -v on the PTX of each
-    Pallas kernel in it: registers and spills from ptxas, shared memory and launch shape from
-    XLA's thunk sequence (jax 0.12's XLA dumps no PTX: registers and spills are None there).
+    """Compiles `jitted` for the target with XLA's and Mosaic GPU's dumps on, then reads each
+    Pallas kernel in it: for the Triton lowering, ptxas -v on its PTX (registers, spills) and
+    XLA's thunk sequence (shared memory, launch shape; jax 0.12's XLA dumps no PTX: registers and
+    spills are None there); for Mosaic GPU, the ptxas report, resources and PTX it wrote.
     Raises what the compile raises (e.g. shared memory exceeded)."""
     reports = []
-    with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump:
-        _compile(jitted, args, mesh, compiler_options={"xla_dump_to": dump})
+    gpu = ptxas_gpu_name(target)
+    with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump, \
+            tempfile.TemporaryDirectory(prefix="jaxserve-mosaic-") as mosaic_dump:
+        with _mosaic_dumps(mosaic_dump):
+            _compile(jitted, args, mesh, compiler_options={"xla_dump_to": dump})
         launches = {}
         for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
             with open(path) as f:
                 for name, grid, threads, shared in _THUNK_LINE.findall(f.read()):
                     launches[name] = ([int(g) for g in grid.split(",")], int(threads.split(",")[0]), int(shared))
-        gpu = ptxas_gpu_name(target)
         ptxas = {}  # kernel name -> (registers, spill stores, spill loads)
         for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
             with open(path) as f:
@@ -280,10 +326,9 @@ def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
             for name in (e for e in entries if e in KERNEL_NAMES):
                 out = subprocess.run([ptxas_path(), "-v", "--warn-on-spills", "--gpu-name", gpu, path, "-o", os.devnull],
                                      capture_output=True, text=True, check=True).stderr
-                spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-                ptxas[name] = (int(re.search(r"Used (\d+) registers", out).group(1)),
-                               int(spills.group(1)), int(spills.group(2)))
+                ptxas[name] = _ptxas_resources(out)
         for name, (grid, threads, shared) in sorted(launches.items()):
             if name in KERNEL_NAMES:
                 reports.append(KernelReport(name, gpu, *ptxas.get(name, (None, None, None)), shared, threads, grid))
+        reports += _mosaic_kernel_reports(mosaic_dump, gpu)
     return reports
