@@ -3,7 +3,9 @@
 Measures, in one process: offline throughput, in-process serving at several concurrencies
 (TTFT / TPOT / P99 through AsyncEngine, no HTTP), the decode step time against its roofline
 (weights + KV bytes read per step / measured copy bandwidth), and planner vs measured device
-memory. `--small` (alias `--quick`) shrinks the sizes only (a tiny bf16 Llama, small loads), the code
+memory; then greedy agreement of the attention backends: the same prompts and random weights (a
+2-layer model with the 8B's heads) through engines on the Triton kernels, the Mosaic GPU kernels
+(where jax has them) and the XLA path, their greedy tokens compared. `--small` (alias `--quick`) shrinks the sizes only (a tiny bf16 Llama, small loads), the code
 path is the one a GPU runs, so that the script can be rehearsed on a CPU (bench/gpu_check.sh --dry-run,
 with JAXSERVE_ATTENTION_BACKEND=interpret for the Pallas kernels).
 
@@ -32,6 +34,7 @@ from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.models import weights  # noqa: E402
 from jaxserve.planning import memory  # noqa: E402
+from pallas_kernels import compat  # noqa: E402
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
@@ -129,6 +132,28 @@ def decode_roofline(engine: Engine, batch: int, context: int, bandwidth: float, 
             "device_fraction_of_roofline": roofline / device}
 
 
+def greedy_agreement(quick: bool, rng) -> dict:
+    """Greedy tokens of one small random model through each attention backend, and which agree
+    with the XLA path's (on a GPU: pallas = Triton and mosaic compiled; on a CPU: interpreted)."""
+    on_gpu = jax.default_backend() == "gpu"
+    backends = {"triton": "pallas" if on_gpu else "interpret", "xla": "xla"}
+    if compat.has_mosaic_gpu():
+        backends["mosaic"] = "mosaic" if on_gpu else "mosaic_interpret"
+    config = dataclasses.replace(TINY, head_dim=64) if quick else dataclasses.replace(LLAMA3_8B, num_layers=2)
+    params = weights.random_params(config, dtype=jnp.bfloat16, seed=1)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in ((5, 40) if quick else (7, 300, 1500))]
+    tokens = {}
+    for family, backend in backends.items():
+        engine = Engine(config, params, None, EngineConfig(
+            attention_backend=backend, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64 if quick else 512,
+            max_model_len=128 if quick else 2048, warmup=False), model_name="agreement")
+        results = engine.generate(prompts, SamplingParams(max_tokens=4 if quick else 16, temperature=0.0,
+                                                          ignore_eos=True))
+        tokens[family] = [r.token_ids for r in results]
+    return {"backends": backends, "tokens": tokens,
+            "agree_with_xla": {family: tokens[family] == tokens["xla"] for family in backends}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -178,6 +203,7 @@ def main(argv=None) -> int:
             await async_engine.shutdown()
 
     report["serving"] = asyncio.run(serve_all())
+    report["greedy_agreement"] = greedy_agreement(quick, rng)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"{'what':<34}{'value':>14}")
@@ -188,6 +214,7 @@ def main(argv=None) -> int:
     for s in report["serving"]:
         print(f"{'serving c=' + str(s['concurrency']) + ' tok/s, TTFT p99 ms':<34}"
               f"{s['output_tokens_per_s']:>8.1f} {s['ttft_ms_p99']:.1f}")
+    print(f"{'greedy tokens equal XLA':<34}{str(report['greedy_agreement']['agree_with_xla']):>14}")
     return 0
 
 

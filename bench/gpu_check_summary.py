@@ -83,12 +83,14 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
         return {k: report.get(k) for k in ("device_kind", "jax_backend", "default_attention_backend", "python")} | {
             "jax": report["packages"].get("jax"), "num_devices": len(report.get("devices", []))}
     if name == "kernels":
-        out = {"mode": report["mode"], "copy_gb_per_s": report["copy"]["gb_per_s"],
+        out = {"mode": report["mode"], "backends": report["backends"], "copy_gb_per_s": report["copy"]["gb_per_s"],
                "matmul_tflop_per_s": report["matmul"]["tflop_per_s"],
-               "decode": [{"batch": r["batch"], "context": r["context"], "gb_per_s": r["gb_per_s"],
-                           "fraction_of_copy_bandwidth": r["fraction_of_copy_bandwidth"]} for r in report["decode"]],
-               "ragged_tflop_per_s": report["ragged"]["tflop_per_s"],
-               "ragged_fraction_of_matmul_rate": report["ragged"]["fraction_of_matmul_rate"]}
+               "decode": [{"backend": r["backend"], "batch": r["batch"], "context": r["context"], "gb_per_s": r["gb_per_s"],
+                           "fraction_of_copy_bandwidth": r["fraction_of_copy_bandwidth"],
+                           "max_abs_diff_vs_triton": r["max_abs_diff_vs_triton"]} for r in report["decode"]],
+               "ragged": [{"backend": r["backend"], "tflop_per_s": r["tflop_per_s"],
+                           "fraction_of_matmul_rate": r["fraction_of_matmul_rate"],
+                           "max_abs_diff_vs_triton": r["max_abs_diff_vs_triton"]} for r in report["ragged"]]}
         return out
     if name == "e2e":
         roof = report["decode_roofline"]
@@ -98,6 +100,7 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
                 "offline_output_tokens_per_s": report["offline"]["output_tokens_per_s"],
                 "decode_batch": roof["batch"], "decode_step_ms": roof["step_ms"], "roofline_ms": roof["roofline_ms"],
                 "fraction_of_roofline": roof["fraction_of_roofline"],
+                "greedy_agree_with_xla": report.get("greedy_agreement", {}).get("agree_with_xla"),
                 "serving": [{k: s[k] for k in ("concurrency", "output_tokens_per_s", "ttft_ms_p99", "tpot_ms_p50")}
                             for s in report["serving"]],
                 "memory": report["memory"]}
@@ -170,10 +173,12 @@ def short(name: str, fig: dict) -> str:
         return ", ".join(f"{fig[k]} {k}" for k in ("passed", "failed", "skipped", "errors") if fig.get(k)) + \
             ("" if fig.get("finished") else " (cut off)")
     if name == "kernels":
-        decode = " ".join(f"{r['context']}:{100 * r['fraction_of_copy_bandwidth']:.0f}%" for r in fig["decode"])
+        decode = " ".join(f"{r['backend']}@{r['context']}:{100 * r['fraction_of_copy_bandwidth']:.0f}%"
+                          for r in fig["decode"])
+        ragged = " ".join(f"{r['backend']}:{r['tflop_per_s']:.2f} ({100 * r['fraction_of_matmul_rate']:.0f}%)"
+                          for r in fig["ragged"])
         return (f"copy {fig['copy_gb_per_s']:.0f} GB/s, matmul {fig['matmul_tflop_per_s']:.1f} TFLOP/s; decode % of "
-                f"copy {decode}; ragged {fig['ragged_tflop_per_s']:.2f} TFLOP/s "
-                f"({100 * fig['ragged_fraction_of_matmul_rate']:.0f}%)")
+                f"copy {decode}; ragged TFLOP/s {ragged}")
     if name == "e2e":
         serving = " ".join(f"c{s['concurrency']}:{s['output_tokens_per_s']:.0f}" for s in fig["serving"])
         return (f"start {fig['startup_s']:.0f} s ({fig['num_step_shapes']} shapes), offline "

@@ -1,4 +1,7 @@
-"""Roofline benchmark of the paged attention kernels.
+"""Roofline benchmark of the paged attention kernels, both families side by side: the Triton
+lowering's (paged_decode, ragged_prefill) and Mosaic GPU's (mosaic_decode, mosaic_ragged, where the
+installed jax has Mosaic GPU), on the same inputs, each row naming its backend and the largest
+difference from the Triton kernel's output.
 
 Decode: achieved HBM bandwidth against the bytes the kernel must move (the K/V pages in use,
 q and the output), batch 64 at contexts 1k/4k/8k with Llama-3-8B heads (32 query heads, 8 KV
@@ -28,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels import grouped_matmul, paged_decode, ragged_prefill, reference  # noqa: E402
+from pallas_kernels import compat, dispatch, grouped_matmul, reference  # noqa: E402
 
 # Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
 QWEN3_30B_A3B, MIXTRAL_8X7B = (128, 2048, 768, 8), (8, 4096, 14336, 2)
@@ -92,6 +95,25 @@ def paged_cache(rng, seq_lens, shape, dtype):
     return k_pages, v_pages, jnp.asarray(block_table), sum(pages_per_seq)
 
 
+def kernel_backends(interpret):
+    """The dispatch names of the kernel families to time: Triton's, and Mosaic GPU's when this jax has it."""
+    backends = {"triton": "interpret" if interpret else "pallas"}
+    if compat.has_mosaic_gpu():
+        backends["mosaic"] = "mosaic_interpret" if interpret else "mosaic"
+    return backends
+
+
+def time_backends(attention, args, interpret, repeats):
+    """{family: (seconds, max |output - Triton's output|)} for each kernel family on the same args."""
+    timed, first = {}, None
+    for family, backend in kernel_backends(interpret).items():
+        kernel = jax.jit(lambda *a, _b=backend: attention(_b, *a))
+        out = np.asarray(kernel(*args), np.float32)
+        first = out if first is None else first
+        timed[family] = (time_call(kernel, *args, repeats=repeats), float(np.abs(out - first).max()))
+    return timed
+
+
 def bench_decode(config, rng, interpret, with_reference):
     dtype = jnp.bfloat16
     results = []
@@ -104,15 +126,16 @@ def bench_decode(config, rng, interpret, with_reference):
         args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens))
         page_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
-        kernel = jax.jit(lambda *a: paged_decode.paged_decode_attention(*a, interpret=interpret))
-        seconds = time_call(kernel, *args, repeats=config["repeats"])
-        row = {"batch": config["batch"], "context": context, "bytes": needed, "seconds": seconds,
-               "gb_per_s": needed / seconds / 1e9}
         if with_reference:
             reference_fn = jax.jit(reference.paged_decode_attention)
             ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
-            row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
-        results.append(row)
+        for family, (seconds, difference) in time_backends(dispatch.decode_attention, args, interpret,
+                                                           config["repeats"]).items():
+            row = {"backend": family, "batch": config["batch"], "context": context, "bytes": needed,
+                   "seconds": seconds, "gb_per_s": needed / seconds / 1e9, "max_abs_diff_vs_triton": difference}
+            if with_reference:
+                row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
+            results.append(row)
         del k_pages, v_pages
     return results
 
@@ -133,16 +156,19 @@ def bench_ragged(config, rng, interpret, with_reference):
     q = jax.random.normal(jax.random.key(2), (num_tokens, config["q_heads"], config["head_dim"]), dtype)
     query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens), query_start_loc)
-    kernel = jax.jit(lambda *a: ragged_prefill.ragged_paged_attention(*a, interpret=interpret))
-    seconds = time_call(kernel, *args, repeats=config["repeats"])
     flops = causal_attention_flops(lengths, config["q_heads"], config["head_dim"])
-    result = {"prefills": config["prefills"], "prefill_len": config["prefill_len"], "flops": flops,
-              "seconds": seconds, "tflop_per_s": flops / seconds / 1e12}
+    results = []
+    for family, (seconds, difference) in time_backends(dispatch.ragged_attention, args, interpret,
+                                                       config["repeats"]).items():
+        results.append({"backend": family, "prefills": config["prefills"], "prefill_len": config["prefill_len"],
+                        "flops": flops, "seconds": seconds, "tflop_per_s": flops / seconds / 1e12,
+                        "max_abs_diff_vs_triton": difference})
     if with_reference:
         reference_fn = jax.jit(reference.ragged_paged_attention)
         ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
-        result.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
-    return result
+        for result in results:
+            result.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
+    return results
 
 
 def routed_rows(rng, num_experts, top_k, tokens):
@@ -205,7 +231,8 @@ def main(argv=None):
     report = {
         "device": getattr(device, "device_kind", str(device)),
         "jax_version": jax.__version__,
-        "mode": "interpret" if args.interpret else "pallas",
+        "mode": "interpret" if args.interpret else "compiled",
+        "backends": list(kernel_backends(args.interpret)),
         "shapes": {k: v for k, v in config.items() if k != "repeats"},
         "copy": copy_bandwidth(config["copy_mib"], config["repeats"]),
         "matmul": matmul_rate(config["matmul"], config["repeats"]),
@@ -214,7 +241,8 @@ def main(argv=None):
     for row in report["decode"]:
         row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
     report["ragged"] = bench_ragged(config, rng, args.interpret, args.with_reference)
-    report["ragged"]["fraction_of_matmul_rate"] = report["ragged"]["tflop_per_s"] / report["matmul"]["tflop_per_s"]
+    for row in report["ragged"]:
+        row["fraction_of_matmul_rate"] = row["tflop_per_s"] / report["matmul"]["tflop_per_s"]
     report["grouped_matmul"] = bench_grouped(config, rng, args.interpret)
     for row in report["grouped_matmul"]:
         row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]

@@ -30,6 +30,9 @@ from tests.test_kernels import (  # noqa: E402
 )
 
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
+# The interpreter on the CPU; on a GPU (bench/gpu_check.sh) the kernels run compiled.
+INTERPRET = jax.default_backend() != "gpu"
+MOSAIC_BACKEND = "mosaic_interpret" if INTERPRET else "mosaic"
 # The Triton kernels' cases in 16-bit (the Mosaic kernels take bfloat16 and float16 pages only),
 # then the head layouts of the models jaxserve serves: SmolLM2 (9 query heads over 3 KV heads,
 # head_dim 64), Llama-3 / Mistral (group 4, 128), Qwen2.5-7B (group 7, 128), Gemma-2 (group 2,
@@ -63,7 +66,7 @@ def check_decode(case, rng, options=Options(), num_splits=None, label="mosaic de
     q = np.asarray(args[0])
     expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int),
                       **options.oracle())[:, 0]
-    function = jitted(mosaic_decode.paged_decode_attention, options, interpret=True, num_splits=num_splits)
+    function = jitted(mosaic_decode.paged_decode_attention, options, interpret=INTERPRET, num_splits=num_splits)
     out = function(*args, window=options.operand())
     assert out.shape == q.shape and out.dtype == q.dtype
     close(out, expected, case, f"{label} {case_id(case)} {options} splits={num_splits}")
@@ -73,7 +76,7 @@ def check_decode(case, rng, options=Options(), num_splits=None, label="mosaic de
 def check_ragged(case, rng, options=Options(), label="mosaic ragged"):
     args, expected_of = ragged_problem(case, rng, options.window)
     q, query_start_loc = np.asarray(args[0]), np.asarray(args[5])
-    out = jitted(mosaic_ragged.ragged_paged_attention, options, interpret=True)(*args, window=options.operand())
+    out = jitted(mosaic_ragged.ragged_paged_attention, options, interpret=INTERPRET)(*args, window=options.operand())
     assert out.shape == q.shape and out.dtype == q.dtype
     close(out, expected_of(options), case, f"{label} {case_id(case)} {options}")
     assert np.all(np.asarray(out, np.float32)[query_start_loc[-1]:] == 0), f"padding tokens not zero (seed {SEED})"
@@ -136,7 +139,7 @@ def test_mosaic_results_do_not_depend_on_the_block_table_order():
                 k_pages[page, offset], v_pages[page, offset] = contexts[0, row, position], contexts[1, row, position]
         outputs.append(np.asarray(mosaic_decode.paged_decode_attention(
             q, jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16), jnp.asarray(block_table),
-            jnp.asarray(seq_lens), interpret=True), np.float32))
+            jnp.asarray(seq_lens), interpret=INTERPRET), np.float32))
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
@@ -158,10 +161,10 @@ def test_mosaic_kernels_refuse_what_they_do_not_take(pages, dtype, head_dim, pag
     assert dispatch.unsupported_operands("pallas", q, cache) is None
     table, lens = jnp.ones((2, 2), jnp.int32), jnp.array([3, 1], jnp.int32)
     with pytest.raises(ValueError, match=reason):
-        mosaic_decode.paged_decode_attention(q, cache, cache, table, lens, interpret=True)
+        mosaic_decode.paged_decode_attention(q, cache, cache, table, lens, interpret=INTERPRET)
     with pytest.raises(ValueError, match=reason):
         mosaic_ragged.ragged_paged_attention(q, cache, cache, table, lens, jnp.array([0, 1, 2], jnp.int32),
-                                             interpret=True)
+                                             interpret=INTERPRET)
 
 
 def test_dispatch_names_both_kernel_families():
@@ -171,8 +174,8 @@ def test_dispatch_names_both_kernel_families():
     assert dispatch.attention_backend("mosaic") == "mosaic"
     case = Case(16, 64, 2, 2, jnp.bfloat16, {})
     args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, np.random.default_rng([SEED, 16]))
-    direct = mosaic_decode.paged_decode_attention(*args, interpret=True)
-    np.testing.assert_array_equal(np.asarray(dispatch.decode_attention("mosaic_interpret", *args), np.float32),
+    direct = mosaic_decode.paged_decode_attention(*args, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(dispatch.decode_attention(MOSAIC_BACKEND, *args), np.float32),
                                   np.asarray(direct, np.float32))
 
 
@@ -207,16 +210,16 @@ def test_engine_greedy_tokens_with_the_interpreted_mosaic_kernels(model, monkeyp
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 37, 70)]
     prompts.append(prompts[1][:20] + [7, 8])  # shares a cached prefix with the second prompt
     tokens = {}
-    for backend in ("mosaic_interpret", "xla"):
+    for backend in (MOSAIC_BACKEND, "xla"):
         engine = Engine(config, params, None, EngineConfig(
             attention_backend=backend, dtype="bfloat16", page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
             max_model_len=128, warmup=False), model_name=f"tiny {model}")
         results = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         tokens[backend] = [r.token_ids for r in results]
-        if backend == "mosaic_interpret":
+        if backend == MOSAIC_BACKEND:
             assert engine.runner.backend == backend and set(traced) == {"paged_decode_attention",
                                                                          "ragged_paged_attention"}
-    assert tokens["mosaic_interpret"] == tokens["xla"], f"(seed {SEED})"
+    assert tokens[MOSAIC_BACKEND] == tokens["xla"], f"(seed {SEED})"
 
 
 # ---- compiled for Hopper without a GPU (deviceless XLA, down to ptxas) ----------------------------
@@ -229,6 +232,8 @@ H100_SHARED_MEMORY = 232448  # bytes a block may use on sm_90
 
 def _gpu_compile():
     from jaxserve.planning import gpu_compile
+    if not INTERPRET:
+        pytest.skip("on a GPU the kernels run compiled above; the deviceless compile is checked on the CPU")
     if not gpu_compile.is_available():
         pytest.skip(f"no CUDA plugin / ptxas here ({gpu_compile.INSTALL_HINT})")
     return gpu_compile
