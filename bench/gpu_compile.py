@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.planning import gpu_compile  # noqa: E402
+from pallas_kernels import compat, mosaic_decode, mosaic_ragged  # noqa: E402
 from pallas_kernels.paged_decode import paged_decode_attention  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_paged_attention  # noqa: E402
 
@@ -48,7 +49,8 @@ RUNS = [("llama-3-8b", "h100", 1), ("llama-3-8b", "h200", 1), ("llama-3-70b", "h
 
 
 def kernel_report(config: ModelConfig, target: str) -> list[dict]:
-    """ptxas on both kernels at the model's head shapes and the default block sizes (bf16)."""
+    """ptxas on both attention kernels at the model's head shapes and the default block sizes
+    (bf16): the Triton lowering's, and beside them Mosaic GPU's where this jax has it."""
     mesh = gpu_compile.gpu_mesh(target, 1)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -57,9 +59,10 @@ def kernel_report(config: ModelConfig, target: str) -> list[dict]:
               spec((256, 512), jnp.int32), spec((256,), jnp.int32))
     ragged = (spec((2048, config.num_q_heads, config.head_dim), jnp.bfloat16), pages, pages,
               spec((4, 512), jnp.int32), spec((4,), jnp.int32), spec((5,), jnp.int32))
-    reports = (gpu_compile.kernel_reports(jax.jit(paged_decode_attention), decode, mesh, target)
-               + gpu_compile.kernel_reports(jax.jit(ragged_paged_attention), ragged, mesh, target))
-    return [vars(r) for r in reports]
+    kernels = [(paged_decode_attention, decode), (ragged_paged_attention, ragged)]
+    if compat.has_mosaic_gpu():
+        kernels += [(mosaic_decode.paged_decode_attention, decode), (mosaic_ragged.ragged_paged_attention, ragged)]
+    return [vars(r) for function, args in kernels for r in gpu_compile.kernel_reports(jax.jit(function), args, mesh, target)]
 
 
 def main() -> int:
@@ -68,6 +71,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the smallest and largest bucket of each kind only")
     parser.add_argument("--runs", default=",".join(f"{m}:{t}:{tp}" for m, t, tp in RUNS),
                         help="model:target:tensor_parallel_size, comma-separated")
+    parser.add_argument("--attention_backend", default="pallas", choices=("pallas", "triton", "mosaic"),
+                        help="the engine's kernels: pallas (= triton) or mosaic (jax >= 0.11)")
     args = parser.parse_args()
     gpu_compile.check_available()
     results = {"machine": f"{platform.processor() or platform.machine()} x{os.cpu_count()}, "
@@ -76,8 +81,8 @@ def main() -> int:
         name, target, tp = run.split(":")
         config = MODELS[name]
         start = time.perf_counter()
-        engine_config = EngineConfig(tensor_parallel_size=int(tp), max_model_len=min(config.max_position_embeddings, 8192),
-                                     max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4)
+        engine_config = EngineConfig(attention_backend=args.attention_backend, tensor_parallel_size=int(tp),
+                                     max_model_len=min(config.max_position_embeddings, 8192), max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4)
         report = gpu_compile.compile_for_gpu(config, engine_config, target=target,
                                              which_buckets="ends" if args.quick else "all")
         shapes = report["compile"]["buckets"] + report["compile"]["sampler"]
