@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     params = weights.random_params(cfg, dtype=dtype)
     jax.block_until_ready(params)
     engine_cfg = EngineConfig(max_num_seqs=8 if quick else 64, max_num_batched_tokens=64 if quick else 2048,
-                              max_num_prefill_seqs=2 if quick else 4, max_model_len=512 if quick else 4096,
+                              max_num_prefill_seqs=2 if quick else 4, max_model_len=256 if quick else 4096,
                               warmup=True)
     engine = Engine(cfg, params, None, engine_cfg, model_name=report["model"])
     report["startup_s"] = time.perf_counter() - start  # random weights + the warm-up's compiles

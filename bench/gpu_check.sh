@@ -33,6 +33,12 @@ if ! command -v ptxas >/dev/null; then
 fi
 WORK="$(mktemp -d)"  # each step's own JSON, folded into summary.json as the step ends
 trap 'rm -rf "$WORK"' EXIT
+if [ "$DRY_RUN" = 1 ]; then
+  # As on the bare lent machine: jaxserve's caches empty (compiles, saved executables, CPU kernels)
+  # and at their defaults, whatever the caller (e.g. the test suite) set.
+  export JAXSERVE_CACHE="$WORK/cache"
+  unset JAXSERVE_COMPILATION_CACHE JAXSERVE_EXECUTABLES_CACHE JAXSERVE_KERNEL_CACHE
+fi
 SUMMARY="$OUT/summary.json"
 rm -f "$SUMMARY"
 MODE=$([ "$DRY_RUN" = 1 ] && echo dry-run || echo gpu)
@@ -87,9 +93,10 @@ else
   step e2e 225 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
-# 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4.
+# 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
+#    the dry run compiles the same model for the same target under small engine limits (11 shapes, not 26).
 JAX_PLATFORMS=cpu step gpu_compile 55 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
-  --runs="$([ "$DRY_RUN" = 1 ] && echo smollm2-135m:h100:1 || echo llama-3-8b:h200:1)" --out "$WORK/gpu_compile.json"
+  $([ "$DRY_RUN" = 1 ] && echo --small) --runs=llama-3-8b:h200:1 --out "$WORK/gpu_compile.json"
 
 echo "== summary ($SUMMARY)"
 "$PY" bench/gpu_check_summary.py table "$SUMMARY" || status=1

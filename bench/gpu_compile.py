@@ -7,6 +7,11 @@ sizes. Needs the gpu-compile extra (`make install-gpu-compile`, then .venv-gpu-c
 
     python bench/gpu_compile.py --out=bench/out/gpu_compile.json            # the full sweep
     python bench/gpu_compile.py --quick --out=bench/out/gpu_compile.json    # corner buckets only
+    python bench/gpu_compile.py --quick --small --runs=llama-3-8b:h200:1 --out=/tmp/c.json  # CPU rehearsal
+
+`--small` keeps the models, targets and code path and shrinks only the engine's limits (8 sequences,
+64 batched tokens, 2 prefills, 256-token context): with `--quick`, 11 shapes instead of 26, for the dry
+run of bench/gpu_check.sh on a 2-core CPU.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ MODELS = {
                                 num_q_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=2048,
                                 tie_word_embeddings=True),
 }
+# The engine limits of each run (the defaults a GPU serves with), and --small's.
+LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4, max_model_len=8192)
+SMALL_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_num_prefill_seqs=2, max_model_len=256)
 RUNS = [("llama-3-8b", "h100", 1), ("llama-3-8b", "h200", 1), ("llama-3-70b", "h100", 8), ("smollm2-135m", "h100", 1)]
 
 
@@ -69,6 +77,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="the smallest and largest bucket of each kind only")
+    parser.add_argument("--small", action="store_true",
+                        help="small engine limits, fewer buckets, same models and code path (CPU rehearsal)")
     parser.add_argument("--runs", default=",".join(f"{m}:{t}:{tp}" for m, t, tp in RUNS),
                         help="model:target:tensor_parallel_size, comma-separated")
     parser.add_argument("--attention_backend", default="pallas", choices=("pallas", "triton", "mosaic"),
@@ -81,13 +91,14 @@ def main() -> int:
         name, target, tp = run.split(":")
         config = MODELS[name]
         start = time.perf_counter()
-        engine_config = EngineConfig(attention_backend=args.attention_backend, tensor_parallel_size=int(tp),
-                                     max_model_len=min(config.max_position_embeddings, 8192), max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4)
+        limits = SMALL_LIMITS if args.small else LIMITS
+        engine_config = EngineConfig(attention_backend=args.attention_backend, tensor_parallel_size=int(tp), **{
+            **limits, "max_model_len": min(config.max_position_embeddings, limits["max_model_len"])})
         report = gpu_compile.compile_for_gpu(config, engine_config, target=target,
                                              which_buckets="ends" if args.quick else "all")
         shapes = report["compile"]["buckets"] + report["compile"]["sampler"]
         largest_temp = max(s["temp_bytes"] for s in shapes)
-        summary = {"model": name, "target": target, "tensor_parallel_size": int(tp),
+        summary = {"model": name, "target": target, "tensor_parallel_size": int(tp), "small": args.small,
                    "num_shapes": len(shapes), "num_failed": sum(not s["ok"] for s in shapes),
                    "seconds": round(time.perf_counter() - start, 1), "num_pages": report["plan"]["num_pages"],
                    "planned_activation_bytes": report["plan"]["activation_bytes"],
