@@ -72,7 +72,7 @@ gpu-rehearsal: install-gpu-rehearsal
 
 ## The tests that run in that environment (part of `make test`; about 3 minutes on 2 cores). Without
 ## a Python 3.12 they are skipped with a note, not failed.
-GPU_REHEARSAL_TESTS := tests/test_gpu_check.py
+GPU_REHEARSAL_TESTS := tests/test_gpu_check.py tests/test_mosaic_kernels.py
 test-gpu-rehearsal:
 	@if [ -z "$(GPU_REHEARSAL_PYTHON)" ]; then \
 		echo "note: no Python 3.12 (pyenv install 3.12, or GPU_REHEARSAL_PYTHON=...): skipping the GPU rehearsal tests ($(GPU_REHEARSAL_TESTS))"; \

@@ -203,6 +203,8 @@ def main(argv=None) -> int:
             await async_engine.shutdown()
 
     report["serving"] = asyncio.run(serve_all())
+    with open(args.out, "w") as f:  # kept if the agreement runs past the step's limit
+        json.dump(report, f, indent=2)
     report["greedy_agreement"] = greedy_agreement(quick, rng)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md): the step
-# limits add up to 475 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
+# limits add up to 480 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
 #   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
@@ -68,29 +68,33 @@ STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 
 step machine 15 "$WORK/machine.json" "$PY" bench/gpu_check_summary.py machine "$WORK/machine.json"
 
-# 1. kernel tests, interpret off on the GPU (numerics vs the reference on device; the grouped matmul
-#    vs ragged_dot after the attention kernels, so a step cut short loses it first); the dry run
-#    collects the attention tests (imports) and runs one decode and one ragged case with 8B-like heads.
+# 1. kernel tests, interpret off on the GPU (numerics vs the reference on device: the Triton kernels,
+#    then the Mosaic GPU kernels and their engine greedy test, then the grouped matmul vs ragged_dot, so
+#    a step cut short loses the least first); the dry run collects the attention tests (imports) and runs
+#    one decode and one ragged case of each kernel family with 8B-like heads (Mosaic's in its interpreter).
 if [ "$DRY_RUN" = 1 ]; then
   KERNEL_TESTS=("tests/test_kernels.py::test_paged_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
-                "tests/test_kernels.py::test_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]")
-  step kernel_tests 100 - bash -c '"$0" -m pytest -q --collect-only -p no:cacheprovider tests/test_kernels.py | tail -n 1 &&
-    "$0" -m pytest -v -p no:cacheprovider "$@"' "$PY" "${KERNEL_TESTS[@]}"
+                "tests/test_kernels.py::test_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
+                "tests/test_mosaic_kernels.py::test_mosaic_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
+                "tests/test_mosaic_kernels.py::test_mosaic_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]")
+  step kernel_tests 120 - bash -c '"$0" -m pytest -q --collect-only -p no:cacheprovider tests/test_kernels.py \
+    tests/test_mosaic_kernels.py | tail -n 1 && "$0" -m pytest -v -p no:cacheprovider "$@"' "$PY" "${KERNEL_TESTS[@]}"
 else
-  step kernel_tests 100 - "$PY" -m pytest -v -p no:cacheprovider tests/test_kernels.py tests/test_grouped_matmul.py
+  step kernel_tests 120 - "$PY" -m pytest -v -p no:cacheprovider tests/test_kernels.py tests/test_mosaic_kernels.py \
+    tests/test_grouped_matmul.py
 fi
 
 # 2. kernel roofline: decode bandwidth vs the copy ceiling, ragged FLOP/s vs the bf16 matmul ceiling,
-#    the grouped matmul (MoE experts) vs XLA's ragged_dot.
+#    for the Triton and the Mosaic GPU kernels side by side; the grouped matmul (MoE experts) vs XLA's ragged_dot.
 step kernels 80 "$WORK/kernels.json" "$PY" bench/kernels.py --out "$WORK/kernels.json" --with-reference \
   $([ "$DRY_RUN" = 1 ] && echo --quick --interpret)
 
 # 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through
 #      the interpreted Pallas kernels); planner vs measured device memory.
 if [ "$DRY_RUN" = 1 ]; then
-  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 225 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
+  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 210 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
 else
-  step e2e 225 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
+  step e2e 210 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
 # 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
