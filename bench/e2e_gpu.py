@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     report["serving"] = asyncio.run(serve_all())
     with open(args.out, "w") as f:  # kept if the agreement runs past the step's limit
         json.dump(report, f, indent=2)
-    report["greedy_agreement"] = greedy_agreement(quick, rng)
+    report["greedy_agreement"] = greedy_agreement(quick, np.random.default_rng(0))  # its own prompts
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"{'what':<34}{'value':>14}")

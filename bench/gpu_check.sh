@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md): the step
-# limits add up to 480 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
+# limits add up to 475 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
 #   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
@@ -92,9 +92,9 @@ step kernels 80 "$WORK/kernels.json" "$PY" bench/kernels.py --out "$WORK/kernels
 # 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through
 #      the interpreted Pallas kernels); planner vs measured device memory.
 if [ "$DRY_RUN" = 1 ]; then
-  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 210 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
+  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 205 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
 else
-  step e2e 210 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
+  step e2e 205 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
 # 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;

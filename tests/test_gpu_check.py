@@ -53,7 +53,7 @@ def dry_run(tmp_path_factory):
     env.update(OUT=str(out), PYTHON=sys.executable)
     start = time.perf_counter()
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=2100)  # the step limits (480 s) x 4 for the dry run: 1920 s
+                            text=True, timeout=2100)  # the step limits (475 s) x 4 for the dry run: 1900 s
     return result, out, time.perf_counter() - start
 
 
