@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the smallest and largest bucket of each kind only")
     parser.add_argument("--small", action="store_true",
                         help="small engine limits, fewer buckets, same models and code path (CPU rehearsal)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="shapes compiled at once (compile_for_gpu's workers; default: the cores, 1: one at a time)")
     parser.add_argument("--runs", default=",".join(f"{m}:{t}:{tp}" for m, t, tp in RUNS),
                         help="model:target:tensor_parallel_size, comma-separated")
     parser.add_argument("--attention_backend", default="pallas", choices=("pallas", "triton", "mosaic"),
@@ -95,12 +97,13 @@ def main() -> int:
         engine_config = EngineConfig(attention_backend=args.attention_backend, tensor_parallel_size=int(tp), **{
             **limits, "max_model_len": min(config.max_position_embeddings, limits["max_model_len"])})
         report = gpu_compile.compile_for_gpu(config, engine_config, target=target,
-                                             which_buckets="ends" if args.quick else "all")
+                                             which_buckets="ends" if args.quick else "all", workers=args.workers)
         shapes = report["compile"]["buckets"] + report["compile"]["sampler"]
         largest_temp = max(s["temp_bytes"] for s in shapes)
         summary = {"model": name, "target": target, "tensor_parallel_size": int(tp), "small": args.small,
                    "num_shapes": len(shapes), "num_failed": sum(not s["ok"] for s in shapes),
-                   "seconds": round(time.perf_counter() - start, 1), "num_pages": report["plan"]["num_pages"],
+                   "seconds": round(time.perf_counter() - start, 1), "workers": report["compile"]["workers"],
+                   "compile_wall_seconds": report["compile"]["wall_seconds"], "num_pages": report["plan"]["num_pages"],
                    "planned_activation_bytes": report["plan"]["activation_bytes"],
                    "largest_xla_temp_bytes": largest_temp,
                    "planned_over_largest_temp": round(report["plan"]["activation_bytes"] / largest_temp, 3),

@@ -134,7 +134,8 @@ def test_an_oversized_block_is_refused_by_the_compiler():
     pages = ((1024, 16, 8, 128), jnp.bfloat16)
     args = _abstract(mesh, ((64, 32, 128), jnp.bfloat16), pages, pages, ((64, 64), jnp.int32), ((64,), jnp.int32))
     oversized = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=64))
-    report = gpu_compile._report({"pages_per_block": 64}, oversized, args, mesh, None)
+    with gpu_compile._compiling():
+        report = gpu_compile._report({"pages_per_block": 64}, oversized, args, mesh, None)
     assert not report.ok and "Shared memory size limit exceeded" in report.error and "232448" in report.error
 
 
@@ -176,3 +177,22 @@ def test_plan_for_a_target_uses_its_memory_and_the_gpu_activation_formula(capsys
                                   max_num_seqs=engine.max_num_seqs, max_context_len=2048,
                                   max_prefill_seqs=engine.max_num_prefill_seqs, backend="pallas")
     assert plan["activation_bytes"] == gpu
+
+
+def test_compiling_on_threads_gives_the_sequential_report_in_its_order():
+    """Shapes compiled two at a time report what one at a time does: the same shapes in the same
+    order, each with the same outcome, Pallas calls and XLA bytes (each thread in its own mesh)."""
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2,
+                       num_pages=256)  # steps: decode {0, 8} x prefill {0, 32}; samplers: rows {2, 8, 10} x penalties
+    reports = {workers: gpu_compile.compile_for_gpu(TINY_LLAMA3, cfg, target="h100", workers=workers)["compile"]
+               for workers in (1, 2)}
+    fields = ("bucket", "ok", "error", "pallas_kernels", "temp_bytes", "argument_bytes", "output_bytes",
+              "alias_bytes", "planned_activation_bytes")
+    shown = {workers: [tuple(entry[f] for f in fields) for entry in report["buckets"] + report["sampler"]]
+             for workers, report in reports.items()}
+    assert shown[2] == shown[1]
+    assert len(reports[1]["buckets"]) == 3 and len(reports[1]["sampler"]) == 6  # more shapes than threads
+    assert_compiled({"compile": reports[2]}, num_step_shapes=len(reports[1]["buckets"]))
+    for workers, report in reports.items():
+        assert report["workers"] == workers
+        assert 0 < max(e["compile_seconds"] for e in report["buckets"] + report["sampler"]) <= report["wall_seconds"]

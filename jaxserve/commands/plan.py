@@ -46,6 +46,9 @@ def define_flags(fv: flags.FlagValues) -> None:
                          flag_values=fv)
     flags.DEFINE_enum("buckets", "all", ["all", "ends"], "With --compile: every bucket warm-up compiles, or "
                       "the smallest and largest of each kind.", flag_values=fv)
+    flags.DEFINE_integer("compile_workers", None, "With --compile: shapes lowered and compiled at once, on that "
+                         "many threads (XLA compiles outside the GIL); default: the machine's cores; 1 compiles "
+                         "them one after another.", lower_bound=1, flag_values=fv)
     flags.DEFINE_boolean("measure_buckets", False, "Build the engine of --model and the engine flags on this "
                          "machine, time a step in each of its decode and prefill buckets (median of "
                          "--measure_repeats) and print the --decode_buckets / --prefill_buckets worth compiling: a "
@@ -228,7 +231,8 @@ def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
     from jaxserve.planning import gpu_compile  # loads jax: the command runs it after --help and the flags are done
     cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
-        report = gpu_compile.compile_for_gpu(model, cfg, target=fv.target, which_buckets=fv.buckets)
+        report = gpu_compile.compile_for_gpu(model, cfg, target=fv.target, which_buckets=fv.buckets,
+                                             workers=fv.compile_workers)
     except gpu_compile.GpuCompileUnavailable as e:
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
@@ -251,7 +255,8 @@ def format_compile_table(report: dict) -> str:
     compiled = report["compile"]
     lines = [f"{key}: {value}" for key, value in report["plan"].items()]
     lines.append(f"compiled for {compiled['target']} x {compiled['tensor_parallel_size']} with jax "
-                 f"{compiled['jax_version']} (MiB per device)")
+                 f"{compiled['jax_version']} (MiB per device), {len(compiled['buckets']) + len(compiled['sampler'])} "
+                 f"shapes in {compiled['wall_seconds']:.1f} s on {compiled['workers']} thread(s)")
     lines.append(f"{'shape':<34} {'ok':<3} {'pallas':>6} {'temp':>9} {'planned':>9} {'args':>10} {'out':>9} "
                  f"{'compile s':>9}")
     for entry in compiled["buckets"] + compiled["sampler"]:

@@ -14,6 +14,7 @@ a100). Needs the `gpu-compile` extra (jax's CUDA plugin and ptxas, not the CUDA 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import glob
@@ -111,19 +112,39 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
-    """Lowers and compiles for the abstract GPU mesh. The persistent compilation cache is off
-    meanwhile: a deviceless GPU executable cannot be loaded back, and must not crowd the cache."""
+@contextlib.contextmanager
+def _compiling():
+    """The process-wide state a deviceless compile runs under, entered once by the thread that
+    starts the compiles (not by each compiling thread: the warning filters are process-wide and
+    `warnings.catch_warnings` entered by overlapping threads restores them out of order): the
+    persistent compilation cache off (a deviceless GPU executable cannot be loaded back, and must
+    not crowd the cache) and the Pallas lowering's deprecation warnings silenced."""
+    with executables.persistent_cache_off(), quiet_pallas_deprecations():
+        yield
+
+
+def _lower_and_compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
+    """Lowers and compiles for the abstract GPU mesh, in the calling thread, under `_compiling()`
+    entered by its caller; returns (the executable, seconds of this thread's lowering and compile).
+    The abstract mesh is entered here: jax keeps it per thread."""
     start = time.perf_counter()
-    with executables.persistent_cache_off(), jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
-            quiet_pallas_deprecations():
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = jitted.lower(*args).compile(compiler_options=compiler_options)
     return compiled, time.perf_counter() - start
 
 
+def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
+    """Lowers and compiles for the abstract GPU mesh (one program, in the calling thread)."""
+    with _compiling():
+        return _lower_and_compile(jitted, args, mesh, compiler_options)
+
+
 def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> CompiledShape:
+    """One shape compiled and its report (ok=False with XLA's message when it fails). Runs in a
+    compiling thread under `_compiling()`; `compile_seconds` is that thread's wall time, which
+    counts the waits for the GIL and the cores when other shapes compile beside it."""
     try:
-        compiled, seconds = _compile(jitted, args, mesh)
+        compiled, seconds = _lower_and_compile(jitted, args, mesh)
     except Exception as e:  # XLA's error is the report: a kernel over the shared-memory limit, ...
         return CompiledShape(key, ok=False, error=f"{type(e).__name__}: {e}"[:_ERROR_CHARS],
                              planned_activation_bytes=planned)
@@ -139,18 +160,25 @@ def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> Com
 
 
 def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, target: str,
-                    which_buckets: str = "all") -> dict[str, Any]:
+                    which_buckets: str = "all", workers: int | None = None) -> dict[str, Any]:
     """Plans and compiles the engine of `engine_config` (its GPU defaults: bfloat16, the Pallas
     kernels) for `engine_config.tensor_parallel_size` GPUs of `target`.
 
     The config's weight format, KV cache dtype, page size, limits and max_logprobs are the
     build's; its memory_utilization sizes the pool unless it fixes num_pages. Returns {"plan":
-    the memory plan, "compile": {target, jax_version, buckets, sampler}}, every byte count per
-    device. `which_buckets`: "all" (what warm-up compiles) or "ends" (the smallest and largest
-    of each kind). ValueError on a configuration the engine would refuse; GpuCompileUnavailable
+    the memory plan, "compile": {target, jax_version, tensor_parallel_size, workers,
+    wall_seconds, buckets, sampler}}, every byte count per device. `which_buckets`: "all" (what
+    warm-up compiles) or "ends" (the smallest and largest of each kind). `workers`: shapes
+    lowered and compiled at once, on that many threads (XLA compiles with the GIL released, as
+    in the engine's warm-up); default os.cpu_count(), 1 compiles them one after another. The
+    reports keep the order of the shapes whatever the workers; `wall_seconds` is the whole
+    compile's. ValueError on a configuration the engine would refuse; GpuCompileUnavailable
     without the gpu-compile extra. A bucket that fails to compile is reported with ok=False and
     XLA's message, not raised.
     """
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     cfg = engine_config.for_platform(on_gpu=True)
     cfg = dataclasses.replace(cfg, attention_backend=dispatch.attention_backend(cfg.attention_backend))
     tensor_parallel_size = cfg.tensor_parallel_size
@@ -183,14 +211,14 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
         prefill_hidden_rows=max(buckets.prefill), verify_row_tokens=buckets.verify_row_tokens,
         shardings=shardings if tensor_parallel_size > 1 else None)
     chosen = buckets.all() if which_buckets == "all" else buckets.smallest_and_largest()
-    steps = []
+    step_jobs = []  # (key, jitted, args, mesh, planned): the arguments of one _report
     for bucket in chosen:
         batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
                  for name, a in buckets.empty_batch(bucket).items()}
         planned = step_activation_bytes(model_config, bucket, buckets, cfg)
-        steps.append(_report(dataclasses.asdict(bucket), functions.forward_for(bucket), (params, kv_cache, batch),
-                             mesh, planned))
-    samplers = []
+        step_jobs.append((dataclasses.asdict(bucket), functions.forward_for(bucket), (params, kv_cache, batch),
+                          mesh, planned))
+    sampler_jobs = []
     for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
         logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
         for penalties, bias in itertools.product((False, True), (sampler.ALWAYS_BIAS,)):  # the variants the engine warms up
@@ -198,13 +226,24 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
                       sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
                                                     model_config.eos_token_ids,
                                                     vocab_size=model_config.vocab_size).items()}
-            samplers.append(_report({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
-                                    (logits, inputs), mesh, None))
+            sampler_jobs.append(({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
+                                 (logits, inputs), mesh, None))
+    start = time.perf_counter()
+    with _compiling():
+        if workers == 1:
+            reports = [_report(*job) for job in step_jobs + sampler_jobs]
+        else:  # as the warm-up (jaxserve/executor/warmup.py): a thread per core, XLA compiles outside the GIL
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                       thread_name_prefix="gpu-compile") as pool:
+                reports = list(pool.map(lambda job: _report(*job), step_jobs + sampler_jobs))  # in submission order
+    wall_seconds = time.perf_counter() - start
+    steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):]
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
         plan_dict["num_pages_compiled"] = num_pages
     return {"plan": plan_dict,
             "compile": {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": tensor_parallel_size,
+                        "workers": workers, "wall_seconds": round(wall_seconds, 3),
                         "buckets": [dataclasses.asdict(s) for s in steps],
                         "sampler": [dataclasses.asdict(s) for s in samplers]}}
 
