@@ -46,8 +46,12 @@ cache, as huggingface_hub finds it), XLA_PYTHON_CLIENT_MEM_FRACTION (jax's share
 memory, 0.75 unless set), XLA_FLAGS (part of a saved executable's fingerprint), JAX_PLATFORMS
 (jaxserve.platforms sets it to cpu where jax's CUDA plugin cannot run), and the SLURM_* /
 OMPI_* variables of a cluster job (`process_environment`, for jaxserve.parallel.multihost).
+Set here, not read: MOSAIC_GPU_DUMP_PTXAS and MOSAIC_GPU_DUMP_TO (Mosaic GPU's dumps, while `plan`
+compiles the Mosaic kernels for their ptxas reports: `mosaic_gpu_dumps`).
 """
 from __future__ import annotations
+
+import contextlib
 
 import os
 from typing import Mapping
@@ -129,3 +133,19 @@ def xla_flags() -> str:
 def jax_platforms_chosen() -> bool:
     """Whether $JAX_PLATFORMS is set (then jaxserve.platforms leaves the choice alone)."""
     return "JAX_PLATFORMS" in os.environ
+
+
+@contextlib.contextmanager
+def mosaic_gpu_dumps(folder: str):
+    """Meanwhile Mosaic GPU writes each kernel it compiles (its PTX, ptxas -v report and resources)
+    into `folder`: it reads these variables at every compile."""
+    saved = {name: os.environ.get(name) for name in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")}
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=folder)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

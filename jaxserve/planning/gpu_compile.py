@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from jaxserve import compat
+from jaxserve import compat, environment
 from jaxserve.config import KERNEL_BACKENDS, EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
 from jaxserve.executor import device_setup, executables, sampler, step_functions
@@ -300,22 +300,6 @@ def ptxas_gpu_name(target: str) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
-@contextlib.contextmanager
-def _mosaic_dumps(folder: str):
-    """Mosaic GPU writes each kernel's PTX, ptxas -v report and resources into `folder` meanwhile
-    (read from the environment at each compile)."""
-    saved = {name: os.environ.get(name) for name in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")}
-    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=folder)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _ptxas_resources(report: str) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) from ptxas -v's report of one kernel."""
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
@@ -323,7 +307,7 @@ def _ptxas_resources(report: str) -> tuple[int, int, int]:
 
 
 def _mosaic_kernel_reports(dump: str, gpu: str) -> list[KernelReport]:
-    """The Mosaic GPU kernels of a compile, from the files `_mosaic_dumps` left: ptxas's registers
+    """The Mosaic GPU kernels of a compile, from the files environment.mosaic_gpu_dumps had it leave: ptxas's registers
     and spills, the dynamic shared memory Mosaic allocated, the threads of the PTX entry."""
     reports = []
     for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
@@ -351,7 +335,7 @@ def kernel_reports(jitted, args, mesh, target: str) -> list[KernelReport]:
     gpu = ptxas_gpu_name(target)
     with tempfile.TemporaryDirectory(prefix="jaxserve-ptx-") as dump, \
             tempfile.TemporaryDirectory(prefix="jaxserve-mosaic-") as mosaic_dump:
-        with _mosaic_dumps(mosaic_dump):
+        with environment.mosaic_gpu_dumps(mosaic_dump):
             _compile(jitted, args, mesh, compiler_options={"xla_dump_to": dump})
         launches = {}
         for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
