@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import compat
+from pallas_kernels.common import softmax_scale
 from pallas_kernels.pallas_common import MASK_VALUE
 
 WGMMA_ROWS = 64  # M of one warpgroup matmul: the query rows of a program
@@ -42,6 +44,16 @@ def unsupported(q, k_pages) -> str | None:
     if q.shape[-2] // k_pages.shape[2] > WGMMA_ROWS:
         return f"{q.shape[-2] // k_pages.shape[2]} query heads per KV head (at most {WGMMA_ROWS})"
     return None
+
+
+def checked_options(q, k_pages, scale, logit_soft_cap):
+    """What both wrappers start with: jax's Mosaic GPU module, a ValueError for operands the kernels
+    do not take (`unsupported`), and the static softmax scale and soft-cap (pallas_kernels.common)."""
+    plgpu = compat.mosaic_gpu()
+    reason = unsupported(q, k_pages)
+    if reason:
+        raise ValueError(f"the Mosaic GPU attention kernels do not take {reason}")
+    return plgpu, softmax_scale(scale, q.shape[-1]), None if logit_soft_cap is None else float(logit_soft_cap)
 
 
 def scratch(plgpu, head_dim: int, dtype, page_size: int):

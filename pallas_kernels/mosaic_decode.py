@@ -20,8 +20,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import compat
-from pallas_kernels.common import first_visible_key, softmax_scale, window_size
-from pallas_kernels.mosaic_common import KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, scratch, store_outputs, unsupported
+from pallas_kernels.common import first_visible_key, window_size
+from pallas_kernels.mosaic_common import (
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, scratch, store_outputs,
+)
 from pallas_kernels.paged_decode import choose_num_splits, merge_splits
 from pallas_kernels.pallas_common import cdiv
 
@@ -65,15 +67,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     pallas_kernels.paged_decode.paged_decode_attention. `interpret=True` runs the kernel in
     Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
     not take (mosaic_common.unsupported)."""
-    plgpu = compat.mosaic_gpu()
-    reason = unsupported(q, k_pages)
-    if reason:
-        raise ValueError(f"the Mosaic GPU attention kernels do not take {reason}")
+    plgpu, scale, logit_soft_cap = checked_options(q, k_pages, scale, logit_soft_cap)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    scale = softmax_scale(scale, head_dim)
-    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
     pages_per_block = KEYS_PER_BLOCK // page_size
     num_blocks = cdiv(block_table.shape[1], pages_per_block)
     num_splits = min(num_splits or choose_num_splits(num_seqs, num_kv_heads, num_blocks), num_blocks)

@@ -21,8 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import compat
-from pallas_kernels.common import first_visible_key, in_window, softmax_scale, window_size
-from pallas_kernels.mosaic_common import KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, scratch, store_outputs, unsupported
+from pallas_kernels.common import first_visible_key, in_window, window_size
+from pallas_kernels.mosaic_common import (
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, scratch, store_outputs,
+)
 from pallas_kernels.pallas_common import cdiv, next_power_of_2
 from pallas_kernels.ragged_prefill import query_block_schedule
 
@@ -72,18 +74,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     pallas_kernels.ragged_prefill.ragged_paged_attention. `interpret=True` runs the kernel in
     Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
     not take (mosaic_common.unsupported)."""
-    plgpu = compat.mosaic_gpu()
-    reason = unsupported(q, k_pages)
-    if reason:
-        raise ValueError(f"the Mosaic GPU attention kernels do not take {reason}")
+    plgpu, scale, logit_soft_cap = checked_options(q, k_pages, scale, logit_soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs = block_table.shape[0]
     group = num_q_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     block_q = WGMMA_ROWS // group_pad
-    scale = softmax_scale(scale, head_dim)
-    logit_soft_cap = None if logit_soft_cap is None else float(logit_soft_cap)
     num_query_blocks = cdiv(num_tokens, block_q) + num_seqs
     pages_per_block = KEYS_PER_BLOCK // page_size
     padded_pages = cdiv(block_table.shape[1], pages_per_block) * pages_per_block
