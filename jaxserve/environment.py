@@ -52,7 +52,6 @@ compiles the Mosaic kernels for their ptxas reports: `mosaic_gpu_dumps`).
 from __future__ import annotations
 
 import contextlib
-
 import os
 from typing import Mapping
 

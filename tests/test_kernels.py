@@ -631,3 +631,25 @@ def test_xla_ragged_results_do_not_depend_on_the_other_sequences():
                                   seq_lens[row:row + 1], np.array([0, count], np.int32)))
         assert np.array_equal(alone, together[start:start + count]), f"row {row} (seed {SEED})"
     assert np.all(together[34:] == 0)
+
+
+def test_engine_refuses_the_mosaic_kernels_on_operands_they_do_not_take():
+    """--attention_backend=mosaic with float32 weights (the CPU's default), or an int8 KV cache, is
+    a ValueError naming the flags to change when the engine is built, before any step is traced
+    (the CLI turns it into exit 2); the Triton backend takes the same model."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import weights
+
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64, max_position_embeddings=64)
+    for dtype, kv_cache_dtype, reason in (("float32", "auto", "float16 or bfloat16"),
+                                          ("bfloat16", "int8", "int8 pages")):
+        params = weights.random_params(config, dtype=jnp.dtype(dtype))
+        with pytest.raises(ValueError, match=f"--attention_backend=mosaic: .*{reason}.*--attention_backend=pallas"):
+            Engine(config, params, None, EngineConfig(attention_backend="mosaic", dtype=dtype,
+                                                      kv_cache_dtype=kv_cache_dtype, max_model_len=64, warmup=False))
+    params = weights.random_params(config, dtype=jnp.bfloat16)
+    engine = Engine(config, params, None, EngineConfig(attention_backend="triton", dtype="bfloat16", max_model_len=64,
+                                                       warmup=False))
+    assert engine.runner.backend == "pallas"

@@ -66,7 +66,8 @@ def check_attention_operands(backend: str, config: ModelConfig, dtype, kv_dtype,
     reason = dispatch.unsupported_operands(backend, q, pages)
     if reason:
         raise ValueError(f"--attention_backend={backend}: the Mosaic GPU kernels do not take {reason}; use "
-                         "--attention_backend=pallas (Triton) or xla, or change --dtype / --kv_cache_dtype / --page_size")
+                         "--attention_backend=pallas (Triton) or xla, or change --dtype / --kv_cache_dtype / "
+                         "--page_size")
 
 
 def quantize_weights(params, name: str | None, config, *, embedding: bool = False, sharded: bool = False):

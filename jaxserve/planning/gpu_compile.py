@@ -307,8 +307,9 @@ def _ptxas_resources(report: str) -> tuple[int, int, int]:
 
 
 def _mosaic_kernel_reports(dump: str, gpu: str) -> list[KernelReport]:
-    """The Mosaic GPU kernels of a compile, from the files environment.mosaic_gpu_dumps had it leave: ptxas's registers
-    and spills, the dynamic shared memory Mosaic allocated, the threads of the PTX entry."""
+    """The Mosaic GPU kernels of a compile, from the files environment.mosaic_gpu_dumps had it
+    leave: ptxas's registers and spills, the dynamic shared memory Mosaic allocated, the threads of
+    the PTX entry."""
     reports = []
     for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
         stem = path[:-len(".ptxas")]
