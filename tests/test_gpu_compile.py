@@ -181,7 +181,7 @@ def test_plan_for_a_target_uses_its_memory_and_the_gpu_activation_formula(capsys
 
 def test_compiling_on_threads_gives_the_sequential_report_in_its_order():
     """Shapes compiled two at a time report what one at a time does: the same shapes in the same
-    order, each with the same outcome, Pallas calls and XLA bytes (each thread in its own mesh)."""
+    order, each with the same outcome, Pallas calls and XLA bytes."""
     cfg = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2,
                        num_pages=256)  # steps: decode {0, 8} x prefill {0, 32}; samplers: rows {2, 8, 10} x penalties
     reports = {workers: gpu_compile.compile_for_gpu(TINY_LLAMA3, cfg, target="h100", workers=workers)["compile"]
