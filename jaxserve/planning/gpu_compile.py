@@ -228,15 +228,7 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
                                                     vocab_size=model_config.vocab_size).items()}
             sampler_jobs.append(({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
                                  (logits, inputs), mesh, None))
-    start = time.perf_counter()
-    with _compiling():
-        if workers == 1:
-            reports = [_report(*job) for job in step_jobs + sampler_jobs]
-        else:  # as the warm-up (jaxserve/executor/warmup.py): a thread per core, XLA compiles outside the GIL
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
-                                                       thread_name_prefix="gpu-compile") as pool:
-                reports = list(pool.map(lambda job: _report(*job), step_jobs + sampler_jobs))  # in submission order
-    wall_seconds = time.perf_counter() - start
+    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs, workers)
     steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):]
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
@@ -246,6 +238,20 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
                         "workers": workers, "wall_seconds": round(wall_seconds, 3),
                         "buckets": [dataclasses.asdict(s) for s in steps],
                         "sampler": [dataclasses.asdict(s) for s in samplers]}}
+
+
+def _compile_all(jobs: list[tuple], workers: int) -> tuple[list[CompiledShape], float]:
+    """`_report` of each job (its arguments), on `workers` threads, in the jobs' order; and the
+    wall seconds of the whole. As the warm-up (jaxserve/executor/warmup.py): a thread per core,
+    XLA compiles outside the GIL."""
+    start = time.perf_counter()
+    with _compiling():
+        if workers == 1:
+            reports = [_report(*job) for job in jobs]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpu-compile") as pool:
+                reports = list(pool.map(lambda job: _report(*job), jobs))  # in submission order
+    return reports, time.perf_counter() - start
 
 
 def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: BucketSet, cfg: EngineConfig) -> int:
