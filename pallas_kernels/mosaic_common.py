@@ -75,6 +75,17 @@ def scratch(plgpu, head_dim: int, dtype, page_size: int):
     )
 
 
+def launch(plgpu, body, out_type, *, grid: dict[str, int], name: str, interpret: bool, head_dim: int, dtype,
+           page_size: int):
+    """`plgpu.kernel` of a Mosaic attention kernel: one warpgroup per program over `grid` (axis name ->
+    size), its inputs and outputs followed by `scratch`'s buffers, Mosaic GPU's interpreter (with race
+    detection) when `interpret`."""
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch(plgpu, head_dim, dtype, page_size),
+                        grid=tuple(grid.values()), grid_names=tuple(grid), kernel_name=name,
+                        interpret=compat.mosaic_interpret_params() if interpret else None,
+                        compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
 def attend_pages(plgpu, smem, k_ref, v_ref, *, page_id, head, first_block, num_blocks, key_lo, key_hi,
                  visible, scale, logit_soft_cap, page_size):
     """Online softmax attention of the 64 query rows in smem's q over key blocks

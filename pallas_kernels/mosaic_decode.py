@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import compat
 from pallas_kernels.common import first_visible_key, window_size
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, scratch, store_outputs,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, launch, store_outputs,
 )
-from pallas_kernels.paged_decode import choose_num_splits, merge_splits
-from pallas_kernels.pallas_common import cdiv
+from pallas_kernels.paged_decode import merge_splits, split_block_table
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
@@ -71,12 +69,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    pages_per_block = KEYS_PER_BLOCK // page_size
-    num_blocks = cdiv(block_table.shape[1], pages_per_block)
-    num_splits = min(num_splits or choose_num_splits(num_seqs, num_kv_heads, num_blocks), num_blocks)
-    pages_per_split = cdiv(num_blocks, num_splits) * pages_per_block
-    block_table = jnp.pad(block_table.astype(jnp.int32),
-                          ((0, 0), (0, num_splits * pages_per_split - block_table.shape[1])))
+    block_table, num_splits, pages_per_split = split_block_table(block_table, KEYS_PER_BLOCK // page_size,
+                                                                 num_kv_heads, num_splits)
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
     windowed = sliding_window is not None
@@ -84,17 +78,11 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     partial_shape = (num_seqs, num_kv_heads, num_splits, WGMMA_ROWS)
     kernel = functools.partial(_decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size,
                                pages_per_split=pages_per_split, windowed=windowed, plgpu=plgpu)
-    partial, row_max, row_sum = plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct(partial_shape + (head_dim,), q.dtype),
-                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-                  jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
-        scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
-        grid=(num_kv_heads, num_splits, num_seqs),
-        grid_names=("head", "split", "seq"),
-        interpret=compat.mosaic_interpret_params() if interpret else None,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="paged_decode_attention_mosaic",
+    stats = jax.ShapeDtypeStruct(partial_shape, jnp.float32)
+    partial, row_max, row_sum = launch(
+        plgpu, kernel, [jax.ShapeDtypeStruct(partial_shape + (head_dim,), q.dtype), stats, stats],
+        grid={"head": num_kv_heads, "split": num_splits, "seq": num_seqs}, name="paged_decode_attention_mosaic",
+        interpret=interpret, head_dim=head_dim, dtype=q.dtype, page_size=page_size,
     )(q_grouped, k_pages, v_pages, block_table, seq_lens.astype(jnp.int32), *extra)
     row_max, row_sum = row_max[..., :group], row_sum[..., :group]
     acc = partial[..., :group, :].astype(jnp.float32) * row_sum[..., None]  # the splits' unnormalised sums

@@ -5,8 +5,9 @@ The query tokens are cut, per sequence, into blocks of block_q = 64 / group_pad 
 schedule of the Triton kernel, ragged_prefill.query_block_schedule), so that a block's tokens
 times the query heads of one KV head (the group, padded to a power of two) are the 64 rows of a
 wgmma. Grid (num_kv_heads, num_query_blocks), one warpgroup per program: it copies its 64 query
-rows into shared memory (one TMA copy of the rows the wrapper gathered for it), walks its sequence's pages up to the causal limit of its last row, from the
-first block its first row's sliding window reaches (mosaic_common.attend_pages), and writes its
+rows into shared memory (one TMA copy of the rows the wrapper gathered for it), walks its
+sequence's pages up to the causal limit of its last row, from the first block its first row's
+sliding window reaches (mosaic_common.attend_pages), and writes its
 own output block, so no two programs write the same memory. Spare programs (the grid is sized for
 the worst case) do no work.
 
@@ -20,21 +21,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import compat
 from pallas_kernels.common import first_visible_key, in_window, window_size
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, scratch, store_outputs,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, launch, store_outputs,
 )
 from pallas_kernels.pallas_common import cdiv, next_power_of_2
-from pallas_kernels.ragged_prefill import query_block_schedule
+from pallas_kernels.ragged_prefill import query_block_schedule, tokens_from_blocks
 
 
 def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref,
                    query_start_loc_ref, *refs, scale, logit_soft_cap, group_pad, page_size, windowed, plgpu):
-    # block_seq_ref, block_start_ref: [num_query_blocks]; q_ref: [num_query_blocks, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d]; block_table_ref: [num_seqs,
-    # max_pages]; seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
-    # window_size) when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype),
-    # then the scratch of mosaic_common.scratch.
+    # block_seq_ref, block_start_ref: [num_query_blocks]; q_ref: [num_query_blocks, num_kv_heads, 64, d];
+    # k_ref, v_ref: [num_pages, page_size, num_kv_heads, d]; block_table_ref: [num_seqs, max_pages];
+    # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from window_size)
+    # when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype), then
+    # the scratch of mosaic_common.scratch.
     refs = list(refs)
     window_ref = refs.pop(0) if windowed else None
     out_ref, (q_smem, k_smem, v_smem, p_smem, stat_smem, q_barrier, k_barriers, v_barriers) = refs[0], refs[1:]
@@ -101,26 +102,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     extra = [window_size(sliding_window).reshape(1)] if windowed else []
     kernel = functools.partial(_ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, group_pad=group_pad,
                                page_size=page_size, windowed=windowed, plgpu=plgpu)
-    out_blocks = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), q.dtype),
-        scratch_types=scratch(plgpu, head_dim, q.dtype, page_size),
-        grid=(num_kv_heads, num_query_blocks),
-        grid_names=("head", "block"),
-        interpret=compat.mosaic_interpret_params() if interpret else None,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="ragged_paged_attention_mosaic",
+    out_blocks = launch(
+        plgpu, kernel, jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), q.dtype),
+        grid={"head": num_kv_heads, "block": num_query_blocks}, name="ragged_paged_attention_mosaic",
+        interpret=interpret, head_dim=head_dim, dtype=q.dtype, page_size=page_size,
     )(block_seq, block_start, q_blocks, k_pages, v_pages, block_table, seq_lens, query_start_loc, *extra)
 
-    # Back to the token layout: token t of a sequence starting at `start` is in block
-    # block_offset + (t - start) // block_q, rows ((t - start) % block_q) * group_pad + head.
+    # [blocks, kv, block_q * group_pad, d] -> the Triton kernel's [blocks, block_q, kv, group_pad, d]
     out_blocks = out_blocks.reshape(num_query_blocks, num_kv_heads, block_q, group_pad, head_dim)
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_token = jnp.minimum(jnp.searchsorted(query_start_loc[1:num_seqs + 1], tokens, side="right"),
-                               num_seqs - 1)
-    index_in_seq = tokens - query_start_loc[seq_of_token]
-    block_of_token = jnp.clip(block_offset[seq_of_token] + index_in_seq // block_q, 0, num_query_blocks - 1)
-    out = out_blocks[block_of_token, :, index_in_seq % block_q]  # [num_tokens, kv, group_pad, d]
-    token_valid = (tokens < query_start_loc[num_seqs]) & (seq_lens[seq_of_token] > 0)
-    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], jnp.zeros((), q.dtype))
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+    out_blocks = out_blocks.transpose(0, 2, 1, 3, 4)
+    return tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group)

@@ -75,6 +75,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_blocks: int) -> int:
     return max(1, min(wanted, cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT)))
 
 
+def split_block_table(block_table, pages_per_block: int, num_kv_heads: int, num_splits: int | None):
+    """The context split over programs: (the int32 block table [num_seqs, num_splits * pages_per_split]
+    padded with the null page, num_splits, pages_per_split), pages_per_split a multiple of
+    pages_per_block; num_splits None: choose_num_splits's, at most one per block of pages."""
+    num_blocks = cdiv(block_table.shape[1], pages_per_block)
+    num_splits = min(num_splits or choose_num_splits(block_table.shape[0], num_kv_heads, num_blocks), num_blocks)
+    pages_per_split = cdiv(num_blocks, num_splits) * pages_per_block
+    padding = num_splits * pages_per_split - block_table.shape[1]
+    return jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, padding))), num_splits, pages_per_split
+
+
 def merge_splits(acc, row_max, row_sum):
     """Log-sum-exp merge over axis 2 (splits): [s, kv, splits, g, d] -> [s, kv, g, d] f32."""
     global_max = jnp.max(row_max, axis=2, keepdims=True)
@@ -114,12 +125,9 @@ def paged_decode_attention(
     group_pad = max(MIN_DOT_ROWS, next_power_of_2(group))
     pages_per_block = pages_per_block or max(1, default_keys_per_block(k_pages.dtype) // page_size)
     num_warps = num_warps or (4 if jnp.dtype(q.dtype).itemsize <= 2 else 8)
-    num_blocks = cdiv(block_table.shape[1], pages_per_block)
-    num_splits = min(num_splits or choose_num_splits(num_seqs, num_kv_heads, num_blocks), num_blocks)
-    blocks_per_split = cdiv(num_blocks, num_splits)
-    pages_per_split = blocks_per_split * pages_per_block
-    padded_pages = num_splits * pages_per_split
-    block_table = jnp.pad(block_table, ((0, 0), (0, padded_pages - block_table.shape[1])))
+    block_table, num_splits, pages_per_split = split_block_table(block_table, pages_per_block, num_kv_heads,
+                                                                 num_splits)
+    blocks_per_split = pages_per_split // pages_per_block
 
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
@@ -163,7 +171,7 @@ def paged_decode_attention(
             compiler_params=compiler_params,
             interpret=interpret,
             name="paged_decode_attention",
-        )(q_grouped, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        )(q_grouped, k_pages, v_pages, block_table, seq_lens.astype(jnp.int32),
           *extra_inputs)
     out = merge_splits(acc[:, :, :, :group], row_max[:, :, :, :group], row_sum[:, :, :, :group])
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

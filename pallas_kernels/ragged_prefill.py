@@ -188,8 +188,16 @@ def ragged_paged_attention(
         )(block_seq, block_start, q_grouped, k_pages, v_pages, block_table.astype(jnp.int32),
           seq_lens, query_start_loc, *extra_inputs)
 
-    # Back to the token layout: token t of a sequence starting at `start` is row
-    # (t - start) % block_q of block block_offset + (t - start) // block_q.
+    return tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group)
+
+
+def tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group):
+    """Query blocks' outputs [num_query_blocks, block_q, kv, group_pad, d] (query_block_schedule's
+    blocks) back to the token layout [num_tokens, kv * group, d]: token t of a sequence starting at
+    `start` is row (t - start) % block_q of block block_offset + (t - start) // block_q. Tokens past
+    the last sequence, and those of sequences with seq_lens 0, are zeros."""
+    num_query_blocks, block_q, num_kv_heads, _, head_dim = out_blocks.shape
+    num_seqs = seq_lens.shape[0]
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_of_token = jnp.minimum(
         jnp.searchsorted(query_start_loc[1 : num_seqs + 1], tokens, side="right"), num_seqs - 1
@@ -199,5 +207,5 @@ def ragged_paged_attention(
     block_of_token = jnp.clip(block_of_token, 0, num_query_blocks - 1)
     out = out_blocks[block_of_token, index_in_seq % block_q]  # [num_tokens, kv, group_pad, d]
     token_valid = (tokens < query_start_loc[num_seqs]) & (seq_lens[seq_of_token] > 0)
-    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], jnp.zeros((), q.dtype))
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+    out = jnp.where(token_valid[:, None, None, None], out[:, :, :group], jnp.zeros((), out_blocks.dtype))
+    return out.reshape(num_tokens, num_kv_heads * group, head_dim)
