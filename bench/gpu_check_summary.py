@@ -85,7 +85,8 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
     if name == "kernels":
         out = {"mode": report["mode"], "backends": report["backends"], "copy_gb_per_s": report["copy"]["gb_per_s"],
                "matmul_tflop_per_s": report["matmul"]["tflop_per_s"],
-               "decode": [{"backend": r["backend"], "batch": r["batch"], "context": r["context"], "gb_per_s": r["gb_per_s"],
+               "decode": [{"backend": r["backend"], "kv_dtype": r["kv_dtype"], "batch": r["batch"],
+                           "context": r["context"], "gb_per_s": r["gb_per_s"],
                            "fraction_of_copy_bandwidth": r["fraction_of_copy_bandwidth"],
                            "max_abs_diff_vs_triton": r["max_abs_diff_vs_triton"]} for r in report["decode"]],
                "ragged": [{"backend": r["backend"], "tflop_per_s": r["tflop_per_s"],
@@ -173,8 +174,8 @@ def short(name: str, fig: dict) -> str:
         return ", ".join(f"{fig[k]} {k}" for k in ("passed", "failed", "skipped", "errors") if fig.get(k)) + \
             ("" if fig.get("finished") else " (cut off)")
     if name == "kernels":
-        decode = " ".join(f"{r['backend']}@{r['context']}:{100 * r['fraction_of_copy_bandwidth']:.0f}%"
-                          for r in fig["decode"])
+        decode = " ".join(f"{r['backend']}@{r['context']}{'' if r['kv_dtype'] == 'bfloat16' else '/' + r['kv_dtype']}:"
+                          f"{100 * r['fraction_of_copy_bandwidth']:.0f}%" for r in fig["decode"])
         ragged = " ".join(f"{r['backend']}:{r['tflop_per_s']:.2f} ({100 * r['fraction_of_matmul_rate']:.0f}%)"
                           for r in fig["ragged"])
         return (f"copy {fig['copy_gb_per_s']:.0f} GB/s, matmul {fig['matmul_tflop_per_s']:.1f} TFLOP/s; decode % of "

@@ -31,16 +31,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels import compat, dispatch, grouped_matmul, reference  # noqa: E402
+from pallas_kernels import compat, dispatch, grouped_matmul, kv_quant, reference  # noqa: E402
 
 # Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
 QWEN3_30B_A3B, MIXTRAL_8X7B = (128, 2048, 768, 8), (8, 4096, 14336, 2)
 FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_dim=128,
-            page_size=16, prefills=8, prefill_len=512, copy_mib=1024, matmul=8192, repeats=20,
+            page_size=16, quantized_contexts=(4096,), prefills=8, prefill_len=512, copy_mib=1024, matmul=8192,
+            repeats=20,
             grouped=[("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 1), ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 64),
                      ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)])
 QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
-             page_size=16, prefills=2, prefill_len=24, copy_mib=4, matmul=128, repeats=2,
+             page_size=16, quantized_contexts=(100,), prefills=2, prefill_len=24, copy_mib=4, matmul=128,
+             repeats=2,
              grouped=[("tiny gate", 8, 64, 128, 2, 1), ("tiny gate", 8, 64, 128, 2, 16)])
 
 
@@ -114,25 +116,42 @@ def time_backends(attention, args, interpret, repeats):
     return timed
 
 
+def quantize_pages(pages, kind):
+    """bfloat16 pages [num_pages, page_size, kv_heads, d] as a `kind` ("int8", "fp8") cache (kv_quant)."""
+    template = kv_quant.zeros((1, 1) + pages.shape[2:], kv_quant.KV_CACHE_DTYPES[kind])
+    stored = kv_quant.quantize_rows(pages.reshape(-1, *pages.shape[2:]), template)
+    return jax.tree.map(lambda a: a.reshape(pages.shape[:2] + a.shape[1:]), stored)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of a page array or of a quantized cache (its pages and scales)."""
+    return sum(a.nbytes for a in jax.tree.leaves(cache))
+
+
 def bench_decode(config, rng, interpret, with_reference):
     dtype = jnp.bfloat16
     results = []
-    for context in config["contexts"]:
+    runs = [(context, "bfloat16") for context in config["contexts"]]
+    runs += [(context, kind) for context in config["quantized_contexts"] for kind in ("int8", "fp8")]
+    for context, kv_dtype in runs:
         seq_lens = np.full((config["batch"],), context, np.int32)
         shape = (config["page_size"], config["kv_heads"], config["head_dim"])
         k_pages, v_pages, block_table, pages_in_use = paged_cache(rng, seq_lens, shape, dtype)
+        if kv_dtype != "bfloat16":
+            k_pages, v_pages = quantize_pages(k_pages, kv_dtype), quantize_pages(v_pages, kv_dtype)
         q_shape = (config["batch"], config["q_heads"], config["head_dim"])
         q = jax.random.normal(jax.random.key(1), q_shape, dtype)
         args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens))
-        page_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+        page_bytes = cache_bytes(k_pages) // kv_quant.values(k_pages).shape[0]  # values and scales of one page
         needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
         if with_reference:
             reference_fn = jax.jit(reference.paged_decode_attention)
             ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
         for family, (seconds, difference) in time_backends(dispatch.decode_attention, args, interpret,
                                                            config["repeats"]).items():
-            row = {"backend": family, "batch": config["batch"], "context": context, "bytes": needed,
-                   "seconds": seconds, "gb_per_s": needed / seconds / 1e9, "max_abs_diff_vs_triton": difference}
+            row = {"backend": family, "kv_dtype": kv_dtype, "batch": config["batch"], "context": context,
+                   "bytes": needed, "seconds": seconds, "gb_per_s": needed / seconds / 1e9,
+                   "max_abs_diff_vs_triton": difference}
             if with_reference:
                 row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
             results.append(row)

@@ -6,7 +6,8 @@ Backends:
                (paged_decode.py, ragged_prefill.py; "triton" is the same backend by its other name);
   "interpret"  the same kernels in Pallas interpret mode (runs anywhere, slowly: for tests);
   "mosaic"     the Pallas Mosaic GPU kernels (mosaic_decode.py, mosaic_ragged.py: TMA and wgmma,
-               Hopper only; bfloat16/float16 pages, see mosaic_common.unsupported), jax >= 0.11;
+               Hopper only; bfloat16/float16 queries over 16-bit, int8 or fp8 pages, see
+               mosaic_common.unsupported), jax >= 0.11;
   "mosaic_interpret"  the same kernels in Mosaic GPU's interpreter (on the CPU, with race
                detection: for tests);
   "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py); on

@@ -19,24 +19,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import first_visible_key, window_size
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, launch, store_outputs,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, launch, sequence_scales,
+    store_outputs,
 )
 from pallas_kernels.paged_decode import merge_splits, split_block_table
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
-                   scale, logit_soft_cap, page_size, pages_per_split, windowed, plgpu):
+                   scale, logit_soft_cap, page_size, pages_per_split, windowed, scaled, plgpu):
     # q_ref: [num_seqs, num_kv_heads, 64, d]; k_ref, v_ref: [num_pages, page_size, num_kv_heads, d];
     # block_table_ref: [num_seqs, num_splits * pages_per_split]; seq_lens_ref: [num_seqs];
-    # window_ref: [1] (from window_size) when windowed; then the outputs out_ref [s, kv, splits, 64, d]
+    # window_ref: [1] (from window_size) when windowed; scales_ref: [num_seqs, num_kv_heads, 2, keys]
+    # (mosaic_common.sequence_scales) for int8 pages; then the outputs out_ref [s, kv, splits, 64, d]
     # (each split's normalised partial, q's dtype), max_ref, sum_ref [s, kv, splits, 64] (float32),
     # then the scratch of mosaic_common.scratch.
     refs = list(refs)
     window_ref = refs.pop(0) if windowed else None
-    (out_ref, max_ref, sum_ref), (q_smem, k_smem, v_smem, p_smem, stat_smem, q_barrier, k_barriers,
-                                  v_barriers) = refs[:3], refs[3:]
+    scales_ref = refs.pop(0) if scaled else None
+    out_ref, max_ref, sum_ref, q_smem, stat_smem, q_barrier, buffers = refs
     head, split, seq = lax.axis_index("head"), lax.axis_index("split"), lax.axis_index("seq")
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier)
     keys_per_split = pages_per_split * page_size
@@ -50,8 +53,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
     first_block = jnp.minimum(first_key // KEYS_PER_BLOCK, num_blocks)
     plgpu.barrier_wait(q_barrier)
     acc, row_max, row_sum = attend_pages(
-        plgpu, (q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers), k_ref, v_ref,
+        plgpu, q_smem, buffers, k_ref, v_ref,
         page_id=lambda block, p: block_table_ref[seq, block * (KEYS_PER_BLOCK // page_size) + p],
+        scales_of_block=block_scales(scales_ref, seq, head),
         head=head, first_block=first_block, num_blocks=num_blocks, key_lo=first_key, key_hi=split_end,
         visible=lambda key_pos: key_pos >= 0, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size)
     store_outputs(plgpu, q_smem, stat_smem, acc, row_max, row_sum, out_ref.at[seq, head, split],
@@ -66,6 +70,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
     not take (mosaic_common.unsupported)."""
     plgpu, scale, logit_soft_cap = checked_options(q, k_pages, scale, logit_soft_cap)
+    k_cache, v_cache, k_pages, v_pages = k_pages, v_pages, kv_quant.values(k_pages), kv_quant.values(v_pages)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -74,15 +79,17 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
     windowed = sliding_window is not None
-    extra = [window_size(sliding_window).reshape(1)] if windowed else []
+    scales = sequence_scales(k_cache, v_cache, block_table)
+    extra = ([window_size(sliding_window).reshape(1)] if windowed else []) + ([] if scales is None else [scales])
     partial_shape = (num_seqs, num_kv_heads, num_splits, WGMMA_ROWS)
     kernel = functools.partial(_decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size,
-                               pages_per_split=pages_per_split, windowed=windowed, plgpu=plgpu)
+                               pages_per_split=pages_per_split, windowed=windowed, scaled=scales is not None,
+                               plgpu=plgpu)
     stats = jax.ShapeDtypeStruct(partial_shape, jnp.float32)
     partial, row_max, row_sum = launch(
         plgpu, kernel, [jax.ShapeDtypeStruct(partial_shape + (head_dim,), q.dtype), stats, stats],
         grid={"head": num_kv_heads, "split": num_splits, "seq": num_seqs}, name="paged_decode_attention_mosaic",
-        interpret=interpret, head_dim=head_dim, dtype=q.dtype, page_size=page_size,
+        interpret=interpret, q=q, k_cache=k_cache,
     )(q_grouped, k_pages, v_pages, block_table, seq_lens.astype(jnp.int32), *extra)
     row_max, row_sum = row_max[..., :group], row_sum[..., :group]
     acc = partial[..., :group, :].astype(jnp.float32) * row_sum[..., None]  # the splits' unnormalised sums

@@ -21,24 +21,28 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import kv_quant
 from pallas_kernels.common import first_visible_key, in_window, window_size
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, checked_options, launch, store_outputs,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, launch, sequence_scales,
+    store_outputs,
 )
 from pallas_kernels.pallas_common import cdiv, next_power_of_2
 from pallas_kernels.ragged_prefill import query_block_schedule, tokens_from_blocks
 
 
 def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref,
-                   query_start_loc_ref, *refs, scale, logit_soft_cap, group_pad, page_size, windowed, plgpu):
+                   query_start_loc_ref, *refs, scale, logit_soft_cap, group_pad, page_size, windowed, scaled, plgpu):
     # block_seq_ref, block_start_ref: [num_query_blocks]; q_ref: [num_query_blocks, num_kv_heads, 64, d];
     # k_ref, v_ref: [num_pages, page_size, num_kv_heads, d]; block_table_ref: [num_seqs, max_pages];
     # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from window_size)
-    # when windowed; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype), then
-    # the scratch of mosaic_common.scratch.
+    # when windowed; scales_ref: [num_seqs, num_kv_heads, 2, keys] (mosaic_common.sequence_scales) for
+    # int8 pages; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype), then the
+    # scratch of mosaic_common.scratch.
     refs = list(refs)
     window_ref = refs.pop(0) if windowed else None
-    out_ref, (q_smem, k_smem, v_smem, p_smem, stat_smem, q_barrier, k_barriers, v_barriers) = refs[0], refs[1:]
+    scales_ref = refs.pop(0) if scaled else None
+    out_ref, q_smem, stat_smem, q_barrier, buffers = refs
     head, block_index = lax.axis_index("head"), lax.axis_index("block")
     block_q = WGMMA_ROWS // group_pad
     seq = block_seq_ref[block_index]
@@ -60,8 +64,9 @@ def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_ta
         visible = lambda key_pos: key_pos <= row_pos  # noqa: E731
     plgpu.barrier_wait(q_barrier)
     acc, row_max, row_sum = attend_pages(
-        plgpu, (q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers), k_ref, v_ref,
+        plgpu, q_smem, buffers, k_ref, v_ref,
         page_id=lambda block, p: block_table_ref[seq_index, block * (KEYS_PER_BLOCK // page_size) + p],
+        scales_of_block=block_scales(scales_ref, seq_index, head),
         head=head, first_block=jnp.minimum(first_key // KEYS_PER_BLOCK, num_blocks), num_blocks=num_blocks,
         key_lo=first_key, key_hi=kv_end, visible=visible, scale=scale, logit_soft_cap=logit_soft_cap,
         page_size=page_size)
@@ -76,6 +81,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     Mosaic GPU's interpreter (on the CPU, with race detection). ValueError for operands it does
     not take (mosaic_common.unsupported)."""
     plgpu, scale, logit_soft_cap = checked_options(q, k_pages, scale, logit_soft_cap)
+    k_cache, v_cache, k_pages, v_pages = k_pages, v_pages, kv_quant.values(k_pages), kv_quant.values(v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs = block_table.shape[0]
@@ -99,13 +105,14 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     q_blocks = q_grouped[tokens_of_block].transpose(0, 2, 1, 3, 4)  # [blocks, kv, block_q, group_pad, d]
     q_blocks = q_blocks.reshape(num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim)
     windowed = sliding_window is not None
-    extra = [window_size(sliding_window).reshape(1)] if windowed else []
+    scales = sequence_scales(k_cache, v_cache, block_table)
+    extra = ([window_size(sliding_window).reshape(1)] if windowed else []) + ([] if scales is None else [scales])
     kernel = functools.partial(_ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, group_pad=group_pad,
-                               page_size=page_size, windowed=windowed, plgpu=plgpu)
+                               page_size=page_size, windowed=windowed, scaled=scales is not None, plgpu=plgpu)
     out_blocks = launch(
         plgpu, kernel, jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), q.dtype),
         grid={"head": num_kv_heads, "block": num_query_blocks}, name="ragged_paged_attention_mosaic",
-        interpret=interpret, head_dim=head_dim, dtype=q.dtype, page_size=page_size,
+        interpret=interpret, q=q, k_cache=k_cache,
     )(block_seq, block_start, q_blocks, k_pages, v_pages, block_table, seq_lens, query_start_loc, *extra)
 
     # [blocks, kv, block_q * group_pad, d] -> the Triton kernel's [blocks, block_q, kv, group_pad, d]

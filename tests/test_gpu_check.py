@@ -97,7 +97,8 @@ def test_the_summary_holds_each_steps_figures(dry_run):
     kernels = steps["kernels"]["figures"]
     assert kernels["mode"] == "interpret" and kernels["copy_gb_per_s"] > 0 and kernels["matmul_tflop_per_s"] > 0
     assert kernels["backends"] == ["triton", "mosaic"]  # both kernel families, side by side
-    assert [r["backend"] for r in kernels["decode"]] == ["triton", "mosaic"] * 2
+    assert [r["backend"] for r in kernels["decode"]] == ["triton", "mosaic"] * 4
+    assert [r["kv_dtype"] for r in kernels["decode"]] == ["bfloat16"] * 4 + ["int8"] * 2 + ["fp8"] * 2
     assert all(0 < r["fraction_of_copy_bandwidth"] for r in kernels["decode"])
     assert [r["backend"] for r in kernels["ragged"]] == ["triton", "mosaic"]
     assert all(r["tflop_per_s"] > 0 and r["fraction_of_matmul_rate"] > 0 for r in kernels["ragged"])

@@ -172,19 +172,21 @@ def garbage_before_window(k_pages, v_pages, block_table, seq_lens, query_lens, w
     return k_pages, v_pages, block_table
 
 
-def int8_cache(pages):
-    """An int8 cache (kv_quant) of float pages, and the float32 values it holds (NaN stays NaN)."""
+def quantized_cache(pages, kind: str):
+    """A `kind` ("int8" or "fp8") cache (kv_quant) of float pages, written slot by slot, and the
+    float32 values it holds (NaN stays NaN)."""
     num_pages, page_size, num_kv, head_dim = pages.shape
     cache = kv_quant.write_rows(
-        kv_quant.zeros(pages.shape, jnp.int8),
+        kv_quant.zeros(pages.shape, kv_quant.KV_CACHE_DTYPES[kind]),
         jnp.asarray(np.asarray(pages, np.float32).reshape(-1, num_kv, head_dim)),
         jnp.arange(num_pages * page_size, dtype=jnp.int32),
     )
     return cache, np.asarray(kv_quant.dequantize(*kv_quant.split(cache), jnp.float32))
 
 
-def decode_problem(case, rng, window=None, int8=False):
-    """Random decode inputs (one query per sequence) and the oracle's pages.
+def decode_problem(case, rng, window=None, kv_dtype=None):
+    """Random decode inputs (one query per sequence) and the oracle's pages; kv_dtype "int8" or
+    "fp8": the implementations get quantized pages, the oracle the values they hold.
 
     Returns args (q, k, v, block_table, seq_lens) for the implementations, the float pages and
     block table the oracle reads, and seq_lens."""
@@ -196,15 +198,15 @@ def decode_problem(case, rng, window=None, int8=False):
     q[seq_lens == 0] = np.nan  # padding rows may hold garbage
     q = in_dtype(q, case.dtype)
     k_cache, v_cache = k_pages, v_pages
-    if int8:
-        (k_cache, k_pages), (v_cache, v_pages) = int8_cache(k_pages), int8_cache(v_pages)
+    if kv_dtype:
+        (k_cache, k_pages), (v_cache, v_pages) = quantized_cache(k_pages, kv_dtype), quantized_cache(v_pages, kv_dtype)
     args = (jnp.asarray(q), k_cache, v_cache, jnp.asarray(block_table), jnp.asarray(seq_lens))
     return args, (k_pages, v_pages, block_table), seq_lens
 
 
-def check_decode(case, rng, options=Options(), int8=False, label="decode"):
+def check_decode(case, rng, options=Options(), kv_dtype=None, label="decode"):
     """Pallas kernel, XLA path and reference against the oracle on one random decode problem."""
-    args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, rng, options.window, int8)
+    args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, rng, options.window, kv_dtype)
     q = np.asarray(args[0])
     expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int),
                       **options.oracle())[:, 0]
@@ -233,7 +235,7 @@ def ragged_batch(seq_lens, page_size, rng):
     return query_lens, query_start_loc, num_tokens
 
 
-def ragged_problem(case, rng, window=None, int8=False):
+def ragged_problem(case, rng, window=None, kv_dtype=None):
     """Random ragged inputs (decode tokens, whole prefills and chunks starting mid-sequence) and
     the oracle's answer. Returns args (q, k, v, block_table, seq_lens, query_start_loc) for the
     implementations and the expected output [num_tokens, heads, d] as a function of the options."""
@@ -247,8 +249,8 @@ def ragged_problem(case, rng, window=None, int8=False):
     q[: query_start_loc[-1]] = rng.standard_normal((query_start_loc[-1], num_heads, case.head_dim))
     q = in_dtype(q, case.dtype)
     k_cache, v_cache = k_pages, v_pages
-    if int8:
-        (k_cache, k_pages), (v_cache, v_pages) = int8_cache(k_pages), int8_cache(v_pages)
+    if kv_dtype:
+        (k_cache, k_pages), (v_cache, v_pages) = quantized_cache(k_pages, kv_dtype), quantized_cache(v_pages, kv_dtype)
     max_query_len = int(query_lens.max())
     q_padded = np.zeros((len(seq_lens), max_query_len, num_heads, case.head_dim))
     for row, (start, count) in enumerate(zip(query_start_loc, query_lens)):
@@ -266,10 +268,10 @@ def ragged_problem(case, rng, window=None, int8=False):
     return args, expected
 
 
-def check_ragged(case, rng, options=Options(), int8=False, label="ragged"):
+def check_ragged(case, rng, options=Options(), kv_dtype=None, label="ragged"):
     """Pallas kernel, XLA path and reference against the oracle on one random ragged batch
     (decode tokens, whole prefills and chunks starting mid-sequence)."""
-    args, expected_of = ragged_problem(case, rng, options.window, int8)
+    args, expected_of = ragged_problem(case, rng, options.window, kv_dtype)
     q, query_start_loc, expected = np.asarray(args[0]), np.asarray(args[5]), expected_of(options)
     kernel_tiles = dict(case.tiles, block_q=2) if case.tiles else {}
     xla_blocks = case.tiles.get("pages_per_block", 3)  # several blocks, a width not dividing the table
@@ -334,7 +336,7 @@ def test_ragged_sliding_window_matches_oracle(kind):
 def test_sliding_window_on_int8_pages(check):
     """int8 pages with per-token scales (kv_quant), compared on the values they hold."""
     case = CASES[2]  # production tiles
-    check(case, np.random.default_rng([SEED, 2, 4]), Options(window=case.page_size + 5), int8=True)
+    check(case, np.random.default_rng([SEED, 2, 4]), Options(window=case.page_size + 5), kv_dtype="int8")
 
 
 SOFT_CAP_OPTIONS = [Options(scale=0.7, cap=2.0), Options(window=11, scale=0.3, cap=5.0)]
@@ -634,21 +636,21 @@ def test_xla_ragged_results_do_not_depend_on_the_other_sequences():
 
 
 def test_engine_refuses_the_mosaic_kernels_on_operands_they_do_not_take():
-    """--attention_backend=mosaic with float32 weights (the CPU's default), or an int8 KV cache, is
-    a ValueError naming the flags to change when the engine is built, before any step is traced
-    (the CLI turns it into exit 2); the Triton backend takes the same model."""
+    """--attention_backend=mosaic with float32 weights (the CPU's default), or a head_dim the
+    kernels do not take, is a ValueError naming the flags to change when the engine is built,
+    before any step is traced (the CLI turns it into exit 2); the Triton backend takes the model."""
     from jaxserve.config import ModelConfig
     from jaxserve.engine import Engine, EngineConfig
     from jaxserve.models import weights
 
     config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_q_heads=2,
                          num_kv_heads=1, head_dim=64, max_position_embeddings=64)
-    for dtype, kv_cache_dtype, reason in (("float32", "auto", "float16 or bfloat16"),
-                                          ("bfloat16", "int8", "int8 pages")):
-        params = weights.random_params(config, dtype=jnp.dtype(dtype))
+    for dtype, head_dim, reason in (("float32", 64, "float16 or bfloat16"), ("bfloat16", 32, "head_dim 32")):
+        model = dataclasses.replace(config, head_dim=head_dim)
+        params = weights.random_params(model, dtype=jnp.dtype(dtype))
         with pytest.raises(ValueError, match=f"--attention_backend=mosaic: .*{reason}.*--attention_backend=pallas"):
-            Engine(config, params, None, EngineConfig(attention_backend="mosaic", dtype=dtype,
-                                                      kv_cache_dtype=kv_cache_dtype, max_model_len=64, warmup=False))
+            Engine(model, params, None, EngineConfig(attention_backend="mosaic", dtype=dtype, max_model_len=64,
+                                                     warmup=False))
     params = weights.random_params(config, dtype=jnp.bfloat16)
     engine = Engine(config, params, None, EngineConfig(attention_backend="triton", dtype="bfloat16", max_model_len=64,
                                                        warmup=False))

@@ -230,14 +230,6 @@ def test_write_kv_quantizes_rows(kind):
     assert np.all(flat[untouched] == 0)
 
 
-def quantized_pages(pages: np.ndarray, kind: str):
-    """Float pages (NaN in unowned slots) written slot by slot into a `kind` cache."""
-    num_pages, page_size, kv, d = pages.shape
-    cache = kv_quant.zeros(pages.shape, kv_quant.KV_CACHE_DTYPES[kind])
-    rows = jnp.asarray(pages.reshape(-1, kv, d), jnp.float32)
-    return kv_quant.write_rows(cache, rows, jnp.arange(num_pages * page_size, dtype=jnp.int32))
-
-
 # int8 / fp8 pages against float pages; rounding-only error against the dequantized pages.
 KV_TOLERANCE = {"int8": 0.03, "fp8": 0.12}
 KV_CASES = [kt.CASES[0], kt.CASES[1], kt.CASES[2]]
@@ -251,9 +243,7 @@ def test_attention_on_quantized_pages(case, kind):
     rng = np.random.default_rng([SEED, KV_CASES.index(case), 5])
     seq_lens = kt.context_lengths(case.page_size, rng)
     k_float, v_float, block_table = kt.paged_inputs(case, seq_lens, rng)
-    k_cache, v_cache = quantized_pages(k_float, kind), quantized_pages(v_float, kind)
-    k_seen = np.asarray(kv_quant.dequantize(*kv_quant.split(k_cache), jnp.float32))
-    v_seen = np.asarray(kv_quant.dequantize(*kv_quant.split(v_cache), jnp.float32))
+    (k_cache, k_seen), (v_cache, v_seen) = kt.quantized_cache(k_float, kind), kt.quantized_cache(v_float, kind)
 
     q = kt.in_dtype(rng.standard_normal((len(seq_lens), case.group * case.num_kv_heads, case.head_dim)), case.dtype)
     decode_lens = (seq_lens > 0).astype(int)
