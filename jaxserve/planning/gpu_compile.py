@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxserve import compat, environment
-from jaxserve.config import KERNEL_BACKENDS, EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
 from jaxserve.executor import device_setup, executables, sampler, step_functions
 from jaxserve.models import llama, quantization, weights
@@ -261,7 +261,7 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
         max_num_batched_tokens=bucket.num_prefill_tokens, max_num_seqs=bucket.num_decode,
         max_context_len=bucket.pages_per_seq * cfg.page_size, tensor_parallel_size=cfg.tensor_parallel_size,
         max_prefill_seqs=buckets.max_num_prefill_seqs if bucket.num_prefill_tokens else 0,
-        backend="pallas" if cfg.attention_backend in KERNEL_BACKENDS else "reference")
+        kv_dtype=cfg.kv_cache_dtype, backend=memory.estimated_backend(cfg))
 
 
 # ---- the kernels on the real compiler ------------------------------------------------------------

@@ -244,6 +244,7 @@ def activation_bytes(
     max_prefill_seqs: int = 1,
     backend: str = "reference",
     weight_dtype: str | None = None,
+    kv_dtype: str = "auto",
 ) -> int:
     """Peak live activations of the largest step bucket on one device.
 
@@ -276,6 +277,10 @@ def activation_bytes(
     GPU_LOGITS_COPIES float32 copies of the logits:
 
         peak      = max(layer weights + residual + max(attention, mlp), logits)
+
+    `backend="mosaic"` is the same build with the Mosaic GPU kernels, which over int8 pages
+    (`kv_dtype`) also gather each sequence's K and V scales into one float32 array per call
+    (pallas_kernels.mosaic_common.sequence_scales): attention += (S + P) hkv 2 C * 4.
     """
     tp = tensor_parallel_size
     a = FLOAT_DTYPE_BYTES[normalize_dtype(compute_dtype, tuple(FLOAT_DTYPE_BYTES))]
@@ -284,13 +289,16 @@ def activation_bytes(
     hq = model.num_q_heads // tp
     hkv = kv_heads_per_device(model, tp)
     p = max_prefill_seqs
-    if backend == "pallas":
+    if backend in KERNEL_BACKENDS:
         tokens = max_num_seqs + max_num_batched_tokens
         stored = normalize_dtype(weight_dtype or compute_dtype, WEIGHT_DTYPES)
         layer_weights = (sum(_linear_bytes(i, o, stored) for i, o in _linear_shapes(model, tp))
                          + _expert_layer_bytes(model, tp, stored))
+        attention = tokens * (2 * hq + 2 * hkv) * hd * a
+        if backend == "mosaic" and KV_SCALE_BYTES.get(kv_dtype):
+            attention += (seqs + p) * hkv * 2 * context * KV_SCALE_BYTES[kv_dtype]
         step = (layer_weights + 2 * tokens * model.hidden_size * a
-                + max(tokens * (2 * hq + 2 * hkv) * hd * a, _mlp_bytes(model, tokens, tp, a, gpu=True)))
+                + max(attention, _mlp_bytes(model, tokens, tp, a, gpu=True)))
         return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
     residual = 2 * tokens * model.hidden_size * a
     attention = (tokens * (hq + 2 * hkv) * hd * a
@@ -347,6 +355,12 @@ def format_bytes(num_bytes: float) -> str:
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:.2f} {unit}"
     return f"{num_bytes} B"
+
+
+def estimated_backend(cfg: EngineConfig) -> str:
+    """activation_bytes' backend for an engine: its GPU kernels' family (pallas, mosaic), else the
+    reference attention's."""
+    return cfg.attention_backend if cfg.attention_backend in KERNEL_BACKENDS else "reference"
 
 
 def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: int,
@@ -421,8 +435,8 @@ def plan_memory(
     activations = activation_bytes(
         model, compute_dtype=compute_dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_context_len=pages_per_seq * page_size, tensor_parallel_size=tp,
-        max_prefill_seqs=cfg.max_num_prefill_seqs, weight_dtype=weight_dtype,
-        backend="pallas" if cfg.attention_backend in KERNEL_BACKENDS else "reference")
+        max_prefill_seqs=cfg.max_num_prefill_seqs, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+        backend=estimated_backend(cfg))
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - resident - activations - reserve
