@@ -30,7 +30,7 @@ _ROPE_TYPES = ("default", "llama3", "linear")
 
 # --attention_backend: pallas_kernels.dispatch's names ("triton" is "pallas", Pallas' Triton lowering).
 ATTENTION_BACKENDS = ("pallas", "triton", "interpret", "mosaic", "mosaic_interpret", "xla", "reference")
-KERNEL_BACKENDS = ("pallas", "mosaic")  # the compiled GPU kernels (the planner: memory.activation_bytes)
+KERNEL_BACKENDS = ("pallas", "triton", "mosaic")  # the compiled GPU kernels (the planner: memory.activation_bytes)
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the model's context)
 # SmolLM2 on 2 cores, 8 decoding streams beside a 2000-token prompt: their longest gap between tokens
 # 2.16 s unbounded, 0.43 s at 64, 0.25 s at 32 (4.4x a decode step); that prompt's TTFT 6.5 s -> 11.0 s.

@@ -196,6 +196,8 @@ def test_mosaic_int8_pages_add_the_gathered_scales():
     cfg = planned(attention_backend="mosaic", kv_cache_dtype="int8", dtype="bfloat16")
     assert memory.estimated_backend(cfg) == "mosaic"
     assert memory.estimated_backend(dataclasses.replace(cfg, attention_backend="xla")) == "reference"
+    triton = memory.estimated_backend(dataclasses.replace(cfg, attention_backend="triton"))  # "pallas" by its other name
+    assert memory.activation_bytes(m, backend=triton, kv_dtype="int8", **sizes) == pallas
 
 
 def test_weights_do_not_fit():

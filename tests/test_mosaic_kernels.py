@@ -23,7 +23,7 @@ if not compat.has_mosaic_gpu():
     pytest.skip(f"Mosaic GPU's interpreter needs jax >= 0.11 (this is {jax.__version__}); these tests run in "
                 ".venv-gpu-rehearsal (make test-gpu-rehearsal)", allow_module_level=True)
 
-from pallas_kernels import dispatch, kv_quant, mosaic_common, mosaic_decode, mosaic_ragged  # noqa: E402
+from pallas_kernels import dispatch, kv_quant, mosaic_decode, mosaic_ragged  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
     CASES, SEED, SOFT_CAP_OPTIONS, WINDOWS, Case, Options, case_id, context_lengths, decode_problem,
     jitted, oracle, ragged_problem,
