@@ -405,9 +405,11 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
         return await _collect(fanout, shaper, req)
     finally:
         state.active.discard(fanout)
-        await fanout.close()
-        for tracker in trackers[:fanout.num_admitted]:
-            tracker.finish("abort")  # counts only the admitted choices that did not finish
+        try:
+            await fanout.close()
+        finally:  # the client's disconnect can cancel this task while it closes (after a failed write)
+            for tracker in trackers[:fanout.num_admitted]:
+                tracker.finish("abort")  # counts only the admitted choices that did not finish
 
 
 async def _collect(fanout: ChoiceFanout, shaper: ResponseShaper, req: GenerationRequest) -> web.Response:

@@ -593,6 +593,31 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(make_server):
     assert wait_until(lambda: server.engine.kv_pages_used == 0 and server.engine.num_running == 0)
 
 
+def test_an_abort_is_counted_when_the_disconnect_cancels_the_close(make_server, monkeypatch):
+    """A write to a client that went away fails first, then aiohttp cancels the handler, which may
+    then be closing the engine streams: the abort is still counted, once (the web page's Stop once
+    left jaxserve_requests_finished_total without it). The cancellation is made to land there."""
+    from serve import fanout
+
+    close = fanout.ChoiceFanout.close
+
+    async def close_then_cancelled(self):
+        await close(self)
+        raise asyncio.CancelledError  # the cancellation, landing while the handler closes
+
+    monkeypatch.setattr(fanout.ChoiceFanout, "close", close_then_cancelled)
+    server = make_server(token_delay_s=0.02)
+    aborted = ("jaxserve_requests_finished_total", (("finish_reason", "abort"),))
+    conn, response = server.open_stream("/v1/completions", {"prompt": "abc", "max_tokens": 200, "stream": True})
+    read_events(response, limit=2)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert wait_until(lambda: server.engine.kv_pages_used == 0 and server.engine.num_running == 0)
+    assert wait_until(lambda: metric_samples(server).get(aborted) == 1)
+    time.sleep(0.2)
+    assert metric_samples(server).get(aborted) == 1
+
+
 def test_client_disconnect_before_a_non_streaming_answer_aborts(make_server):
     server = make_server(token_delay_s=0.02)
     sock = socket.create_connection(("127.0.0.1", server.port))
