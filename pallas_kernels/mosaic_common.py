@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat, kv_quant
-from pallas_kernels.common import softmax_scale
+from pallas_kernels.common import softmax_scale, window_size
 from pallas_kernels.pallas_common import MASK_VALUE
 
 WGMMA_ROWS = 64  # M of one warpgroup matmul: the query rows of a program
@@ -72,6 +72,25 @@ def sequence_scales(k_cache, v_cache, block_table):
     gathered = jnp.take(scales, block_table, axis=0, mode="clip")  # [s, table_pages, ps, kv, 2]
     num_seqs, table_pages, page_size, num_kv_heads, _ = gathered.shape
     return gathered.transpose(0, 3, 4, 1, 2).reshape(num_seqs, num_kv_heads, 2, table_pages * page_size)
+
+
+def extra_operands(sliding_window, k_cache, v_cache, block_table):
+    """The operands both kernels take after their fixed ones, in this order: the window [1]
+    (window_size) when sliding_window is given, sequence_scales' array for int8 pages. Returns
+    (operands, windowed, scaled); the kernel body takes them back with `extra_refs`."""
+    windowed = sliding_window is not None
+    scales = sequence_scales(k_cache, v_cache, block_table)
+    operands = ([window_size(sliding_window).reshape(1)] if windowed else []) + ([] if scales is None else [scales])
+    return operands, windowed, scales is not None
+
+
+def extra_refs(refs, windowed: bool, scaled: bool):
+    """A kernel body's refs after its fixed inputs, split as `extra_operands` put them:
+    (window_ref or None, scales_ref or None, the outputs and scratch that follow)."""
+    refs = list(refs)
+    window_ref = refs.pop(0) if windowed else None
+    scales_ref = refs.pop(0) if scaled else None
+    return window_ref, scales_ref, refs
 
 
 def block_scales(scales_ref, seq, head):

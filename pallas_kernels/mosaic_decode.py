@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import kv_quant
-from pallas_kernels.common import first_visible_key, window_size
+from pallas_kernels.common import first_visible_key
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, launch, sequence_scales,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, extra_operands, extra_refs, launch,
     store_outputs,
 )
 from pallas_kernels.paged_decode import merge_splits, split_block_table
@@ -36,9 +36,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref, *refs,
     # (mosaic_common.sequence_scales) for int8 pages; then the outputs out_ref [s, kv, splits, 64, d]
     # (each split's normalised partial, q's dtype), max_ref, sum_ref [s, kv, splits, 64] (float32),
     # then the scratch of mosaic_common.scratch.
-    refs = list(refs)
-    window_ref = refs.pop(0) if windowed else None
-    scales_ref = refs.pop(0) if scaled else None
+    window_ref, scales_ref, refs = extra_refs(refs, windowed, scaled)
     out_ref, max_ref, sum_ref, q_smem, stat_smem, q_barrier, buffers = refs
     head, split, seq = lax.axis_index("head"), lax.axis_index("split"), lax.axis_index("seq")
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_barrier)
@@ -78,12 +76,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
                                                                  num_kv_heads, num_splits)
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
-    windowed = sliding_window is not None
-    scales = sequence_scales(k_cache, v_cache, block_table)
-    extra = ([window_size(sliding_window).reshape(1)] if windowed else []) + ([] if scales is None else [scales])
+    extra, windowed, scaled = extra_operands(sliding_window, k_cache, v_cache, block_table)
     partial_shape = (num_seqs, num_kv_heads, num_splits, WGMMA_ROWS)
     kernel = functools.partial(_decode_kernel, scale=scale, logit_soft_cap=logit_soft_cap, page_size=page_size,
-                               pages_per_split=pages_per_split, windowed=windowed, scaled=scales is not None,
+                               pages_per_split=pages_per_split, windowed=windowed, scaled=scaled,
                                plgpu=plgpu)
     stats = jax.ShapeDtypeStruct(partial_shape, jnp.float32)
     partial, row_max, row_sum = launch(

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import kv_quant
-from pallas_kernels.common import first_visible_key, in_window, window_size
+from pallas_kernels.common import first_visible_key, in_window
 from pallas_kernels.mosaic_common import (
-    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, launch, sequence_scales,
+    KEYS_PER_BLOCK, WGMMA_ROWS, attend_pages, block_scales, checked_options, extra_operands, extra_refs, launch,
     store_outputs,
 )
 from pallas_kernels.pallas_common import cdiv, next_power_of_2
@@ -39,9 +39,7 @@ def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_ta
     # when windowed; scales_ref: [num_seqs, num_kv_heads, 2, keys] (mosaic_common.sequence_scales) for
     # int8 pages; then the output out_ref [num_query_blocks, num_kv_heads, 64, d] (q's dtype), then the
     # scratch of mosaic_common.scratch.
-    refs = list(refs)
-    window_ref = refs.pop(0) if windowed else None
-    scales_ref = refs.pop(0) if scaled else None
+    window_ref, scales_ref, refs = extra_refs(refs, windowed, scaled)
     out_ref, q_smem, stat_smem, q_barrier, buffers = refs
     head, block_index = lax.axis_index("head"), lax.axis_index("block")
     block_q = WGMMA_ROWS // group_pad
@@ -104,11 +102,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     tokens_of_block = block_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [blocks, block_q]
     q_blocks = q_grouped[tokens_of_block].transpose(0, 2, 1, 3, 4)  # [blocks, kv, block_q, group_pad, d]
     q_blocks = q_blocks.reshape(num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim)
-    windowed = sliding_window is not None
-    scales = sequence_scales(k_cache, v_cache, block_table)
-    extra = ([window_size(sliding_window).reshape(1)] if windowed else []) + ([] if scales is None else [scales])
+    extra, windowed, scaled = extra_operands(sliding_window, k_cache, v_cache, block_table)
     kernel = functools.partial(_ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, group_pad=group_pad,
-                               page_size=page_size, windowed=windowed, scaled=scales is not None, plgpu=plgpu)
+                               page_size=page_size, windowed=windowed, scaled=scaled, plgpu=plgpu)
     out_blocks = launch(
         plgpu, kernel, jax.ShapeDtypeStruct((num_query_blocks, num_kv_heads, WGMMA_ROWS, head_dim), q.dtype),
         grid={"head": num_kv_heads, "block": num_query_blocks}, name="ragged_paged_attention_mosaic",
