@@ -86,7 +86,7 @@ fi
 
 # 2. kernel roofline: decode bandwidth vs the copy ceiling, ragged FLOP/s vs the bf16 matmul ceiling,
 #    for the Triton and the Mosaic GPU kernels side by side; the grouped matmul (MoE experts) vs XLA's ragged_dot.
-step kernels 80 "$WORK/kernels.json" "$PY" bench/kernels.py --out "$WORK/kernels.json" --with-reference \
+step kernels 80 "$WORK/kernels.json" "$PY" bench/kernel_speed.py --out "$WORK/kernels.json" --with-reference \
   $([ "$DRY_RUN" = 1 ] && echo --quick --interpret)
 
 # 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through

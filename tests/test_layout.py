@@ -177,3 +177,16 @@ def test_no_assignment_to_another_objects_private_attribute():
                         and not (isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"))):
                     patches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{target.attr}")
     assert not patches, "assignments to another object's private attribute:\n" + "\n".join(patches)
+
+
+def test_no_script_shadows_an_installed_module():
+    """`python bench/x.py` puts bench/ first on sys.path (and pytest puts tests/ there), so a file
+    named like an installed package replaces it for every library that imports it: transformers'
+    tokenizer loading imports `kernels` (the hub kernels package it depends on), which a
+    bench/kernels.py once answered."""
+    import importlib.metadata  # only this test reads the installed distributions
+    installed = importlib.metadata.packages_distributions()
+    shadows = [f"{path.relative_to(ROOT)} shadows {path.stem!r} of {', '.join(installed[path.stem])}"
+               for folder in ("bench", "tests") for path in sorted((ROOT / folder).glob("*.py"))
+               if path.stem in installed]
+    assert not shadows, "\n".join(shadows)

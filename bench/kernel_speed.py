@@ -13,8 +13,8 @@ the Pallas kernel against XLA's ragged_dot on the gate projection of Qwen3-30B-A
 8 tokens, each token routed to distinct random experts; bandwidth against the bytes of the experts
 a call routes to (their weights, the rows in and out), FLOP/s against 2 * rows * K * N.
 
-  python bench/kernels.py --out bench/out/kernels.json            # on a GPU
-  python bench/kernels.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
+  python bench/kernel_speed.py --out bench/out/kernels.json            # on a GPU
+  python bench/kernel_speed.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
 """
 
 import argparse
