@@ -127,7 +127,7 @@ class Engine:
             # In the background only for one process without a draft model (a multi-host job's
             # processes, and the draft's shapes, warm up before the first step).
             background = cfg.background_warmup and self.runner.draft is None and device_setup.process_count() == 1
-            self.runner.warmup(background=background)
+            self.runner.warmup(background=background, is_serving=self.has_unfinished)
             # prompt-logprob shapes left to first use: requests wait in the scheduler for theirs
             self.scheduler.prompt_logprob_shapes = self.runner.prompt_logprob_shapes
             if self.runner.draft is not None:

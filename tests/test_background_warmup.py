@@ -187,3 +187,32 @@ def test_prompt_logprob_shapes_compile_on_first_use_while_the_other_requests_str
     np.testing.assert_allclose([e.logprob for e in result.prompt_logprobs],
                                [e.logprob for e in expected.prompt_logprobs], atol=1e-6)
     assert threading.get_ident() not in compiles_by_thread and list(sync.runner._compiled_prompt_logprobs) == [needed]
+
+
+def test_the_warmup_waits_while_the_engine_serves_and_goes_on_while_a_step_waits_for_a_shape():
+    """ServingGate: a background warm-up starts its next shape only while the engine is idle or
+    one of its steps waits for a shape (restarts' first requests got 2.5x slower than later ones
+    from executables loading beside them; see bench/RESULTS.md)."""
+    from jaxserve.executor.warmup import ServingGate
+
+    serving = threading.Event()
+    serving.set()
+    gate = ServingGate(serving.is_set)
+
+    def waiter() -> threading.Thread:
+        thread = threading.Thread(target=gate.wait_for_turn, daemon=True)
+        thread.start()
+        return thread
+
+    held = waiter()
+    held.join(timeout=0.3)
+    assert held.is_alive(), "a shape started while the engine served"
+    with gate.step_waits():
+        held.join(timeout=10)
+        assert not held.is_alive(), "a step waiting for a shape did not let the warm-up go on"
+    held = waiter()
+    held.join(timeout=0.3)
+    assert held.is_alive(), "the gate stayed open after the step got its shape"
+    serving.clear()
+    held.join(timeout=10)
+    assert not held.is_alive(), "the warm-up did not go on once the engine was idle"

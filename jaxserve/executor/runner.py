@@ -110,6 +110,7 @@ class ModelRunner:
         self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
+        self._serving_gate = warmup_lib.ServingGate(lambda: False)  # the warm-up's (until one: always open)
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
         # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
         self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
@@ -342,14 +343,17 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         return True
 
-    def warmup(self, background: bool = False) -> int:
+    def warmup(self, background: bool = False, is_serving: Callable[[], bool] = lambda: False) -> int:
         """Compiles the step for every bucket, ahead of time and on all cores (see
         jaxserve.executor.warmup: the first requests' shapes first; with `background` the call
-        returns at once and `warmup_state` reports the progress; the prompt-logprob shapes on first
+        returns at once, `warmup_state` reports the progress and a shape starts only while
+        `is_serving()` is false or a step waits for a shape; the prompt-logprob shapes on first
         use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
         plan = warmup_lib.WarmupPlan(self)
         self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
-        return plan.run(background)
+        count = plan.run(background, is_serving)
+        self._serving_gate = plan.gate
+        return count
 
     def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
         """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),
@@ -370,7 +374,8 @@ class ModelRunner:
         the background; None when no warm-up will compile it (the jitted function then does)."""
         compiled = table.get(key)
         if compiled is None and (future := self._pending.get((kind, key))) is not None:
-            future.result()  # compiled on the warm-up's threads, never on the stepping thread
+            with self._serving_gate.step_waits():  # the warm-up goes on while a step waits for it
+                future.result()  # compiled on the warm-up's threads, never on the stepping thread
             compiled = table.get(key)
         return compiled
 

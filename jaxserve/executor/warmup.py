@@ -12,6 +12,9 @@ every step, so serving never compiles. Three phases, in order:
      complete) or in a multi-host job (its processes compile together).
 In the background (`jaxserve serve`) the phases run in a thread and the runner's steps wait on
 each shape's future (`pending`) until it is compiled: nothing compiles on the stepping thread.
+There a shape starts compiling only while the engine serves nothing or one of its steps waits
+for a shape (`ServingGate`): tracing and compiling alongside a step would take the cores and the
+GIL that the step needs, and make the first requests after /health several times slower.
 
 Otherwise the prompt-logprob shapes are compiled on first use (`PromptLogprobShapesOnDemand`,
 the scheduler's `PromptLogprobShapes`): the first step that would compute rows no compiled shape
@@ -28,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +71,31 @@ class WarmupState:
                 "total": self.total, "error": self.error}
 
 
+class ServingGate:
+    """When a background warm-up may start its next shape: while `is_serving()` is false (no
+    request in the engine), or while a step waits for a shape (`step_waits`): that step needs the
+    warm-up to go on, so it does, on every thread, through the shapes queued before the one it
+    waits for. Shapes already compiling run on; only the next ones wait."""
+
+    POLL_S = 0.02  # how often a waiting thread looks again at is_serving()
+
+    def __init__(self, is_serving: Callable[[], bool]) -> None:
+        self.is_serving = is_serving
+        self._step_waiting = threading.Event()
+
+    def wait_for_turn(self) -> None:
+        while self.is_serving() and not self._step_waiting.wait(self.POLL_S):
+            pass
+
+    @contextlib.contextmanager
+    def step_waits(self):
+        self._step_waiting.set()
+        try:
+            yield
+        finally:
+            self._step_waiting.clear()
+
+
 class ProcessExiting(Exception):
     """The interpreter is exiting (concurrent.futures takes no new work): the warm-up stops."""
 
@@ -77,6 +106,7 @@ class WarmupPlan:
     def __init__(self, runner) -> None:
         self.runner = runner
         self.store = runner._executable_store
+        self.gate = ServingGate(lambda: False)  # always open; run() in the background gives the engine's
         self.hidden_info = []  # the forward's prefill rows (shape, dtype), for the prompt-logprob function
         buckets = self.buckets = runner.all_buckets()
         rows_of = {b: len(runner.empty_batch(b)["logits_indices"]) for b in buckets}
@@ -149,6 +179,7 @@ class WarmupPlan:
     # ---- all of them ----------------------------------------------------------------------
     def _compile_one(self, kind, key, fn, args, progress) -> None:
         future = self.pending[kind, key]
+        self.gate.wait_for_turn()
         try:
             fn(*args)
         except BaseException as e:
@@ -215,8 +246,9 @@ class WarmupPlan:
             self.state.first_ready.set()
         self.state.finished.set()
 
-    def run(self, background: bool) -> int:
-        """Compiles every shape (in a thread when `background`); returns the count."""
+    def run(self, background: bool, is_serving: Callable[[], bool] = lambda: False) -> int:
+        """Compiles every shape (in a thread when `background`, where each shape waits for its
+        turn at `ServingGate`: `is_serving()` says whether the engine has requests); returns the count."""
         threads = os.cpu_count() or 1
         log.info("warm-up: compiling %d shapes at start (%d prompt-logprob shapes among them) on %d threads%s (a "
                  "filled compilation cache makes this seconds); %d prompt-logprob shapes compiled on first use%s",
@@ -224,6 +256,7 @@ class WarmupPlan:
                  ", serving once the first requests' shapes are ready" if background else "",
                  self.state.on_demand_total, " (--warmup_prompt_logprobs: at start)" if self.on_demand else "")
         if background:
+            self.gate = ServingGate(is_serving)
             threading.Thread(target=self._compile_in_background, args=(threads,), name="warm-up", daemon=True).start()
         else:
             self._compile_all(threads)
