@@ -13,8 +13,10 @@ every step, so serving never compiles. Three phases, in order:
 In the background (`jaxserve serve`) the phases run in a thread and the runner's steps wait on
 each shape's future (`pending`) until it is compiled: nothing compiles on the stepping thread.
 There a shape starts compiling only while the engine serves nothing or one of its steps waits
-for a shape (`ServingGate`): tracing and compiling alongside a step would take the cores and the
-GIL that the step needs, and make the first requests after /health several times slower.
+for a shape (`ServingGate`): a shape loaded or compiled beside a step takes the cores and the GIL
+that the step needs (a restart's first request after /health took 2.5x a settled one while the
+saved executables still loaded). A shape already compiling cannot be stopped, so on a cold start
+the first requests still run beside up to one compile per thread.
 
 Otherwise the prompt-logprob shapes are compiled on first use (`PromptLogprobShapesOnDemand`,
 the scheduler's `PromptLogprobShapes`): the first step that would compute rows no compiled shape
