@@ -70,7 +70,7 @@ $(GPU_REHEARSAL_VENV)/.installed: pyproject.toml Makefile
 gpu-rehearsal: install-gpu-rehearsal
 	PYTHON=$(GPU_REHEARSAL_BIN)/python bash bench/gpu_check.sh --dry-run
 
-## The tests that run in that environment (part of `make test`; about 10 minutes on 2 cores: the dry run
+## The tests that run in that environment (part of `make test`; 5-10 minutes on 2 cores: the dry run
 ## and the Mosaic GPU kernels in their interpreter and compiled for sm_90a). Without
 ## a Python 3.12 they are skipped with a note, not failed.
 GPU_REHEARSAL_TESTS := tests/test_gpu_check.py tests/test_mosaic_kernels.py
