@@ -110,7 +110,7 @@ class ModelRunner:
         self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
-        self._serving_gate = warmup_lib.ServingGate(lambda: False)  # the warm-up's (until one: always open)
+        self._serving_gate: warmup_lib.ServingGate | None = None  # the warm-up's, once one started (with _pending)
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
         # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
         self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
@@ -349,11 +349,10 @@ class ModelRunner:
         returns at once, `warmup_state` reports the progress and a shape starts only while
         `is_serving()` is false or a step waits for a shape; the prompt-logprob shapes on first
         use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
-        plan = warmup_lib.WarmupPlan(self)
+        plan = warmup_lib.WarmupPlan(self, is_serving)
         self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
-        count = plan.run(background, is_serving)
         self._serving_gate = plan.gate
-        return count
+        return plan.run(background)
 
     def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
         """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),

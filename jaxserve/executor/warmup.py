@@ -105,10 +105,12 @@ class ProcessExiting(Exception):
 class WarmupPlan:
     """The shapes of one runner in their phases, a future per shape, and how to compile them."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, is_serving: Callable[[], bool] = lambda: False) -> None:
         self.runner = runner
         self.store = runner._executable_store
-        self.gate = ServingGate(lambda: False)  # always open; run() in the background gives the engine's
+        # Each shape waits for its turn (is_serving: whether the engine holds requests; a warm-up in
+        # the foreground runs before any, so only the background one ever waits).
+        self.gate = ServingGate(is_serving)
         self.hidden_info = []  # the forward's prefill rows (shape, dtype), for the prompt-logprob function
         buckets = self.buckets = runner.all_buckets()
         rows_of = {b: len(runner.empty_batch(b)["logits_indices"]) for b in buckets}
@@ -248,9 +250,8 @@ class WarmupPlan:
             self.state.first_ready.set()
         self.state.finished.set()
 
-    def run(self, background: bool, is_serving: Callable[[], bool] = lambda: False) -> int:
-        """Compiles every shape (in a thread when `background`, where each shape waits for its
-        turn at `ServingGate`: `is_serving()` says whether the engine has requests); returns the count."""
+    def run(self, background: bool) -> int:
+        """Compiles every shape (in a thread when `background`); returns the count."""
         threads = os.cpu_count() or 1
         log.info("warm-up: compiling %d shapes at start (%d prompt-logprob shapes among them) on %d threads%s (a "
                  "filled compilation cache makes this seconds); %d prompt-logprob shapes compiled on first use%s",
@@ -258,7 +259,6 @@ class WarmupPlan:
                  ", serving once the first requests' shapes are ready" if background else "",
                  self.state.on_demand_total, " (--warmup_prompt_logprobs: at start)" if self.on_demand else "")
         if background:
-            self.gate = ServingGate(is_serving)
             threading.Thread(target=self._compile_in_background, args=(threads,), name="warm-up", daemon=True).start()
         else:
             self._compile_all(threads)
