@@ -124,7 +124,8 @@ class ModelSource:
         except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{params_dir}: cannot restore the parameters ({e})") from None
         read_after = file_bytes_read()
-        if read_before is not None and read_after is not None:  # under several processes: only this one's share
+        # under several processes: only the chunks of which this one's devices hold a part
+        if read_before is not None and read_after is not None:
             logger.info("weights restored: %.2f MiB read from %s", (read_after - read_before) / 2**20, params_dir)
         return quantization.from_stored(restored)
 

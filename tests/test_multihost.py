@@ -338,10 +338,14 @@ def test_smollm2_three_processes_tp3_serve_then_lose_a_worker(tmp_path, smollm2_
             assert response.json()["choices"][0]["text"] == expected
             streamed, errors, _ = _stream(url, body)
             assert streamed == expected and not errors
-        for i in range(3):  # each process restored only its third of the weights
+        for i in range(3):  # each process holds only its third of the weights
             local, total, rss_before, rss_after = _weights_line(job.log(i))
             assert abs(local - total / 3) < 0.01 * total
-            assert rss_after - rss_before < 0.6 * total, (rss_before, rss_after, total)
+            # RSS grows by that third (the CPU devices' memory is the process's) and by what the
+            # restore has not handed back yet: it decompresses each dense array whole (one chunk)
+            # before taking its slice, with a varying number of them in flight, so the growth was
+            # 1.4x to 1.9x the third over runs; a process keeping all the weights would grow by `total`.
+            assert rss_after - rss_before < 0.85 * total, (rss_before, rss_after, total)
 
         # Kill worker 2 in the middle of a stream: the client gets an error naming it within the bound.
         body = {"model": "smollm2", "prompt": prompts[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
