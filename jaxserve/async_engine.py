@@ -52,6 +52,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        self.engine.stop_warmup()  # the shapes not compiled yet would hold the process's exit
         if self.engine.grammar_compiler is not None:  # its sandbox process
             self.engine.grammar_compiler.close()
 

@@ -234,6 +234,11 @@ class Engine:
         state = self.runner.warmup_state
         return None if state is None else state.to_dict()
 
+    def stop_warmup(self) -> None:
+        """Ends a background warm-up early, for a shutdown once nothing steps any more: the
+        shapes not started are skipped, so the process exits without compiling them."""
+        self.runner.stop_warmup()
+
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Calls `listener(record)` after every step that ran, on the thread that steps the engine."""
         self._step_listeners += (listener,)

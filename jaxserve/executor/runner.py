@@ -112,6 +112,7 @@ class ModelRunner:
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
         self._serving_gate: warmup_lib.ServingGate | None = None  # the warm-up's, once one started (with _pending)
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
+        self._warmup_plan: warmup_lib.WarmupPlan | None = None
         # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
         self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
@@ -349,10 +350,16 @@ class ModelRunner:
         returns at once, `warmup_state` reports the progress and a shape starts only while
         `is_serving()` is false or a step waits for a shape; the prompt-logprob shapes on first
         use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
-        plan = warmup_lib.WarmupPlan(self, is_serving)
+        plan = self._warmup_plan = warmup_lib.WarmupPlan(self, is_serving)
         self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
         self._serving_gate = plan.gate
         return plan.run(background)
+
+    def stop_warmup(self) -> None:
+        """Ends a background warm-up early: the shapes not started are skipped (for a shutdown,
+        once nothing steps any more)."""
+        if self._warmup_plan is not None:
+            self._warmup_plan.stop()
 
     def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
         """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),

@@ -16,7 +16,10 @@ There a shape starts compiling only while the engine serves nothing or one of it
 for a shape (`ServingGate`): a shape loaded or compiled beside a step takes the cores and the GIL
 that the step needs (a restart's first request after /health took 2.5x a settled one while the
 saved executables still loaded). A shape already compiling cannot be stopped, so on a cold start
-the first requests still run beside up to one compile per thread.
+the first requests may still run beside a compile. So after the first phase an idle engine lets
+half the threads take a shape (`ServingGate.idle_threads`), and those threads and XLA's
+compiler threads are in the idle scheduling class (`compile_threads`): a compile takes only the
+CPU the steps leave. A shutdown (`WarmupPlan.stop`) skips the shapes not started.
 
 Otherwise the prompt-logprob shapes are compiled on first use (`PromptLogprobShapesOnDemand`,
 the scheduler's `PromptLogprobShapes`): the first step that would compute rows no compiled shape
@@ -39,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.progress import Progress
-from jaxserve.executor import executables, sampler
+from jaxserve.executor import compile_threads, executables, sampler
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +77,44 @@ class WarmupState:
 
 
 class ServingGate:
-    """When a background warm-up may start its next shape: while `is_serving()` is false (no
-    request in the engine), or while a step waits for a shape (`step_waits`): that step needs the
-    warm-up to go on, so it does, on every thread, through the shapes queued before the one it
-    waits for. Shapes already compiling run on; only the next ones wait."""
+    """When a background warm-up may start its next shape (`turn()`): while `is_serving()` is
+    false (no request in the engine), or while a step waits for a shape (`step_waits`): that step
+    needs the warm-up to go on, so it does, on every thread, through the shapes queued before the
+    one it waits for. Shapes already compiling run on; only the next ones wait. With
+    `idle_threads` set, an idle engine has at most that many shapes in hand at once: a request
+    that comes then finds fewer compiles running beside it. Once `stop()` is called no shape
+    waits any more (WarmupPlan then skips them)."""
 
     POLL_S = 0.02  # how often a waiting thread looks again at is_serving()
 
     def __init__(self, is_serving: Callable[[], bool]) -> None:
         self.is_serving = is_serving
+        self.idle_threads: int | None = None  # None: every thread while the engine is idle
         self._step_waiting = threading.Event()
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._in_hand = 0
 
-    def wait_for_turn(self) -> None:
-        while self.is_serving() and not self._step_waiting.wait(self.POLL_S):
-            pass
+    def _try_start(self) -> bool:
+        with self._lock:
+            may = (self.stopped.is_set() or self._step_waiting.is_set() or
+                   (not self.is_serving() and (self.idle_threads is None or self._in_hand < self.idle_threads)))
+            self._in_hand += may
+            return may
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Waits for the warm-up's turn, then holds it over the block (one shape)."""
+        while not self._try_start():
+            self._step_waiting.wait(self.POLL_S)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_hand -= 1
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     @contextlib.contextmanager
     def step_waits(self):
@@ -98,8 +125,12 @@ class ServingGate:
             self._step_waiting.clear()
 
 
-class ProcessExiting(Exception):
-    """The interpreter is exiting (concurrent.futures takes no new work): the warm-up stops."""
+COMPILE_THREAD_NAME = "warm-up-compile"  # the Python threads that lower and compile the shapes
+
+
+class WarmupStopped(Exception):
+    """The engine shut down (WarmupPlan.stop), or the interpreter is exiting (concurrent.futures
+    takes no new work): the warm-up stops, nothing failed."""
 
 
 class WarmupPlan:
@@ -133,6 +164,9 @@ class WarmupPlan:
         self.state = WarmupState(total=self.total, first_total=len(self.phases[0]), on_demand_total=len(on_demand))
         self.pending = {(kind, key): concurrent.futures.Future() for phase in self.phases for kind, key, _, _ in phase}
         self.on_demand = PromptLogprobShapesOnDemand(self, on_demand) if on_demand else None
+        self.compiler_threads_yielding: list[int] = []  # thread ids put in the idle class (background only)
+        self._threads_yield = False  # set after the first phase of a background warm-up
+        self._unsaved = threading.local()  # .items: [(store key, executable)] compiled on this thread, not saved yet
 
     def prompt_logprobs_at_start(self) -> bool:
         """Whether the prompt-logprob shapes compile with the others (else on first use)."""
@@ -141,13 +175,21 @@ class WarmupPlan:
 
     # ---- one shape each -------------------------------------------------------------------
     def _load_or_compile(self, key, lower):
-        """The executable of `key`: from the store, else `lower()` compiled (and saved)."""
+        """The executable of `key`: from the store, else `lower()` compiled (and queued for
+        saving on this thread: `_save_queued`)."""
         compiled = self.store.load(key) if self.store is not None else None
         if compiled is None:
             compiled, fresh = executables.compile_fresh(lower())
             if self.store is not None and fresh:
-                self.store.save(key, compiled)
+                self._unsaved.items = [*getattr(self._unsaved, "items", []), (key, compiled)]
         return compiled
+
+    def _save_queued(self) -> None:
+        """Saves what this thread compiled (after its shape is in the runner's tables: a step
+        waiting for it need not wait for the file too)."""
+        for key, compiled in getattr(self._unsaved, "items", []):
+            self.store.save(key, compiled)
+        self._unsaved.items = []
 
     def _compile_bucket(self, bucket):
         r = self.runner
@@ -183,15 +225,22 @@ class WarmupPlan:
     # ---- all of them ----------------------------------------------------------------------
     def _compile_one(self, kind, key, fn, args, progress) -> None:
         future = self.pending[kind, key]
-        self.gate.wait_for_turn()
-        try:
-            fn(*args)
-        except BaseException as e:
-            future.set_exception(e)
-            raise
+        with self.gate.turn():
+            if self._threads_yield and threading.get_native_id() not in self.compiler_threads_yielding:
+                # its Python part (tracing, lowering) too
+                self.compiler_threads_yielding += compile_threads.yield_to_others([threading.get_native_id()])
+            try:
+                if self.gate.stopped.is_set():
+                    raise WarmupStopped(f"the engine shut down before {kind} {key} compiled")
+                fn(*args)
+            except BaseException as e:
+                future.set_exception(e)
+                raise
         future.set_result(None)
         self.state.advance()
         progress.advance()
+        with self.gate.turn():  # serialising an executable holds the GIL a step needs
+            self._save_queued()
 
     def _fresh(self):
         """Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both."""
@@ -206,6 +255,7 @@ class WarmupPlan:
             self.state.first_ready.wait()
             with self._fresh():
                 self._compile_prompt_logprobs(num_rows)
+            self._save_queued()
         except BaseException as e:
             log.exception("the prompt-logprob shape of %d rows failed to compile", num_rows)
             future.set_exception(e)
@@ -216,39 +266,70 @@ class WarmupPlan:
                  self.state.on_demand_total)
         future.set_result(None)
 
-    def _compile_all(self, threads: int) -> None:
+    def _compile_all(self, threads: int, background: bool = False) -> None:
         start = time.perf_counter()
         store = self.store
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool, self._fresh(), \
-                Progress(self.total, "warm-up", "shapes compiled", log) as progress:
+        first_phase = compile_threads.CpuByThread()
+        first_phase.start()
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=COMPILE_THREAD_NAME) as pool, \
+                self._fresh(), Progress(self.total, "warm-up", "shapes compiled", log) as progress:
             for number, phase in enumerate(self.phases):
                 try:
                     jobs = [pool.submit(self._compile_one, *job, progress) for job in phase]
                 except RuntimeError:  # only the interpreter's exit shuts the pool before the phases end
-                    raise ProcessExiting() from None
+                    raise WarmupStopped("the process is exiting") from None
                 for job in jobs:
                     job.result()
                 if number == 0:
+                    if background:  # the rest compiles beside serving: XLA's compiler threads yield to it
+                        self._yield_compiler_threads(first_phase.busy(), threads)
                     self.state.first_ready.set()
         log.info("warm-up compiled %d step shapes, %d sampler shapes (with and without penalties), %d prompt-logprob "
                  "shapes and %d multi-step shapes in %.1fs%s", len(self.buckets), len(self.samplers),
                  len(self.phases[2]), len(self.runner._compiled_multi_step), time.perf_counter() - start,
                  "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
 
+    def _resolve_pending(self, error: Exception) -> None:
+        """The shapes that will not compile raise `error` in whatever waits for them."""
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self.state.first_ready.set()
+
+    def _compile_all_in_background(self, threads: int) -> None:
+        try:
+            self._compile_all(threads, background=True)
+        finally:
+            if self.compiler_threads_yielding:
+                back = compile_threads.back_to_normal(self.compiler_threads_yielding)
+                log.info("warm-up over: %d of %d compiler threads back in the normal scheduling class%s", len(back),
+                         len(self.compiler_threads_yielding), "" if back else " (that needs CAP_SYS_NICE)")
+
+    def _yield_compiler_threads(self, busy_while_compiling: list[int], threads: int) -> None:
+        found = compile_threads.compiler_threads(busy_while_compiling)
+        self.compiler_threads_yielding = compile_threads.yield_to_others(found)
+        self._threads_yield = True  # and each warm-up thread, as it takes its next shape (_compile_one)
+        self.gate.idle_threads = max(1, threads // 2)
+        log.info("warm-up: %d of XLA's compiler threads, and the warm-up's, now run only when serving leaves a core "
+                 "idle (SCHED_IDLE); %d shape(s) at a time while the engine is idle, all %d threads while a step "
+                 "waits for one", len(self.compiler_threads_yielding), self.gate.idle_threads, threads)
+
     def _compile_in_background(self, threads: int) -> None:
         try:
-            self._compile_all(threads)
-        except ProcessExiting:  # the server stopped before the warm-up ended: nothing failed
-            log.info("warm-up stopped: the process is exiting")
-            self.state.first_ready.set()
+            self._compile_all_in_background(threads)
+        except WarmupStopped as e:  # the server stopped before the warm-up ended: nothing failed
+            log.info("warm-up stopped: %s (%d of %d shapes compiled)", e, self.state.compiled, self.total)
+            self._resolve_pending(RuntimeError(f"warm-up stopped: {e}"))
         except BaseException as e:  # the steps that wait for a failed shape raise it
             self.state.error = f"{type(e).__name__}: {e}"
             log.exception("warm-up failed")
-            for future in self.pending.values():
-                if not future.done():
-                    future.set_exception(RuntimeError(f"warm-up failed: {self.state.error}"))
-            self.state.first_ready.set()
+            self._resolve_pending(RuntimeError(f"warm-up failed: {self.state.error}"))
         self.state.finished.set()
+
+    def stop(self) -> None:
+        """Ends a background warm-up early (the engine shuts down): the shapes not started are
+        skipped, those compiling finish; returns at once (`state.finished` is set once they have)."""
+        self.gate.stop()
 
     def run(self, background: bool) -> int:
         """Compiles every shape (in a thread when `background`); returns the count."""
