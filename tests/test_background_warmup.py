@@ -5,7 +5,6 @@ prompt-logprob shapes: compiled on first use off the stepping thread (the reques
 others stepped), or at start with warmup_prompt_logprobs."""
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -126,54 +125,66 @@ def test_a_process_exiting_mid_warmup_stops_it_without_an_error(params, monkeypa
     assert "warm-up stopped: the process is exiting" in caplog.text and "warm-up failed" not in caplog.text
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="the idle scheduling class is Linux's")
-def test_xlas_compiler_threads_yield_to_serving_while_the_warmup_is_in_the_background(params, monkeypatch):
-    """After the first phase XLA's compiler threads (not the Python ones, not those that run
-    executables) are in the idle class until the warm-up ends: a cold start's first request ran
-    beside compiles that took the cores it needed (bench/RESULTS.md)."""
-    from jaxserve.executor import compile_threads, executables, warmup
+@pytest.fixture
+def held_after_the_first_phase(params, monkeypatch):
+    """A background warm-up of a small engine whose shapes after the first phase wait for
+    `held.set()` (set at the end in any case, or the test process could not exit); `compiled`:
+    the shapes handed to the compiler."""
+    import types
+
+    from jaxserve.executor import executables
     small = dict(max_num_batched_tokens=32, max_model_len=64)
     probe = make_engine(params, warmup=False, **small)
     first = [b for b in probe.runner.all_buckets() if not (b.num_decode and b.num_prefill_tokens)]
     first_total = len(first) + len({len(probe.runner.empty_batch(b)["logits_indices"]) for b in first})
     held, real, compiled = threading.Event(), executables.compile_fresh, []
 
-    def held_after_the_first_phase(lowered):
+    def compile_fresh(lowered):
         if len(compiled) >= first_total:
             held.wait(timeout=600)
         compiled.append(lowered)
         return real(lowered)
 
-    monkeypatch.setattr(executables, "compile_fresh", held_after_the_first_phase)
+    monkeypatch.setattr(executables, "compile_fresh", compile_fresh)
     monkeypatch.setattr(executables, "default_directory", lambda: None)  # nothing saved: every shape compiles
-    try:
-        engine = make_engine(params, warmup=True, background_warmup=True, **small)
-        assert engine.runner.warmup_state.first_ready.wait(600)
-        yielding = engine.runner._warmup_plan.compiler_threads_yielding
-        python_threads = {t.native_id: t.name for t in threading.enumerate()}
-        assert yielding and all(compile_threads.is_idle_class(tid) for tid in yielding)
-        assert set(yielding) - set(python_threads), "none of XLA's compiler threads yields"
-        # of the Python threads, only the warm-up's own (they take their next shape in the idle class)
-        assert all(python_threads[tid].startswith(warmup.COMPILE_THREAD_NAME)
-                   for tid in set(yielding) & set(python_threads))
-        assert not any(compile_threads.thread_name(tid).startswith("tf_XLAEigen") for tid in yielding)
-        # What runs executables keeps its class (no compile runs now: the rest of the warm-up is held):
-        # the tiny model's steps run on the calling thread, a larger matmul on XLA's own threads too.
-        import jax
-        import jax.numpy as jnp
-        matmul = jax.jit(lambda a: a @ a).lower(jnp.ones((1024, 1024))).compile()
-        steps = compile_threads.CpuByThread()
-        steps.start()
-        prompt = random_prompts(np.random.default_rng(0), 1, low=20, high=30)[0]
-        engine.generate([prompt], GREEDY)
-        for _ in range(20):
-            matmul(jnp.ones((1024, 1024))).block_until_ready()
-        ran_steps = set(steps.busy()) - set(python_threads)  # (a warm-up thread may be lowering its next shape)
-        assert ran_steps, "no thread of XLA's ran the executables"
-        assert not ran_steps & set(yielding), (sorted(ran_steps), yielding)
-        assert not compile_threads.is_idle_class(threading.get_native_id())  # the stepping thread
-    finally:  # the held shapes go on, or the test process could not exit
-        held.set()
+    yield types.SimpleNamespace(start=lambda: make_engine(params, warmup=True, background_warmup=True, **small),
+                                first_total=first_total, held=held, compiled=compiled)
+    held.set()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="the idle scheduling class is Linux's")
+def test_xlas_compiler_threads_yield_to_serving_while_the_warmup_is_in_the_background(held_after_the_first_phase):
+    """After the first phase XLA's compiler threads (not the Python ones, not those that run
+    executables) are in the idle class until the warm-up ends: a cold start's first request ran
+    beside compiles that took the cores it needed (bench/RESULTS.md)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.executor import compile_threads, warmup
+    engine = held_after_the_first_phase.start()
+    assert engine.runner.warmup_state.first_ready.wait(600)
+    yielding = engine.runner._warmup_plan.compiler_threads_yielding
+    python_threads = {t.native_id: t.name for t in threading.enumerate()}
+    assert yielding and all(compile_threads.is_idle_class(tid) for tid in yielding)
+    assert set(yielding) - set(python_threads), "none of XLA's compiler threads yields"
+    # of the Python threads, only the warm-up's own (they take their next shape in the idle class)
+    assert all(python_threads[tid].startswith(warmup.COMPILE_THREAD_NAME)
+               for tid in set(yielding) & set(python_threads))
+    assert not any(compile_threads.thread_name(tid).startswith("tf_XLAEigen") for tid in yielding)
+    # What runs executables keeps its class (no compile runs now: the rest of the warm-up is held):
+    # the tiny model's steps run on the calling thread, a larger matmul on XLA's own threads too.
+    matmul = jax.jit(lambda a: a @ a).lower(jnp.ones((1024, 1024))).compile()
+    steps = compile_threads.CpuByThread()
+    steps.start()
+    prompt = random_prompts(np.random.default_rng(0), 1, low=20, high=30)[0]
+    engine.generate([prompt], GREEDY)
+    for _ in range(20):
+        matmul(jnp.ones((1024, 1024))).block_until_ready()
+    ran_steps = set(steps.busy()) - set(python_threads)  # (a warm-up thread may be lowering its next shape)
+    assert ran_steps, "no thread of XLA's ran the executables"
+    assert not ran_steps & set(yielding), (sorted(ran_steps), yielding)
+    assert not compile_threads.is_idle_class(threading.get_native_id())  # the stepping thread
+    held_after_the_first_phase.held.set()
     wait_for_every_shape(engine)
     still_idle = [tid for tid in yielding if os.path.exists(f"/proc/self/task/{tid}") and
                   compile_threads.is_idle_class(tid)]
@@ -183,31 +194,17 @@ def test_xlas_compiler_threads_yield_to_serving_while_the_warmup_is_in_the_backg
         assert still_idle
 
 
-def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(params, monkeypatch, caplog):
+def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first_phase, caplog):
     """A server stopped during a cold warm-up exits once the shapes compiling have: the queued
     ones are skipped. Before, the process's exit waited for the whole phase (concurrent.futures
     runs every queued job before its threads end): 20 s here, minutes for a GPU build."""
     import asyncio
 
     from jaxserve.async_engine import AsyncEngine
-    from jaxserve.executor import executables, warmup
-    small = dict(max_num_batched_tokens=32, max_model_len=64)
-    probe = make_engine(params, warmup=False, **small)
-    first = [b for b in probe.runner.all_buckets() if not (b.num_decode and b.num_prefill_tokens)]
-    first_total = len(first) + len({len(probe.runner.empty_batch(b)["logits_indices"]) for b in first})
-    held, real, compiled = threading.Event(), executables.compile_fresh, []
-
-    def held_after_the_first_phase(lowered):
-        if len(compiled) >= first_total:
-            held.wait(timeout=600)  # the shapes compiling when the server stops
-        compiled.append(lowered)
-        return real(lowered)
-
-    monkeypatch.setattr(executables, "compile_fresh", held_after_the_first_phase)
-    monkeypatch.setattr(executables, "default_directory", lambda: None)  # nothing saved: every shape compiles
-    with caplog.at_level("INFO", logger="jaxserve.executor.warmup"), contextlib.ExitStack() as releasing:
-        releasing.callback(held.set)  # even when an assertion fails: the test process could not exit
-        engine = make_engine(params, warmup=True, background_warmup=True, **small)
+    from jaxserve.executor import warmup
+    first_total, compiled = held_after_the_first_phase.first_total, held_after_the_first_phase.compiled
+    with caplog.at_level("INFO", logger="jaxserve.executor.warmup"):
+        engine = held_after_the_first_phase.start()
         state = engine.runner.warmup_state
         assert state.first_ready.wait(600)
         async_engine = AsyncEngine(engine)
@@ -217,7 +214,7 @@ def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(params, monkeypatch,
             await async_engine.shutdown()
         asyncio.run(start_and_stop())
         assert not state.finished.is_set()  # the shapes compiling finish; shutdown does not wait for them
-        held.set()
+        held_after_the_first_phase.held.set()
         assert state.finished.wait(600)
     threads = os.cpu_count() or 1
     assert first_total < len(compiled) <= first_total + threads < state.total, (len(compiled), state.total)

@@ -77,25 +77,23 @@ def compiler_threads(busy_while_compiling: list[int]) -> list[int]:
 def yield_to_others(tids: list[int]) -> list[int]:
     """Puts the threads `tids` in the idle scheduling class; returns those it did (none where
     the platform has no SCHED_IDLE, or for a thread that ended)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return []
-    done = []
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            done.append(tid)
-        except OSError:
-            continue
-    return done
+    return _set_class(tids, "SCHED_IDLE")
 
 
 def back_to_normal(tids: list[int]) -> list[int]:
     """Puts the threads `tids` back in the normal class; returns those it did (none without
     CAP_SYS_NICE: the kernel lets an unprivileged thread into the idle class, not out of it)."""
+    return _set_class(tids, "SCHED_OTHER")
+
+
+def _set_class(tids: list[int], policy_name: str) -> list[int]:
+    policy = getattr(os, policy_name, None)
+    if policy is None:
+        return []
     done = []
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
             done.append(tid)
         except OSError:
             continue
