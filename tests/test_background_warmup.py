@@ -186,12 +186,11 @@ def test_xlas_compiler_threads_yield_to_serving_while_the_warmup_is_in_the_backg
     assert not compile_threads.is_idle_class(threading.get_native_id())  # the stepping thread
     held_after_the_first_phase.held.set()
     wait_for_every_shape(engine)
-    still_idle = [tid for tid in yielding if os.path.exists(f"/proc/self/task/{tid}") and
-                  compile_threads.is_idle_class(tid)]
+    still_idle = [tid for tid in yielding if compile_threads.is_idle_class(tid)]
     if os.geteuid() == 0:  # root may leave the idle class, so the warm-up's end undid it
         assert still_idle == []
-    else:
-        assert still_idle
+    else:  # (a thread that ended is in no class)
+        assert still_idle or not any(os.path.exists(f"/proc/self/task/{tid}") for tid in yielding)
 
 
 def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first_phase, caplog):

@@ -9,19 +9,16 @@ engine has nothing to step and stop taking CPU while it steps (the step was as f
 
 The compiler threads have no names of their own, so they are found by what they do: the
 threads that used CPU while the process only compiled (`CpuByThread` over the warm-up's first
-phase), less the Python threads (they take the GIL, and one of them may serve) and the
-executable threads. It is done when a warm-up goes to the background (threads the compiler
+phase), less the Python threads (one of them serves; the warm-up's own go in as they take their
+next shape, jaxserve.executor.warmup) and the executable threads. It is done when a warm-up goes to the background (threads the compiler
 starts later from those inherit it) and undone when it ends; undoing needs CAP_SYS_NICE (root
 has it), so elsewhere the threads stay in the idle class, and a later compile (a prompt-logprob
 shape on first use) also waits for the cores that serving leaves.
 """
 from __future__ import annotations
 
-import logging
 import os
 import threading
-
-log = logging.getLogger(__name__)
 
 TASKS_DIR = "/proc/self/task"
 EXECUTION_THREAD_PREFIX = "tf_XLAEigen"  # XLA:CPU's pool that runs executables: never demoted
@@ -101,5 +98,8 @@ def _set_class(tids: list[int], policy_name: str) -> list[int]:
 
 
 def is_idle_class(tid: int) -> bool:
-    """Whether thread `tid` is in the idle scheduling class."""
-    return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE
+    """Whether thread `tid` is in the idle scheduling class (False once it ended)."""
+    try:
+        return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE
+    except OSError:
+        return False
