@@ -344,7 +344,7 @@ def test_smollm2_three_processes_tp3_serve_then_lose_a_worker(tmp_path, smollm2_
             # RSS grows by that third (the CPU devices' memory is the process's) and by what the
             # restore has not handed back yet: it decompresses each dense array whole (one chunk)
             # before taking its slice, with a varying number of them in flight, so the growth was
-            # 1.4x to 1.9x the third over runs; a process keeping all the weights would grow by `total`.
+            # 1.3x to 1.9x the third over runs; a process keeping all the weights would grow by `total`.
             assert rss_after - rss_before < 0.85 * total, (rss_before, rss_after, total)
 
         # Kill worker 2 in the middle of a stream: the client gets an error naming it within the bound.
