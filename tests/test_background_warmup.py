@@ -307,18 +307,22 @@ def test_the_warmup_waits_while_the_engine_serves_and_goes_on_while_a_step_waits
         thread.start()
         return thread
 
+    def still_waits(thread) -> bool:
+        thread.join(timeout=0.3)
+        return thread.is_alive()
+
+    def went_on(thread) -> bool:
+        thread.join(timeout=10)
+        return not thread.is_alive()
+
     held = waiter()
-    held.join(timeout=0.3)
-    assert held.is_alive(), "a shape started while the engine served"
+    assert still_waits(held), "a shape started while the engine served"
     with gate.step_waits():
-        held.join(timeout=10)
-        assert not held.is_alive(), "a step waiting for a shape did not let the warm-up go on"
+        assert went_on(held), "a step waiting for a shape did not let the warm-up go on"
     held = waiter()
-    held.join(timeout=0.3)
-    assert held.is_alive(), "the gate stayed open after the step got its shape"
+    assert still_waits(held), "the gate stayed open after the step got its shape"
     serving.clear()
-    held.join(timeout=10)
-    assert not held.is_alive(), "the warm-up did not go on once the engine was idle"
+    assert went_on(held), "the warm-up did not go on once the engine was idle"
 
     # idle_threads (after a background warm-up's first phase): so many shapes at once while idle,
     # every thread while a step waits.
@@ -332,13 +336,10 @@ def test_the_warmup_waits_while_the_engine_serves_and_goes_on_while_a_step_waits
     first = waiter(hold_a_turn)
     assert taken.wait(timeout=10)
     second = waiter()
-    second.join(timeout=0.3)
-    assert second.is_alive(), "a second shape started on an idle engine limited to one"
+    assert still_waits(second), "a second shape started on an idle engine limited to one"
     with gate.step_waits():
-        second.join(timeout=10)
-        assert not second.is_alive(), "a step waiting for a shape did not get every thread"
+        assert went_on(second), "a step waiting for a shape did not get every thread"
     release.set()
     first.join(timeout=10)
     third = waiter()
-    third.join(timeout=10)
-    assert not third.is_alive(), "the turn was not handed back"
+    assert went_on(third), "the turn was not handed back"

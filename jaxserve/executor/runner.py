@@ -110,9 +110,8 @@ class ModelRunner:
         self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
         self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
         self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
-        self._serving_gate: warmup_lib.ServingGate | None = None  # the warm-up's, once one started (with _pending)
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
-        self._warmup_plan: warmup_lib.WarmupPlan | None = None
+        self._warmup_plan: warmup_lib.WarmupPlan | None = None  # once one started (with _pending)
         # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
         self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
         self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
@@ -352,7 +351,6 @@ class ModelRunner:
         use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
         plan = self._warmup_plan = warmup_lib.WarmupPlan(self, is_serving)
         self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
-        self._serving_gate = plan.gate
         return plan.run(background)
 
     def stop_warmup(self) -> None:
@@ -380,7 +378,7 @@ class ModelRunner:
         the background; None when no warm-up will compile it (the jitted function then does)."""
         compiled = table.get(key)
         if compiled is None and (future := self._pending.get((kind, key))) is not None:
-            with self._serving_gate.step_waits():  # the warm-up goes on while a step waits for it
+            with self._warmup_plan.gate.step_waits():  # the warm-up goes on while a step waits for it
                 future.result()  # compiled on the warm-up's threads, never on the stepping thread
             compiled = table.get(key)
         return compiled

@@ -296,15 +296,6 @@ class WarmupPlan:
                 future.set_exception(error)
         self.state.first_ready.set()
 
-    def _compile_all_in_background(self, threads: int) -> None:
-        try:
-            self._compile_all(threads, background=True)
-        finally:
-            if self.compiler_threads_yielding:
-                back = compile_threads.back_to_normal(self.compiler_threads_yielding)
-                log.info("warm-up over: %d of %d compiler threads back in the normal scheduling class%s", len(back),
-                         len(self.compiler_threads_yielding), "" if back else " (that needs CAP_SYS_NICE)")
-
     def _yield_compiler_threads(self, busy_while_compiling: list[int], threads: int) -> None:
         found = compile_threads.compiler_threads(busy_while_compiling)
         self.compiler_threads_yielding = compile_threads.yield_to_others(found)
@@ -316,7 +307,7 @@ class WarmupPlan:
 
     def _compile_in_background(self, threads: int) -> None:
         try:
-            self._compile_all_in_background(threads)
+            self._compile_all(threads, background=True)
         except WarmupStopped as e:  # the server stopped before the warm-up ended: nothing failed
             log.info("warm-up stopped: %s (%d of %d shapes compiled)", e, self.state.compiled, self.total)
             self._resolve_pending(RuntimeError(f"warm-up stopped: {e}"))
@@ -324,6 +315,10 @@ class WarmupPlan:
             self.state.error = f"{type(e).__name__}: {e}"
             log.exception("warm-up failed")
             self._resolve_pending(RuntimeError(f"warm-up failed: {self.state.error}"))
+        if self.compiler_threads_yielding:
+            back = compile_threads.back_to_normal(self.compiler_threads_yielding)
+            log.info("warm-up over: %d of %d compiler threads back in the normal scheduling class%s", len(back),
+                     len(self.compiler_threads_yielding), "" if back else " (that needs CAP_SYS_NICE)")
         self.state.finished.set()
 
     def stop(self) -> None:
