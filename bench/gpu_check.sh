@@ -98,7 +98,7 @@ else
 fi
 
 # 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
-#    the dry run compiles the same model for the same target under small engine limits (11 shapes, not 26).
+#    the dry run compiles the same model for the same target under small engine limits (9 shapes, not 14).
 JAX_PLATFORMS=cpu step gpu_compile 55 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
   $([ "$DRY_RUN" = 1 ] && echo --small) --runs=llama-3-8b:h200:1 --out "$WORK/gpu_compile.json"
 

@@ -10,7 +10,7 @@ sizes. Needs the gpu-compile extra (`make install-gpu-compile`, then .venv-gpu-c
     python bench/gpu_compile.py --quick --small --runs=llama-3-8b:h200:1 --out=/tmp/c.json  # CPU rehearsal
 
 `--small` keeps the models, targets and code path and shrinks only the engine's limits (8 sequences,
-64 batched tokens, 2 prefills, 256-token context): with `--quick`, 11 shapes instead of 26, for the dry
+64 batched tokens, 2 prefills, 256-token context): with `--quick`, 9 shapes instead of 14, for the dry
 run of bench/gpu_check.sh on a 2-core CPU.
 """
 from __future__ import annotations

@@ -80,6 +80,19 @@ def unsupported_operands(backend: str, q, k_pages) -> str | None:
     return None
 
 
+def cost_grows_with_table_width(backend: str, kv_dtype=None) -> bool:
+    """Whether `backend`'s attention over pages of `kv_dtype` (None: the queries' float dtype)
+    costs more for a wider block table than the contexts in it need, so that an engine should
+    compile steps at several table widths. The Triton and Mosaic kernels walk only the pages a
+    context has (their decode splits are cut from each sequence's length) and the XLA path loops
+    over the longest context present; but the Mosaic kernels over int8 pages first gather the
+    scales of the whole table (mosaic_common.sequence_scales), and the reference reads every page."""
+    backend = BACKEND_ALIASES.get(backend, backend)
+    if backend == "reference":
+        return True
+    return backend in MOSAIC_BACKENDS and kv_dtype is not None and jax.numpy.dtype(kv_dtype) == kv_quant.INT8
+
+
 def _plain_module(backend: str):
     """The plain-XLA module of a non-Pallas backend; ValueError for an unknown backend."""
     if backend == "xla":

@@ -1,6 +1,8 @@
 """Step buckets chosen from measured step times: the rule (jaxserve.core.bucket_choice), the explicit
-bucket lists (--decode_buckets / --prefill_buckets: parsed, refused when bad, compiled exactly), and
-`jaxserve plan --measure_buckets` on the tiny model (its printed flags are what the engine takes)."""
+bucket lists (--decode_buckets / --prefill_buckets: parsed, refused when bad, compiled exactly),
+`jaxserve plan --measure_buckets` on the tiny model (its printed flags are what the engine takes),
+and the shapes a GPU engine compiles (one table width where the kernels' cost follows the
+contexts, decode steps sharing a sampler with their decode + prefill steps)."""
 import dataclasses
 import itertools
 import re
@@ -15,6 +17,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core import bucket_choice, step
 from jaxserve.core.request import SamplingParams
 from jaxserve.core.step import Bucket, BucketSet
+from jaxserve.executor import step_functions
 
 choose = bucket_choice.choose_buckets
 
@@ -177,3 +180,44 @@ def test_measure_buckets_refuses_flags_it_cannot_measure(tiny_chat_model_dir, ca
     assert cli.main(["jaxserve", "plan", f"--model={tiny_chat_model_dir}", "--max_model_len=32",
                      "--max_num_batched_tokens=64", "--max_num_seqs=4", "--measure_buckets"]) == 2
     assert "more than max_model_len 32" in capsys.readouterr().err
+
+
+# ---- table widths and sampler rows off the CPU path -------------------------------------------
+def _engine_buckets(backend, kv_cache_dtype="auto"):
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_num_prefill_seqs=4,
+                          kv_cache_dtype=kv_cache_dtype)
+    return step_functions.bucket_set(config, backend, max_model_len=8192)
+
+
+@pytest.mark.parametrize("backend, kv_cache_dtype, widths", [
+    ("xla", "auto", (512,)), ("pallas", "auto", (512,)), ("triton", "int8", (512,)), ("interpret", "fp8", (512,)),
+    ("mosaic", "auto", (512,)), ("mosaic", "fp8", (512,)),
+    # The Mosaic kernels over int8 pages gather the whole table's scales; the reference reads every page.
+    ("mosaic", "int8", (16, 64, 256, 512)), ("mosaic_interpret", "int8", (16, 64, 256, 512)),
+    ("reference", "auto", (16, 64, 256, 512))])
+def test_table_widths_are_bucketed_only_where_a_wider_table_costs_more(backend, kv_cache_dtype, widths):
+    buckets = _engine_buckets(backend, kv_cache_dtype)
+    assert buckets.pages == widths
+    assert {bucket.pages_per_seq for bucket in buckets.all()} == set(widths)
+    assert buckets.fit(3, 20, 1) == Bucket(8, 32, widths[0])
+
+
+def _sampler_rows(buckets):
+    return {bucket: len(buckets.empty_batch(bucket)["logits_indices"]) for bucket in buckets.all()}
+
+
+def test_off_the_cpu_a_decode_step_shares_the_sampler_of_its_decode_and_prefill_step():
+    """Llama-3-8B's GPU engine at the default limits: 55 step shapes (one width) and 7 sampler row
+    counts, where every table width and row count of its own (220 and 13) compiled before."""
+    buckets = _engine_buckets("pallas")
+    rows = _sampler_rows(buckets)
+    assert len(rows) == 55
+    assert sorted(set(rows.values())) == [4, 12, 20, 36, 68, 132, 260]
+    for bucket, count in rows.items():
+        assert count == (bucket.num_decode + 4 if bucket.num_decode else 4), bucket
+    # The padding rows point at token 0: the step reads the decode rows first, then the prefill chunks.
+    decode_only = buckets.empty_batch(Bucket(8, 0, 512))
+    assert decode_only["logits_indices"].shape == (12,) and decode_only["prefill_seq_lens"].shape == (0,)
+    # The CPU path keeps a decode step's rows its own (the LM head and sampler cost per row there).
+    cpu = _sampler_rows(_engine_buckets("xla"))
+    assert sorted(set(cpu.values())) == [1, 2, 4, 8, 12, 16, 20, 32, 36, 64, 68, 128, 132, 256, 260]

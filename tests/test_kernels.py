@@ -298,6 +298,46 @@ def test_ragged_matches_oracle(case):
     check_ragged(case, np.random.default_rng([SEED, CASES.index(case), 1]))
 
 
+def test_split_range_shares_the_visible_blocks_out_evenly():
+    """A decode split's blocks come from the sequence's own length (and window), never the table's
+    width: the splits of a sequence cover exactly its blocks from the first visible one to its
+    last, in order, without overlap, each at most max(MIN_BLOCKS_PER_SPLIT, ceil(visible / splits))."""
+    rng = np.random.default_rng([SEED, 40])
+    for _ in range(300):
+        seq_len, num_splits, keys_per_block = int(rng.integers(0, 3000)), int(rng.integers(1, 12)), int(rng.choice([16, 64]))
+        first_key = int(rng.integers(0, max(seq_len, 1)))
+        ranges = [tuple(int(x) for x in paged_decode.split_range(jnp.int32(seq_len), jnp.int32(split), num_splits,
+                                                                 keys_per_block, jnp.int32(first_key)))
+                  for split in range(num_splits)]
+        seq_blocks = -(-seq_len // keys_per_block)
+        walked = [block for first, end in ranges for block in range(first, end)]
+        assert walked == list(range(min(first_key // keys_per_block, seq_blocks), seq_blocks)), (
+            seq_len, num_splits, keys_per_block, first_key, ranges, SEED)
+        share = max(paged_decode.MIN_BLOCKS_PER_SPLIT, -(-len(walked) // num_splits))
+        assert all(end - first <= share for first, end in ranges), (ranges, share, SEED)
+
+
+@pytest.mark.parametrize("window", [None, "pages"])
+def test_paged_decode_over_a_table_far_wider_than_the_contexts(window):
+    """Every decode step of an engine on these kernels has the longest context's table width: a
+    table 8x wider than the batch needs (the extra entries the NaN null page) gives the oracle's
+    result at every split count."""
+    case = CASES[3]
+    rng = np.random.default_rng([SEED, CASES.index(case), 41])
+    window = window and 2 * case.page_size + 3
+    args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, rng, window)
+    wide = jnp.pad(args[3], ((0, 0), (0, 7 * args[3].shape[1])))
+    q = np.asarray(args[0])
+    options = Options(window=window)
+    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int),
+                      **options.oracle())[:, 0]
+    for num_splits in (1, 3, 8):
+        function = jitted(paged_decode.paged_decode_attention, options, interpret=INTERPRET,
+                          pages_per_block=1, num_splits=num_splits)
+        out = function(args[0], args[1], args[2], wide, args[4], window=options.operand())
+        assert_close(out, expected, case.dtype, f"wide table, {num_splits} splits, window {window}")
+
+
 # Windows relative to the batch of context_lengths (1, page-1, page, page+1, a long one, padding),
 # each on a case with several context splits and key blocks (f32 MHA, bf16 GQA 3 in turn): one key;
 # a few pages, so pages before the window are skipped and the window crosses a page boundary;

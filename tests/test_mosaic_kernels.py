@@ -90,6 +90,22 @@ def test_mosaic_decode_matches_oracle(case):
     check_decode(case, rng, num_splits=3)
 
 
+@pytest.mark.parametrize("window", [None, 35])
+def test_mosaic_decode_over_a_table_far_wider_than_the_contexts(window):
+    """As the Triton kernel's test: the engine's one table width (the longest context's) is 8x
+    what this batch needs, the extra entries the NaN null page; every split count gives the oracle's result."""
+    case = MOSAIC_CASES[1]
+    args, (k_pages, v_pages, block_table), seq_lens = decode_problem(case, np.random.default_rng([SEED, 13]), window)
+    wide = jnp.pad(args[3], ((0, 0), (0, 7 * args[3].shape[1])))
+    q, options = np.asarray(args[0]), Options(window=window)
+    expected = oracle(q[:, None], k_pages, v_pages, block_table, seq_lens, (seq_lens > 0).astype(int),
+                      **options.oracle())[:, 0]
+    for num_splits in (1, 3):
+        function = jitted(mosaic_decode.paged_decode_attention, options, interpret=INTERPRET, num_splits=num_splits)
+        out = function(args[0], args[1], args[2], wide, args[4], window=options.operand())
+        close(out, expected, case, f"wide table, {num_splits} splits, window {window}")
+
+
 @pytest.mark.parametrize("case", MOSAIC_CASES, ids=case_id)
 def test_mosaic_ragged_matches_oracle(case):
     check_ragged(case, np.random.default_rng([SEED, MOSAIC_CASES.index(case), 11]))

@@ -218,8 +218,15 @@ class BucketSet:
 
     Rows and tokens double from bucket to bucket, so a step pays for at most twice its work (on
     CPU a decode step's cost grows with its rows: 16 running sequences in a 32-row bucket took
-    twice as long); context buckets are coarser (x4), as few steps need them. The XLA CPU path
-    has one table width, since its cost follows the longest context present, not the width.
+    twice as long). Block-table widths are bucketed (x4) only where the attention's cost grows
+    with the width (`width_buckets`, pallas_kernels.dispatch.cost_grows_with_table_width: the
+    Mosaic kernels over int8 pages, the reference); every other backend's cost follows the
+    contexts present, so its steps have one width, the longest context's.
+
+    Off the CPU path (`shared_sampler_rows`) a decode-only step returns as many logit rows as a
+    step with prefill chunks beside the same decode rows (decode rows + max_num_prefill_seqs), so
+    the two share one compiled sampler: on a GPU a few more rows of LM head and sampler cost
+    microseconds against a step of milliseconds, and every sampler shape is seconds of compile.
 
     On the CPU, decode-only steps also get `decode_only` buckets below the smallest decode bucket
     (CPU_SMALL_DECODE_BUCKETS): a decode step's cost there is its weight and K/V bytes plus work
@@ -237,19 +244,22 @@ class BucketSet:
     decode_only: tuple[int, ...] = ()  # decode rows of decode-only steps, below min(decode[1:])
     verify: tuple[int, ...] = ()  # rows of verification steps (speculative decoding; none without)
     verify_row_tokens: int = 0  # K + 1: a verify row's last token and at most K proposals
+    shared_sampler_rows: bool = False  # decode-only steps have the logit rows of decode + prefill ones
 
     @classmethod
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
                max_num_prefill_seqs: int, max_model_len: int, page_size: int,
                speculative_tokens: int = 0, max_verify_rows: int = 0,
-               decode_buckets: str | None = None, prefill_buckets: str | None = None) -> "BucketSet":
+               decode_buckets: str | None = None, prefill_buckets: str | None = None,
+               width_buckets: bool = False) -> "BucketSet":
         """The buckets of an engine; with `speculative_tokens` K > 0 also verification buckets of
         1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens. `decode_buckets` / `prefill_buckets`:
         explicit lists of decode rows / prefill tokens (parse_bucket_sizes; BucketListError when
-        bad), else the geometric rule's."""
+        bad), else the geometric rule's. `width_buckets`: block-table widths of 256 keys, x4, up to
+        the longest context (else that one width)."""
         max_pages_per_seq = -(-max_model_len // page_size)
-        pages = ((max_pages_per_seq,) if backend == "xla" else
-                 geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4))
+        pages = (geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4) if width_buckets else
+                 (max_pages_per_seq,))
         if decode_buckets is None:
             decode = geometric_buckets(MIN_DECODE_BUCKET, max_num_seqs, 2)
             small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
@@ -262,7 +272,7 @@ class BucketSet:
                                       "max_num_batched_tokens"))
         verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
         return cls((0,) + decode, (0,) + prefill, pages, max_num_prefill_seqs, small, verify,
-                   speculative_tokens + 1 if speculative_tokens else 0)
+                   speculative_tokens + 1 if speculative_tokens else 0, shared_sampler_rows=backend != "xla")
 
     @property
     def decode_sizes(self) -> tuple[int, ...]:
@@ -309,7 +319,8 @@ class BucketSet:
         dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.pages_per_seq
         num_prefill_seqs = bucket.num_verify or (self.max_num_prefill_seqs if pre else 0)
         T = dec + pre
-        num_rows = T if bucket.num_verify else dec + num_prefill_seqs  # verification: logits at every token
+        num_rows = (T if bucket.num_verify else  # verification: logits at every token
+                    dec + (self.max_num_prefill_seqs if dec and self.shared_sampler_rows else num_prefill_seqs))
         return dict(
             token_ids=np.zeros(T, np.int32),  # [T]
             positions=np.zeros(T, np.int32),  # [T]

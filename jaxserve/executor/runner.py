@@ -2,8 +2,8 @@
 
 The runner works from the scheduler's plain step data (`jaxserve.core.step.ScheduledBatch`) alone; it never
 sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
-tokens x block table width (one full width on the XLA CPU path, whose cost follows the longest
-context present); every step pads to the smallest bucket that holds it, so after warm-up no step
+tokens x block table width (one full width, the longest context's, wherever the attention's cost
+follows the contexts present: BucketSet); every step pads to the smallest bucket that holds it, so after warm-up no step
 compiles again. The KV cache is donated to the step and updated in place. The jitted functions
 come from `step_functions.build`; each step reaches the devices through the runner's transport
 (`LocalTransport`, or a multi-host front's: `use_transport`).

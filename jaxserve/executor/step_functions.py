@@ -18,9 +18,10 @@ import jax
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
-from jaxserve.executor import decode_loop, prompt_logprobs, sampler
+from jaxserve.executor import decode_loop, device_setup, prompt_logprobs, sampler
 from jaxserve.models import llama
 from jaxserve.speculative import verification
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +46,15 @@ def bucket_set(engine_config: EngineConfig, backend: str, max_model_len: int) ->
     """The shape buckets an engine under `engine_config` compiles (verification buckets too with
     speculative decoding); step.BucketListError for a bad explicit bucket list."""
     speculative_tokens = engine_config.speculative_tokens
+    kv_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype)
     return BucketSet.create(
         backend=backend, max_num_seqs=engine_config.max_num_seqs,
         max_num_batched_tokens=engine_config.max_num_batched_tokens,
         max_num_prefill_seqs=engine_config.max_num_prefill_seqs, max_model_len=max_model_len,
         page_size=engine_config.page_size, speculative_tokens=speculative_tokens,
         max_verify_rows=verification.max_verify_rows(engine_config) if speculative_tokens else 0,
-        decode_buckets=engine_config.decode_buckets, prefill_buckets=engine_config.prefill_buckets)
+        decode_buckets=engine_config.decode_buckets, prefill_buckets=engine_config.prefill_buckets,
+        width_buckets=dispatch.cost_grows_with_table_width(backend, kv_dtype))
 
 
 def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logprobs: int = 0,
