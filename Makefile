@@ -19,7 +19,7 @@ LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal test-gpu-rehearsal serve test generate bench llama-server
+.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal gpu-executables test-gpu-rehearsal serve test generate bench llama-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,14 @@ $(GPU_REHEARSAL_VENV)/.installed: pyproject.toml Makefile
 ## The device check's dry run (every step on the CPU at small sizes) in that environment.
 gpu-rehearsal: install-gpu-rehearsal
 	PYTHON=$(GPU_REHEARSAL_BIN)/python bash bench/gpu_check.sh --dry-run
+
+## Executables for the lent H200 compiled here, with its jax and this source (bench/saved_executables.py):
+## run it just before the GPU call and carry bench/out/gpu_executables (bench/gpu_check.sh loads them).
+gpu-executables: install-gpu-rehearsal
+	rm -rf bench/out/gpu_executables
+	PATH="$$(ls -d $(GPU_REHEARSAL_VENV)/lib/python3*/site-packages/nvidia/cu*/bin 2>/dev/null | head -n 1):$$PATH" \
+		JAX_PLATFORMS=cpu PYTHONPATH=. $(GPU_REHEARSAL_BIN)/python bench/saved_executables.py save \
+		--dir=bench/out/gpu_executables --target=h200
 
 ## The tests that run in that environment (part of `make test`; 5-10 minutes on 2 cores: the dry run
 ## and the Mosaic GPU kernels in their interpreter and compiled for sm_90a). Without

@@ -4,9 +4,10 @@
 #   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
 #   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
-# It writes 5 files under $OUT, none in a folder: summary.json (every step: name, rc, wall seconds,
+# It writes 6 files under $OUT, none in a folder: summary.json (every step: name, rc, wall seconds,
 # limit, key figures and the step's whole JSON report; written again as each step ends) and one log
-# per step that runs a program (kernel_tests, kernels, e2e, gpu_compile). A short table comes last.
+# per step that runs a program (kernel_tests, kernels, e2e, executables, gpu_compile). A short table
+# comes last. Before the call, on the CPU machine: `make gpu-executables`, and carry bench/out/gpu_executables.
 # Steps run most valuable first, so a call cut short still brings back what matters most.
 # $PYTHON picks the interpreter (default: python). Exit status: 0 when every step passed.
 set -uo pipefail
@@ -92,14 +93,26 @@ step kernels 80 "$WORK/kernels.json" "$PY" bench/kernel_speed.py --out "$WORK/ke
 # 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through
 #      the interpreted Pallas kernels); planner vs measured device memory.
 if [ "$DRY_RUN" = 1 ]; then
-  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 205 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
+  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 185 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
 else
-  step e2e 205 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
+  step e2e 185 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
-# 5. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
+# 5. executables compiled for an H200 on the CPU machine (`make gpu-executables` there writes
+#    bench/out/gpu_executables with this source and the lent machine's jax; carry that folder), loaded by
+#    a tiny engine here and run against one that compiles its own; skipped without the folder. The dry
+#    run saves a folder itself and checks it on the CPU, where the engine refuses it (saved for a GPU).
+if [ "$DRY_RUN" = 1 ]; then
+  step executables 30 "$WORK/executables.json" bash -c '"$0" bench/saved_executables.py save --dir "$1" --target h200 \
+    && "$0" bench/saved_executables.py check --dir "$1" --out "$2"' "$PY" "$WORK/gpu_executables" "$WORK/executables.json"
+else
+  step executables 30 "$WORK/executables.json" "$PY" bench/saved_executables.py check --dir bench/out/gpu_executables \
+    --out "$WORK/executables.json"
+fi
+
+# 6. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
 #    the dry run compiles the same model for the same target under small engine limits (9 shapes, not 14).
-JAX_PLATFORMS=cpu step gpu_compile 55 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
+JAX_PLATFORMS=cpu step gpu_compile 45 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
   $([ "$DRY_RUN" = 1 ] && echo --small) --runs=llama-3-8b:h200:1 --out "$WORK/gpu_compile.json"
 
 echo "== summary ($SUMMARY)"

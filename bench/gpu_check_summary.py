@@ -105,6 +105,9 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
                 "serving": [{k: s[k] for k in ("concurrency", "output_tokens_per_s", "ttft_ms_p99", "tpot_ms_p50")}
                             for s in report["serving"]],
                 "memory": report["memory"]}
+    if name == "executables":
+        return {k: report.get(k) for k in ("status", "reason", "shapes_loaded", "startup_loaded_s",
+                                            "startup_compiled_s", "greedy_equal")}
     if name == "gpu_compile":
         return {"runs": [{k: r[k] for k in ("model", "target", "num_shapes", "num_failed", "seconds",
                                               "planned_over_largest_temp")}
@@ -185,6 +188,11 @@ def short(name: str, fig: dict) -> str:
         return (f"start {fig['startup_s']:.0f} s ({fig['num_step_shapes']} shapes), offline "
                 f"{fig['offline_output_tokens_per_s']:.0f} tok/s, decode b{fig['decode_batch']} "
                 f"{fig['decode_step_ms']:.2f} ms vs roofline {fig['roofline_ms']:.2f} ms; serving tok/s {serving}")
+    if name == "executables":
+        if fig["status"] != "loaded":
+            return f"{fig['status']}: {(fig.get('reason') or '')[:160]}"
+        return (f"{fig['shapes_loaded']} shapes loaded in {fig['startup_loaded_s']:.1f} s (compiled: "
+                f"{fig['startup_compiled_s']:.1f} s), greedy tokens {'equal' if fig['greedy_equal'] else 'DIFFER'}")
     if name == "gpu_compile":
         return "; ".join(f"{r['model']} {r['target']}: {r['num_shapes'] - r['num_failed']}/{r['num_shapes']} shapes "
                          f"in {r['seconds']} s" for r in fig["runs"])

@@ -117,3 +117,33 @@ def test_the_fingerprint_follows_jax_devices_and_source(monkeypatch):
     store = executables.ExecutableStore("/nonexistent", {"model": "x"}, mode="save")
     monkeypatch.setattr(executables, "source_digest", lambda: "edited")
     assert executables.ExecutableStore("/nonexistent", {"model": "x"}, mode="save").fingerprint != store.fingerprint
+
+
+def test_a_step_compiled_for_a_one_device_mesh_runs_on_that_devices_arrays():
+    """What `plan --save_executables` relies on for a one-GPU engine: an executable compiled for
+    replicated arguments over a mesh of one device (the abstract GPU's, there) describes its
+    arguments as an unsharded engine's arrays on that device do, and once saved and loaded runs
+    on them."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import serialize_executable
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = jax.devices()[0]
+    mesh_replicated = NamedSharding(Mesh(np.array([[device]]), ("data", "model")), PartitionSpec())
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4)  # [3, 4] on the device, unsharded
+    abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=mesh_replicated)
+    assert executables.abstract_signature({"x": abstract}) == executables.abstract_signature({"x": x})
+    step = jax.jit(lambda a, b: (a @ b.T + 1.0, b * 2.0), donate_argnums=(1,))
+    with executables.persistent_cache_off():
+        compiled = step.lower(abstract, abstract).compile()
+        loaded = serialize_executable.deserialize_and_load(*pickle.loads(pickle.dumps(
+            serialize_executable.serialize(compiled))))
+    expected = (np.asarray(x) @ np.asarray(x).T + 1.0, np.asarray(x) * 2.0)
+    out = loaded(x, jnp.array(x))
+    np.testing.assert_array_equal(np.asarray(out[0]), expected[0])
+    np.testing.assert_array_equal(np.asarray(out[1]), expected[1])
+    out = loaded(np.asarray(x), np.asarray(x))  # host arrays, as the runner passes a step's batch
+    np.testing.assert_array_equal(np.asarray(out[0]), expected[0])

@@ -43,7 +43,7 @@ REASON = rehearsal_environment()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"not the GPU rehearsal environment ({REASON}): "
                                 "run it in .venv-gpu-rehearsal (make install-gpu-rehearsal)")
 
-STEPS = ("machine", "kernel_tests", "kernels", "e2e", "gpu_compile")
+STEPS = ("machine", "kernel_tests", "kernels", "e2e", "executables", "gpu_compile")
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,9 @@ def test_the_summary_holds_each_steps_figures(dry_run):
     assert [s["concurrency"] for s in e2e["serving"]] == [1, 8, 32]
     assert all(s["output_tokens_per_s"] > 0 and s["ttft_ms_p99"] > 0 for s in e2e["serving"])
     assert e2e["memory"]["planned_num_pages"] > 0 and e2e["memory"]["engine_num_pages"] > 0
+    saved = steps["executables"]["figures"]  # saved for an H200 here, refused by the engine on the CPU
+    assert saved["status"] == "refused" and "platform: saved gpu, here cpu" in saved["reason"], saved
+    assert "devices: saved 1 x NVIDIA H200" in saved["reason"]
     (run,) = steps["gpu_compile"]["figures"]["runs"]
     assert (run["model"], run["target"]) == ("llama-3-8b", "h200")  # the real run's, under small engine limits
     assert run["num_shapes"] > 0 and run["num_failed"] == 0

@@ -3,7 +3,10 @@
 Needs the gpu-compile extra (`make test` installs it). The compile set is the smallest and largest
 bucket of each kind; bench/gpu_compile.py sweeps every bucket of bigger models.
 """
+import dataclasses
 import json
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +203,70 @@ def test_compiling_on_threads_gives_the_sequential_report_in_its_order():
     for workers, report in reports.items():
         assert report["workers"] == workers
         assert 0 < max(e["compile_seconds"] for e in report["buckets"] + report["sampler"]) <= report["wall_seconds"]
+
+
+def test_saved_gpu_executables_are_what_the_engine_on_that_gpu_asks_for(tmp_path, monkeypatch):
+    """`plan --target=h100 --compile --save_executables` writes a folder that the runner of the same
+    engine on an H100 accepts: its description differs from a runner's here only in the machine
+    (platform, devices; the CPU kernels' registration), and given that machine, every shape its
+    warm-up loads (steps, samplers, prompt logprobs) is in the folder. Whether the executables then
+    run on the GPU is what bench/gpu_check.sh tries on a lent one."""
+    from jaxserve.executor import executables, runner as runner_module, warmup
+    from jaxserve.models import weights
+    folder = str(tmp_path / "h100")
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, max_num_prefill_seqs=2,
+                       num_pages=256)
+    assert cli.main(["jaxserve", "plan", "--config=" + _config_file(tmp_path, TINY_LLAMA3), "--target=h100",
+                     "--compile", "--max_model_len=256", "--max_num_seqs=8", "--max_num_batched_tokens=32",
+                     "--max_num_prefill_seqs=2", "--num_pages=256", f"--save_executables={folder}",
+                     "--format=json"]) == 0
+    gpu_cfg = cfg.for_platform(on_gpu=True)
+    params = weights.random_params(TINY_LLAMA3, jnp.bfloat16)
+    # On a GPU the step reads the weights as they are (cpu_layout.layer_views changes them on the CPU only).
+    monkeypatch.setattr(runner_module.cpu_layout, "layer_views", lambda p, **_: p)
+    make_runner = lambda: runner_module.ModelRunner(
+        TINY_LLAMA3, params, dataclasses.replace(gpu_cfg, executables=folder), num_pages=256, max_model_len=256)
+    with pytest.raises(executables.ExecutablesMismatch) as refused:
+        make_runner()
+    differ = re.findall(r"(\w+): saved ", str(refused.value))
+    assert set(differ) <= {"platform", "devices", "cpu_kernels"} and {"platform", "devices"} <= set(differ), refused.value
+    assert "saved gpu, here cpu" in str(refused.value) and "1 x NVIDIA H100 80GB HBM3" in str(refused.value)
+
+    here = executables.environment
+    monkeypatch.setattr(executables, "environment", lambda target=None: here(target or ("gpu", 1, "NVIDIA H100 80GB HBM3")))
+    runner = make_runner()  # the manifest matches: the runner of that GPU
+    plan, keys = warmup.WarmupPlan(runner), []
+
+    def asked_for(key):  # what each of the warm-up's shapes loads (not loaded: they are GPU programs)
+        keys.append(key)
+        raise LookupError(key)
+
+    monkeypatch.setattr(runner._executable_store, "load", asked_for)
+    plan.hidden_info = [jax.ShapeDtypeStruct((32, TINY_LLAMA3.hidden_size), jnp.bfloat16)]  # read off a prefill step
+    shapes = [(fn, args) for phase in plan.phases for _, _, fn, args in phase]
+    shapes += [(plan._compile_prompt_logprobs, (rows,)) for rows in runner.prompt_logprob_buckets]  # on first use
+    for fn, args in shapes:
+        with pytest.raises(LookupError):
+            fn(*args)
+    assert len(keys) == len(set(keys)) == 3 + 2 * 2 + len(runner.prompt_logprob_buckets)
+    assert not [key for key in keys if not os.path.exists(runner._executable_store._path(key))]
+    assert len([name for name in os.listdir(folder) if name.endswith(".exe")]) == len(keys)
+
+
+def test_saving_gpu_executables_refuses_what_it_cannot_save(tmp_path, capsys):
+    config = _config_file(tmp_path, TINY_LLAMA3)
+    base = ["jaxserve", "plan", f"--config={config}", "--max_model_len=256", "--max_num_seqs=8",
+            "--max_num_batched_tokens=32", "--num_pages=256", f"--save_executables={tmp_path / 'out'}"]
+    for extra, message in [([], "--target=... --compile"),
+                           (["--target=h100", "--compile", "--buckets=ends"], "needs every bucket"),
+                           (["--target=h100", "--compile", "--num_scheduler_steps=4"], "--num_scheduler_steps > 1")]:
+        assert cli.main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def _config_file(tmp_path, config: ModelConfig) -> str:
+    """A Hugging Face config.json of `config` (what `plan --config` reads)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_hf_dict()))
+    return str(path)

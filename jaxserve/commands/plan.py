@@ -169,6 +169,10 @@ def run(fv: flags.FlagValues) -> int:
     if fv.compile and fv.target is None:
         print("jaxserve plan: --compile needs --target (one of a100, h100, h200)", file=sys.stderr)
         return 2
+    if fv.save_executables is not None and not fv.compile:
+        print("jaxserve plan: --save_executables saves what --target=... --compile compiles (for this machine, "
+              "`jaxserve serve --save_executables=DIR` saves them as it starts)", file=sys.stderr)
+        return 2
     if fv.measure_buckets and (fv.target is not None or fv.config is not None):
         print("jaxserve plan: --measure_buckets times steps on this machine: it takes --model, not --target or "
               "--config", file=sys.stderr)
@@ -232,7 +236,7 @@ def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
     cfg = engine_flags.engine_config(fv).for_platform(on_gpu=True)
     try:
         report = gpu_compile.compile_for_gpu(model, cfg, target=fv.target, which_buckets=fv.buckets,
-                                             workers=fv.compile_workers)
+                                             workers=fv.compile_workers, save_executables=cfg.save_executables)
     except gpu_compile.GpuCompileUnavailable as e:
         print(f"jaxserve plan: {e}", file=sys.stderr)
         return 2
@@ -241,11 +245,20 @@ def _compile(fv: flags.FlagValues, model: ModelConfig) -> int:
         print(format_compile_table(report))
     else:
         print(json.dumps({**report["plan"], "compile": compiled}, indent=2))
-    failed = [b for b in compiled["buckets"] + compiled["sampler"] if not b["ok"]]
+    failed = [b for b in compiled["buckets"] + compiled["sampler"] + compiled.get("prompt_logprobs", []) if not b["ok"]]
     if failed:
         print(f"jaxserve plan: {len(failed)} shape(s) failed to compile for {fv.target}; the first, "
               f"{failed[0]['bucket']}: {failed[0]['error']}", file=sys.stderr)
         return 2
+    saved = compiled.get("executables")
+    if saved is not None:
+        if saved["saved"] != saved["shapes"]:
+            print(f"jaxserve plan: saved {saved['saved']} of {saved['shapes']} executables in {saved['directory']} "
+                  "(see the warnings above)", file=sys.stderr)
+            return 2
+        print(f"saved {saved['saved']} executables in {saved['directory']}: `jaxserve serve --executables="
+              f"{saved['directory']} --num_pages={saved['num_pages']}` and the same engine flags load them on "
+              f"a {saved['device_kind']} with jax {saved['jax_version']} and this source", file=sys.stderr)
     return 0
 
 

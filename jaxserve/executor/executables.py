@@ -72,27 +72,68 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def sharding_text(sharding: Any) -> str:
+    """A sharding as text that names what it does, not its class: a fully replicated one is
+    "replicated over N devices" whether it is a single device's or a mesh's (the same layout,
+    so that a step compiled for an abstract one-GPU mesh describes itself as the GPU's runner
+    does), a mesh's its partition spec over the mesh's axes."""
+    if sharding is None:
+        return "none"
+    if sharding.is_fully_replicated:
+        return f"replicated over {sharding.num_devices}"
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return f"{sharding.spec} over {dict(sharding.mesh.shape)}"
+    return repr(sharding)
+
+
 def abstract_signature(tree: Any) -> str:
-    """The structure, shapes, dtypes and shardings of a tree of arrays, as text."""
+    """The structure, shapes, dtypes and shardings of a tree of arrays (or abstract arrays), as text."""
     def describe(leaf):
-        sharding = getattr(leaf, "sharding", None)
-        return f"{getattr(leaf, 'dtype', type(leaf).__name__)}{list(getattr(leaf, 'shape', ()))}@{sharding}"
+        return (f"{getattr(leaf, 'dtype', type(leaf).__name__)}{list(getattr(leaf, 'shape', ()))}"
+                f"@{sharding_text(getattr(leaf, 'sharding', None))}")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return f"{treedef}|" + ";".join(describe(leaf) for leaf in leaves)
 
 
-def environment() -> dict[str, str]:
-    """What an executable depends on besides the engine: jax, the devices, XLA flags, the source."""
-    devices = jax.devices()
-    env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.default_backend(),
-           "devices": f"{len(devices)} x {devices[0].device_kind}", "processes": str(jax.process_count()),
+def environment(target: tuple[str, int, str] | None = None) -> dict[str, str]:
+    """What an executable depends on besides the engine: jax, the devices, XLA flags, the source.
+    `target`: (platform, number of devices, device kind) of the machine the executables are for
+    when they are compiled for another one (a GPU, from this CPU: jaxserve.planning.gpu_compile);
+    default this process's devices."""
+    if target is None:
+        devices = jax.devices()
+        target = (jax.default_backend(), len(devices), devices[0].device_kind)
+    platform, num_devices, device_kind = target
+    env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": platform,
+           "devices": f"{num_devices} x {device_kind}", "processes": str(jax.process_count()),
            "xla_flags": xla_flags(), "source": source_digest(),
            # the MoE grouped-matmul backend (pallas_kernels.dispatch), read when the step is traced:
            "grouped_matmul": (grouped_matmul_backend() or "xla").lower()}
-    if env["platform"] == "cpu":  # the step calls the C++ kernels where they are built: registered
-        import cpu_kernels       # here, since a loaded executable is never traced (tracing registers them)
+    if platform == "cpu":  # the step calls the C++ kernels where they are built: registered
+        import cpu_kernels  # here, since a loaded executable is never traced (tracing registers them)
         env["cpu_kernels"] = "registered" if cpu_kernels.available() else "off"
     return env
+
+
+def engine_description(*, model_config: Any, backend: str, buckets: Any, prompt_logprob_buckets: Any,
+                       page_size: int, num_pages: int, max_model_len: int, max_logprobs: int,
+                       eos_token_ids: tuple[int, ...], num_scheduler_steps: int, cpu_int8_activations: bool,
+                       mesh: Any, params: Any, kv_cache: Any) -> dict[str, str]:
+    """Everything an engine's step executables depend on besides the environment and the source,
+    as text (the runner's store, and `jaxserve plan --save_executables` for a GPU, describe an
+    engine through this one function). params: what the step reads; kv_cache: the cache (arrays
+    or abstract arrays with shardings); mesh: the step's mesh, None for an unsharded step."""
+    return {
+        "model": repr(model_config), "backend": backend, "buckets": repr(buckets),
+        "prompt_logprob_buckets": repr(prompt_logprob_buckets), "page_size": str(page_size),
+        "num_pages": str(num_pages), "max_model_len": str(max_model_len),
+        "max_logprobs": str(max_logprobs), "eos_token_ids": repr(tuple(eos_token_ids)),
+        "num_scheduler_steps": str(num_scheduler_steps), "cpu_int8_activations": str(cpu_int8_activations),
+        "mesh": "none" if mesh is None else repr(mesh),
+        # the devices themselves (a data-parallel replica's executables run on its own group)
+        "device_ids": repr(sorted({d.id for leaf in jax.tree_util.tree_leaves(kv_cache)
+                                   for d in leaf.sharding.device_set})),
+        "params": abstract_signature(params), "kv_cache": abstract_signature(kv_cache)}
 
 
 _cache_off_lock = threading.Lock()
@@ -158,14 +199,16 @@ class ExecutableStore:
       unreadable file is refused (ExecutablesMismatch) with what differs;
     - "save": into `root` (its previous executables removed); everything compiled and saved."""
 
-    def __init__(self, root: str, description: dict[str, str], mode: str = "cache") -> None:
+    def __init__(self, root: str, description: dict[str, str], mode: str = "cache",
+                 target: tuple[str, int, str] | None = None) -> None:
         if mode not in ("cache", "load", "save"):
             raise ValueError(f"unknown executable store mode {mode!r}")
-        self.description = {**environment(), **description}
+        self.description = {**environment(target), **description}
         self.fingerprint = hashlib.sha256(json.dumps(self.description, sort_keys=True).encode()).hexdigest()[:24]
         self.mode = mode
         self.directory = os.path.join(root, self.fingerprint) if mode == "cache" else root
-        self.loaded = self.saved = 0
+        self.loaded = self.saved = 0  # counted under _count_lock: threads load and save at once
+        self._count_lock = threading.Lock()
         if mode == "cache":
             _prune(root, keep=CACHE_FOLDERS_KEPT, using=self.directory)
         elif mode == "load":
@@ -218,7 +261,8 @@ class ExecutableStore:
                 raise ExecutablesMismatch(f"{path} could not be loaded: {e}") from None
             log.warning("could not load the saved executable %s (%s); compiling it", path, e)
             return None
-        self.loaded += 1
+        with self._count_lock:
+            self.loaded += 1
         return compiled
 
     def save(self, key: Hashable, compiled: jax.stages.Compiled) -> None:
@@ -231,7 +275,8 @@ class ExecutableStore:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self._path(key))
-            self.saved += 1
+            with self._count_lock:
+                self.saved += 1
         except Exception as e:  # a full disk or an executable that cannot be serialized: serve anyway
             log.warning("could not save the executable of %s in %s: %s", key, self.directory, e)
 

@@ -128,19 +128,12 @@ class ModelRunner:
         process only: a multi-host job compiles together)."""
         if jax.process_count() > 1:
             return None
-        description = {  # everything the step functions' code and shapes depend on besides the source
-            "model": repr(step_config), "backend": self.backend, "buckets": repr(self.buckets),
-            "prompt_logprob_buckets": repr(self.prompt_logprob_buckets), "page_size": str(self.page_size),
-            "num_pages": str(self.num_pages), "max_model_len": str(self.max_model_len),
-            "max_logprobs": str(self.max_logprobs), "eos_token_ids": repr(self.eos_token_ids),
-            "num_scheduler_steps": str(self.num_scheduler_steps),
-            "cpu_int8_activations": str(self.cpu_int8_activations),
-            "mesh": "none" if shardings is None else repr(shardings.mesh),
-            # the devices themselves (a data-parallel replica's executables run on its own group)
-            "device_ids": repr(sorted({d.id for leaf in jax.tree_util.tree_leaves(self.kv_cache)
-                                       for d in leaf.sharding.device_set})),
-            "params": executables.abstract_signature(self._step_params),
-            "kv_cache": executables.abstract_signature(self.kv_cache)}
+        description = executables.engine_description(
+            model_config=step_config, backend=self.backend, buckets=self.buckets,
+            prompt_logprob_buckets=self.prompt_logprob_buckets, page_size=self.page_size, num_pages=self.num_pages,
+            max_model_len=self.max_model_len, max_logprobs=self.max_logprobs, eos_token_ids=self.eos_token_ids,
+            num_scheduler_steps=self.num_scheduler_steps, cpu_int8_activations=self.cpu_int8_activations,
+            mesh=None if shardings is None else shardings.mesh, params=self._step_params, kv_cache=self.kv_cache)
         if engine_config.executables is not None:
             return executables.ExecutableStore(engine_config.executables, description, mode="load")
         if engine_config.save_executables is not None:

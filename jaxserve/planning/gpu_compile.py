@@ -34,12 +34,12 @@ from jax.experimental import topologies
 
 from jaxserve import compat, environment
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.step import Bucket, BucketSet
-from jaxserve.executor import device_setup, executables, sampler, step_functions
+from jaxserve.core.step import Bucket, BucketSet, geometric_buckets, prompt_logprob_rows_limit
+from jaxserve.executor import device_setup, executables, prompt_logprobs, sampler, step_functions
 from jaxserve.models import llama, quantization, weights
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
-from jaxserve.planning.gpu_targets import target_config, target_memory_budget_bytes
+from jaxserve.planning.gpu_targets import target_config, target_device_kind, target_memory_budget_bytes
 from pallas_kernels import dispatch
 from pallas_kernels.compat import quiet_pallas_deprecations
 
@@ -139,15 +139,19 @@ def _compile(jitted, args, mesh, compiler_options=None) -> tuple[Any, float]:
         return _lower_and_compile(jitted, args, mesh, compiler_options)
 
 
-def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> CompiledShape:
+def _report(key: dict[str, int], jitted, args, mesh, planned: int | None, saved_as=None,
+            store: executables.ExecutableStore | None = None) -> CompiledShape:
     """One shape compiled and its report (ok=False with XLA's message when it fails). Runs in a
     compiling thread under `_compiling()`; `compile_seconds` is that thread's wall time, which
-    counts the waits for the GIL and the cores when other shapes compile beside it."""
+    counts the waits for the GIL and the cores when other shapes compile beside it. With a
+    `store`, the executable is saved there under `saved_as` (the warm-up's key of the shape)."""
     try:
         compiled, seconds = _lower_and_compile(jitted, args, mesh)
     except Exception as e:  # XLA's error is the report: a kernel over the shared-memory limit, ...
         return CompiledShape(key, ok=False, error=f"{type(e).__name__}: {e}"[:_ERROR_CHARS],
                              planned_activation_bytes=planned)
+    if store is not None:
+        store.save(saved_as, compiled)
     stats = compiled.memory_analysis()
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) and costs else costs
@@ -160,7 +164,8 @@ def _report(key: dict[str, int], jitted, args, mesh, planned: int | None) -> Com
 
 
 def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, target: str,
-                    which_buckets: str = "all", workers: int | None = None) -> dict[str, Any]:
+                    which_buckets: str = "all", workers: int | None = None,
+                    save_executables: str | None = None) -> dict[str, Any]:
     """Plans and compiles the engine of `engine_config` (its GPU defaults: bfloat16, the Pallas
     kernels) for `engine_config.tensor_parallel_size` GPUs of `target`.
 
@@ -175,10 +180,18 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     compile's. ValueError on a configuration the engine would refuse; GpuCompileUnavailable
     without the gpu-compile extra. A bucket that fails to compile is reported with ok=False and
     XLA's message, not raised.
+
+    `save_executables`: a folder that gets every executable the engine's warm-up would compile
+    (the prompt-logprob shapes too, compiled here for it), in the layout `serve --executables`
+    loads on the target (jaxserve.executor.executables), described as the engine on that GPU
+    describes itself: the same jax and source there, and the same limits and num_pages (the
+    report's `executables` says which). Needs every bucket (`which_buckets="all"`).
     """
     workers = workers if workers is not None else (os.cpu_count() or 1)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if save_executables is not None:
+        check_savable(engine_config, which_buckets)
     cfg = engine_config.for_platform(on_gpu=True)
     cfg = dataclasses.replace(cfg, attention_backend=dispatch.attention_backend(cfg.attention_backend))
     tensor_parallel_size = cfg.tensor_parallel_size
@@ -228,16 +241,64 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
                                                     vocab_size=model_config.vocab_size).items()}
             sampler_jobs.append(({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
                                  (logits, inputs), mesh, None))
-    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs, workers)
-    steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):]
+    prompt_jobs, store = [], None
+    if save_executables is not None:
+        step_model = model_config if tensor_parallel_size == 1 else run_config
+        prompt_buckets = geometric_buckets(8, prompt_logprob_rows_limit(cfg))
+        store = executables.ExecutableStore(save_executables, executables.engine_description(
+            model_config=step_model, backend=cfg.attention_backend, buckets=buckets,
+            prompt_logprob_buckets=prompt_buckets, page_size=cfg.page_size, num_pages=num_pages,
+            max_model_len=max_model_len, max_logprobs=cfg.max_logprobs,
+            eos_token_ids=tuple(sorted(model_config.eos_token_ids)), num_scheduler_steps=cfg.num_scheduler_steps,
+            cpu_int8_activations=cfg.cpu_int8_activations, mesh=None if tensor_parallel_size == 1 else mesh,
+            params=params, kv_cache=kv_cache),
+            mode="save", target=("gpu", tensor_parallel_size, target_device_kind(target)))
+        step_jobs = [job + (("forward", bucket), store) for job, bucket in zip(step_jobs, chosen)]
+        sampler_jobs = [job + (("sample", job[0]["num_rows"], job[0]["penalties"], job[0]["bias"]), store)
+                        for job in sampler_jobs]
+        prompt_jobs = _prompt_logprob_jobs(functions, params, step_jobs, prompt_buckets, replicated, mesh, store)
+    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs, workers)
+    steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):len(step_jobs) + len(sampler_jobs)]
     plan_dict = plan.to_dict()
     if num_pages != plan.num_pages:
         plan_dict["num_pages_compiled"] = num_pages
-    return {"plan": plan_dict,
-            "compile": {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": tensor_parallel_size,
-                        "workers": workers, "wall_seconds": round(wall_seconds, 3),
-                        "buckets": [dataclasses.asdict(s) for s in steps],
-                        "sampler": [dataclasses.asdict(s) for s in samplers]}}
+    report = {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": tensor_parallel_size,
+              "workers": workers, "wall_seconds": round(wall_seconds, 3),
+              "buckets": [dataclasses.asdict(s) for s in steps],
+              "sampler": [dataclasses.asdict(s) for s in samplers]}
+    if store is not None:
+        report["prompt_logprobs"] = [dataclasses.asdict(s) for s in reports[len(step_jobs) + len(sampler_jobs):]]
+        report["executables"] = {"directory": save_executables, "saved": store.saved, "shapes": len(reports),
+                                 "num_pages": num_pages, "device_kind": target_device_kind(target),
+                                 "jax_version": jax.__version__}
+    return {"plan": plan_dict, "compile": report}
+
+
+def check_savable(engine_config: EngineConfig, which_buckets: str) -> None:
+    """ValueError when `compile_for_gpu` cannot save every executable that engine's warm-up wants."""
+    if which_buckets != "all":
+        raise ValueError("saving executables needs every bucket (--buckets=all): the engine loads them all")
+    if engine_config.num_scheduler_steps > 1:
+        raise ValueError("saving executables for a GPU covers one decode step per call: "
+                         "--num_scheduler_steps > 1 compiles its multi-step shapes on the GPU (drop --save_executables)")
+    if engine_config.data_parallel_size > 1:
+        raise ValueError("saving executables for a GPU covers one replica: --data_parallel_size must be 1")
+
+
+def _prompt_logprob_jobs(functions, params, step_jobs, prompt_buckets, replicated, mesh, store) -> list[tuple]:
+    """The warm-up's prompt-logprob shapes as `_report` jobs: the head over the prefill rows the
+    forward returns (their shape read off one prefill step, as the warm-up reads it)."""
+    key, forward, args = next((job[0], job[1], job[2]) for job in step_jobs if job[0]["num_prefill_tokens"])
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hidden = jax.eval_shape(forward, *args)[2]
+    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=replicated)
+    head = prompt_logprobs.head_params(params)
+    jobs = []
+    for num_rows in prompt_buckets:
+        rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
+        jobs.append(({"num_rows": num_rows}, functions.prompt_logprobs, (head, hidden, rows, rows), mesh, None,
+                     ("prompt_logprobs", num_rows), store))
+    return jobs
 
 
 def _compile_all(jobs: list[tuple], workers: int) -> tuple[list[CompiledShape], float]:

@@ -28,6 +28,11 @@ def target_memory_bytes(name: str) -> int:
     return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
 
 
+def target_device_kind(name: str) -> str:
+    """The `device.device_kind` jax reports for a GPU of the target (its `device_description_str`)."""
+    return re.search(r'device_description_str:\s*"([^"]*)"', target_config(name)).group(1)
+
+
 def target_memory_budget_bytes(name: str) -> int:
     """What jax's allocator would offer the engine on one GPU of the target: its memory times
     $XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set), as `memory_stats()["bytes_limit"]` reports
