@@ -192,6 +192,55 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
         raise ValueError(f"workers must be at least 1, got {workers}")
     if save_executables is not None:
         check_savable(engine_config, which_buckets)
+    build, plan = _build(model_config, engine_config, target)
+    chosen = build.buckets.all() if which_buckets == "all" else build.buckets.smallest_and_largest()
+    step_jobs, sampler_jobs = _step_jobs(build, chosen), _sampler_jobs(build, chosen)
+    prompt_jobs, store = [], None
+    if save_executables is not None:
+        store = _store_for_target(build, target, save_executables)
+        step_jobs = [job + (("forward", bucket), store) for job, bucket in zip(step_jobs, chosen)]
+        sampler_jobs = [job + (("sample", job[0]["num_rows"], job[0]["penalties"], job[0]["bias"]), store)
+                        for job in sampler_jobs]
+        prompt_jobs = _prompt_logprob_jobs(build, step_jobs, store)
+    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs, workers)
+    steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):len(step_jobs) + len(sampler_jobs)]
+    plan_dict = plan.to_dict()
+    if build.num_pages != plan.num_pages:
+        plan_dict["num_pages_compiled"] = build.num_pages
+    report = {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": build.tensor_parallel_size,
+              "workers": workers, "wall_seconds": round(wall_seconds, 3),
+              "buckets": [dataclasses.asdict(s) for s in steps],
+              "sampler": [dataclasses.asdict(s) for s in samplers]}
+    if store is not None:
+        report["prompt_logprobs"] = [dataclasses.asdict(s) for s in reports[len(step_jobs) + len(sampler_jobs):]]
+        report["executables"] = {"directory": save_executables, "saved": store.saved, "shapes": len(reports),
+                                 "num_pages": build.num_pages, "device_kind": target_device_kind(target),
+                                 "jax_version": jax.__version__}
+    return {"plan": plan_dict, "compile": report}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """The engine `serve` would build on the target, with abstract weights and KV cache."""
+    cfg: EngineConfig  # with the GPU's defaults filled in
+    model_config: ModelConfig  # the model asked for
+    run_config: ModelConfig  # the model one replica's step runs (KV heads replicated past the TP size)
+    mesh: jax.sharding.Mesh  # of abstract GPUs
+    replicated: Any  # the mesh's replicated sharding
+    params: Any  # abstract, in their shardings
+    kv_cache: Any
+    num_pages: int
+    max_model_len: int
+    buckets: BucketSet
+    functions: step_functions.StepFunctions
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.cfg.tensor_parallel_size
+
+
+def _build(model_config: ModelConfig, engine_config: EngineConfig, target: str) -> tuple[_Build, memory.MemoryPlan]:
+    """The engine of `engine_config` on `target` GPUs, abstract, and its memory plan there."""
     cfg = engine_config.for_platform(on_gpu=True)
     cfg = dataclasses.replace(cfg, attention_backend=dispatch.attention_backend(cfg.attention_backend))
     tensor_parallel_size = cfg.tensor_parallel_size
@@ -216,62 +265,56 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     kv_cache = jax.eval_shape(lambda: llama.init_kv_cache(run_config, llama.KVCacheSpec(num_pages, cfg.page_size),
                                                           kv_dtype))
     kv_cache = _abstract(kv_cache, jax.tree.map(lambda _: shardings.kv_cache, kv_cache))
-    replicated = shardings.replicated
     buckets = step_functions.bucket_set(cfg, cfg.attention_backend, max_model_len)
     # As ModelRunner: without tensor parallelism (one replica) the step runs unsharded.
     functions = step_functions.build(
         run_config, params, backend=cfg.attention_backend, page_size=cfg.page_size, max_logprobs=cfg.max_logprobs,
         prefill_hidden_rows=max(buckets.prefill), verify_row_tokens=buckets.verify_row_tokens,
         shardings=shardings if tensor_parallel_size > 1 else None)
-    chosen = buckets.all() if which_buckets == "all" else buckets.smallest_and_largest()
-    step_jobs = []  # (key, jitted, args, mesh, planned): the arguments of one _report
+    return _Build(cfg, model_config, run_config, mesh, shardings.replicated, params, kv_cache, num_pages,
+                  max_model_len, buckets, functions), plan
+
+
+def _step_jobs(build: _Build, chosen: list[Bucket]) -> list[tuple]:
+    """(key, jitted, args, mesh, planned), the arguments of one _report, for each step bucket."""
+    jobs = []
     for bucket in chosen:
-        batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-                 for name, a in buckets.empty_batch(bucket).items()}
-        planned = step_activation_bytes(model_config, bucket, buckets, cfg)
-        step_jobs.append((dataclasses.asdict(bucket), functions.forward_for(bucket), (params, kv_cache, batch),
-                          mesh, planned))
-    sampler_jobs = []
-    for num_rows in sorted({len(buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
-        logits = jax.ShapeDtypeStruct((num_rows, model_config.vocab_size), jnp.float32, sharding=replicated)
-        for penalties, bias in itertools.product((False, True), (sampler.ALWAYS_BIAS,)):  # the variants the engine warms up
-            inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for name, a in
-                      sampler.build_sampling_inputs([None] * num_rows, num_rows, max_model_len, penalties, bias,
-                                                    model_config.eos_token_ids,
-                                                    vocab_size=model_config.vocab_size).items()}
-            sampler_jobs.append(({"num_rows": num_rows, "penalties": penalties, "bias": bias}, functions.sample,
-                                 (logits, inputs), mesh, None))
-    prompt_jobs, store = [], None
-    if save_executables is not None:
-        step_model = model_config if tensor_parallel_size == 1 else run_config
-        prompt_buckets = geometric_buckets(8, prompt_logprob_rows_limit(cfg))
-        store = executables.ExecutableStore(save_executables, executables.engine_description(
-            model_config=step_model, backend=cfg.attention_backend, buckets=buckets,
-            prompt_logprob_buckets=prompt_buckets, page_size=cfg.page_size, num_pages=num_pages,
-            max_model_len=max_model_len, max_logprobs=cfg.max_logprobs,
-            eos_token_ids=tuple(sorted(model_config.eos_token_ids)), num_scheduler_steps=cfg.num_scheduler_steps,
-            cpu_int8_activations=cfg.cpu_int8_activations, mesh=None if tensor_parallel_size == 1 else mesh,
-            params=params, kv_cache=kv_cache),
-            mode="save", target=("gpu", tensor_parallel_size, target_device_kind(target)))
-        step_jobs = [job + (("forward", bucket), store) for job, bucket in zip(step_jobs, chosen)]
-        sampler_jobs = [job + (("sample", job[0]["num_rows"], job[0]["penalties"], job[0]["bias"]), store)
-                        for job in sampler_jobs]
-        prompt_jobs = _prompt_logprob_jobs(functions, params, step_jobs, prompt_buckets, replicated, mesh, store)
-    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs, workers)
-    steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):len(step_jobs) + len(sampler_jobs)]
-    plan_dict = plan.to_dict()
-    if num_pages != plan.num_pages:
-        plan_dict["num_pages_compiled"] = num_pages
-    report = {"target": target, "jax_version": jax.__version__, "tensor_parallel_size": tensor_parallel_size,
-              "workers": workers, "wall_seconds": round(wall_seconds, 3),
-              "buckets": [dataclasses.asdict(s) for s in steps],
-              "sampler": [dataclasses.asdict(s) for s in samplers]}
-    if store is not None:
-        report["prompt_logprobs"] = [dataclasses.asdict(s) for s in reports[len(step_jobs) + len(sampler_jobs):]]
-        report["executables"] = {"directory": save_executables, "saved": store.saved, "shapes": len(reports),
-                                 "num_pages": num_pages, "device_kind": target_device_kind(target),
-                                 "jax_version": jax.__version__}
-    return {"plan": plan_dict, "compile": report}
+        batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=build.replicated)
+                 for name, a in build.buckets.empty_batch(bucket).items()}
+        planned = step_activation_bytes(build.model_config, bucket, build.buckets, build.cfg)
+        jobs.append((dataclasses.asdict(bucket), build.functions.forward_for(bucket),
+                     (build.params, build.kv_cache, batch), build.mesh, planned))
+    return jobs
+
+
+def _sampler_jobs(build: _Build, chosen: list[Bucket]) -> list[tuple]:
+    """The sampler shapes of those buckets' logit rows, in the variants the engine warms up."""
+    model, jobs = build.model_config, []
+    for num_rows in sorted({len(build.buckets.empty_batch(b)["logits_indices"]) for b in chosen}):
+        logits = jax.ShapeDtypeStruct((num_rows, model.vocab_size), jnp.float32, sharding=build.replicated)
+        for penalties, bias in itertools.product((False, True), (sampler.ALWAYS_BIAS,)):
+            inputs = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=build.replicated) for name, a in
+                      sampler.build_sampling_inputs([None] * num_rows, num_rows, build.max_model_len, penalties,
+                                                    bias, model.eos_token_ids, vocab_size=model.vocab_size).items()}
+            jobs.append(({"num_rows": num_rows, "penalties": penalties, "bias": bias}, build.functions.sample,
+                         (logits, inputs), build.mesh, None))
+    return jobs
+
+
+def _store_for_target(build: _Build, target: str, directory: str) -> executables.ExecutableStore:
+    """The folder the executables are saved in, described as the runner of this engine on the
+    target describes itself (ModelRunner._open_executable_store)."""
+    cfg, tensor_parallel_size = build.cfg, build.tensor_parallel_size
+    description = executables.engine_description(
+        model_config=build.model_config if tensor_parallel_size == 1 else build.run_config,
+        backend=cfg.attention_backend, buckets=build.buckets,
+        prompt_logprob_buckets=geometric_buckets(8, prompt_logprob_rows_limit(cfg)), page_size=cfg.page_size,
+        num_pages=build.num_pages, max_model_len=build.max_model_len, max_logprobs=cfg.max_logprobs,
+        eos_token_ids=tuple(sorted(build.model_config.eos_token_ids)), num_scheduler_steps=cfg.num_scheduler_steps,
+        cpu_int8_activations=cfg.cpu_int8_activations, mesh=None if tensor_parallel_size == 1 else build.mesh,
+        params=build.params, kv_cache=build.kv_cache)
+    return executables.ExecutableStore(directory, description, mode="save",
+                                       target=("gpu", tensor_parallel_size, target_device_kind(target)))
 
 
 def check_savable(engine_config: EngineConfig, which_buckets: str) -> None:
@@ -285,19 +328,19 @@ def check_savable(engine_config: EngineConfig, which_buckets: str) -> None:
         raise ValueError("saving executables for a GPU covers one replica: --data_parallel_size must be 1")
 
 
-def _prompt_logprob_jobs(functions, params, step_jobs, prompt_buckets, replicated, mesh, store) -> list[tuple]:
+def _prompt_logprob_jobs(build: _Build, step_jobs: list[tuple], store) -> list[tuple]:
     """The warm-up's prompt-logprob shapes as `_report` jobs: the head over the prefill rows the
     forward returns (their shape read off one prefill step, as the warm-up reads it)."""
-    key, forward, args = next((job[0], job[1], job[2]) for job in step_jobs if job[0]["num_prefill_tokens"])
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    forward, args = next((job[1], job[2]) for job in step_jobs if job[0]["num_prefill_tokens"])
+    with jax.sharding.use_abstract_mesh(build.mesh.abstract_mesh):
         hidden = jax.eval_shape(forward, *args)[2]
-    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=replicated)
-    head = prompt_logprobs.head_params(params)
+    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=build.replicated)
+    head = prompt_logprobs.head_params(build.params)
     jobs = []
-    for num_rows in prompt_buckets:
-        rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
-        jobs.append(({"num_rows": num_rows}, functions.prompt_logprobs, (head, hidden, rows, rows), mesh, None,
-                     ("prompt_logprobs", num_rows), store))
+    for num_rows in geometric_buckets(8, prompt_logprob_rows_limit(build.cfg)):
+        rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=build.replicated)
+        jobs.append(({"num_rows": num_rows}, build.functions.prompt_logprobs, (head, hidden, rows, rows), build.mesh,
+                     None, ("prompt_logprobs", num_rows), store))
     return jobs
 
 
