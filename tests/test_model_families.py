@@ -1,4 +1,4 @@
-"""Qwen3, Mistral (sliding window), Gemma 2 and Gemma 3 against transformers (float32).
+"""Qwen2 (q/k/v biases), Qwen3, Mistral (sliding window), Gemma 2 and Gemma 3 against transformers (float32).
 
 Each family is a tiny random Hugging Face model saved as safetensors and converted by jaxserve.
 Its logits must match transformers' for prompts longer than the sliding window, through each
@@ -28,6 +28,10 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_atten
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 GEMMA = dict(query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh")
 FAMILIES = {  # name: (transformers config class, model class, config fields)
+    # Dense Qwen2 / Qwen2.5: q/k/v biases (random, below); the window on the layers from
+    # max_window_layers on, as Qwen configs place it.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                                  "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
     # Small soft caps so that they change the result.
@@ -51,10 +55,12 @@ def make_family_model(path: str, family: str, vocab_size: int = 128, seed: int =
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     gemma = family.startswith("gemma")
-    with torch.no_grad():  # non-trivial norms, so that a missing or misplaced norm shows up
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # non-trivial norms and biases (transformers starts biases at zero), so that a
+        for name, p in model.named_parameters():  # missing or misplaced one shows up
             if "norm" in name:
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))  # Gemma scales by 1 + w
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -170,6 +176,6 @@ def test_the_config_round_trips_through_config_json(family):
     hf["architectures"] = [FAMILIES[family][1]]
     config = ModelConfig.from_hf_dict(hf)
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
-    expected_windows = {"qwen3": [0, 0, 0], "mistral": [WINDOW] * 3, "gemma2": [WINDOW, 0, WINDOW],
+    expected_windows = {"qwen2": [0, WINDOW, WINDOW], "qwen3": [0, 0, 0], "mistral": [WINDOW] * 3, "gemma2": [WINDOW, 0, WINDOW],
                         "gemma3": [WINDOW, 0, WINDOW]}[family]
     assert config.layer_windows() == expected_windows
