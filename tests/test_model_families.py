@@ -176,6 +176,6 @@ def test_the_config_round_trips_through_config_json(family):
     hf["architectures"] = [FAMILIES[family][1]]
     config = ModelConfig.from_hf_dict(hf)
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
-    expected_windows = {"qwen2": [0, WINDOW, WINDOW], "qwen3": [0, 0, 0], "mistral": [WINDOW] * 3, "gemma2": [WINDOW, 0, WINDOW],
-                        "gemma3": [WINDOW, 0, WINDOW]}[family]
+    expected_windows = {"qwen2": [0, WINDOW, WINDOW], "qwen3": [0, 0, 0], "mistral": [WINDOW] * 3,
+                        "gemma2": [WINDOW, 0, WINDOW], "gemma3": [WINDOW, 0, WINDOW]}[family]
     assert config.layer_windows() == expected_windows
