@@ -249,6 +249,30 @@ def test_no_compilation_after_warmup_with_speculation(params, draft_params):
         assert_all_pages_free(engine)
 
 
+def test_no_speculation_in_steps_with_more_running_sequences_than_speculative_disable_by_batch_size(params):
+    """With the bound at 2, a step of 3 or 4 running sequences decodes plainly and one of 1 or 2
+    verifies; without it the same requests verify at 3 and 4 too (so the bound is what stops them)."""
+    seed = 17
+    rng = np.random.default_rng(seed)
+    prompts = repetitive_prompts(rng, 4, 30, 40)
+    sampling = [dataclasses.replace(GREEDY, max_tokens=n) for n in (8, 16, 24, 32)]  # they end one after another
+
+    def run(bound):
+        engine = make_engine(params, "ngram", speculative_disable_by_batch_size=bound)
+        outputs = engine.generate(prompts, sampling)
+        rows = {kind: {r.num_decode_rows for r in engine.step_records if r.kind == kind}
+                for kind in ("decode", "verify")}
+        assert_all_pages_free(engine)
+        return [o.token_ids for o in outputs], rows
+
+    unbounded, unbounded_rows = run(None)
+    assert max(unbounded_rows["verify"]) > 2, f"seed {seed}: {unbounded_rows}"
+    bounded, rows = run(2)
+    assert rows["verify"] and max(rows["verify"]) <= 2, f"seed {seed}: {rows}"
+    assert {3, 4} <= rows["decode"], f"seed {seed}: {rows}"  # such steps ran, without speculation
+    assert bounded == unbounded
+
+
 # ---- the distribution ----------------------------------------------------------------------
 SMALL_VOCAB = ModelConfig(vocab_size=12, hidden_size=32, intermediate_size=48, num_layers=2, num_q_heads=2,
                           num_kv_heads=1, head_dim=16, max_position_embeddings=128)
