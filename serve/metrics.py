@@ -59,10 +59,8 @@ class _EngineStatsCollector:
         yield gauge("jaxserve_weights_bytes", "Bytes of the model weights on the devices (quantized "
                     "sizes when quantized).", s.weights_bytes)
         yield gauge("jaxserve_kv_cache_bytes", "Bytes of the KV page pool (int8 scales included).", s.kv_cache_bytes)
-        yield counter("jaxserve_num_preemptions", "Requests preempted (recomputed) for lack of pages.",
-                      s.num_preemptions)
-        yield counter("jaxserve_preemptions", "The same count as jaxserve_num_preemptions (jaxserve's first name).",
-                      s.num_preemptions)
+        yield counter("jaxserve_num_preemptions", "Requests preempted (recomputed) for lack of pages (vLLM's "
+                      "num_preemptions).", s.num_preemptions)
         yield gauge("jaxserve_warmup_shapes_compiled", "Warm-up: step, sampler and prompt-logprob shapes "
                     "compiled so far.", s.warmup_shapes_compiled)
         yield gauge("jaxserve_warmup_shapes", "Warm-up: the shapes it compiles in all (0: no warm-up).",
