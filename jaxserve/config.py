@@ -2,7 +2,9 @@
 
 `ModelConfig` is read from a Hugging Face `config.json` dict (the converter writes one for every
 checkpoint, GGUF sources included). `EngineConfig` holds the serving knobs and is the one source
-of their defaults, their flags' help texts and bounds (`setting`).
+of their defaults, their flags' help texts and bounds (`setting`, jaxserve.settings), and checks
+them all when it is made (`EngineConfig.check`): a setting that cannot work is a `SettingError`
+naming its flag, raised before anything loads.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from jaxserve.settings import SettingError, bound_problem, parse_bucket_sizes, setting
 
 # Hugging Face architecture -> model_type; every one runs through jaxserve.models.llama.forward.
 ARCHITECTURES = {
@@ -35,26 +39,8 @@ DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the mo
 # SmolLM2 on 2 cores, 8 decoding streams beside a 2000-token prompt: their longest gap between tokens
 # 2.16 s unbounded, 0.43 s at 64, 0.25 s at 32 (4.4x a decode step); that prompt's TTFT 6.5 s -> 11.0 s.
 CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """How an EngineConfig field is a flag of `jaxserve serve`, `generate` and `plan`
-    (jaxserve.commands.engine_flags defines one per field that has a Flag, of the field's type:
-    int, float, bool, str, or str with `choices` an enum; every flag defaults to None, which keeps
-    the field's default). Its help ends "(default: ...)": `unset` where given, else the field's
-    default; nothing for a None default without `unset`."""
-    help: str
-    unset: str | None = None  # what an unset flag means, where the field's default does not say it
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    vllm_name: str | None = None  # vLLM's flag name for the setting (absl's underscore form), an alias
-
-
-def setting(default, help: str, **flag) -> Any:
-    """An EngineConfig field with its flag (`flag`: the other fields of Flag)."""
-    return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
+MAX_SCHEDULER_STEPS = 64  # decode steps one multi-step call may take (jaxserve.executor.decode_loop)
+MAX_SPECULATIVE_TOKENS = 16  # tokens proposed per row and step at most (jaxserve.speculative)
 
 
 @dataclasses.dataclass
@@ -62,7 +48,8 @@ class EngineConfig:
     """The engine's settings, and the one source of their defaults: every field declared with
     `setting` is a flag of `jaxserve serve`, `generate` and `plan` (jaxserve/commands/engine_flags.py
     defines them from these fields), and `jaxserve.planning.memory.plan_engine` sizes the KV pool
-    from the whole config."""
+    from the whole config. Made, it is checked (`check`): SettingError naming the flag for a value
+    out of its bounds or settings that do not combine; a bucket list given as text is parsed then."""
     # Scheduling.
     max_num_seqs: int = setting(32, "most sequences in one step", minimum=1)
     max_num_batched_tokens: int = setting(512, "token budget of one step (decode tokens + prefill chunks)",
@@ -76,13 +63,13 @@ class EngineConfig:
         None, "most prefill tokens a step carries beside decoding sequences (bounds their time per output token "
         "while a long prompt is prefilled; costs that prompt's time to first token)", minimum=1,
         unset=f"serve on CPU: {CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD}; otherwise no bound")
-    # The step shapes (jaxserve.core.step.BucketSet): explicit lists replace the geometric rule's sizes;
-    # checked by step.parse_bucket_sizes (at flag parsing, and when the engine builds its buckets).
-    decode_buckets: str | None = setting(
+    # The step shapes (jaxserve.core.step.BucketSet): explicit lists replace the geometric rule's sizes.
+    # Given as the flag's text ("8,16,32") or a sequence; held as the parsed tuple (parse_bucket_sizes).
+    decode_buckets: tuple[int, ...] | None = setting(
         None, "decode rows of the compiled step shapes: comma-separated, ascending, the last equal to "
         "--max_num_seqs (`jaxserve plan --measure_buckets` measures which are worth compiling here)",
         unset="8, 16, 32, ... doubling up to --max_num_seqs; on CPU also 1, 2, 4 for decode-only steps")
-    prefill_buckets: str | None = setting(
+    prefill_buckets: tuple[int, ...] | None = setting(
         None, "prefill tokens of the compiled step shapes: comma-separated, ascending, the last equal to "
         "--max_num_batched_tokens (see --decode_buckets)", unset="32, 64, 128, ... doubling up to "
         "--max_num_batched_tokens")
@@ -90,10 +77,10 @@ class EngineConfig:
     # Multi-step decoding (jaxserve.executor.decode_loop): the host sees the tokens, and stops, after the call.
     num_scheduler_steps: int = setting(
         1, "multi-step decoding: decode steps per device call when every running sequence decodes (1: one step "
-        "per call; tokens then reach the client n at a time)", minimum=1)
+        "per call; tokens then reach the client n at a time)", minimum=1, maximum=MAX_SCHEDULER_STEPS)
     # The KV cache.
     page_size: int = setting(16, "tokens per KV cache page", minimum=1, vllm_name="block_size")
-    num_pages: int | None = setting(None, "KV cache pages per layer, null page included", minimum=1,
+    num_pages: int | None = setting(None, "KV cache pages per layer, null page included", minimum=2,
                                     unset="what the memory planner fits (`jaxserve plan` shows it)",
                                     vllm_name="num_gpu_blocks_override")
     max_model_len: int | None = setting(None, "longest prompt + completion, in tokens", minimum=1,
@@ -107,7 +94,8 @@ class EngineConfig:
     max_logprobs: int = setting(20, "the most logprobs (and prompt logprobs) one request may ask for", minimum=0)
     memory_utilization: float = setting(
         0.9, "fraction of the device's memory budget (on CPU: half the available RAM) the weights, activations "
-        "and KV pages may use", minimum=0.0, maximum=1.0, vllm_name="gpu_memory_utilization")
+        "and KV pages may use", minimum=0.0, exclusive_minimum=True, maximum=1.0,
+        vllm_name="gpu_memory_utilization")
     # Not a flag: each command decides (serve compiles every shape, generate only what it runs
     # unless it saves or loads executables); tests and benchmarks set it.
     warmup: bool = True
@@ -161,7 +149,7 @@ class EngineConfig:
         "sequence) or draft (a smaller model with the same tokenizer, --speculative_model)",
         choices=("ngram", "draft"), unset="off")
     num_speculative_tokens: int = setting(4, "speculative decoding: most tokens proposed per sequence and step",
-                                          minimum=1)
+                                          minimum=1, maximum=MAX_SPECULATIVE_TOKENS)
     speculative_model: str | None = setting(
         None, "the draft model of --speculative_method=draft (anything --model takes)", unset="none")
     prompt_lookup_min: int = setting(2, "speculative_method=ngram: shortest n-gram matched", minimum=1)
@@ -178,6 +166,55 @@ class EngineConfig:
         None, "all-reduce bandwidth of one device to its tensor-parallel peers in GB/s", unset="the GPU preset's NVLink")
     speculative_disable_by_batch_size: int | None = setting(
         None, "speculative decoding: no speculation in steps with more running sequences", minimum=1, unset="never")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raises SettingError naming the flag of the first setting that cannot work: a value out
+        of its Flag's bounds or choices, a bad bucket list (parsed into its tuple here), or settings
+        that do not combine. Runs whenever a config is made (dataclasses.replace too)."""
+        for field in dataclasses.fields(self):
+            value, flag = getattr(self, field.name), field.metadata.get("flag")
+            problem = None if flag is None or value is None else bound_problem(field.name, value, flag)
+            if problem:
+                raise SettingError(problem)
+        if self.decode_buckets is not None:
+            self.decode_buckets = parse_bucket_sizes(self.decode_buckets, "decode_buckets", self.max_num_seqs,
+                                                     "max_num_seqs")
+        if self.prefill_buckets is not None:
+            self.prefill_buckets = parse_bucket_sizes(self.prefill_buckets, "prefill_buckets",
+                                                      self.max_num_batched_tokens, "max_num_batched_tokens")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise SettingError(f"--max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                               f"({self.max_num_seqs}): every running sequence decodes a token in each step (raise "
+                               "--max_num_batched_tokens or lower --max_num_seqs)")
+        if self.quantize_embedding and self.tensor_parallel_size * self.data_parallel_size > 1:
+            raise SettingError("--quantize_embedding needs the weights on one device: --tensor_parallel_size and "
+                               f"--data_parallel_size 1, got {self.tensor_parallel_size} and {self.data_parallel_size}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        """The speculative-decoding settings together (jaxserve.speculative.verification)."""
+        method = self.speculative_method
+        if method != "draft" and self.speculative_model:
+            raise SettingError("--speculative_model is only used with speculative_method=draft "
+                               "(--speculative_method=draft, or leave --speculative_model out)")
+        if method is None:
+            return
+        if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise SettingError(f"--num_speculative_tokens + 1 ({self.num_speculative_tokens + 1}) exceeds "
+                               f"max_num_batched_tokens ({self.max_num_batched_tokens}): a verification row of "
+                               "K + 1 tokens must fit one step's token budget (--max_num_batched_tokens)")
+        if method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SettingError(f"--prompt_lookup_min ({self.prompt_lookup_min}) must be <= --prompt_lookup_max "
+                               f"({self.prompt_lookup_max})")
+        if method == "draft" and not self.speculative_model:
+            raise SettingError("--speculative_method=draft needs speculative_model: give the draft model as "
+                               "--speculative_model (anything --model takes)")
+        if method == "draft" and self.num_scheduler_steps > 1:
+            raise SettingError("--num_scheduler_steps > 1 does not combine with speculative_method=draft (the draft "
+                               "mirrors each step's tokens, which multi-step decoding keeps on the device)")
 
     @property
     def speculative_tokens(self) -> int:

@@ -24,9 +24,9 @@ from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, St
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
 from jaxserve.core.scheduler import Scheduler, StepPlan
-from jaxserve.core.step import PromptLogprobRows, ScheduledBatch, check_bucket_lists
+from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
-from jaxserve.speculative import ngram, verification
+from jaxserve.speculative import ngram
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ class Engine:
         from jaxserve.executor import runner as runner_lib  # jax lives behind the runner
         from jaxserve.executor import device_setup
 
-        cfg = engine_config or EngineConfig()
-        verification.check_speculative_config(cfg)
+        cfg = engine_config or EngineConfig()  # checked when made (EngineConfig.check)
         if shardings is None and cfg.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs the replica's shardings; "
                              f"build the engine with Engine.from_model or data_parallel.build_engine")
@@ -139,14 +138,13 @@ class Engine:
 
         Weights are restored straight into each device's shards. With data_parallel_size > 1
         the result is a `data_parallel.DataParallelEngine` of replicas (same generate API).
-        Raises ValueError when the model cannot be split over the requested devices, or for a
-        bad explicit bucket list (step.BucketListError)."""
+        Raises ValueError when the model cannot be split over the requested devices (settings
+        that cannot work at all are refused when the EngineConfig is made: config.SettingError)."""
         from jaxserve.executor import device_setup  # jax lives behind the runner (see __init__)
         from jaxserve.parallel import data_parallel, multihost
 
         multihost.initialize()
         cfg = device_setup.platform_config(engine_config or EngineConfig())
-        check_bucket_lists(cfg)  # before the weights load
         source = load.open_model(model)
         return data_parallel.build_engine(
             cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,

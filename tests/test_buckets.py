@@ -74,8 +74,11 @@ def test_bad_measurements_are_refused(times, tolerance):
 
 # ---- explicit bucket lists -------------------------------------------------------------------
 def _buckets(backend="xla", **lists):
+    """The BucketSet of the lists given as flag text (EngineConfig parses and checks them)."""
+    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, **lists)
     return BucketSet.create(backend=backend, max_num_seqs=32, max_num_batched_tokens=512, max_num_prefill_seqs=2,
-                            max_model_len=1024, page_size=16, **lists)
+                            max_model_len=1024, page_size=16, decode_buckets=config.decode_buckets,
+                            prefill_buckets=config.prefill_buckets)
 
 
 def test_explicit_lists_replace_the_geometric_sizes():

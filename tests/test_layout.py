@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Rooms from the bottom up: a module may import its own room and the rooms listed before it.
 LAYERS = [
     ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
-    ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.config"),
+    ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.config"),
     ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
     ("jaxserve.models", "jaxserve.executor", "jaxserve.parallel", "jaxserve.speculative.draft_proposer",
@@ -29,7 +29,7 @@ LAYERS = [
     ("jaxserve.benchmarks",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
-              "jaxserve.environment")
+              "jaxserve.settings", "jaxserve.environment")
 
 
 def module_name(path: pathlib.Path) -> str:

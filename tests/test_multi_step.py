@@ -8,7 +8,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.speculative.verification import check_speculative_config
 from tests.test_engine import (TINY, assert_all_pages_free, make_engine, random_prompts, recorded_compilations,
                                run_staggered_mixed)
 
@@ -104,12 +103,6 @@ def test_steps_are_cut_to_limits_and_free_pages_without_preemption():
 def test_bad_step_counts_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         Scheduler(PageAllocator(8, 4), EngineConfig(**change), max_model_len=16)
-
-
-def test_no_multi_step_with_a_draft_model():
-    with pytest.raises(ValueError, match="does not combine with speculative_method=draft"):
-        check_speculative_config(EngineConfig(num_scheduler_steps=4, speculative_method="draft",
-                                              speculative_model="m"))
 
 
 def test_no_compilation_after_warmup_with_multi_step(params):

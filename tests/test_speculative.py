@@ -72,20 +72,6 @@ def test_accepted_tokens_are_the_matching_draws_plus_one():
     assert verification.accepted_tokens([], [8]) == [8]
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(speculative_method="medusa"), "speculative_method must be one of"),
-    (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
-    (dict(speculative_method="ngram", num_speculative_tokens=17), "num_speculative_tokens"),
-    (dict(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
-    (dict(speculative_method="draft"), "needs speculative_model"),
-    (dict(speculative_method="ngram", speculative_model="x"), "only used with speculative_method=draft"),
-    (dict(speculative_method="ngram", num_speculative_tokens=8, max_num_batched_tokens=8), "max_num_batched_tokens"),
-])
-def test_bad_speculation_settings_are_refused(change, message):
-    with pytest.raises(ValueError, match=message):
-        verification.check_speculative_config(EngineConfig(**change))
-
-
 def decoding_request(scheduler, prompt_len=10, **params):
     """A request admitted, its prompt computed and one output token appended: decoding."""
     request = Request("r", list(range(3, 3 + prompt_len)), SamplingParams(**{"max_tokens": 20, **params}))

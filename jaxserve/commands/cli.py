@@ -1,7 +1,9 @@
 """`jaxserve` console entry point: absl-flag subcommands.
 
 Each subcommand lives in `jaxserve/commands/<name>.py` with `define_flags(fv)` and `run(fv) -> int`;
-it gets a FlagValues of its own, so subcommands never clash over flag names. A command with modes
+it gets a FlagValues of its own, so subcommands never clash over flag names. A command with the
+engine flags has them checked together once they are parsed (engine_flags.settings_problem): a
+setting that cannot work exits 2, naming its flag, before the command runs. A command with modes
 (`jaxserve bench serve`) lists them in its module's `MODES`: {mode: (module, help)}, each mode
 module with the same two functions.
 """
@@ -14,6 +16,7 @@ import sys
 from absl import flags
 
 from jaxserve import platforms
+from jaxserve.commands import engine_flags
 
 SUBCOMMANDS = {
     "convert": "convert a Hugging Face folder or a GGUF file into a jaxserve checkpoint",
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve {name}: {SUBCOMMANDS.get(name) or module.__doc__.splitlines()[0]}\n")
         print(fv.get_help())
         return 0
+    problem = engine_flags.settings_problem(fv)
+    if problem is not None:
+        print(f"jaxserve {name}: {problem}", file=sys.stderr)
+        return 2
     return int(module.run(fv) or 0)
 
 

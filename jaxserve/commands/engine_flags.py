@@ -1,8 +1,11 @@
 """Engine flags shared by `serve`, `generate` and `plan`, and the sampling flags of `generate`.
 
-The engine flags are EngineConfig's fields (jaxserve.config.setting declares each one's help, bounds
+The engine flags are EngineConfig's fields (jaxserve.settings.setting declares each one's help, bounds
 and vLLM alias beside the field): a flag left unset keeps the EngineConfig default, so the three
-commands run, and plan for, the same engine.
+commands run, and plan for, the same engine. absl checks each flag's own bounds as it parses; the
+settings together are checked right after (`settings_problem`, which jaxserve.commands.cli calls),
+before anything loads. The sampling flags are SamplingParams' fields, each checked by the request
+check (jaxserve.core.request.check_sampling_params) as it is parsed.
 """
 from __future__ import annotations
 
@@ -10,14 +13,16 @@ import dataclasses
 import logging
 import signal
 import sys
+import types
 import typing
 
 from absl import flags
 
 from checkpoints.default_model import DEFAULT_MODEL
-from jaxserve.config import EngineConfig, Flag
-from jaxserve.core import step
+from jaxserve.config import EngineConfig
+from jaxserve.core.request import SamplingParams, check_sampling_params
 from jaxserve.parallel import multihost, multihost_front  # jax only inside their functions: `plan` starts without jax
+from jaxserve.settings import Flag, SettingError
 
 _DEFINE = {int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_boolean, str: flags.DEFINE_string}
 
@@ -28,10 +33,17 @@ def _flag_fields() -> list[tuple[dataclasses.Field, type, Flag]]:
     out = []
     for field in dataclasses.fields(EngineConfig):
         if "flag" in field.metadata:
-            kind = hints[field.name]
-            kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+            kind = _without_none(hints[field.name])
+            kind = str if typing.get_origin(kind) is tuple else kind  # a list of sizes: its text, parsed by EngineConfig
             out.append((field, kind, field.metadata["flag"]))
     return out
+
+
+def _without_none(hint):
+    """int | None -> int; any other type as it is."""
+    if isinstance(hint, types.UnionType):
+        return next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint
 
 
 ENGINE_FLAGS = tuple(field.name for field, _, _ in _flag_fields())
@@ -58,20 +70,18 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
             _DEFINE[kind](field.name, None, _help(field, flag), flag_values=fv, **bounds)
         if flag.vllm_name:  # a vLLM command line ports by changing dashes
             flags.DEFINE_alias(flag.vllm_name, field.name, flag_values=fv)
-    flags.register_multi_flags_validator(_BUCKET_FLAGS, _check_bucket_flags, flag_values=fv)
 
 
-# The explicit bucket lists and the limits their largest sizes must equal (step.check_bucket_lists).
-_BUCKET_FLAGS = ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens")
-
-
-def _check_bucket_flags(values: dict) -> bool:
-    """absl validator: a bad bucket list fails the command line (exit 2, naming the flag)."""
+def settings_problem(fv: flags.FlagValues) -> str | None:
+    """What is wrong with the engine flags together (EngineConfig.check: a bucket list, settings
+    that do not combine), naming the flags; None when they can work or `fv` has no engine flags."""
+    if not all(name in fv for name in ENGINE_FLAGS):
+        return None
     try:
-        step.check_bucket_lists(EngineConfig(**{k: v for k, v in values.items() if v is not None}))
-    except step.BucketListError as e:
-        raise flags.ValidationError(str(e)) from None
-    return True
+        engine_config(fv)
+    except SettingError as e:
+        return str(e)
+    return None
 
 
 def engine_kwargs(fv: flags.FlagValues) -> dict:
@@ -84,28 +94,57 @@ def engine_config(fv: flags.FlagValues, **overrides) -> EngineConfig:
     return dataclasses.replace(EngineConfig(**engine_kwargs(fv)), **overrides)
 
 
+# generate's sampling flags: SamplingParams' fields, with its defaults except where generate's differ
+# (said in the help: why).
+_SAMPLING_HELP = {
+    "max_tokens": "most tokens generated per prompt",
+    "temperature": "sampling temperature; 0 = greedy",
+    "top_p": "nucleus sampling mass",
+    "top_k": "sample among the k most likely tokens (0 = off)",
+    "min_p": "drop tokens below min_p x the top probability",
+    "repetition_penalty": "penalty on tokens already in prompt or output",
+    "presence_penalty": "subtracted once from tokens already generated",
+    "frequency_penalty": "subtracted per occurrence in the output",
+    "seed": "sampling seed (per request: same seed, same output)",
+    "stop": "stop string (repeatable); not included in the text",
+    "ignore_eos": "keep generating past the end-of-sequence token",
+}
+_GENERATE_DEFAULTS = {  # name: (generate's default, why it is not SamplingParams', the API's)
+    "max_tokens": (128, "a batch's completions are rarely that short"),
+    "temperature": (0.0, "greedy, so that a batch run again gives the same output"),
+}
+
+
 def define_sampling_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_integer("max_tokens", 128, "most tokens generated per prompt", flag_values=fv)
-    flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy", flag_values=fv)
-    flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", flag_values=fv)
-    flags.DEFINE_integer("top_k", 0, "sample among the k most likely tokens (0 = off)", flag_values=fv)
-    flags.DEFINE_float("min_p", 0.0, "drop tokens below min_p x the top probability", flag_values=fv)
-    flags.DEFINE_float("repetition_penalty", 1.0, "penalty on tokens already in prompt or output",
-                       flag_values=fv)
-    flags.DEFINE_float("presence_penalty", 0.0, "subtracted once from tokens already generated",
-                       flag_values=fv)
-    flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence in the output", flag_values=fv)
-    flags.DEFINE_integer("seed", None, "sampling seed (per request: same seed, same output)", flag_values=fv)
-    flags.DEFINE_multi_string("stop", [], "stop string (repeatable); not included in the text",
-                              flag_values=fv)
-    flags.DEFINE_boolean("ignore_eos", False, "keep generating past the end-of-sequence token",
-                         flag_values=fv)
+    """One flag per SamplingParams field of _SAMPLING_HELP, of the field's type and default (except
+    _GENERATE_DEFAULTS'), each checked as it is parsed by check_sampling_params: exit 2 naming it."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = {field.name: field for field in dataclasses.fields(SamplingParams)}
+    for name, text in _SAMPLING_HELP.items():
+        field = fields[name]
+        default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+        if name in _GENERATE_DEFAULTS:
+            text = f"{text} (not the API's default of {default:g}: {_GENERATE_DEFAULTS[name][1]})"
+            default = _GENERATE_DEFAULTS[name][0]
+        kind = _without_none(hints[name])
+        if typing.get_origin(kind) is list:  # stop: repeatable
+            flags.DEFINE_multi_string(name, default, text, flag_values=fv)
+        else:
+            _DEFINE[kind](name, default, text, flag_values=fv)
+        flags.register_validator(name, lambda value, name=name: _valid_sampling(name, value), flag_values=fv)
+
+
+def _valid_sampling(name: str, value) -> bool:
+    try:
+        check_sampling_params(SamplingParams(**{name: value}))
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def sampling_kwargs(fv: flags.FlagValues) -> dict:
-    names = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos"]
-    return {name: fv[name].value for name in names}
+    """The sampling flags as SamplingParams keyword arguments."""
+    return {name: fv[name].value for name in _SAMPLING_HELP}
 
 
 def define_distributed_flags(fv: flags.FlagValues) -> None:

@@ -19,7 +19,6 @@ from tqdm import tqdm
 from jaxserve.commands import engine_flags
 from jaxserve.core.request import SamplingParams, check_sampling_params
 from jaxserve.engine import Engine
-from jaxserve.speculative import verification
 from serve.prompts import encode_chat, encode_text
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
@@ -129,11 +128,6 @@ def run(fv: flags.FlagValues) -> int:
         print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
         return 0
 
-    try:
-        verification.check_speculative_config(engine_flags.engine_config(fv))
-    except ValueError as e:
-        print(f"jaxserve generate: {e}", file=sys.stderr)
-        return 2
     try:
         # Offline: compile each step shape when first used instead of all of them up front, unless
         # saved executables are to be loaded or written (a warm-up does that).

@@ -14,10 +14,10 @@ from absl import flags
 from checkpoints.load import open_model
 from jaxserve.commands import engine_flags
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.core import bucket_choice, step
+from jaxserve.core import bucket_choice
 from jaxserve.planning import memory, predict
 from jaxserve.planning.gpu_targets import target_memory_budget_bytes
-from jaxserve.speculative import verification
+from jaxserve.settings import format_bucket_sizes
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -122,9 +122,6 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
         cfg = device_setup.platform_config(cfg)
     cfg = cfg.for_platform(on_gpu)
     memory.kv_heads_per_device(memory.parallel_model(model, cfg), cfg.tensor_parallel_size)  # a bad split is named before anything is read
-    if cfg.quantize_embedding and cfg.tensor_parallel_size * cfg.data_parallel_size > 1:
-        raise ValueError("quantize_embedding needs the weights on one device (tensor and data parallel size 1)")
-    verification.check_speculative_config(cfg)
     draft = None
     if cfg.speculative_method == "draft":
         draft = open_model(cfg.speculative_model).config
@@ -305,7 +302,7 @@ def _measure_buckets(fv: flags.FlagValues, model: ModelConfig) -> int:
     times = bucket_measure.measure(engine.runner, context_len, fv.measure_repeats)
     chosen = {kind: bucket_choice.choose_buckets(getattr(times, kind), fv.measure_tolerance)
               for kind in ("decode", "prefill")}
-    flags_line = " ".join(f"--{kind}_buckets={step.format_bucket_sizes(sizes)}" for kind, sizes in chosen.items())
+    flags_line = " ".join(f"--{kind}_buckets={format_bucket_sizes(sizes)}" for kind, sizes in chosen.items())
     rows = [dict(kind=kind, size=size, step_seconds=seconds, kept=size in chosen[kind],
                  padded_into=bucket_choice.padded_into(size, chosen[kind]))
             for kind in chosen for size, seconds in sorted(getattr(times, kind).items())]

@@ -139,22 +139,13 @@ class Scheduler:
         max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model)."""
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         max_num_prefill_seqs = config.max_num_prefill_seqs
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_prefill_seqs", max_num_prefill_seqs), ("max_model_len", max_model_len)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
-                "so that every running sequence can decode in each step")
+        if max_model_len < 1:  # (the config's own bounds are checked when it is made: EngineConfig.check)
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
-        threshold = config.long_prefill_token_threshold
-        if threshold is not None and threshold < 1:
-            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {threshold}")
-        self.long_prefill_token_threshold = threshold
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         # Set by the engine when the prompt-logprob shapes compile on first use (None: all of them can run).
         self.prompt_logprob_shapes: PromptLogprobShapes | None = None
@@ -163,8 +154,6 @@ class Scheduler:
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
         self.max_verify_rows = verification.max_verify_rows(config) if self.max_spec_tokens else 0
         self.spec_stats = verification.SpeculationStats(self.max_spec_tokens)
-        if not 1 <= config.num_scheduler_steps <= 64:
-            raise ValueError(f"num_scheduler_steps must be in [1, 64], got {config.num_scheduler_steps}")
         self.num_scheduler_steps = config.num_scheduler_steps
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.settings import BucketListError  # noqa: F401 (a bad explicit bucket list: EngineConfig refuses it)
 from jaxserve.core.request import Request, SamplingParams
 
 # The most prompt-logprob rows one step computes (each is a [vocab] row of logits on the device;
@@ -152,45 +153,6 @@ def geometric_buckets(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-class BucketListError(ValueError):
-    """An explicit bucket list (--decode_buckets, --prefill_buckets) that cannot work."""
-
-
-def parse_bucket_sizes(text: str, flag: str, largest: int, largest_flag: str) -> tuple[int, ...]:
-    """The sizes of an explicit bucket list: `text` is comma-separated integers, ascending, each
-    at least 1, the last equal to `largest` (the limit a step may reach, the value of
-    --`largest_flag`: a step that size must fit, and no bucket beyond it is ever used).
-    Raises BucketListError naming --`flag` and what is wrong."""
-    items = [item.strip() for item in text.split(",")]
-    try:
-        sizes = tuple(int(item) for item in items)
-    except ValueError:
-        raise BucketListError(f"--{flag}={text!r}: expected comma-separated positive integers") from None
-    if min(sizes) < 1:
-        raise BucketListError(f"--{flag}={text!r}: every size must be at least 1")
-    if any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise BucketListError(f"--{flag}={text!r}: sizes must be strictly ascending (no repeats)")
-    if sizes[-1] != largest:
-        raise BucketListError(f"--{flag}={text!r}: the largest size must be --{largest_flag}={largest} "
-                              f"(a step of that size must fit, and none is larger)")
-    return sizes
-
-
-def check_bucket_lists(config: EngineConfig) -> None:
-    """Raises BucketListError when the config's explicit bucket lists cannot work (before a model
-    loads: the same check as BucketSet.create's)."""
-    if config.decode_buckets is not None:
-        parse_bucket_sizes(config.decode_buckets, "decode_buckets", config.max_num_seqs, "max_num_seqs")
-    if config.prefill_buckets is not None:
-        parse_bucket_sizes(config.prefill_buckets, "prefill_buckets", config.max_num_batched_tokens,
-                           "max_num_batched_tokens")
-
-
-def format_bucket_sizes(sizes) -> str:
-    """The flag value of a bucket list: its sizes, comma-separated (parse_bucket_sizes reads it)."""
-    return ",".join(str(size) for size in sizes)
-
-
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """One compiled step shape."""
@@ -250,12 +212,12 @@ class BucketSet:
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
                max_num_prefill_seqs: int, max_model_len: int, page_size: int,
                speculative_tokens: int = 0, max_verify_rows: int = 0,
-               decode_buckets: str | None = None, prefill_buckets: str | None = None,
+               decode_buckets: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] | None = None,
                width_buckets: bool = False) -> "BucketSet":
         """The buckets of an engine; with `speculative_tokens` K > 0 also verification buckets of
         1, 2, 4, .. `max_verify_rows` rows of K + 1 tokens. `decode_buckets` / `prefill_buckets`:
-        explicit lists of decode rows / prefill tokens (parse_bucket_sizes; BucketListError when
-        bad), else the geometric rule's. `width_buckets`: block-table widths of 256 keys, x4, up to
+        explicit lists of decode rows / prefill tokens (EngineConfig's, parsed and checked there),
+        else the geometric rule's. `width_buckets`: block-table widths of 256 keys, x4, up to
         the longest context (else that one width)."""
         max_pages_per_seq = -(-max_model_len // page_size)
         pages = (geometric_buckets(-(-256 // page_size), max_pages_per_seq, 4) if width_buckets else
@@ -264,12 +226,11 @@ class BucketSet:
             decode = geometric_buckets(MIN_DECODE_BUCKET, max_num_seqs, 2)
             small = tuple(rows for rows in CPU_SMALL_DECODE_BUCKETS if rows < decode[0]) if backend == "xla" else ()
         else:
-            sizes = parse_bucket_sizes(decode_buckets, "decode_buckets", max_num_seqs, "max_num_seqs")
-            split = min(MIN_DECODE_BUCKET, sizes[-1]) if backend == "xla" else 0
-            decode, small = tuple(s for s in sizes if s >= split), tuple(s for s in sizes if s < split)
-        prefill = (geometric_buckets(MIN_PREFILL_BUCKET, max_num_batched_tokens, 2) if prefill_buckets is None else
-                   parse_bucket_sizes(prefill_buckets, "prefill_buckets", max_num_batched_tokens,
-                                      "max_num_batched_tokens"))
+            split = min(MIN_DECODE_BUCKET, decode_buckets[-1]) if backend == "xla" else 0
+            decode = tuple(s for s in decode_buckets if s >= split)
+            small = tuple(s for s in decode_buckets if s < split)
+        prefill = (geometric_buckets(MIN_PREFILL_BUCKET, max_num_batched_tokens, 2) if prefill_buckets is None
+                   else tuple(prefill_buckets))
         verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
         return cls((0,) + decode, (0,) + prefill, pages, max_num_prefill_seqs, small, verify,
                    speculative_tokens + 1 if speculative_tokens else 0, shared_sampler_rows=backend != "xla")

@@ -372,8 +372,6 @@ def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: 
     _require_positive(device_memory_bytes=device_memory_bytes, page_size=cfg.page_size,
                       max_model_len=cfg.model_len(model), max_num_batched_tokens=cfg.max_num_batched_tokens,
                       max_num_seqs=cfg.max_num_seqs, max_prefill_seqs=cfg.max_num_prefill_seqs)
-    if not 0 < cfg.memory_utilization <= 1:
-        raise MemoryPlanError(f"memory_utilization must be in (0, 1], got {cfg.memory_utilization}")
     if not 0 <= runtime_reserve_fraction < 1:
         raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
     weight_dtype = normalize_dtype(cfg.quantization or cfg.dtype, WEIGHT_DTYPES)

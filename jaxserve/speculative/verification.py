@@ -1,4 +1,5 @@
-"""Speculative decoding, the host side: its settings, the acceptance rule and its counters (no jax).
+"""Speculative decoding, the host side: the acceptance rule and its counters (no jax; its settings
+are EngineConfig's, checked there).
 
 A decoding request may carry up to K proposed tokens (`Request.spec_token_ids`, set by the engine
 after each step). The scheduler then runs a *verification step*: every decode row becomes a
@@ -30,34 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
-
-METHODS = ("ngram", "draft")
-
-
-def check_speculative_config(cfg) -> None:
-    """ValueError naming the setting when an EngineConfig's speculation settings cannot work."""
-    method = cfg.speculative_method
-    if method is None:
-        return
-    if method not in METHODS:
-        raise ValueError(f"speculative_method must be one of {', '.join(METHODS)}, got {method!r}")
-    if not 1 <= cfg.num_speculative_tokens <= 16:
-        raise ValueError(f"num_speculative_tokens must be in [1, 16], got {cfg.num_speculative_tokens}")
-    if cfg.num_speculative_tokens + 1 > cfg.max_num_batched_tokens:
-        raise ValueError(f"num_speculative_tokens + 1 ({cfg.num_speculative_tokens + 1}) exceeds "
-                         f"max_num_batched_tokens ({cfg.max_num_batched_tokens})")
-    if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-        raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                         f"{cfg.prompt_lookup_min} and {cfg.prompt_lookup_max}")
-    if method == "draft" and not cfg.speculative_model:
-        raise ValueError("speculative_method=draft needs speculative_model")
-    if method != "draft" and cfg.speculative_model:
-        raise ValueError("speculative_model is only used with speculative_method=draft")
-    if method == "draft" and cfg.num_scheduler_steps > 1:
-        raise ValueError("num_scheduler_steps > 1 does not combine with speculative_method=draft (the draft "
-                         "mirrors each step's tokens, which multi-step decoding keeps on the device)")
-    if cfg.speculative_disable_by_batch_size is not None and cfg.speculative_disable_by_batch_size < 1:
-        raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {cfg.speculative_disable_by_batch_size}")
 
 
 def draft_scratch_pages_per_row(num_speculative_tokens: int, page_size: int) -> int:
