@@ -17,6 +17,8 @@ from serve.app import ServerConfig
 from serve.prompts import encode_chat
 from tests.test_server_engine import LiveServer
 
+pytestmark = pytest.mark.slow  # servers on the tiny model: out of `make test-quick`
+
 MODEL = "tiny-chat"
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, page_size=8, num_pages=256, max_model_len=256,
               warmup=False)

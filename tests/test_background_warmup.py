@@ -15,6 +15,8 @@ from jax import monitoring
 from jaxserve.core.request import SamplingParams
 from tests.test_engine import GREEDY, TINY, make_engine, random_prompts, recorded_compilations, run_staggered
 
+pytestmark = pytest.mark.slow  # engines and their warm-ups: out of `make test-quick`
+
 WANTING = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 
 

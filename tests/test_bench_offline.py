@@ -8,6 +8,8 @@ import pytest
 from jaxserve.benchmarks import datasets, latency, offline, throughput
 from jaxserve.commands import cli
 
+pytestmark = pytest.mark.slow  # engines on the tiny model: out of `make test-quick`
+
 # Small shapes, compiled as first used (no warm-up of every bucket): the file stays fast.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, page_size=8, max_model_len=64)
 ENGINE_FLAGS = [f"--{k}={v}" for k, v in ENGINE.items()] + ["--nowarmup", "--disable_tqdm"]

@@ -15,6 +15,8 @@ import pytest
 
 from bench import common, soak, throughput
 
+pytestmark = pytest.mark.slow  # the benchmark scripts as subprocesses: out of `make test-quick`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = "--max_num_seqs=4 --max_num_batched_tokens=64 --max_model_len=128"
 # The serving benchmark's server: concurrency 1 and 2 need no more rows, and a 32-token budget (the

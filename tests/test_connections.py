@@ -27,6 +27,8 @@ from serve.connections import (FD_RESERVE, AcceptErrorFilter, BodyTimeout, Conne
                                read_body, resolve_limits)
 from serve.server import start_server
 
+pytestmark = pytest.mark.slow  # servers in subprocesses: out of `make test-quick`
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST = ConnectionLimits(max_connections=20, header_timeout_s=0.5, body_timeout_s=0.5, keepalive_timeout_s=2.0)
 HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"

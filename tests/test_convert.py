@@ -16,6 +16,8 @@ from checkpoints.default_model import resolve_model, smollm2_gguf_path
 from checkpoints.load import load_config, load_params, load_tokenizer
 from jaxserve.commands import convert as convert_command
 
+pytestmark = pytest.mark.slow  # conversions checked against transformers: out of `make test-quick`
+
 Q = gguf.GGMLQuantizationType
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(97, 123)] + ["Ġ", "ab", "cd", "Ġa"]
 MERGES = ["a b", "c d", "Ġ a"]

@@ -16,7 +16,8 @@ from pallas_kernels import dispatch
 
 SEED = int(os.environ.get("JAXSERVE_TEST_SEED", "20261130"))
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+pytestmark = [pytest.mark.slow,  # builds the kernels, runs them against numpy: out of `make test-quick`
+              pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")]
 
 FORMATS = ["int8", "int8_g64", "int8_zp", "int8_g32_zp", "int4", "int4_g64", "int4_g32_sym", "int4_g128_sym"]
 

@@ -13,6 +13,8 @@ from jaxserve.engine import Engine, EngineConfig
 from jaxserve.executor import sampler
 from jaxserve.models import weights
 
+pytestmark = pytest.mark.slow  # engines: out of `make test-quick`
+
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
                    num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
                    eos_token_ids=(2,))

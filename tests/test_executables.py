@@ -12,6 +12,8 @@ from jaxserve.executor import executables
 from jaxserve.models import weights
 from tests.test_engine import recorded_compilations, run_staggered
 
+pytestmark = pytest.mark.slow  # engines and their saved executables: out of `make test-quick`
+
 TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=1,
                    num_q_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256,
                    eos_token_ids=(2,))

@@ -18,6 +18,10 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
+pytestmark = pytest.mark.slow  # make serve in a new venv: out of `make test-quick`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT_S = 900
 

@@ -5,6 +5,8 @@ import pytest
 
 from jaxserve.commands import cli
 
+pytestmark = pytest.mark.slow  # jaxserve generate end to end: out of `make test-quick`
+
 ENGINE_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=64", "--num_pages=64", "--page_size=8",
                 "--max_model_len=128", "--noprogress"]
 

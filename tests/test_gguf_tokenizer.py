@@ -9,6 +9,8 @@ from transformers import AutoTokenizer
 from checkpoints.default_model import smollm2_gguf_path
 from checkpoints.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 
+pytestmark = pytest.mark.slow  # tokenizers against transformers' GGUF loader: out of `make test-quick`
+
 TEXTS = ["Hello world", "  two  spaces\n\nnew lines\t tab ", "2024 numbers 12345 3.14159", "don't I'll we're",
          "<|im_start|>user\nhi<|im_end|>\n", "émojis 🤗, ñ ü 中文 日本語", "a" * 40, " leading", "", "\n"]
 SPM_PIECES = ["▁t", "▁a", "he", "in", "▁the", "er", "on", "▁s", "▁w", "▁th", "▁he", "ll", "▁hello", "lo", "▁wor",

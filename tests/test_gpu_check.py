@@ -42,6 +42,7 @@ def rehearsal_environment() -> str | None:
 REASON = rehearsal_environment()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"not the GPU rehearsal environment ({REASON}): "
                                 "run it in .venv-gpu-rehearsal (make install-gpu-rehearsal)")
+pytestmark = [pytestmark, pytest.mark.slow]  # the dry run in a subprocess: out of `make test-quick`
 
 STEPS = ("machine", "kernel_tests", "kernels", "e2e", "executables", "gpu_compile")
 

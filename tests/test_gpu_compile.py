@@ -22,9 +22,9 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(  # compiles for a GPU: out of `make test-quick`
     not gpu_compile.is_available(), reason="the gpu-compile extra is not in this environment (`make test` runs "
-    f"these tests in .venv-gpu-compile; or {gpu_compile.INSTALL_HINT})")
+    f"these tests in .venv-gpu-compile; or {gpu_compile.INSTALL_HINT})")]
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_q_heads=9,
                       num_kv_heads=3, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)

@@ -19,6 +19,8 @@ from jaxserve.models import moe
 from pallas_kernels import dispatch, xla_grouped
 from pallas_kernels import grouped_matmul as gmm
 
+pytestmark = pytest.mark.slow  # the Pallas kernel in interpret mode: out of `make test-quick`
+
 SEED = 20261202
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernel runs compiled
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # relative to the output's scale

@@ -12,6 +12,8 @@ import requests
 
 from tests.test_hostile_requests import AUTH, ServeProcess, Streams, post
 
+pytestmark = pytest.mark.slow  # servers: out of `make test-quick`
+
 CHAIN_3000 = ("start: r0\n" + "".join(f'r{i}: "t{i} " r{i + 1}\n' for i in range(3000)) + 'r3000: "end"\n')
 CHAIN_4000 = ("start: a0\n" + "".join(f"a{i}: a{i + 1}\n" for i in range(4000)) + 'a4000: "x"\n')
 

@@ -23,6 +23,8 @@ import psutil
 import pytest
 import requests
 
+pytestmark = pytest.mark.slow  # servers, raw sockets: out of `make test-quick`
+
 API_KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PAGE_SIZE, NUM_PAGES = 8, 30

@@ -13,9 +13,9 @@ from jaxserve.planning import gpu_compile
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_prefill import ragged_paged_attention
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(  # compiles for a GPU: out of `make test-quick`
     not gpu_compile.is_available(),
-    reason=f"the gpu-compile extra is not in this environment (run it in .venv-gpu-compile; {gpu_compile.INSTALL_HINT})")
+    reason=f"the gpu-compile extra is not in this environment (run it in .venv-gpu-compile; {gpu_compile.INSTALL_HINT})")]
 
 GEMMA2_2B = (8, 4, 256)  # query heads, KV heads, head_dim
 OPTIONS = dict(scale=256**-0.5, logit_soft_cap=50.0)

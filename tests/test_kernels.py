@@ -25,6 +25,8 @@ from pallas_kernels import (
     common, dispatch, kv_quant, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill, reference, xla_paged,
 )
 
+pytestmark = pytest.mark.slow  # the Pallas kernels in interpret mode: out of `make test-quick`
+
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # Interpret mode on CPU; on a GPU the kernels run natively (bench/gpu_check.sh).
 INTERPRET = jax.default_backend() != "gpu"

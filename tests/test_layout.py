@@ -190,3 +190,36 @@ def test_no_script_shadows_an_installed_module():
                for folder in ("bench", "tests") for path in sorted((ROOT / folder).glob("*.py"))
                if path.stem in installed]
     assert not shadows, "\n".join(shadows)
+
+
+# ---- the test suite's split ---------------------------------------------------------------------
+# The modules `make test-quick` runs (`pytest -m "not slow"`): host-side and unit tests, none that
+# needs a server, an engine or a subprocess beyond a bare `python -c` import check. tests/conftest.py
+# still marks, in these, each test that uses a server or engine fixture. Every other module says
+# `pytestmark = pytest.mark.slow` itself; a new module goes in one group or the other.
+QUICK_TEST_MODULES = {
+    "test_bench_datasets", "test_bench_serve", "test_buckets", "test_engine_client", "test_environment",
+    "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_memory", "test_metrics_names",
+    "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
+    "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
+    "test_step_diagnosis", "test_tool_parsers", "test_tools",
+}
+
+
+def marked_slow(path: pathlib.Path) -> bool:
+    """Whether the module assigns `pytestmark` a value that holds `pytest.mark.slow`."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            if any(isinstance(n, ast.Attribute) and n.attr == "slow" and isinstance(n.value, ast.Attribute)
+                   and n.value.attr == "mark" for n in ast.walk(node.value)):
+                return True
+    return False
+
+
+def test_every_test_module_is_marked_slow_or_listed_as_quick():
+    modules = {path.stem: marked_slow(path) for path in (ROOT / "tests").glob("test_*.py")}
+    neither = sorted(name for name, slow in modules.items() if not slow and name not in QUICK_TEST_MODULES)
+    both = sorted(name for name, slow in modules.items() if slow and name in QUICK_TEST_MODULES)
+    assert not neither, f"mark these `pytestmark = pytest.mark.slow` or list them in QUICK_TEST_MODULES: {neither}"
+    assert not both, f"marked slow and listed as quick: {both}"
+    assert QUICK_TEST_MODULES <= modules.keys(), f"listed, not there: {sorted(QUICK_TEST_MODULES - modules.keys())}"

@@ -10,6 +10,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import llama, weights
 from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch
 
+pytestmark = pytest.mark.slow  # the forward against transformers: out of `make test-quick`
+
 
 def test_direct_mapping_equals_the_converter(tmp_path):
     """The test's own HF -> pytree mapping (below) agrees with the converter's."""

@@ -16,6 +16,8 @@ from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
 import lm_eval  # noqa: E402  (the test extra installs it)
 
+pytestmark = pytest.mark.slow  # lm-eval against a server: out of `make test-quick`
+
 # Both sides compute in float32 (jax on the paged engine, torch in transformers); a loglikelihood
 # sums a few token logprobs of magnitude ~10, measured within 1e-5 of each other. 1e-3 leaves room
 # for other BLAS builds, far below the gaps between choices (~1).

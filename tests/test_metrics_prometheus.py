@@ -23,6 +23,8 @@ import requests
 
 from tests.test_server_engine import LiveServer
 
+pytestmark = pytest.mark.slow  # Prometheus scraping a server: out of `make test-quick`
+
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None, reason=(
     "needs Debian's prometheus package (prometheus and promtool): apt-get install prometheus; "

@@ -21,6 +21,8 @@ from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import llama, weights
 from tests.tiny_models import copy_smollm2_tokenizer, hf_logits, prefill_batch
 
+pytestmark = pytest.mark.slow  # models against transformers, convert + generate: out of `make test-quick`
+
 WINDOW = 8
 SEED = 1234
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -22,6 +22,8 @@ from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import llama, moe, weights
 from tests.tiny_models import hf_logits, prefill_batch
 
+pytestmark = pytest.mark.slow  # models against transformers, convert + generate: out of `make test-quick`
+
 SEED = 4321
 BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,

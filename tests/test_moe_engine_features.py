@@ -21,6 +21,8 @@ from tests.test_moe import make_moe_model
 from tests.test_structured_output import REGEXES, SCHEMAS
 from tests.tiny_models import copy_smollm2_tokenizer, hf_logits
 
+pytestmark = pytest.mark.slow  # engines: out of `make test-quick`
+
 SEED = 11
 MOE = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_q_heads=4, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=256, eos_token_ids=(2,), architecture="Qwen2MoeForCausalLM",

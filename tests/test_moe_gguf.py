@@ -23,6 +23,8 @@ from tests.test_convert import add_model_header, llama_cpp_permute
 from tests.test_moe import SEED, make_moe_model
 from tests.tiny_models import hf_logits, prefill_batch
 
+pytestmark = pytest.mark.slow  # GGUF models against transformers: out of `make test-quick`
+
 Q = gguf.GGMLQuantizationType
 CASES = {  # name: (family, GGUF architecture, extra transformers config fields)
     "mixtral": ("mixtral", "llama", {"sliding_window": None}),

@@ -21,6 +21,8 @@ from jaxserve.models import cpu_layout, llama, weights
 from tests.test_moe import SEED, greedy_through_the_cli, make_moe_model
 from tests.tiny_models import hf_logits, prefill_batch
 
+pytestmark = pytest.mark.slow  # models against transformers, subprocesses: out of `make test-quick`
+
 CASES = {  # name: (family, extra config fields, the dense layers transformers builds)
     "qwen3_moe-step2": ("qwen3_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}, (0, 2)),
     "qwen3_moe-mlp_only0": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0]}, (0,)),

@@ -26,6 +26,8 @@ from tests.moe_fake_devices import prefill_logits, worker_results
 from tests.test_moe import FAMILIES, make_moe_model
 from tests.tiny_models import prefill_batch
 
+pytestmark = pytest.mark.slow  # quantized models, fake devices in subprocesses: out of `make test-quick`
+
 SEED = 2468
 # Sizes every group size divides: hidden 32, experts' and shared expert's intermediate 64.
 SIZES = dict(intermediate_size=64, moe_intermediate_size=64)

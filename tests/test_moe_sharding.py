@@ -21,6 +21,8 @@ from jaxserve.parallel import sharding
 from tests.moe_fake_devices import prefill_logits, worker_results
 from tests.test_sharding import REPO, SMALL_ENGINE, _greedy_tokens
 
+pytestmark = pytest.mark.slow  # fake devices in subprocesses: out of `make test-quick`
+
 BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, num_experts_per_tok=2)

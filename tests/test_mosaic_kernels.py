@@ -29,6 +29,8 @@ from tests.test_kernels import (  # noqa: E402
     jitted, oracle, ragged_problem,
 )
 
+pytestmark = pytest.mark.slow  # the Mosaic GPU kernels in their interpreter: out of `make test-quick`
+
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
 # The interpreter on the CPU; on a GPU (bench/gpu_check.sh) the kernels run compiled.
 INTERPRET = jax.default_backend() != "gpu"

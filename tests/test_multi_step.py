@@ -11,6 +11,8 @@ from jaxserve.core.scheduler import Scheduler
 from tests.test_engine import (TINY, assert_all_pages_free, make_engine, random_prompts, recorded_compilations,
                                run_staggered_mixed)
 
+pytestmark = pytest.mark.slow  # engines: out of `make test-quick`
+
 
 @pytest.fixture(scope="module")
 def params():

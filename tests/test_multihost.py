@@ -24,6 +24,8 @@ import requests
 from jaxserve.parallel import multihost, sharding
 from tests.tiny_models import copy_smollm2_tokenizer, make_tiny_hf_model
 
+pytestmark = pytest.mark.slow  # processes joined by jax.distributed: out of `make test-quick`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--max_num_seqs=4", "--max_num_batched_tokens=64", "--max_model_len=128", "--num_pages=40"]
 PROMPTS = [{"id": 1, "prompt": "The capital of France is"}, {"id": 2, "prompt": "def fibonacci(n):"},

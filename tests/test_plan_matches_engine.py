@@ -16,6 +16,8 @@ from jaxserve.commands import serve as serve_command
 from jaxserve.engine import EngineConfig
 from jaxserve.planning import memory
 
+pytestmark = pytest.mark.slow  # engines: out of `make test-quick`
+
 NON_DEFAULT = ["--max_num_seqs=8", "--page_size=8", "--max_model_len=128", "--dtype=bfloat16",
                "--kv_cache_dtype=int8"]
 

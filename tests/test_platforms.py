@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses: out of `make test-quick`
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

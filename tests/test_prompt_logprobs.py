@@ -13,6 +13,8 @@ from jaxserve.core.step import MAX_PROMPT_LOGPROB_ROWS
 from jaxserve.engine import Engine, EngineConfig
 from tests.tiny_models import hf_logits, make_tiny_hf_model
 
+pytestmark = pytest.mark.slow  # engines: out of `make test-quick`
+
 # float32 on both sides; jax and torch sum in different orders: logits differ by ~1e-6, logprobs
 # (after log_softmax over 128 tokens) by at most ~1e-5. A wrong row or target is off by >= 0.01.
 ATOL = 1e-4

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # published quantized formats against transformers, engines: out of `make test-quick`
+
 pytest.importorskip("compressed_tensors")  # the test extra
 torch = pytest.importorskip("torch")
 

@@ -28,6 +28,8 @@ from tests import test_kernels as kt
 from tests.test_convert import tiny_model, write_gguf
 from tests.test_kernel_lowering import pallas_custom_calls
 
+pytestmark = pytest.mark.slow  # quantized kernels and engines: out of `make test-quick`
+
 Q = gguf.GGMLQuantizationType
 SEED = np.random.SeedSequence().entropy % 2**32
 FORMATS = ["int8", "int8_g32", "int8_g128", "int8_g32_zp", "int8_zp", "int4", "int4_g64", "int4_g128_sym"]

@@ -20,6 +20,8 @@ import requests
 
 from tests.test_tools import MESSAGES, SCHEMAS, TOOLS, WEATHER, server  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.slow  # clients against a server: out of `make test-quick`
+
 PROMPT = MESSAGES[0]["content"]
 
 

@@ -39,6 +39,8 @@ from serve.app import ServerConfig, create_app
 from serve.metrics import ServerMetrics, token_count_buckets
 from serve.server import serve_until_stopped
 
+pytestmark = pytest.mark.slow  # servers, a SIGTERM subprocess: out of `make test-quick`
+
 MODEL = "fake-model"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

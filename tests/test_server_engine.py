@@ -15,6 +15,8 @@ from jaxserve.models import weights
 from serve.app import ServerConfig, create_app
 from serve.server import start_server
 
+pytestmark = pytest.mark.slow  # servers: out of `make test-quick`
+
 
 class LiveServer:
     """A real engine + app on a loopback port, run by an event loop in a thread."""

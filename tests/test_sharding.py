@@ -16,6 +16,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.core.outputs import EngineStats
 from jaxserve.parallel import sharding
 
+pytestmark = pytest.mark.slow  # fake devices in subprocesses: out of `make test-quick`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_FAKE_DEVICES = 8
 FAKE_DEVICES_ENV = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}",

@@ -13,6 +13,8 @@ from jaxserve.models import llama
 from serve.prompts import encode_chat
 from tests.tiny_models import hf_logits, prefill_batch
 
+pytestmark = pytest.mark.slow  # SmolLM2 against transformers: out of `make test-quick`
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "List three prime numbers.", "Explain what a KV cache is in one sentence.",
              "Say hello in Spanish."]

@@ -14,6 +14,8 @@ from jaxserve.models import weights
 from jaxserve.speculative import ngram, verification
 from tests.test_engine import TINY, assert_all_pages_free, recorded_compilations, run_staggered_mixed
 
+pytestmark = pytest.mark.slow  # engines (the host-side tests run with them): out of `make test-quick`
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # A smaller model with TINY's vocabulary: a draft that proposes badly.
 SMALL_DRAFT = dataclasses.replace(TINY, num_layers=1, hidden_size=32, intermediate_size=48, num_q_heads=2,

@@ -12,6 +12,8 @@ from jaxserve.core.request import InvalidRequestError, SamplingParams
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputParams
 from jaxserve.engine import Engine, EngineConfig
 
+pytestmark = pytest.mark.slow  # engines and servers: out of `make test-quick`
+
 NUM_SAMPLES = 20
 # Bounded schemas (strings with maxLength, arrays with maxItems, no extra properties): every path
 # through them ends within max_tokens, so a random model must finish each output with "stop".

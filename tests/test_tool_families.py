@@ -16,6 +16,8 @@ from serve.protocol import parse_chat_request
 from tests.chat_parsing import chat_template, serve_with_template
 from tests.test_tools import MESSAGES, TOOLS
 
+pytestmark = pytest.mark.slow  # servers: out of `make test-quick`
+
 
 def _regex(text: str) -> str:
     return re.escape(text).replace(r"\ ", " ")

@@ -27,6 +27,8 @@ from serve.app import STATE, ServerConfig
 from tests import test_server
 from tests.test_server import MODEL, FakeEngine, LiveServer, byte_tokenizer, read_events, wait_until
 
+pytestmark = pytest.mark.slow  # a browser against a server: out of `make test-quick`
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = "/usr/bin/chromedriver"
 HAVE_BROWSER = (CHROMIUM is not None and os.path.exists(CHROMEDRIVER)
