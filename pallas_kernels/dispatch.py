@@ -15,11 +15,13 @@ Backends:
                (cpu_kernels, when built): the fast path on CPU;
   "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
                only when this backend is asked for.
-Default on a GPU: "pallas" while the installed jax ships the Triton lowering (it is deprecated
-upstream since jax 0.11; the Mosaic kernels have not run on hardware yet), else "mosaic" on a
-Hopper GPU (compute capability 9.x) with Mosaic GPU, else "xla"; "xla" off a GPU. A backend named
-explicitly wins (jaxserve passes EngineConfig.attention_backend,
-else $JAXSERVE_ATTENTION_BACKEND: jaxserve.executor.device_setup.attention_backend).
+Default on a GPU: what the installed jax offers there. "pallas" while the Triton lowering is
+there and works (it is deprecated upstream since jax 0.11; the Mosaic kernels have not run on
+hardware yet): present, and a one-block decode kernel compiles on this GPU (`triton_unusable_reason`,
+probed once per process); else "mosaic" on a Hopper GPU (compute capability 9.x) with Mosaic GPU,
+else "xla"; "xla" off a GPU. A backend named explicitly wins (jaxserve passes
+EngineConfig.attention_backend, else $JAXSERVE_ATTENTION_BACKEND:
+jaxserve.executor.device_setup.attention_backend).
 
 Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmul`):
   "xla"         the default: plain XLA. Lowered for the CPU, a loop over the work items in use
@@ -39,6 +41,7 @@ Attention options (the same on every backend, see pallas_kernels.common): slidin
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
 
+import functools
 
 import jax
 
@@ -63,12 +66,50 @@ def attention_backend(choice: str | None = None) -> str:
             raise ValueError(f"unknown attention backend {choice!r}; expected one of "
                              f"{BACKENDS + tuple(BACKEND_ALIASES)}")
         return choice
-    if jax.default_backend() in ("gpu", "cuda", "rocm"):
-        if compat.has_pallas_triton():
+    if on_gpu():
+        if triton_unusable_reason() is None:
             return "pallas"
         if compat.has_mosaic_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
             return "mosaic"
     return "xla"
+
+
+def on_gpu() -> bool:
+    """Whether jax's default backend is a GPU."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@functools.cache
+def triton_unusable_reason() -> str | None:
+    """Why the Triton kernels cannot be this machine's default, None when they can: this jax ships
+    no Pallas Triton lowering, or (on a GPU, checked once per process) the decode kernel does not
+    compile there at a one-block shape (a Triton that jax can no longer drive, a missing compiler).
+    Off a GPU only the first is asked: nothing there would compile them."""
+    if not compat.has_pallas_triton():
+        return f"jax {jax.__version__} has no Pallas Triton lowering"
+    if not on_gpu():
+        return None
+    try:
+        _compile_triton_probe()
+    except Exception as error:  # whatever stops the kernel from compiling stops it from serving
+        return f"the Triton decode kernel does not compile on {jax.devices()[0].device_kind}: " \
+               f"{type(error).__name__}: {str(error)[:400]}"
+    return None
+
+
+def triton_probe_args() -> tuple:
+    """The probe's operands: one sequence of 4 bfloat16 query heads over one KV head (head_dim
+    64) and a table of one page of 16 keys."""
+    bf16, i32 = jax.numpy.bfloat16, jax.numpy.int32
+    pages = jax.ShapeDtypeStruct((2, 16, 1, 64), bf16)
+    return (jax.ShapeDtypeStruct((1, 4, 64), bf16), pages, pages, jax.ShapeDtypeStruct((1, 1), i32),
+            jax.ShapeDtypeStruct((1,), i32))
+
+
+def _compile_triton_probe() -> None:
+    """Compiles (does not run) the Triton decode kernel on triton_probe_args()."""
+    with compat.quiet_pallas_deprecations():
+        jax.jit(paged_decode.paged_decode_attention).lower(*triton_probe_args()).compile()
 
 
 def unsupported_operands(backend: str, q, k_pages) -> str | None:
