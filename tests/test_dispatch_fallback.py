@@ -18,6 +18,8 @@ import pytest
 from bench.gpu_check_report import compare_greedy, top2_gap
 from pallas_kernels import compat, dispatch
 
+pytestmark = pytest.mark.slow  # an engine serves in one of them: out of `make test-quick`
+
 SEED = 20261205
 
 
