@@ -19,7 +19,7 @@ LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal gpu-executables test-gpu-rehearsal serve test generate bench llama-server
+.PHONY: install install-test install-gpu-compile install-gpu-rehearsal gpu-rehearsal gpu-executables test-gpu-rehearsal serve test test-quick generate bench llama-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,13 +78,14 @@ gpu-executables: install-gpu-rehearsal
 		JAX_PLATFORMS=cpu PYTHONPATH=. $(GPU_REHEARSAL_BIN)/python bench/saved_executables.py save \
 		--dir=bench/out/gpu_executables --target=h200
 
-## The tests that run in that environment (part of `make test`; 5-10 minutes on 2 cores: the dry run
-## and the Mosaic GPU kernels in their interpreter and compiled for sm_90a). Without
-## a Python 3.12 they are skipped with a note, not failed.
+## The tests that run in that environment (part of `make test`: the dry run and the Mosaic GPU
+## kernels in their interpreter and compiled for sm_90a; their time: bench/RESULTS.md, "Test suite
+## run time"). Without a Python 3.12 they are skipped with a note, not failed: `make test` passes
+## without them.
 GPU_REHEARSAL_TESTS := tests/test_gpu_check.py tests/test_mosaic_kernels.py
 test-gpu-rehearsal:
 	@if [ -z "$(GPU_REHEARSAL_PYTHON)" ]; then \
-		echo "note: no Python 3.12 (pyenv install 3.12, or GPU_REHEARSAL_PYTHON=...): skipping the GPU rehearsal tests ($(GPU_REHEARSAL_TESTS))"; \
+		echo "note: no Python 3.12 (pyenv install 3.12, or GPU_REHEARSAL_PYTHON=...): the GPU rehearsal tests ($(GPU_REHEARSAL_TESTS)) are SKIPPED, not run; make test passes without them"; \
 	else \
 		$(MAKE) --no-print-directory install-gpu-rehearsal && \
 		$(GPU_REHEARSAL_BIN)/python -m pytest -q $(GPU_REHEARSAL_TESTS); \
@@ -102,11 +103,19 @@ test: install-test install-gpu-compile
 	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py tests/test_kernel_gpu_compile.py
 	$(MAKE) --no-print-directory test-gpu-rehearsal
 
+## The inner loop: the host-side and unit tests, none that needs a server, an engine or a
+## subprocess (`pytest -m "not slow"`; tests/conftest.py and each slow module's `pytestmark` keep the
+## split, tests/test_layout.py checks it), in under 3 minutes on 2 cores (bench/RESULTS.md, "Test
+## suite run time"). CI runs `make test`, which runs every test. pytest's exit code 5 (no test ran)
+## fails it like any other.
+test-quick: install-test
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
+
 generate: install
 	$(BIN)/jaxserve generate --model=$(MODEL) --input=$(INPUT) --output=$(OUTPUT)
 
-## llama-server for `jaxserve bench serve --base_url=...` beside jaxserve (bench/serving_peers.py):
-## about 7 minutes of C++ build on 2 cores, once.
+## llama-server for `jaxserve bench serve --base_url=...` beside jaxserve (bench/serving.py finds it
+## here): a C++ build of several minutes, once.
 llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER): | $(BIN)/python
 	mkdir -p $(PEERS)
