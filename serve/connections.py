@@ -8,6 +8,8 @@ quiet handling of malformed HTTP, and a rate limit on asyncio's accept-error log
   idle keep-alive connections close after `keepalive_timeout_s` (aiohttp's own keepalive timer);
 - a request aiohttp's parser rejects gets an OpenAI-style JSON 400 and one WARNING line, not a
   text/plain 400 and an ERROR traceback;
+- an `Expect` header other than `100-continue` gets a JSON 417 (aiohttp answers it in plain text,
+  before the app's middlewares see the request);
 - while it runs, asyncio's "socket.accept() out of system resource" errors are logged as at most
   one WARNING per `LOG_INTERVAL_S` instead of one traceback per failed accept().
 
@@ -264,6 +266,20 @@ def _short_reason(exc: HttpProcessingError) -> str:
     return f"{type(exc).__name__}: {text}"[:_REASON_CHARS] if text else type(exc).__name__
 
 
+def _json_expectation_failed(handler: Any) -> Any:
+    """`handler` (the app's) behind a check of the Expect header: HTTP/1.1 defines only
+    `100-continue` (which aiohttp answers, then the app handles the request); any other value is
+    a JSON 417 here, where aiohttp would raise its text/plain one ahead of the app's middlewares."""
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get("Expect")
+        if expect and expect.lower() != "100-continue" and request.version >= (1, 1):
+            body = _error_body(f"unsupported Expect header {expect[:100]!r}: only '100-continue' is supported",
+                               "invalid_request_error", "expectation_failed")
+            return web.json_response(body, status=417)
+        return await handler(request)
+    return handle
+
+
 class LimitedAppRunner(web.AppRunner):
     """`web.AppRunner` serving through `_GuardedRequestHandler`s under `limits` (resolved: see
     `resolve_limits`), with `AcceptErrorFilter` as the loop's exception handler from setup() to cleanup()."""
@@ -280,7 +296,8 @@ class LimitedAppRunner(web.AppRunner):
         # aiohttp's Server hard-codes RequestHandler as the protocol, so rebuild the Server the app
         # made (same handler, request factory and handler arguments) as the subclass that uses ours.
         server = await super()._make_server()
-        return _GuardedServer(server.request_handler, request_factory=server.request_factory,
+        handler = _json_expectation_failed(server.request_handler)
+        return _GuardedServer(handler, request_factory=server.request_factory,
                               handler_cancellation=server.handler_cancellation, limits=self.limits,
                               **server._kwargs)
 

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from jaxserve.core.structured_output import StructuredOutputParams
+from jaxserve.core.structured_output import StructuredOutputParams, reference_loop
 from serve.tool_parsers import TOOL_PARSERS, detect_tool_format
 
 MAX_TOOLS = 128
@@ -108,13 +108,30 @@ class ToolsRequest:
             return StructuredOutputParams("json_schema", self.parameters[self.name], "tools")
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _own_document(name, schema)},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in self.parameters.items()]
         schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputParams("json_schema", schema, "tools")
+
+
+def _own_document(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema as a document of its own inside the "required" grammar: its
+    local references ("#", "#/$defs/...") keep meaning its parameters, not the wrapping array."""
+    return schema if "$id" in schema else {"$id": f"urn:jaxserve:tool:{name}", **schema}
+
+
+def _check_enforced_parameters(tools: ToolsRequest) -> None:
+    """A tool a grammar enforces ("required": every tool; a named one) whose parameters describe no
+    value (a schema that is only a reference to itself) is refused, naming it: no call could match."""
+    for i, name in enumerate(tools.parameters):
+        if tools.choice == "required" or name == tools.name:
+            loop = reference_loop(tools.parameters[name])
+            if loop is not None:
+                param = f"tools[{i}].function.parameters"
+                raise StructuredRequestError(f"'{param}' describes no value: {loop}", param)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolsRequest | None:
@@ -158,7 +175,9 @@ def parse_tools(body: dict[str, Any]) -> ToolsRequest | None:
         if tool_choice not in ("none", "auto", "required"):
             raise StructuredRequestError("'tool_choice' must be 'none', 'auto', 'required' or a named function",
                                          "tool_choice")
-        return ToolsRequest(tools, parameters, tool_choice, parallel=parallel is not False)
+        request = ToolsRequest(tools, parameters, tool_choice, parallel=parallel is not False)
+        _check_enforced_parameters(request)
+        return request
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
@@ -167,7 +186,9 @@ def parse_tools(body: dict[str, Any]) -> ToolsRequest | None:
     if not isinstance(name, str) or name not in parameters:
         raise StructuredRequestError(f"'tool_choice' names a function that is not in 'tools': {str(name)[:64]!r}",
                                      "tool_choice")
-    return ToolsRequest(tools, parameters, "named", name, parallel=parallel is not False)
+    request = ToolsRequest(tools, parameters, "named", name, parallel=parallel is not False)
+    _check_enforced_parameters(request)
+    return request
 
 
 def parse_tool_call_message(message: dict[str, Any], param: str) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import psutil
 import pytest
 import requests
 
+from jaxserve.core.structured_output import reference_loop
 from tests.test_hostile_requests import AUTH, ServeProcess, Streams, post
 
 pytestmark = pytest.mark.slow  # servers: out of `make test-quick`
@@ -185,4 +186,66 @@ def test_tool_choice_auto_on_a_template_that_ignores_tools_is_refused_never_igno
         assert "does not" in r.json()["error"]["message"]
     r = chat(server, [{"role": "user", "content": "hi"}], {"tools": tools, "tool_choice": "required",
                                                          "max_tokens": 40})
+    assert r.status_code == 200, r.text
+
+
+SELF_REFERENCE = {"$ref": "#"}  # a schema whose whole meaning is itself: no value can match it
+
+
+@pytest.mark.parametrize("schema, loop_at", [
+    (SELF_REFERENCE, "#"),
+    ({"allOf": [{"$ref": "#"}], "type": "object"}, "#"),
+    ({"anyOf": [{"$ref": "#"}, {"$ref": "#/anyOf/0"}]}, "#"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}, "#/properties/a"),
+    ({"$defs": {"a/b": {"$ref": "#/$defs/a~1b"}}, "type": "object"}, "#/$defs/a~1b"),
+    ({"type": "array", "items": {"properties": {"arguments": {"$id": "urn:t", "$ref": "#"}}}},
+     "#/items/properties/arguments"),
+])
+def test_a_schema_that_only_refers_to_itself_is_named(schema, loop_at):
+    loop = reference_loop(schema)
+    assert loop is not None and f"the schema at '{loop_at}' refers back to itself" in loop, loop
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},  # a branch that ends: recursion with a base case
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},  # a value nests, then may stop
+    {"$defs": {"x": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/x"}}},
+    {"const": {"$ref": "#"}},  # data, not a schema
+    {"$ref": "#/$defs/missing"}, {"$ref": "https://example.com/schema"},  # left to the grammar compiler
+    {"type": "array", "items": {"properties": {"arguments": {"$id": "urn:t", "$defs": {"x": {"type": "integer"}},
+                                                             "$ref": "#/$defs/x"}}}},
+])
+def test_schemas_whose_references_end_are_left_alone(schema):
+    assert reference_loop(schema) is None
+
+
+SELF_REFERENCING_TOOL = [{"type": "function", "function": {"name": "f", "parameters": SELF_REFERENCE}}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": SELF_REFERENCING_TOOL, "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": SELF_REFERENCING_TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SELF_REFERENCE}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"allOf": [SELF_REFERENCE]}}, "guided_json"),
+])
+def test_a_self_referencing_schema_is_refused_at_admission_in_words(server, clean_log, extra, param):
+    """It used to pass admission as a tool under "required" and fail after one token (the stream
+    already begun); in response_format it was refused with llguidance's "NoExtensionBias"."""
+    r = chat(server, [{"role": "user", "content": "hi"}], {**extra, "stream": True})
+    assert r.status_code == 400 and r.headers["Content-Type"].startswith("application/json"), r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert "refers back to itself" in error["message"] and "NoExtension" not in error["message"], error
+
+
+def test_a_tools_references_mean_its_own_parameters_under_required(server, clean_log):
+    """"#/$defs/..." in a tool's parameters names its own definitions, also inside the "required"
+    grammar that wraps every tool's parameters (it was refused: the pointer resolved in the wrapper)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "$defs": {"count": {"type": "integer"}}, "type": "object", "properties": {"n": {"$ref": "#/$defs/count"}},
+        "required": ["n"], "additionalProperties": False}}}]
+    r = chat(server, [{"role": "user", "content": "hi"}], {"tools": tools, "tool_choice": "required", "max_tokens": 40})
     assert r.status_code == 200, r.text

@@ -256,6 +256,28 @@ def test_malformed_http_is_a_json_400_and_one_warning(server, clean_log, data):
     assert len(warnings) == 1 and "malformed HTTP request" in warnings[0]
 
 
+def _post_with_expect(server, path: bytes, expect: bytes) -> bytes:
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
+    return _raw_request(server, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: " + expect + b"\r\n"
+                        b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+
+
+@pytest.mark.parametrize("path", [b"/v1/completions", b"/no/such/route"])
+def test_an_unknown_expectation_is_a_json_417(server, clean_log, path):
+    status, body = _status_and_json(_post_with_expect(server, path, b"banana"))
+    assert status == 417 and body["error"]["code"] == "expectation_failed", body
+    assert "banana" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+
+
+def test_100_continue_is_still_answered_before_the_request(server, clean_log):
+    raw = _post_with_expect(server, b"/v1/completions", b"100-continue")
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert raw.startswith(interim), raw[:200]
+    status, body = _status_and_json(raw[len(interim):])
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+
+
 def _open_idle(server, count: int, first_bytes: bytes = b"") -> list[socket.socket]:
     """`count` connections to the server, each sent `first_bytes` (if any) right after it connects."""
     sockets = []

@@ -27,7 +27,8 @@ import copy
 import dataclasses
 import json
 import threading
-from collections import OrderedDict
+import urllib.parse
+from collections import OrderedDict, deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -85,6 +86,9 @@ def check_structured_output(value: Any) -> None:
             raise StructuredOutputError(f"'{param}' must be a JSON schema (an object)", param)
         if len(json.dumps(spec)) > MAX_SPEC_CHARS:
             raise StructuredOutputError(f"'{param}' is longer than {MAX_SPEC_CHARS} characters", param)
+        loop = reference_loop(spec)
+        if loop is not None:
+            raise StructuredOutputError(f"'{param}' describes no value: {loop}", param)
     elif value.kind == "choice":
         if (not isinstance(spec, list) or not 1 <= len(spec) <= MAX_CHOICES
                 or not all(isinstance(s, str) and s for s in spec)):
@@ -98,6 +102,101 @@ def check_structured_output(value: Any) -> None:
             raise StructuredOutputError(f"'{param}' is longer than {MAX_SPEC_CHARS} characters", param)
     if any(_is_surrogate_text(s) for s in _strings(spec)):
         raise StructuredOutputError(f"'{param}' is not valid Unicode: it holds a lone surrogate", param)
+
+
+# Keywords whose values are JSON data, not schemas (a "$ref" key there is data).
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def reference_loop(schema: Any) -> str | None:
+    """Why no value can match `schema` because of its references, or None: a subschema that
+    refers to itself (through "$ref", "allOf", or every branch of an "anyOf" / "oneOf") before
+    saying anything a value could be, e.g. {"$ref": "#"}. llguidance accepts some of these (one
+    nested in a tool's arguments, say) and fails after the first tokens; some it refuses with its
+    internal "NoExtensionBias". Local references only ("#" and "#/json/pointer", from the nearest
+    enclosing "$id"); others are left to the grammar compiler. Linear in the schema's size."""
+    nodes = _subschemas(schema)
+    edges = {key: _schema_edges(node, base) for key, (node, base, _) in nodes.items()}
+    # Productive subschemas (whose meaning does not run in a circle), as for a grammar's rules:
+    # a subschema is productive once every subschema it requires is and one branch of each choice is.
+    needed = {key: len(conj) + len(groups) for key, (conj, groups) in edges.items()}
+    waiting: dict[int, list[tuple[int, int | None]]] = {}  # child -> (parent, its choice group or None)
+    for key, (conj, groups) in edges.items():
+        for child in conj:
+            waiting.setdefault(child, []).append((key, None))
+        for index, group in enumerate(groups):
+            for child in group:
+                waiting.setdefault(child, []).append((key, index))
+    productive, chosen = set(), set()
+    queue = deque(key for key, count in needed.items() if count == 0)
+    while queue:
+        key = queue.popleft()
+        productive.add(key)
+        for parent, group in waiting.get(key, ()):
+            if group is not None:
+                if (parent, group) in chosen:
+                    continue
+                chosen.add((parent, group))
+            needed[parent] -= 1
+            if needed[parent] == 0:
+                queue.append(parent)
+    for key, (node, _, pointer) in nodes.items():  # document order: the first one named
+        if key not in productive:
+            how = (f'"$ref": {json.dumps(node["$ref"])}' if "$ref" in node else
+                   "through " + next(word for word in ("allOf", "anyOf", "oneOf") if word in node))
+            return (f"the schema at '#{pointer}' refers back to itself ({how}) before saying what a value is, "
+                    "so no output can match it")
+    return None
+
+
+def _subschemas(schema: Any) -> dict[int, tuple[dict, dict, str]]:
+    """Every object of the schema that is a schema: id -> (it, the schema its "#" means, its JSON
+    pointer), in document order."""
+    found: dict[int, tuple[dict, dict, str]] = {}
+    stack = [(schema, schema, "")]
+    while stack:
+        node, base, pointer = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, base, f"{pointer}/{i}") for i, item in reversed(list(enumerate(node))))
+        elif isinstance(node, dict) and id(node) not in found:
+            base = node if pointer and isinstance(node.get("$id"), str) else base
+            found[id(node)] = (node, base, pointer)
+            stack.extend((value, base, f"{pointer}/{_escape(key)}") for key, value in reversed(node.items())
+                         if key not in _DATA_KEYWORDS)
+    return found
+
+
+def _schema_edges(node: dict, base: dict) -> tuple[list[int], list[list[int]]]:
+    """(the subschemas `node` requires a value to match too, its choices of subschemas), as ids."""
+    all_of = node.get("allOf")
+    required = [id(s) for s in all_of if isinstance(s, dict)] if isinstance(all_of, list) else []
+    target = _resolve(node.get("$ref"), base)
+    if isinstance(target, dict):
+        required.append(id(target))
+    choices = [[id(s) if isinstance(s, dict) else -1 for s in node[word]] for word in ("anyOf", "oneOf")
+               if isinstance(node.get(word), list) and node[word]]
+    # A branch that is not an object (true, false) is none of the subschemas: it counts as productive.
+    return required, [group for group in choices if -1 not in group]
+
+
+def _resolve(ref: Any, base: dict) -> Any:
+    """The subschema a local "$ref" ("#", "#/a/b") names from `base`; None for any other."""
+    if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        return None
+    node: Any = base
+    for part in ref[2:].split("/") if len(ref) > 1 else ():
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def _strings(value: Any):
@@ -195,9 +294,10 @@ class GrammarCompiler:
                 grammar, cost = self._sandbox.check(value.kind, value.spec)
                 compiled = grammar_sandbox.run_on_big_stack(grammar_sandbox.build_matcher, tokenizer, grammar)
             except grammar_sandbox.GrammarRejected as e:
+                message = f"'{value.param}' cannot be used: {_in_words(str(e))}"
                 if not e.transient:  # refused from now on without compiling
-                    self.forget(value, f"'{value.param}' cannot be used: {e}")
-                raise StructuredOutputError(f"'{value.param}' cannot be used: {e}", value.param) from None
+                    self.forget(value, message)
+                raise StructuredOutputError(message, value.param) from None
             entry = (compiled, cost)
             with self._lock:
                 if key not in self._cache:
@@ -233,6 +333,13 @@ class GrammarCompiler:
                 import llguidance  # on first use: a machine without it serves everything but grammars
                 self._executor = llguidance.LLExecutor(num_threads=2)
             return self._executor
+
+
+def _in_words(reason: str) -> str:
+    """llguidance's reason for refusing a grammar, in words where it gives only an internal name."""
+    if reason.startswith("NoExtensionBias"):  # its first token mask is empty, and EOS is not allowed
+        return "no output can match it (the grammar allows no first token)"
+    return reason
 
 
 def bitmask_words(vocab_size: int) -> int:
