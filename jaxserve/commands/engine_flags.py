@@ -34,7 +34,7 @@ def _flag_fields() -> list[tuple[dataclasses.Field, type, Flag]]:
     for field in dataclasses.fields(EngineConfig):
         if "flag" in field.metadata:
             kind = _without_none(hints[field.name])
-            kind = str if typing.get_origin(kind) is tuple else kind  # a list of sizes: its text, parsed by EngineConfig
+            kind = str if typing.get_origin(kind) is tuple else kind  # sizes: their text (EngineConfig parses it)
             out.append((field, kind, field.metadata["flag"]))
     return out
 
