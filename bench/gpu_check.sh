@@ -1,120 +1,165 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md): the step
-# limits add up to 475 s, under the 8 minutes a call can spare. Run from anywhere, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_check.sh          # default OUT: bench/out/gpu
+# Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md), within
+# 7 minutes (the step limits add up to 420 s), most valuable first. Run from the tree, on the GPU machine:
+#   OUT=$OUT bash bench/gpu_check.sh                    # default OUT: bench/out/gpu
+#   OUT=$OUT bash bench/gpu_check.sh --only=kernels,e2e # a rerun of some steps (the machine step always runs)
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
-#   bash bench/gpu_check.sh --dry-run              # default OUT: bench/out/gpu-dry-run
-# It writes 6 files under $OUT, none in a folder: summary.json (every step: name, rc, wall seconds,
-# limit, key figures and the step's whole JSON report; written again as each step ends) and one log
-# per step that runs a program (kernel_tests, kernels, e2e, executables, gpu_compile). A short table
-# comes last. Before the call, on the CPU machine: `make gpu-executables`, and carry bench/out/gpu_executables.
-# Steps run most valuable first, so a call cut short still brings back what matters most.
-# $PYTHON picks the interpreter (default: python). Exit status: 0 when every step passed.
+#   bash bench/gpu_check.sh --dry-run                   # default OUT: bench/out/gpu-dry-run
+# The GPU run exports JAX_PLATFORMS=cuda,cpu: a CUDA that does not start is an error, never a silent
+# run on the CPU. Its first step stops the check within seconds when jax sees no GPU ("no GPU found"
+# and jax's reason in the summary, exit 2). Before the call, on the CPU machine: `make gpu-executables`,
+# and carry bench/out/gpu_executables.
+# It writes 7 files under $OUT, none in a folder: summary.json (every step from the start, with its status,
+# seconds, limit, checks, key figures and the step's whole JSON report; rewritten as each step starts
+# and ends and after every figure a step measures, so a call killed at any moment leaves what finished)
+# and one log per step that runs a program (kernel_tests, kernels, agreement, e2e, executables,
+# gpu_compile). A short table comes last. $PYTHON picks the interpreter (default: python3).
+# Exit status: 0 every step ok (the dry run: nothing failed), 1 a step failed or timed out, 2 no GPU
+# found (or jax did not start), 3 nothing failed but something was not compared.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  "") ;;
-  *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
-esac
-PY="${PYTHON:-python}"
+ONLY=""
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    --only=*) ONLY=",${arg#--only=}," ;;
+    *) echo "usage: bash bench/gpu_check.sh [--dry-run] [--only=step,step,...]" >&2; exit 2 ;;
+  esac
+done
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null || { echo "no $PY here (PYTHON=... names another interpreter)" >&2; exit 2; }
 if [ "$DRY_RUN" = 1 ]; then
+  MODE=dry-run
   OUT="${OUT:-bench/out/gpu-dry-run}"
   export JAX_PLATFORMS=cpu  # the CUDA plugin is installed (as on the lent machine) but there is no GPU
 else
+  MODE=gpu
   OUT="${OUT:-bench/out/gpu}"
+  export JAX_PLATFORMS=cuda,cpu
 fi
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# ptxas for the deviceless compile: CUDA 13's nvcc wheel keeps it in nvidia/cu13/bin, off PATH.
-if ! command -v ptxas >/dev/null; then
-  PTXAS_DIR="$("$PY" -c 'import glob, nvidia; print(next(iter(glob.glob(p + "/cu*/bin") for p in nvidia.__path__), [""])[0])' 2>/dev/null)"
-  [ -n "$PTXAS_DIR" ] && [ -x "$PTXAS_DIR/ptxas" ] && export PATH="$PTXAS_DIR:$PATH"
-fi
-WORK="$(mktemp -d)"  # each step's own JSON, folded into summary.json as the step ends
+WORK="$(mktemp -d)"  # each step's own JSON (its figures also go into summary.json as measured)
 trap 'rm -rf "$WORK"' EXIT
 if [ "$DRY_RUN" = 1 ]; then
   # As on the bare lent machine: jaxserve's caches empty (compiles, saved executables, CPU kernels)
   # and at their defaults, whatever the caller (e.g. the test suite) set.
   export JAXSERVE_CACHE="$WORK/cache"
-  unset JAXSERVE_COMPILATION_CACHE JAXSERVE_EXECUTABLES_CACHE JAXSERVE_KERNEL_CACHE
+  unset JAXSERVE_COMPILATION_CACHE JAXSERVE_EXECUTABLES_CACHE JAXSERVE_KERNEL_CACHE JAXSERVE_ATTENTION_BACKEND
 fi
 SUMMARY="$OUT/summary.json"
+export GPU_CHECK_SUMMARY="$SUMMARY"
 rm -f "$SUMMARY"
-MODE=$([ "$DRY_RUN" = 1 ] && echo dry-run || echo gpu)
-status=0
+# Every step, in the order it runs: name:limit on the GPU (s):limit in the dry run on a shared 2-core CPU (s).
+PLAN="machine:20:120,kernel_tests:110:400,kernels:60:300,agreement:70:300,e2e:120:480,executables:20:400,gpu_compile:20:400"
+"$PY" bench/gpu_check_summary.py start "$SUMMARY" --mode="$MODE" --plan="$PLAN" || exit 2
+declare -A GPU_LIMIT LIMIT
+for item in ${PLAN//,/ }; do
+  IFS=: read -r name gpu dry <<< "$item"
+  GPU_LIMIT[$name]=$gpu
+  LIMIT[$name]=$([ "$DRY_RUN" = 1 ] && echo "$dry" || echo "$gpu")
+done
 
-# step NAME LIMIT_S REPORT|- COMMAND...: runs COMMAND under LIMIT_S seconds (the GPU run's limit; the
-# dry run on a shared 2-core CPU gets $GPU_CHECK_DRY_RUN_SCALE times it), its output in $OUT/NAME.log
-# (machine: none), then folds its rc, wall time and REPORT's figures into summary.json.
-SCALE=$([ "$DRY_RUN" = 1 ] && echo "${GPU_CHECK_DRY_RUN_SCALE:-4}" || echo 1)
+# ptxas for the deviceless compiles: the nvidia wheels' bin folders (CUDA 13's nvidia/cu13/bin), the CUDA
+# toolkit's bin, PATH; the steps that need it are skipped without it, saying so.
+PTXAS_DIR="$("$PY" bench/gpu_check_machine.py ptxas)"
+[ -n "$PTXAS_DIR" ] && export PATH="$PTXAS_DIR:$PATH"
+NO_PTXAS="no ptxas found (searched the nvidia wheels' bin folders, \$CUDA_HOME/bin, /usr/local/cuda*/bin and PATH)"
+
+skip() {  # skip NAME REASON [not_run]
+  "$PY" bench/gpu_check_summary.py skip "$SUMMARY" "$1" --reason="$2" --status="${3:-skipped}"
+  echo "== $1: ${3:-skipped}: $2"
+}
+
+# step NAME REPORT|- COMMAND...: runs COMMAND under the step's limit, its output in $OUT/NAME.log (the
+# machine step's in $WORK), then folds its exit status, seconds, log and REPORT into summary.json.
 step() {
-  local name="$1" gpu_limit="$2" report="$3"; shift 3
-  local limit=$((gpu_limit * SCALE))
-  local log="$OUT/$name.log" start end rc
+  local name="$1" report="$2"; shift 2
+  if [ -n "$ONLY" ] && [ "$name" != machine ] && [[ "$ONLY" != *",$name,"* ]]; then
+    skip "$name" "not asked for (--only=${ONLY:1:-1})" not_run
+    return
+  fi
+  local log="$OUT/$name.log" start rc
   [ "$name" = machine ] && log="$WORK/machine.log"
-  echo "== $name (limit ${limit} s)"
+  echo "== $name (limit ${LIMIT[$name]} s)"
+  "$PY" bench/gpu_check_summary.py begin "$SUMMARY" "$name"
   start=$EPOCHREALTIME
-  timeout -k 3 "$limit" "$@" > "$log" 2>&1
+  GPU_CHECK_STEP="$name" timeout -k 5 "${LIMIT[$name]}" "$@" > "$log" 2>&1
   rc=$?
-  end=$EPOCHREALTIME
-  [ "$rc" = 0 ] || status=1
-  "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="$limit" --gpu-limit="$gpu_limit" \
-    --start="$start" --end="$end" --mode="$MODE" --started="$STARTED" \
-    $([ "$name" = machine ] || echo --log="$log") $([ "$report" = - ] || echo --report="$report") || status=1
+  "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="${LIMIT[$name]}" \
+    --gpu-limit="${GPU_LIMIT[$name]}" --start="$start" --end="$EPOCHREALTIME" \
+    $([ "$name" = machine ] || echo --log="$log") $([ "$report" = - ] || echo --report="$report")
   tail -n 4 "$log"
 }
-STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 
-step machine 15 "$WORK/machine.json" "$PY" bench/gpu_check_summary.py machine "$WORK/machine.json"
+finish() {
+  echo "== summary ($SUMMARY)"
+  "$PY" bench/gpu_check_summary.py table "$SUMMARY"
+  "$PY" bench/gpu_check_summary.py exit-status "$SUMMARY"
+  exit $?
+}
 
-# 1. kernel tests, interpret off on the GPU (numerics vs the reference on device: the Triton kernels,
-#    then the Mosaic GPU kernels and their engine greedy test, then the grouped matmul vs ragged_dot, so
-#    a step cut short loses the least first); the dry run collects the attention tests (imports) and runs
-#    one decode and one ragged case of each kernel family with 8B-like heads (Mosaic's in its interpreter).
-if [ "$DRY_RUN" = 1 ]; then
-  KERNEL_TESTS=("tests/test_kernels.py::test_paged_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
-                "tests/test_kernels.py::test_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
-                "tests/test_mosaic_kernels.py::test_mosaic_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]"
-                "tests/test_mosaic_kernels.py::test_mosaic_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]")
-  step kernel_tests 120 - bash -c '"$0" -m pytest -q --collect-only -p no:cacheprovider tests/test_kernels.py \
-    tests/test_mosaic_kernels.py | tail -n 1 && "$0" -m pytest -v -p no:cacheprovider "$@"' "$PY" "${KERNEL_TESTS[@]}"
-else
-  step kernel_tests 120 - "$PY" -m pytest -v -p no:cacheprovider tests/test_kernels.py tests/test_mosaic_kernels.py \
-    tests/test_grouped_matmul.py
+# 0. the machine: packages, ptxas, jax's devices and the attention backend the engine would take. On the
+#    GPU run, no GPU (CUDA failed to start, or jax chose another platform) ends the check here.
+step machine "$WORK/machine.json" "$PY" bench/gpu_check_machine.py machine "$WORK/machine.json" --mode="$MODE"
+if [ "$("$PY" bench/gpu_check_summary.py status "$SUMMARY" machine)" != ok ]; then
+  for item in ${PLAN//,/ }; do
+    name="${item%%:*}"
+    [ "$name" = machine ] || skip "$name" "not run: $([ "$MODE" = gpu ] && echo 'no GPU found' || echo 'jax did not start')" not_run
+  done
+  "$PY" bench/gpu_check_summary.py table "$SUMMARY"
+  exit 2
 fi
 
-# 2. kernel roofline: decode bandwidth vs the copy ceiling, ragged FLOP/s vs the bf16 matmul ceiling,
-#    for the Triton and the Mosaic GPU kernels side by side; the grouped matmul (MoE experts) vs XLA's ragged_dot.
-step kernels 80 "$WORK/kernels.json" "$PY" bench/kernel_speed.py --out "$WORK/kernels.json" --with-reference \
+# 1. kernel tests compiled on the GPU, the subset that matters on hardware (bench/gpu_kernel_tests.py: every
+#    kernel, head layout and dtype once, sized to the limit; the rest stays in CI's interpreters). The dry
+#    run collects every GPU item and runs one decode and one ragged case of each family interpreted.
+step kernel_tests - "$PY" bench/gpu_kernel_tests.py run --mode="$MODE"
+
+# 2. kernel roofline: decode bandwidth vs the copy ceiling, ragged FLOP/s vs the bf16 matmul ceiling, the
+#    Triton and Mosaic kernels side by side, each against the plain-jnp reference; the MoE grouped matmul vs
+#    XLA's ragged_dot.
+step kernels "$WORK/kernels.json" "$PY" bench/kernel_speed.py --out "$WORK/kernels.json" --with-reference \
   $([ "$DRY_RUN" = 1 ] && echo --quick --interpret)
 
-# 3+4. end to end on a random-weight Llama-3-8B-shaped bf16 model (dry run: a tiny bf16 Llama through
-#      the interpreted Pallas kernels); planner vs measured device memory.
+# 3. greedy agreement: a 2-layer model of Llama-3-8B's layers through the XLA path, the Triton and the Mosaic
+#    kernels (one engine at a time), each against transformers on the same weights, the kernels also
+#    against the XLA path, up to the reference's near-ties.
+step agreement "$WORK/agreement.json" "$PY" bench/gpu_agreement.py --out "$WORK/agreement.json" \
+  $([ "$DRY_RUN" = 1 ] && echo --small)
+
+# 4. end to end on a random-weight Llama-3-8B-shaped bf16 engine (dry run: a tiny bf16 Llama through the
+#    interpreted Pallas kernels): start, planner vs measured memory, offline, decode roofline, serving.
 if [ "$DRY_RUN" = 1 ]; then
-  JAXSERVE_ATTENTION_BACKEND=interpret step e2e 185 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
+  JAXSERVE_ATTENTION_BACKEND=interpret step e2e "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json" --small
 else
-  step e2e 185 "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
+  step e2e "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
-# 5. executables compiled for an H200 on the CPU machine (`make gpu-executables` there writes
-#    bench/out/gpu_executables with this source and the lent machine's jax; carry that folder), loaded by
-#    a tiny engine here and run against one that compiles its own; skipped without the folder. The dry
-#    run saves a folder itself and checks it on the CPU, where the engine refuses it (saved for a GPU).
-if [ "$DRY_RUN" = 1 ]; then
-  step executables 30 "$WORK/executables.json" bash -c '"$0" bench/saved_executables.py save --dir "$1" --target h200 \
-    && "$0" bench/saved_executables.py check --dir "$1" --out "$2"' "$PY" "$WORK/gpu_executables" "$WORK/executables.json"
-else
-  step executables 30 "$WORK/executables.json" "$PY" bench/saved_executables.py check --dir bench/out/gpu_executables \
+# 5. executables compiled for an H200 on the CPU machine (`make gpu-executables` there, with this source and
+#    the lent machine's jax; carry bench/out/gpu_executables), loaded by a tiny engine and compared with one
+#    that compiles its own; skipped (never ok) without the folder. The dry run saves a folder for an H200
+#    (needs ptxas), which the CPU engine must refuse, and one by an engine here, loaded and compared.
+if [ "$DRY_RUN" = 0 ]; then
+  step executables "$WORK/executables.json" "$PY" bench/saved_executables.py check --dir bench/out/gpu_executables \
     --out "$WORK/executables.json"
+elif [ -z "$PTXAS_DIR" ]; then
+  skip executables "$NO_PTXAS: saving executables for an H200 compiles for it"
+else
+  step executables "$WORK/executables.json" bash -c '"$0" bench/saved_executables.py save --dir "$1/h200" --target h200 \
+    && "$0" bench/saved_executables.py save --dir "$1/here" --target here \
+    && "$0" bench/saved_executables.py check --dir "$1/here" --refused_elsewhere "$1/h200" --out "$2"' \
+    "$PY" "$WORK/executables" "$WORK/executables.json"
 fi
 
-# 6. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), beside 3+4;
-#    the dry run compiles the same model for the same target under small engine limits (9 shapes, not 14).
-JAX_PLATFORMS=cpu step gpu_compile 45 "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick \
-  $([ "$DRY_RUN" = 1 ] && echo --small) --runs=llama-3-8b:h200:1 --out "$WORK/gpu_compile.json"
-
-echo "== summary ($SUMMARY)"
-"$PY" bench/gpu_check_summary.py table "$SUMMARY" || status=1
-exit $status
+# 6. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), its corner buckets
+#    under small engine limits (9 shapes) and ptxas's report of the kernels.
+if [ -z "$PTXAS_DIR" ]; then
+  skip gpu_compile "$NO_PTXAS: the deviceless compile runs ptxas"
+else
+  JAX_PLATFORMS=cpu step gpu_compile "$WORK/gpu_compile.json" "$PY" bench/gpu_compile.py --quick --small \
+    --runs=llama-3-8b:h200:1 --out "$WORK/gpu_compile.json"
+fi
+finish

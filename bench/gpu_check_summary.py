@@ -1,11 +1,21 @@
-"""The one JSON summary of bench/gpu_check.sh, written again after every step, and its table.
+"""The one JSON summary of bench/gpu_check.sh, rewritten after every step and every figure, and its table.
 
-    python bench/gpu_check_summary.py machine OUT.json          # what the machine has (no jax start-up needed)
-    python bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S --gpu-limit=S --log=LOG [--report=J]
-    python bench/gpu_check_summary.py table SUMMARY             # the short table printed last
+    python3 bench/gpu_check_summary.py start SUMMARY --mode=gpu --plan=machine:20:120,kernel_tests:110:400,...
+    python3 bench/gpu_check_summary.py begin SUMMARY NAME                # the step is running
+    python3 bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S [--log=LOG] [--report=J]
+    python3 bench/gpu_check_summary.py skip SUMMARY NAME --reason=WHY [--status=not_run]
+    python3 bench/gpu_check_summary.py status SUMMARY NAME               # a step's status
+    python3 bench/gpu_check_summary.py table SUMMARY                     # the short table printed last
 
-The summary: {"check": ..., "steps": [{"name", "rc", "wall_s", "timeout_s", "timed_out", "log",
-"figures": {key figures parsed from the step's JSON or log}, "report": the step's whole JSON}]}.
+The summary: {"check", "mode", "started", "result", "ok", "steps": [{"name", "status", "rc", "wall_s",
+"timeout_s", "gpu_limit_s", "timed_out", "log", "reason", "checks", "figures", "report"}]}. Every planned
+step is listed from the start ("pending"); a step is "running" from its start, with what its script has
+measured so far (bench/gpu_check_report.py calls `running` after each figure), so that a call killed at
+any moment leaves every finished step and the figures of the one it was in. A finished step is "ok"
+(every comparison it makes compared two results and agreed), "unknown" (it ran, but some comparison had
+nothing to compare: a missing figure is never "ok"), "failed", "timed_out" or "skipped" (with the
+reason); "not_run" once the check stopped early (no GPU found). `result`: "failed" when a step failed or
+timed out, "ok" when every step is ok, "running" while a step is pending or running, else "incomplete".
 Only the standard library here: it must run even where a step died of a missing package.
 """
 from __future__ import annotations
@@ -13,53 +23,98 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
-from importlib import metadata
+import time
 
-# The lent machine's packages (../shared/GPU.md); gguf and llguidance are not there.
-PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "flax", "orbax-checkpoint",
-            "transformers", "tokenizers", "safetensors", "sentencepiece", "jinja2", "aiohttp", "absl-py",
-            "prometheus-client", "tqdm", "numpy", "psutil", "pytest", "torch", "triton", "gguf", "llguidance",
-            "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12")
 MAX_LOG_BYTES = 4 << 20  # a log longer than this keeps its head and tail (16 MiB come back per file)
+FINISHED = ("ok", "unknown", "failed", "timed_out", "skipped", "not_run")
+BAD_CHECKS = ("differ", "failed")
 
 
-def machine(out: str) -> int:
-    info = {"python": platform.python_version(), "cpus": os.cpu_count(), "packages": {}}
-    for name in PACKAGES:
-        try:
-            info["packages"][name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            info["packages"][name] = None
-    info["ptxas"] = shutil.which("ptxas")
-    if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        info["nvidia_smi"] = (smi.stdout or smi.stderr).strip()
-    probe = ("import json, jax; from pallas_kernels import dispatch; d = jax.devices(); print(json.dumps("
-             "{'jax_backend': jax.default_backend(), 'devices': [str(x) for x in d], 'device_kind': d[0].device_kind, "
-             "'default_attention_backend': dispatch.attention_backend()}))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    sys.stderr.write(result.stderr[-4000:])
-    if result.returncode == 0:
-        info.update(json.loads(result.stdout.strip().splitlines()[-1]))
-    with open(out, "w") as f:
-        json.dump(info, f, indent=1)
-    print(json.dumps(info, indent=1))
-    return result.returncode
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
+
+def save(path: str, summary: dict) -> None:
+    """Writes the summary whole (a temporary file renamed over it: never half written)."""
+    summary["result"] = overall(summary["steps"])
+    summary["ok"] = summary["result"] == "ok"
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(temporary, path)
+
+
+def overall(steps: list[dict]) -> str:
+    statuses = [s["status"] for s in steps]
+    if any(s in ("failed", "timed_out") for s in statuses):
+        return "failed"
+    if all(s == "ok" for s in statuses):
+        return "ok"
+    if any(s in ("pending", "running") for s in statuses):
+        return "running"
+    return "incomplete"
+
+
+def find_step(summary: dict, name: str) -> dict:
+    for step in summary["steps"]:
+        if step["name"] == name:
+            return step
+    step = {"name": name, "status": "pending"}
+    summary["steps"].append(step)
+    return step
+
+
+def start(path: str, mode: str, plan: str) -> None:
+    """A new summary listing every planned step (name:gpu_limit_s:dry_run_limit_s, comma-separated,
+    in the order they run) as pending, with the limit of this mode."""
+    steps = []
+    for item in plan.split(","):
+        name, gpu_limit, dry_limit = item.split(":")
+        steps.append({"name": name, "status": "pending", "gpu_limit_s": int(gpu_limit),
+                      "timeout_s": int(dry_limit if mode == "dry-run" else gpu_limit)})
+    save(path, {"check": "bench/gpu_check.sh", "mode": mode, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                       time.gmtime()),
+                "steps": steps})
+
+
+def begin(path: str, name: str) -> None:
+    summary = load(path)
+    step = find_step(summary, name)
+    step.update(status="running", started_at=time.time())
+    save(path, summary)
+
+
+def running(path: str, name: str, report: dict) -> None:
+    """The step's figures so far (called by the step's own script after each figure)."""
+    summary = load(path)
+    step = find_step(summary, name)
+    step.update(status="running", report=report, checks=report.get("checks", {}),
+                figures=safe_figures(name, report, ""))
+    if "started_at" in step:
+        step["wall_s"] = round(time.time() - step["started_at"], 1)
+    save(path, summary)
+
+
+def skip(path: str, name: str, reason: str, status: str = "skipped") -> None:
+    summary = load(path)
+    step = find_step(summary, name)
+    step.update(status=status, reason=reason, wall_s=0.0)
+    save(path, summary)
+
+
+# ---- a step's checks, status and key figures ----------------------------------------------------------
 
 def pytest_counts(log_text: str) -> dict:
     """passed / failed / skipped / errors from pytest's closing line, else from its -v lines (killed run)."""
     counts = {}
     closing = [line for line in log_text.splitlines() if re.match(r"^=* ?\d+ (passed|failed|skipped|error)", line)
-               or re.search(r"=+ .*\d+ (passed|failed|error).* in [\d.]+s", line)]
+               or re.search(r"=+ .*\d+ (passed|failed|error|skipped).* in [\d.]+s", line)]
     if closing:
-        for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", closing[-1]):
+        for number, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)",
+                                       closing[-1]):
             counts["errors" if word.startswith("error") else word] = int(number)
         counts["finished"] = True
     else:
@@ -70,52 +125,124 @@ def pytest_counts(log_text: str) -> dict:
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log_text, re.M)
     if failed:
         counts["failed_tests"] = failed[:20]
+    skipped = re.findall(r"^SKIPPED \[\d+\] (.+)$", log_text, re.M)
+    if skipped:
+        counts["skipped_reasons"] = skipped[:10]
     return counts
 
 
+def pytest_check(counts: dict) -> dict:
+    """One check of a pytest run: ok only when it finished, something passed and nothing failed,
+    errored or skipped (a test skipped on the GPU is a figure missing, not a pass)."""
+    if counts.get("failed") or counts.get("errors"):
+        return {"status": "failed", "failed_tests": counts.get("failed_tests", [])}
+    if not counts.get("finished"):
+        return {"status": "unknown", "reason": "pytest did not finish"}
+    if not counts.get("passed"):
+        return {"status": "unknown", "reason": "no test passed"}
+    if counts.get("skipped"):
+        return {"status": "unknown", "reason": f"{counts['skipped']} skipped",
+                "skipped_reasons": counts.get("skipped_reasons", [])}
+    return {"status": "ok"}
+
+
+def gpu_compile_checks(report: dict) -> dict:
+    """bench/gpu_compile.py's report read as checks: every shape compiled, and ptxas reported no
+    spills for each kernel (a kernel without a report, or spills not reported, is unknown)."""
+    runs = report.get("runs", [])
+    if not runs:
+        return {"shapes_compiled": {"status": "unknown", "reason": "no run finished"}}
+    failed = sum(r.get("num_failed", 0) for r in runs)
+    shapes = sum(r.get("num_shapes", 0) for r in runs)
+    checks = {"shapes_compiled": {"status": "differ" if failed else ("ok" if shapes else "unknown"),
+                                  "shapes": shapes, "failed": failed}}
+    kernels = [k for r in runs for k in r.get("kernels", [])]
+    unreported = [k.get("name") for k in kernels if k.get("spill_store_bytes") is None or k.get("spill_load_bytes") is None]
+    spilling = [k.get("name") for k in kernels if k.get("spill_store_bytes") or k.get("spill_load_bytes")]
+    if spilling:
+        checks["no_spills"] = {"status": "differ", "kernels": spilling}
+    elif unreported or not kernels:
+        checks["no_spills"] = {"status": "unknown", "reason": f"ptxas gave no spill figures for {unreported or 'any kernel'}"}
+    else:
+        checks["no_spills"] = {"status": "ok", "kernels": len(kernels)}
+    return checks
+
+
+def step_status(rc: int | None, checks: dict, report: dict | None) -> str:
+    """A finished step's status from its exit status, its report's own status and its checks."""
+    if rc in (124, 137):
+        return "timed_out"
+    if report and report.get("status") == "skipped" and rc == 0:
+        return "skipped"
+    if rc != 0 or any(c.get("status") in BAD_CHECKS for c in checks.values()):
+        return "failed"
+    if not checks or any(c.get("status") != "ok" for c in checks.values()):
+        return "unknown"
+    return "ok"
+
+
+def _rows(report: dict, key: str, fields: tuple[str, ...]) -> list[dict]:
+    return [{k: row.get(k) for k in fields} for row in report.get(key, [])]
+
+
 def figures(name: str, report: dict | None, log_text: str) -> dict:
-    """The few numbers of a step worth a line of the table."""
+    """The few numbers of a step worth a line of the table; a figure not measured is absent."""
     if name == "kernel_tests":
         return pytest_counts(log_text)
-    if report is None:
+    if not report:
         return {}
     if name == "machine":
-        return {k: report.get(k) for k in ("device_kind", "jax_backend", "default_attention_backend", "python")} | {
-            "jax": report["packages"].get("jax"), "num_devices": len(report.get("devices", []))}
+        return {k: report.get(k) for k in ("device_kind", "jax_backend", "default_attention_backend", "python",
+                                           "gpu_found", "ptxas")} | {
+            "jax": report.get("packages", {}).get("jax"), "num_devices": len(report.get("devices", []))}
     if name == "kernels":
-        out = {"mode": report["mode"], "backends": report["backends"], "copy_gb_per_s": report["copy"]["gb_per_s"],
-               "matmul_tflop_per_s": report["matmul"]["tflop_per_s"],
-               "decode": [{"backend": r["backend"], "kv_dtype": r["kv_dtype"], "batch": r["batch"],
-                           "context": r["context"], "gb_per_s": r["gb_per_s"],
-                           "fraction_of_copy_bandwidth": r["fraction_of_copy_bandwidth"],
-                           "max_abs_diff_vs_triton": r["max_abs_diff_vs_triton"]} for r in report["decode"]],
-               "ragged": [{"backend": r["backend"], "tflop_per_s": r["tflop_per_s"],
-                           "fraction_of_matmul_rate": r["fraction_of_matmul_rate"],
-                           "max_abs_diff_vs_triton": r["max_abs_diff_vs_triton"]} for r in report["ragged"]]}
-        return out
+        return {"mode": report.get("mode"), "backends": report.get("backends"),
+                "copy_gb_per_s": report.get("copy", {}).get("gb_per_s"),
+                "matmul_tflop_per_s": report.get("matmul", {}).get("tflop_per_s"),
+                "decode": _rows(report, "decode", ("backend", "kv_dtype", "context", "gb_per_s",
+                                                   "fraction_of_copy_bandwidth", "relative_diff_vs_reference",
+                                                   "error")),
+                "ragged": _rows(report, "ragged", ("backend", "tflop_per_s", "fraction_of_matmul_rate",
+                                                   "relative_diff_vs_reference", "error")),
+                "grouped_matmul": _rows(report, "grouped_matmul", ("case", "tokens", "kernel_speedup_over_xla",
+                                                                   "relative_diff_vs_xla", "error"))}
+    if name == "agreement":
+        return {"model": report.get("model"), "bound_nats": report.get("near_tie_bound_nats"),
+                "comparisons": {k: {f: c.get(f) for f in ("status", "compared_positions", "reason")}
+                                for k, c in report.get("checks", {}).items()}}
     if name == "e2e":
-        roof = report["decode_roofline"]
-        return {"model": report["model"], "attention_backend": report.get("attention_backend"),
-                "startup_s": report["startup_s"], "num_step_shapes": report.get("num_step_shapes"),
-                "copy_bandwidth_GBps": report["copy_bandwidth_GBps"],
-                "offline_output_tokens_per_s": report["offline"]["output_tokens_per_s"],
-                "decode_batch": roof["batch"], "decode_step_ms": roof["step_ms"], "roofline_ms": roof["roofline_ms"],
-                "fraction_of_roofline": roof["fraction_of_roofline"],
-                "greedy_agree_with_xla": report.get("greedy_agreement", {}).get("agree_with_xla"),
-                "serving": [{k: s[k] for k in ("concurrency", "output_tokens_per_s", "ttft_ms_p99", "tpot_ms_p50")}
-                            for s in report["serving"]],
-                "memory": report["memory"]}
+        return e2e_figures(report)
     if name == "executables":
         return {k: report.get(k) for k in ("status", "reason", "shapes_loaded", "startup_loaded_s",
-                                            "startup_compiled_s", "greedy_equal")}
+                                            "startup_compiled_s")}
     if name == "gpu_compile":
-        return {"runs": [{k: r[k] for k in ("model", "target", "num_shapes", "num_failed", "seconds",
-                                              "planned_over_largest_temp")}
+        return {"runs": [{k: r.get(k) for k in ("model", "target", "num_shapes", "num_failed", "seconds",
+                                                 "planned_over_largest_temp")}
                          | {"kernels": [{k: kr.get(k) for k in ("name", "registers", "spill_store_bytes",
                                                                  "spill_load_bytes", "shared_memory_bytes")}
                                         for kr in r.get("kernels", [])]}
-                         for r in report["runs"]]}
+                         for r in report.get("runs", [])]}
     return {}
+
+
+def e2e_figures(report: dict) -> dict:
+    roof = report.get("decode_roofline", {})
+    return {"model": report.get("model"), "attention_backend": report.get("attention_backend"),
+            "startup_s": report.get("startup_s"), "num_step_shapes": report.get("num_step_shapes"),
+            "num_pages": report.get("num_pages"), "copy_bandwidth_GBps": report.get("copy_bandwidth_GBps"),
+            "offline_output_tokens_per_s": report.get("offline", {}).get("output_tokens_per_s"),
+            "decode_batch": roof.get("batch"), "decode_step_ms": roof.get("step_ms"),
+            "roofline_ms": roof.get("roofline_ms"), "fraction_of_roofline": roof.get("fraction_of_roofline"),
+            "serving": [{k: s.get(k) for k in ("concurrency", "output_tokens_per_s", "ttft_ms_p99", "tpot_ms_p50")}
+                        for s in report.get("serving", [])],
+            "memory": report.get("memory")}
+
+
+def safe_figures(name: str, report: dict | None, log_text: str) -> dict:
+    try:
+        return figures(name, report, log_text)
+    except (AttributeError, KeyError, TypeError) as e:  # a report of another shape: say so, keep the rest
+        return {"error": f"figures: {type(e).__name__}: {e}"}
 
 
 def trim_log(path: str) -> None:
@@ -129,93 +256,119 @@ def trim_log(path: str) -> None:
                 + data[-half:])
 
 
+def read_report(path: str | None) -> tuple[dict | None, str | None]:
+    if not path or not os.path.exists(path):
+        return None, None
+    try:
+        with open(path) as f:
+            return json.load(f), None
+    except ValueError as e:
+        return None, f"unreadable report: {e}"
+
+
 def add(args) -> int:
-    summary = {"check": "bench/gpu_check.sh", "steps": []}
-    if os.path.exists(args.summary):
-        with open(args.summary) as f:
-            summary = json.load(f)
-    summary.update({k: v for k, v in (("mode", args.mode), ("started", args.started)) if v})
+    """Folds a finished step (its exit status, seconds, log and report) into the summary."""
+    summary = load(args.summary)
     log_text = ""
     if args.log and os.path.exists(args.log):
         trim_log(args.log)
         with open(args.log, errors="replace") as f:
             log_text = f.read()
-    report, error = None, None
-    if args.report and os.path.exists(args.report):
-        try:
-            with open(args.report) as f:
-                report = json.load(f)
-        except ValueError as e:
-            error = f"unreadable report: {e}"
-    step = {"name": args.name, "rc": args.rc, "wall_s": round(args.end - args.start, 1), "timeout_s": args.timeout, "gpu_limit_s": args.gpu_limit,
-            "timed_out": args.rc in (124, 137), "log": os.path.basename(args.log) if args.log else None}
-    try:
-        step["figures"] = figures(args.name, report, log_text)
-    except (KeyError, TypeError, ZeroDivisionError) as e:  # a report without its fields: say so, keep the rest
-        step["figures"], error = {}, f"figures: {type(e).__name__}: {e}"
-    if error:
-        step["error"] = error
+    report, error = read_report(args.report)
+    step = find_step(summary, args.name)
+    step.pop("started_at", None)
+    step.update(rc=args.rc, wall_s=round(args.end - args.start, 1), timeout_s=args.timeout,
+                gpu_limit_s=args.gpu_limit, timed_out=args.rc in (124, 137),
+                log=os.path.basename(args.log) if args.log else None)
+    step["figures"] = safe_figures(args.name, report, log_text)
+    checks = dict((report or {}).get("checks", {}))
+    if args.name == "kernel_tests":
+        checks["tests"] = pytest_check(step["figures"])
+    if args.name == "gpu_compile" and report is not None:
+        checks.update(gpu_compile_checks(report))
+    step["checks"] = checks
+    step["status"] = step_status(args.rc, checks, report)
+    reason = error or (report or {}).get("reason")
+    if reason:
+        step["reason"] = reason
     if report is not None:
         step["report"] = report
-    summary["steps"] = [s for s in summary["steps"] if s["name"] != args.name] + [step]
-    summary["ok"] = all(s["rc"] == 0 and "error" not in s for s in summary["steps"])
-    temporary = args.summary + ".tmp"
-    with open(temporary, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(temporary, args.summary)  # on disk whole as soon as the step ends
+    save(args.summary, summary)
     return 0
 
 
-def short(name: str, fig: dict) -> str:
-    """One line of key figures."""
-    if not fig:
-        return ""
+# ---- the table ------------------------------------------------------------------------------------------
+
+def _pct(x) -> str:
+    return "?" if x is None else f"{100 * x:.0f}%"
+
+
+def short(name: str, step: dict) -> str:
+    """One line of key figures (or why there are none)."""
+    fig = step.get("figures") or {}
+    bad = [f"{k}: {c.get('status')}" for k, c in (step.get("checks") or {}).items() if c.get("status") != "ok"]
+    if step.get("reason") and step["status"] in ("skipped", "not_run", "failed", "unknown"):
+        return f"{step['reason'][:200]}" + (f" [{'; '.join(bad)[:200]}]" if bad else "")
     if name == "machine":
         return f"{fig.get('num_devices')} x {fig.get('device_kind')}, jax {fig.get('jax')}, " \
-               f"attention {fig.get('default_attention_backend')}"
+               f"attention {fig.get('default_attention_backend')}, ptxas {fig.get('ptxas') or 'none'}"
     if name == "kernel_tests":
-        return ", ".join(f"{fig[k]} {k}" for k in ("passed", "failed", "skipped", "errors") if fig.get(k)) + \
-            ("" if fig.get("finished") else " (cut off)")
+        text = ", ".join(f"{fig[k]} {k}" for k in ("passed", "failed", "skipped", "errors") if fig.get(k))
+        return text + ("" if fig.get("finished") else " (cut off)")
     if name == "kernels":
         decode = " ".join(f"{r['backend']}@{r['context']}{'' if r['kv_dtype'] == 'bfloat16' else '/' + r['kv_dtype']}:"
-                          f"{100 * r['fraction_of_copy_bandwidth']:.0f}%" for r in fig["decode"])
-        ragged = " ".join(f"{r['backend']}:{r['tflop_per_s']:.2f} ({100 * r['fraction_of_matmul_rate']:.0f}%)"
-                          for r in fig["ragged"])
-        return (f"copy {fig['copy_gb_per_s']:.0f} GB/s, matmul {fig['matmul_tflop_per_s']:.1f} TFLOP/s; decode % of "
-                f"copy {decode}; ragged TFLOP/s {ragged}")
+                          f"{_pct(r.get('fraction_of_copy_bandwidth'))}" for r in fig.get("decode", []))
+        return f"copy {fig.get('copy_gb_per_s') or 0:.0f} GB/s; decode % of copy {decode}" + (
+            f" [{'; '.join(bad)[:160]}]" if bad else "")
     if name == "e2e":
-        serving = " ".join(f"c{s['concurrency']}:{s['output_tokens_per_s']:.0f}" for s in fig["serving"])
-        return (f"start {fig['startup_s']:.0f} s ({fig['num_step_shapes']} shapes), offline "
-                f"{fig['offline_output_tokens_per_s']:.0f} tok/s, decode b{fig['decode_batch']} "
-                f"{fig['decode_step_ms']:.2f} ms vs roofline {fig['roofline_ms']:.2f} ms; serving tok/s {serving}")
-    if name == "executables":
-        if fig["status"] != "loaded":
-            return f"{fig['status']}: {(fig.get('reason') or '')[:160]}"
-        return (f"{fig['shapes_loaded']} shapes loaded in {fig['startup_loaded_s']:.1f} s (compiled: "
-                f"{fig['startup_compiled_s']:.1f} s), greedy tokens {'equal' if fig['greedy_equal'] else 'DIFFER'}")
+        serving = " ".join(f"c{s['concurrency']}:{s['output_tokens_per_s'] or 0:.0f}" for s in fig.get("serving", []))
+        return (f"start {fig.get('startup_s') or 0:.0f} s ({fig.get('num_step_shapes')} shapes), offline "
+                f"{fig.get('offline_output_tokens_per_s') or 0:.0f} tok/s, decode {fig.get('decode_step_ms') or 0:.2f} ms "
+                f"vs roofline {fig.get('roofline_ms') or 0:.2f} ms; serving tok/s {serving}")
     if name == "gpu_compile":
-        return "; ".join(f"{r['model']} {r['target']}: {r['num_shapes'] - r['num_failed']}/{r['num_shapes']} shapes "
-                         f"in {r['seconds']} s" for r in fig["runs"])
-    return ""
+        return "; ".join(f"{r['model']} {r['target']}: {(r['num_shapes'] or 0) - (r['num_failed'] or 0)}/"
+                         f"{r['num_shapes']} shapes in {r['seconds']} s" for r in fig.get("runs", []))
+    return "; ".join(f"{k}: {c.get('status')}" for k, c in (step.get("checks") or {}).items())[:240]
 
 
 def table(path: str) -> int:
-    with open(path) as f:
-        summary = json.load(f)
-    print(f"{'step':<13}{'rc':>4}{'wall s':>8}{'limit':>7}  key figures (limit: the GPU run's)")
+    summary = load(path)
+    print(f"{'step':<13}{'status':>10}{'wall s':>8}{'limit':>7}  key figures (limit: the GPU run's)")
     for step in summary["steps"]:
-        line = step.get("error") or short(step["name"], step.get("figures") or {})
-        print(f"{step['name']:<13}{step['rc']:>4}{step['wall_s']:>8.1f}{step['gpu_limit_s']:>7}  {line}")
-    total = sum(s["wall_s"] for s in summary["steps"])
-    print(f"{'total':<13}{'':>4}{total:>8.1f}{sum(s['gpu_limit_s'] for s in summary['steps']):>7}  "
-          f"{'all ok' if summary.get('ok') else 'FAILED'} ({summary.get('mode')})")
+        wall = step.get("wall_s")
+        line = short(step["name"], step) if step["status"] not in ("pending",) else ""
+        print(f"{step['name']:<13}{step['status']:>10}{'' if wall is None else f'{wall:.1f}':>8}"
+              f"{step.get('gpu_limit_s', ''):>7}  {line}")
+    total = sum(s.get("wall_s") or 0 for s in summary["steps"])
+    counts = {}
+    for s in summary["steps"]:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    print(f"{'total':<13}{summary['result']:>10}{total:>8.1f}{sum(s.get('gpu_limit_s', 0) for s in summary['steps']):>7}"
+          f"  {', '.join(f'{n} {k}' for k, n in counts.items())} ({summary.get('mode')})")
     return 0
+
+
+def exit_status(path: str) -> int:
+    """0: every step ok (in the dry run, also incomplete: some figures need a GPU); 1: a step failed
+    or timed out; 3: nothing failed but something was not compared (unknown, skipped, not run)."""
+    summary = load(path)
+    if summary["result"] == "ok":
+        return 0
+    if summary["result"] == "failed":
+        return 1
+    return 0 if summary.get("mode") == "dry-run" else 3
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("machine").add_argument("out")
+    starting = sub.add_parser("start")
+    starting.add_argument("summary")
+    starting.add_argument("--mode", required=True)
+    starting.add_argument("--plan", required=True, help="name:gpu_limit_s:dry_run_limit_s,... in the order they run")
+    beginning = sub.add_parser("begin")
+    beginning.add_argument("summary")
+    beginning.add_argument("name")
     adding = sub.add_parser("add")
     adding.add_argument("summary")
     adding.add_argument("--name", required=True)
@@ -226,14 +379,30 @@ def main(argv=None) -> int:
     adding.add_argument("--gpu-limit", type=int, required=True, help="the step's limit on the GPU")
     adding.add_argument("--log")
     adding.add_argument("--report")
-    adding.add_argument("--mode")
-    adding.add_argument("--started")
+    skipping = sub.add_parser("skip")
+    skipping.add_argument("summary")
+    skipping.add_argument("name")
+    skipping.add_argument("--reason", required=True)
+    skipping.add_argument("--status", default="skipped", choices=("skipped", "not_run"))
     sub.add_parser("table").add_argument("summary")
+    sub.add_parser("exit-status").add_argument("summary")
+    asking = sub.add_parser("status")
+    asking.add_argument("summary")
+    asking.add_argument("name")
     args = parser.parse_args(argv)
-    if args.command == "machine":
-        return machine(args.out)
+    if args.command == "start":
+        return start(args.summary, args.mode, args.plan) or 0
+    if args.command == "begin":
+        return begin(args.summary, args.name) or 0
     if args.command == "add":
         return add(args)
+    if args.command == "skip":
+        return skip(args.summary, args.name, args.reason, args.status) or 0
+    if args.command == "exit-status":
+        return exit_status(args.summary)
+    if args.command == "status":
+        print(find_step(load(args.summary), args.name)["status"])
+        return 0
     return table(args.summary)
 
 

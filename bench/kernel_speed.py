@@ -1,7 +1,9 @@
 """Roofline benchmark of the paged attention kernels, both families side by side: the Triton
 lowering's (paged_decode, ragged_prefill) and Mosaic GPU's (mosaic_decode, mosaic_ragged, where the
-installed jax has Mosaic GPU), on the same inputs, each row naming its backend and the largest
-difference from the Triton kernel's output.
+installed jax has Mosaic GPU), on the same inputs, each row naming its backend and its largest
+difference from the plain-jnp reference's output (pallas_kernels/reference.py: a dense float32 softmax
+over the gathered context, an implementation independent of both), relative to the reference's
+largest value: check "ok" within TOLERANCE, else "differ".
 
 Decode: achieved HBM bandwidth against the bytes the kernel must move (the K/V pages in use,
 q and the output), batch 64 at contexts 1k/4k/8k with Llama-3-8B heads (32 query heads, 8 KV
@@ -11,10 +13,15 @@ bandwidth and FLOP/s ceilings. Grouped matmul (the routed experts of a mixture-o
 the Pallas kernel against XLA's ragged_dot on the gate projection of Qwen3-30B-A3B (128 experts,
 2048 -> 768, top-8) at 1, 64 and 512 tokens and of Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) at
 8 tokens, each token routed to distinct random experts; bandwidth against the bytes of the experts
-a call routes to (their weights, the rows in and out), FLOP/s against 2 * rows * K * N.
+a call routes to (their weights, the rows in and out), FLOP/s against 2 * rows * K * N, its output
+against ragged_dot's.
 
-  python bench/kernel_speed.py --out bench/out/kernels.json            # on a GPU
-  python bench/kernel_speed.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
+Every figure is written to --out as soon as it is measured (bench/gpu_check_report.StepReport), and
+each backend of each problem runs in its own guard: a Mosaic exception or the step's time limit
+leaves the Triton figures and everything measured before. Exit 1 when a row differs or failed.
+
+  python3 bench/kernel_speed.py --out bench/out/kernels.json            # on a GPU
+  python3 bench/kernel_speed.py --interpret --quick --out /tmp/k.json   # anywhere, tiny shapes
 """
 
 import argparse
@@ -31,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_check_report import StepReport  # noqa: E402
 from pallas_kernels import compat, dispatch, grouped_matmul, kv_quant, reference  # noqa: E402
 
 # Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
@@ -40,6 +48,9 @@ FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_
             repeats=20,
             grouped=[("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 1), ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 64),
                      ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)])
+# Largest |kernel - reference| / largest |reference| a row may show: bfloat16 outputs of the same
+# inputs (tests/test_kernels.py's bfloat16 tolerance).
+TOLERANCE = 2e-2
 QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
              page_size=16, quantized_contexts=(100,), prefills=2, prefill_len=24, copy_mib=4, matmul=128,
              repeats=2,
@@ -105,15 +116,24 @@ def kernel_backends(interpret):
     return backends
 
 
-def time_backends(attention, args, interpret, repeats):
-    """{family: (seconds, max |output - Triton's output|)} for each kernel family on the same args."""
-    timed, first = {}, None
+def relative_difference(out, expected) -> float:
+    """max |out - expected| / max |expected|, in float32."""
+    out, expected = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    return float(np.abs(out - expected).max() / max(float(np.abs(expected).max()), 1e-30))
+
+
+def run_backends(report, label, attention, args, expected, interpret, repeats):
+    """Each kernel family on the same args, in its own guard: yields (family, seconds, relative
+    difference from `expected`) and records check `label/family` (within TOLERANCE: ok, else
+    differ; an exception: failed, and the next family runs)."""
     for family, backend in kernel_backends(interpret).items():
-        kernel = jax.jit(lambda *a, _b=backend: attention(_b, *a))
-        out = np.asarray(kernel(*args), np.float32)
-        first = out if first is None else first
-        timed[family] = (time_call(kernel, *args, repeats=repeats), float(np.abs(out - first).max()))
-    return timed
+        name = f"{label}/{family}"
+        with report.guard(name):
+            kernel = jax.jit(lambda *a, _b=backend: attention(_b, *a))
+            difference = relative_difference(kernel(*args), expected)
+            report.check(name, "ok" if difference <= TOLERANCE else "differ", relative_difference=difference,
+                         tolerance=TOLERANCE)
+            yield family, time_call(kernel, *args, repeats=repeats), difference
 
 
 def quantize_pages(pages, kind):
@@ -128,35 +148,46 @@ def cache_bytes(cache) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(cache))
 
 
-def bench_decode(config, rng, interpret, with_reference):
-    dtype = jnp.bfloat16
-    results = []
-    runs = [(context, "bfloat16") for context in config["contexts"]]
-    runs += [(context, kind) for context in config["quantized_contexts"] for kind in ("int8", "fp8")]
+def decode_problem(config, rng, context, kv_dtype):
+    """Decode inputs of config["batch"] sequences at `context` tokens over `kv_dtype` pages, and
+    the bytes a kernel must move for them (pages in use, q and output, table and lengths)."""
+    seq_lens = np.full((config["batch"],), context, np.int32)
+    shape = (config["page_size"], config["kv_heads"], config["head_dim"])
+    k_pages, v_pages, block_table, pages_in_use = paged_cache(rng, seq_lens, shape, jnp.bfloat16)
+    if kv_dtype != "bfloat16":
+        k_pages, v_pages = quantize_pages(k_pages, kv_dtype), quantize_pages(v_pages, kv_dtype)
+    q = jax.random.normal(jax.random.key(1), (config["batch"], config["q_heads"], config["head_dim"]), jnp.bfloat16)
+    page_bytes = cache_bytes(k_pages) // kv_quant.values(k_pages).shape[0]  # values and scales of one page
+    needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
+    return (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens)), needed
+
+
+def bench_decode(report, config, rng, interpret, with_reference, runs):
+    """Decode rows (one per kernel family) for each (context, kv dtype) of `runs`, appended to
+    report["decode"] as measured; each compared with the plain-jnp reference's output."""
     for context, kv_dtype in runs:
-        seq_lens = np.full((config["batch"],), context, np.int32)
-        shape = (config["page_size"], config["kv_heads"], config["head_dim"])
-        k_pages, v_pages, block_table, pages_in_use = paged_cache(rng, seq_lens, shape, dtype)
-        if kv_dtype != "bfloat16":
-            k_pages, v_pages = quantize_pages(k_pages, kv_dtype), quantize_pages(v_pages, kv_dtype)
-        q_shape = (config["batch"], config["q_heads"], config["head_dim"])
-        q = jax.random.normal(jax.random.key(1), q_shape, dtype)
-        args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens))
-        page_bytes = cache_bytes(k_pages) // kv_quant.values(k_pages).shape[0]  # values and scales of one page
-        needed = 2 * pages_in_use * page_bytes + 2 * q.nbytes + block_table.nbytes + 4 * config["batch"]
-        if with_reference:
+        label = f"decode/{kv_dtype}/{context}"
+        with report.guard(f"{label}/reference"):
+            args, needed = decode_problem(config, rng, context, kv_dtype)
             reference_fn = jax.jit(reference.paged_decode_attention)
-            ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
-        for family, (seconds, difference) in time_backends(dispatch.decode_attention, args, interpret,
-                                                           config["repeats"]).items():
-            row = {"backend": family, "kv_dtype": kv_dtype, "batch": config["batch"], "context": context,
-                   "bytes": needed, "seconds": seconds, "gb_per_s": needed / seconds / 1e9,
-                   "max_abs_diff_vs_triton": difference}
-            if with_reference:
-                row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
-            results.append(row)
-        del k_pages, v_pages
-    return results
+            expected = np.asarray(reference_fn(*args), np.float32)
+            ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"]) if with_reference else None
+            for family, seconds, difference in run_backends(report, label, dispatch.decode_attention, args,
+                                                            expected, interpret, config["repeats"]):
+                row = {"backend": family, "kv_dtype": kv_dtype, "batch": config["batch"], "context": context,
+                       "bytes": needed, "seconds": seconds, "gb_per_s": needed / seconds / 1e9,
+                       "relative_diff_vs_reference": difference,
+                       "fraction_of_copy_bandwidth": fraction(needed / seconds / 1e9, report, "copy", "gb_per_s")}
+                if ref_seconds:
+                    row.update(reference_seconds=ref_seconds, reference_gb_per_s=needed / ref_seconds / 1e9)
+                report.append("decode", row)
+            del args, expected
+
+
+def fraction(value, report, key, field):
+    """value / report[key][field] (a ceiling measured earlier), None when that was not measured."""
+    ceiling = report.get(key, {}).get(field)
+    return value / ceiling if ceiling else None
 
 
 def causal_attention_flops(query_lens, q_heads, head_dim):
@@ -165,29 +196,29 @@ def causal_attention_flops(query_lens, q_heads, head_dim):
     return 4 * visible * q_heads * head_dim
 
 
-def bench_ragged(config, rng, interpret, with_reference):
-    dtype = jnp.bfloat16
+def bench_ragged(report, config, rng, interpret, with_reference):
+    """Ragged rows (one per kernel family): causal prefills, each compared with the reference's output."""
     lengths = [config["prefill_len"]] * config["prefills"]
-    seq_lens = np.asarray(lengths, np.int32)
-    shape = (config["page_size"], config["kv_heads"], config["head_dim"])
-    k_pages, v_pages, block_table, _ = paged_cache(rng, seq_lens, shape, dtype)
-    num_tokens = sum(lengths)
-    q = jax.random.normal(jax.random.key(2), (num_tokens, config["q_heads"], config["head_dim"]), dtype)
-    query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens), query_start_loc)
-    flops = causal_attention_flops(lengths, config["q_heads"], config["head_dim"])
-    results = []
-    for family, (seconds, difference) in time_backends(dispatch.ragged_attention, args, interpret,
-                                                       config["repeats"]).items():
-        results.append({"backend": family, "prefills": config["prefills"], "prefill_len": config["prefill_len"],
-                        "flops": flops, "seconds": seconds, "tflop_per_s": flops / seconds / 1e12,
-                        "max_abs_diff_vs_triton": difference})
-    if with_reference:
+    with report.guard("ragged/reference"):
+        seq_lens = np.asarray(lengths, np.int32)
+        shape = (config["page_size"], config["kv_heads"], config["head_dim"])
+        k_pages, v_pages, block_table, _ = paged_cache(rng, seq_lens, shape, jnp.bfloat16)
+        q = jax.random.normal(jax.random.key(2), (sum(lengths), config["q_heads"], config["head_dim"]), jnp.bfloat16)
+        query_start_loc = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        args = (q, k_pages, v_pages, block_table, jnp.asarray(seq_lens), query_start_loc)
+        flops = causal_attention_flops(lengths, config["q_heads"], config["head_dim"])
         reference_fn = jax.jit(reference.ragged_paged_attention)
-        ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"])
-        for result in results:
-            result.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
-    return results
+        expected = np.asarray(reference_fn(*args), np.float32)
+        ref_seconds = time_call(reference_fn, *args, repeats=config["repeats"]) if with_reference else None
+        for family, seconds, difference in run_backends(report, "ragged", dispatch.ragged_attention, args, expected,
+                                                        interpret, config["repeats"]):
+            row = {"backend": family, "prefills": config["prefills"], "prefill_len": config["prefill_len"],
+                   "flops": flops, "seconds": seconds, "tflop_per_s": flops / seconds / 1e12,
+                   "relative_diff_vs_reference": difference,
+                   "fraction_of_matmul_rate": fraction(flops / seconds / 1e12, report, "matmul", "tflop_per_s")}
+            if ref_seconds:
+                row.update(reference_seconds=ref_seconds, reference_tflop_per_s=flops / ref_seconds / 1e12)
+            report.append("ragged", row)
 
 
 def routed_rows(rng, num_experts, top_k, tokens):
@@ -198,41 +229,42 @@ def routed_rows(rng, num_experts, top_k, tokens):
     return jnp.asarray(sizes), int(np.count_nonzero(sizes))
 
 
-def bench_grouped(config, rng, interpret):
-    """The Pallas grouped matmul against jax.lax.ragged_dot (bf16) on each case of config["grouped"]."""
-    dtype = jnp.bfloat16
-    results = []
+def bench_grouped(report, config, rng, interpret):
+    """The Pallas grouped matmul against jax.lax.ragged_dot (bf16, XLA's own lowering: the
+    independent result) on each case of config["grouped"], each case in its own guard."""
     for name, num_experts, k, n, top_k, tokens in config["grouped"]:
-        rows = tokens * top_k
-        group_sizes, experts_used = routed_rows(rng, num_experts, top_k, tokens)
-        key_lhs, key_rhs = jax.random.split(jax.random.key(int(rng.integers(2**31))))
-        lhs = jax.random.normal(key_lhs, (rows, k), dtype)
-        rhs = (jax.random.normal(key_rhs, (num_experts, k, n), jnp.float32) / math.sqrt(k)).astype(dtype)
-        kernel = jax.jit(lambda *a: grouped_matmul.grouped_matmul(*a, interpret=interpret))
-        xla = jax.jit(jax.lax.ragged_dot)
-        error = float(jnp.max(jnp.abs(kernel(lhs, rhs, group_sizes).astype(jnp.float32)
-                                      - xla(lhs, rhs, group_sizes).astype(jnp.float32))))
-        seconds = time_call(kernel, lhs, rhs, group_sizes, repeats=config["repeats"])
-        xla_seconds = time_call(xla, lhs, rhs, group_sizes, repeats=config["repeats"])
-        itemsize = jnp.dtype(dtype).itemsize
-        needed = (experts_used * k * n + rows * (k + n)) * itemsize  # routed experts' weights, rows in and out
-        flops = 2 * rows * k * n
-        results.append({
-            "case": name, "experts": num_experts, "k": k, "n": n, "top_k": top_k, "tokens": tokens, "rows": rows,
-            "experts_routed": experts_used, "bytes": needed, "flops": flops, "max_abs_diff_vs_xla": error,
-            "seconds": seconds, "gb_per_s": needed / seconds / 1e9, "tflop_per_s": flops / seconds / 1e12,
-            "xla_seconds": xla_seconds, "xla_gb_per_s": needed / xla_seconds / 1e9,
-            "kernel_speedup_over_xla": xla_seconds / seconds,
-        })
-        del lhs, rhs
-    return results
+        label = f"grouped_matmul/{name}/{tokens}"
+        with report.guard(label):
+            rows = tokens * top_k
+            group_sizes, experts_used = routed_rows(rng, num_experts, top_k, tokens)
+            key_lhs, key_rhs = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+            lhs = jax.random.normal(key_lhs, (rows, k), jnp.bfloat16)
+            rhs = (jax.random.normal(key_rhs, (num_experts, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+            kernel = jax.jit(lambda *a: grouped_matmul.grouped_matmul(*a, interpret=interpret))
+            xla = jax.jit(jax.lax.ragged_dot)
+            difference = relative_difference(kernel(lhs, rhs, group_sizes), xla(lhs, rhs, group_sizes))
+            report.check(label, "ok" if difference <= TOLERANCE else "differ", relative_difference=difference,
+                         tolerance=TOLERANCE)
+            seconds = time_call(kernel, lhs, rhs, group_sizes, repeats=config["repeats"])
+            xla_seconds = time_call(xla, lhs, rhs, group_sizes, repeats=config["repeats"])
+            needed = (experts_used * k * n + rows * (k + n)) * 2  # routed experts' weights, rows in and out (bf16)
+            flops = 2 * rows * k * n
+            report.append("grouped_matmul", {
+                "case": name, "experts": num_experts, "k": k, "n": n, "top_k": top_k, "tokens": tokens, "rows": rows,
+                "experts_routed": experts_used, "bytes": needed, "flops": flops, "relative_diff_vs_xla": difference,
+                "seconds": seconds, "gb_per_s": needed / seconds / 1e9, "tflop_per_s": flops / seconds / 1e12,
+                "xla_seconds": xla_seconds, "xla_gb_per_s": needed / xla_seconds / 1e9,
+                "kernel_speedup_over_xla": xla_seconds / seconds,
+                "fraction_of_copy_bandwidth": fraction(needed / seconds / 1e9, report, "copy", "gb_per_s"),
+                "fraction_of_matmul_rate": fraction(flops / seconds / 1e12, report, "matmul", "tflop_per_s")})
+            del lhs, rhs
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="path of the JSON report")
+    parser.add_argument("--out", required=True, help="path of the JSON report (written after every figure)")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (no GPU)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--with-reference", action="store_true", help="also time the plain-jnp reference")
@@ -246,32 +278,24 @@ def main(argv=None):
         return 2
     config = QUICK if args.quick else FULL
     rng = np.random.default_rng(0)
-    device = jax.devices()[0]
-    report = {
-        "device": getattr(device, "device_kind", str(device)),
-        "jax_version": jax.__version__,
-        "mode": "interpret" if args.interpret else "compiled",
-        "backends": list(kernel_backends(args.interpret)),
-        "shapes": {k: v for k, v in config.items() if k != "repeats"},
-        "copy": copy_bandwidth(config["copy_mib"], config["repeats"]),
-        "matmul": matmul_rate(config["matmul"], config["repeats"]),
-    }
-    report["decode"] = bench_decode(config, rng, args.interpret, args.with_reference)
-    for row in report["decode"]:
-        row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
-    report["ragged"] = bench_ragged(config, rng, args.interpret, args.with_reference)
-    for row in report["ragged"]:
-        row["fraction_of_matmul_rate"] = row["tflop_per_s"] / report["matmul"]["tflop_per_s"]
-    report["grouped_matmul"] = bench_grouped(config, rng, args.interpret)
-    for row in report["grouped_matmul"]:
-        row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / report["copy"]["gb_per_s"]
-        row["fraction_of_matmul_rate"] = row["tflop_per_s"] / report["matmul"]["tflop_per_s"]
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(report, handle, indent=2)
-    print(json.dumps(report, indent=2))
-    return 0
+    report = StepReport(args.out, device=getattr(jax.devices()[0], "device_kind", str(jax.devices()[0])),
+                        jax_version=jax.__version__, mode="interpret" if args.interpret else "compiled",
+                        backends=list(kernel_backends(args.interpret)), tolerance=TOLERANCE,
+                        shapes={k: v for k, v in config.items() if k != "repeats"})
+    with report.guard("copy"):
+        report.put("copy", copy_bandwidth(config["copy_mib"], config["repeats"]))
+    with report.guard("matmul"):
+        report.put("matmul", matmul_rate(config["matmul"], config["repeats"]))
+    # Most valuable first: 16-bit decode at every context, the ragged prefill, the MoE grouped matmul,
+    # then decode over quantized pages.
+    bench_decode(report, config, rng, args.interpret, args.with_reference,
+                 [(context, "bfloat16") for context in config["contexts"]])
+    bench_ragged(report, config, rng, args.interpret, args.with_reference)
+    bench_grouped(report, config, rng, args.interpret)
+    bench_decode(report, config, rng, args.interpret, args.with_reference,
+                 [(context, kind) for context in config["quantized_contexts"] for kind in ("int8", "fp8")])
+    print(json.dumps(report, indent=2, default=str))
+    return report.exit_status()
 
 
 if __name__ == "__main__":
