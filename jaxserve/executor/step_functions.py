@@ -44,7 +44,7 @@ class StepFunctions:
 
 def bucket_set(engine_config: EngineConfig, backend: str, max_model_len: int) -> BucketSet:
     """The shape buckets an engine under `engine_config` compiles (verification buckets too with
-    speculative decoding); step.BucketListError for a bad explicit bucket list."""
+    speculative decoding; explicit bucket lists are EngineConfig's, checked when it was made)."""
     speculative_tokens = engine_config.speculative_tokens
     kv_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype)
     return BucketSet.create(
