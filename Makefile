@@ -103,11 +103,11 @@ test: install-test install-gpu-compile
 	$(GPU_COMPILE_BIN)/python -m pytest -q tests/test_gpu_compile.py tests/test_kernel_gpu_compile.py
 	$(MAKE) --no-print-directory test-gpu-rehearsal
 
-## The inner loop: the host-side and unit tests, none that needs a server, an engine or a
-## subprocess (`pytest -m "not slow"`; tests/conftest.py and each slow module's `pytestmark` keep the
-## split, tests/test_layout.py checks it), in under 3 minutes on 2 cores (bench/RESULTS.md, "Test
-## suite run time"). CI runs `make test`, which runs every test. pytest's exit code 5 (no test ran)
-## fails it like any other.
+## The inner loop: the host-side and unit tests, no engine, no model server, no subprocess but a
+## few bare `python -c` import checks (`pytest -m "not slow"`; tests/conftest.py and each slow
+## module's `pytestmark` keep the split, tests/test_layout.py checks it), in under 3 minutes on 2
+## cores (bench/RESULTS.md, "Test suite run time"). CI runs `make test`, which runs every test.
+## pytest's exit code 5 (no test ran) fails it like any other.
 test-quick: install-test
 	$(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
 

@@ -15,12 +15,12 @@ platforms.default_to_cpu_without_gpu()  # before any test imports jax; inherited
 # tests/test_executables.py switches the store back on; tests/test_fresh_machine.py runs without it.
 os.environ.setdefault("JAXSERVE_EXECUTABLES_CACHE", "0")
 
-# `make test-quick` runs `pytest -m "not slow"`: the host-side and unit tests, none that needs a
-# server, an engine or a subprocess. A test is slow when it uses, directly or through another
-# fixture, a fixture whose name says it starts a server or builds an engine, or one of the fixtures
-# below; a module that is slow for other reasons (engines built in the tests, subprocesses, long
-# compiles) says so itself: `pytestmark = pytest.mark.slow` (tests/test_layout.py checks that every
-# module is marked or listed as quick).
+# `make test-quick` runs `pytest -m "not slow"`: the host-side and unit tests, no engine, no model
+# server, no subprocess but a bare `python -c`. A test is slow when it uses, directly or through
+# another fixture, a fixture whose name says it starts a server or builds an engine, or one of the
+# fixtures below; a module that is slow for other reasons (engines built in the tests,
+# subprocesses, long compiles) says so itself: `pytestmark = pytest.mark.slow` (tests/test_layout.py
+# checks that every module is marked or listed as quick).
 SLOW_FIXTURE_WORDS = ("server", "engine")
 SLOW_FIXTURES = {"tiny_chat_model_dir"}  # a tiny model converted: what servers and engines load
 

@@ -193,8 +193,9 @@ def test_no_script_shadows_an_installed_module():
 
 
 # ---- the test suite's split ---------------------------------------------------------------------
-# The modules `make test-quick` runs (`pytest -m "not slow"`): host-side and unit tests, none that
-# needs a server, an engine or a subprocess beyond a bare `python -c` import check. tests/conftest.py
+# The modules `make test-quick` runs (`pytest -m "not slow"`): host-side and unit tests, no engine,
+# no model server (HTTP clients meet in-process fakes), no subprocess but a bare `python -c` import
+# check. tests/conftest.py
 # still marks, in these, each test that uses a server or engine fixture. Every other module says
 # `pytestmark = pytest.mark.slow` itself; a new module goes in one group or the other.
 QUICK_TEST_MODULES = {
