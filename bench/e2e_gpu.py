@@ -144,13 +144,15 @@ def memory_figures(engine, cfg: ModelConfig, engine_cfg: EngineConfig, report) -
     no statistics, as the CPU)."""
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    plan = memory.plan_memory(cfg, dataclasses.replace(engine_cfg, dtype="bfloat16", max_model_len=engine.max_model_len),
-                              device_memory_bytes=memory.device_memory_budget_bytes(device))
+    plan = memory.plan_memory(
+        cfg, dataclasses.replace(engine_cfg, dtype="bfloat16", max_model_len=engine.max_model_len),
+        device_memory_bytes=memory.device_memory_budget_bytes(device))
     planned_total = plan.weights_bytes + plan.kv_cache_bytes + plan.activation_bytes
     peak = stats.get("peak_bytes_in_use")
     report.put("memory", {"planned_weights_bytes": plan.weights_bytes, "planned_kv_cache_bytes": plan.kv_cache_bytes,
                           "planned_activation_bytes": plan.activation_bytes, "planned_num_pages": plan.num_pages,
-                          "engine_num_pages": engine.allocator.num_usable_pages + 1, "planned_total_bytes": planned_total,
+                          "engine_num_pages": engine.allocator.num_usable_pages + 1,
+                          "planned_total_bytes": planned_total,
                           "measured_bytes_in_use": stats.get("bytes_in_use"), "measured_peak_bytes": peak,
                           "bytes_limit": stats.get("bytes_limit")})
     if peak is None:

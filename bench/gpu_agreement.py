@@ -126,11 +126,11 @@ def run_transformers(config: ModelConfig, params: dict, prompts, max_tokens: int
         num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, tie_word_embeddings=False, torch_dtype="float32")
-    model = LlamaForCausalLM(hf_config).eval()
+    with torch.device(device):  # built where it runs: its random initialisation is overwritten at once
+        model = LlamaForCausalLM(hf_config).eval()
     missing, unexpected = model.load_state_dict(hf_state_dict(config, params, torch), strict=False)
     if [m for m in missing if "rotary" not in m] or unexpected:
         raise ValueError(f"transformers' weights: missing {missing}, unexpected {unexpected}")
-    model = model.to(device)
     out = {"device": device, "tokens": [], "gaps": [], "logprobs": []}
     with torch.no_grad():
         for prompt in prompts:
@@ -194,12 +194,16 @@ def main(argv=None) -> int:
             hf = report.put("transformers", run_transformers(config, params, prompts, size["max_tokens"]))
     for family in engine_backends():
         absent = f"the {family} engine failed (see its check)"
-        report.check(f"{family}_vs_transformers", **compare(runs.get(family), hf, missing if family in runs else absent))
+        report.check(f"{family}_vs_transformers",
+                     **compare(runs.get(family), hf, missing if family in runs else absent))
         if family != "xla":
             report.check(f"{family}_vs_xla", **compare(runs.get(family), runs.get("xla"),
                                                        "an engine failed (see its check)"))
     for family, run in runs.items():  # the engines ran: their checks say so (a failed one is already recorded)
         report.check(f"engine/{family}", "ok", backend=run["backend"])
+    for name, check in report["checks"].items():
+        print(f"{name:<26}{check['status']:>8}  compared {check.get('compared_positions', '-')}, "
+              f"max logprob diff {check.get('max_logprob_diff', '-')} {check.get('reason', '')}")
     return report.exit_status()
 
 

@@ -53,7 +53,7 @@ SUMMARY="$OUT/summary.json"
 export GPU_CHECK_SUMMARY="$SUMMARY"
 rm -f "$SUMMARY"
 # Every step, in the order it runs: name:limit on the GPU (s):limit in the dry run on a shared 2-core CPU (s).
-PLAN="machine:20:120,kernel_tests:110:400,kernels:60:300,agreement:70:300,e2e:120:480,executables:20:400,gpu_compile:20:400"
+PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:120:480,executables:20:600,gpu_compile:20:400"
 "$PY" bench/gpu_check_summary.py start "$SUMMARY" --mode="$MODE" --plan="$PLAN" || exit 2
 declare -A GPU_LIMIT LIMIT
 for item in ${PLAN//,/ }; do

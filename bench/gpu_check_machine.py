@@ -129,8 +129,8 @@ def machine(out: str, mode: str) -> int:
     report["ptxas"] = find_ptxas()
     if shutil.which("nvidia-smi"):
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
+            query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+            smi = subprocess.run(query, capture_output=True, text=True, timeout=20)
             report["nvidia_smi"] = (smi.stdout or smi.stderr).strip()
         except subprocess.TimeoutExpired:
             report["nvidia_smi"] = "nvidia-smi did not answer within 20 s"

@@ -2,7 +2,8 @@
 
     python3 bench/gpu_check_summary.py start SUMMARY --mode=gpu --plan=machine:20:120,kernel_tests:110:400,...
     python3 bench/gpu_check_summary.py begin SUMMARY NAME                # the step is running
-    python3 bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S [--log=LOG] [--report=J]
+    python3 bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S \
+        --gpu-limit=S [--log=LOG] [--report=J]
     python3 bench/gpu_check_summary.py skip SUMMARY NAME --reason=WHY [--status=not_run]
     python3 bench/gpu_check_summary.py status SUMMARY NAME               # a step's status
     python3 bench/gpu_check_summary.py table SUMMARY                     # the short table printed last
@@ -157,12 +158,14 @@ def gpu_compile_checks(report: dict) -> dict:
     checks = {"shapes_compiled": {"status": "differ" if failed else ("ok" if shapes else "unknown"),
                                   "shapes": shapes, "failed": failed}}
     kernels = [k for r in runs for k in r.get("kernels", [])]
-    unreported = [k.get("name") for k in kernels if k.get("spill_store_bytes") is None or k.get("spill_load_bytes") is None]
+    unreported = [k.get("name") for k in kernels
+                  if k.get("spill_store_bytes") is None or k.get("spill_load_bytes") is None]
     spilling = [k.get("name") for k in kernels if k.get("spill_store_bytes") or k.get("spill_load_bytes")]
     if spilling:
         checks["no_spills"] = {"status": "differ", "kernels": spilling}
     elif unreported or not kernels:
-        checks["no_spills"] = {"status": "unknown", "reason": f"ptxas gave no spill figures for {unreported or 'any kernel'}"}
+        checks["no_spills"] = {"status": "unknown",
+                               "reason": f"ptxas gave no spill figures for {unreported or 'any kernel'}"}
     else:
         checks["no_spills"] = {"status": "ok", "kernels": len(kernels)}
     return checks
@@ -323,7 +326,8 @@ def short(name: str, step: dict) -> str:
     if name == "e2e":
         serving = " ".join(f"c{s['concurrency']}:{s['output_tokens_per_s'] or 0:.0f}" for s in fig.get("serving", []))
         return (f"start {fig.get('startup_s') or 0:.0f} s ({fig.get('num_step_shapes')} shapes), offline "
-                f"{fig.get('offline_output_tokens_per_s') or 0:.0f} tok/s, decode {fig.get('decode_step_ms') or 0:.2f} ms "
+                f"{fig.get('offline_output_tokens_per_s') or 0:.0f} tok/s, "
+                f"decode {fig.get('decode_step_ms') or 0:.2f} ms "
                 f"vs roofline {fig.get('roofline_ms') or 0:.2f} ms; serving tok/s {serving}")
     if name == "gpu_compile":
         return "; ".join(f"{r['model']} {r['target']}: {(r['num_shapes'] or 0) - (r['num_failed'] or 0)}/"
@@ -343,7 +347,8 @@ def table(path: str) -> int:
     counts = {}
     for s in summary["steps"]:
         counts[s["status"]] = counts.get(s["status"], 0) + 1
-    print(f"{'total':<13}{summary['result']:>10}{total:>8.1f}{sum(s.get('gpu_limit_s', 0) for s in summary['steps']):>7}"
+    limits = sum(s.get("gpu_limit_s", 0) for s in summary["steps"])
+    print(f"{'total':<13}{summary['result']:>10}{total:>8.1f}{limits:>7}"
           f"  {', '.join(f'{n} {k}' for k, n in counts.items())} ({summary.get('mode')})")
     return 0
 

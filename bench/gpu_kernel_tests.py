@@ -57,7 +57,7 @@ GPU_TESTS = [
      TRITON_RAGGED),  # float32, page 8, group 4
     (M + "test_mosaic_soft_cap_and_scale_match_oracle[Options(window=11, scale=0.3, cap=5.0)]",
      ("mosaic decode", "mosaic ragged")),
-    (M + "test_mosaic_kernels_on_quantized_pages_match_oracle[int8-ps16-d128-g4-kv2-bfloat16]",
+    (M + "test_mosaic_kernels_on_quantized_pages_match_oracle[ps16-d128-g4-kv2-bfloat16-int8]",
      ("mosaic decode", "mosaic ragged") * 2),
     (M + "test_mosaic_results_do_not_depend_on_the_block_table_order", ("mosaic decode",)),
     (G + "test_kernel_matches_ragged_dot[prefill-default-tiles-bfloat16]", ("grouped",) * 2),

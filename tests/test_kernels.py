@@ -580,8 +580,17 @@ def test_xla_path_results_do_not_depend_on_the_other_rows_or_the_table_width(win
     wide = np.asarray(decode(q, k_pages, v_pages, wide_table, seq_lens))
     for row in np.flatnonzero(seq_lens):
         alone = np.asarray(decode(q[row:row + 1], k_pages, v_pages, block_table[row:row + 1], seq_lens[row:row + 1]))
-        assert np.array_equal(alone[0], together[row]), f"row {row} (seed {SEED})"
-    assert np.array_equal(wide, together)
+        assert_same_result(alone[0], together[row], f"row {row} (seed {SEED})")
+    assert_same_result(wide, together, "wider table")
+
+
+def assert_same_result(actual, expected, label):
+    """Bit for bit on the CPU; on a GPU XLA picks its kernels per shape, so results of the same row
+    in batches of other shapes agree to float32 rounding there (a CPU-only invariant otherwise)."""
+    if jax.default_backend() == "cpu":
+        assert np.array_equal(actual, expected), label
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=label)
 
 
 def xla_against_oracle(case, rng, options, *, decode, label, **tiles):
@@ -673,7 +682,7 @@ def test_xla_ragged_results_do_not_depend_on_the_other_sequences():
         start, count = starts[row], query_lens[row]
         alone = np.asarray(ragged(q[start:start + count], k_pages, v_pages, block_table[row:row + 1],
                                   seq_lens[row:row + 1], np.array([0, count], np.int32)))
-        assert np.array_equal(alone, together[start:start + count]), f"row {row} (seed {SEED})"
+        assert_same_result(alone, together[start:start + count], f"row {row} (seed {SEED})")
     assert np.all(together[34:] == 0)
 
 

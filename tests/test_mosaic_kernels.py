@@ -235,7 +235,7 @@ def test_engine_greedy_tokens_with_the_interpreted_mosaic_kernels(model, kv_cach
     for backend in (MOSAIC_BACKEND, "xla"):
         engine = Engine(config, params, None, EngineConfig(
             attention_backend=backend, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, page_size=16, max_num_seqs=4,
-            max_num_batched_tokens=32, max_model_len=128, warmup=False), model_name=f"tiny {model}")
+            num_pages=64, max_num_batched_tokens=32, max_model_len=128, warmup=False), model_name=f"tiny {model}")
         results = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                           logprobs=2))
         tokens[backend] = [r.token_ids for r in results]
