@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.gpu_check_report import StepReport  # noqa: E402
+from bench.gpu_check_report import StepReport, require_gpu  # noqa: E402
 from jaxserve.async_engine import AsyncEngine  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
@@ -211,6 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num_pages", type=int, default=None,
                         help="the engine's KV pool (default: max_num_seqs sequences of max_model_len tokens)")
     args = parser.parse_args(argv)
+    require_gpu()
     quick = args.small
     cfg = TINY if quick else LLAMA3_8B
     rng = np.random.default_rng(0)

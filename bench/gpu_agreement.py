@@ -37,7 +37,9 @@ platforms.default_to_cpu_without_gpu()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.gpu_check_report import NEAR_TIE_NATS, StepReport, compare_greedy, top2_gap  # noqa: E402
+from bench.gpu_check_report import (  # noqa: E402
+    NEAR_TIE_NATS, StepReport, compare_greedy, require_gpu, top2_gap,
+)
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the JSON report (written after every run)")
     parser.add_argument("--small", action="store_true", help="a tiny Llama: the same code path anywhere")
     args = parser.parse_args(argv)
+    require_gpu()
     size = SMALL if args.small else FULL
     config = size["model"]
     report = StepReport(args.out, device=jax.devices()[0].device_kind, jax=jax.__version__,

@@ -50,7 +50,7 @@ if [ "$DRY_RUN" = 1 ]; then
   unset JAXSERVE_COMPILATION_CACHE JAXSERVE_EXECUTABLES_CACHE JAXSERVE_KERNEL_CACHE JAXSERVE_ATTENTION_BACKEND
 fi
 SUMMARY="$OUT/summary.json"
-export GPU_CHECK_SUMMARY="$SUMMARY"
+export GPU_CHECK_SUMMARY="$SUMMARY" GPU_CHECK_MODE="$MODE"  # every step's process asserts the GPU on the GPU run
 rm -f "$SUMMARY"
 # Every step, in the order it runs: name:limit on the GPU (s):limit in the dry run on a shared 2-core CPU (s).
 PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:120:480,executables:20:600,gpu_compile:20:400"

@@ -95,6 +95,19 @@ class StepReport(dict):
         return 1 if any(c["status"] in ("failed", "differ") for c in self["checks"].values()) else 0
 
 
+def require_gpu() -> None:
+    """On the check's GPU run ($GPU_CHECK_MODE=gpu) this process must see a GPU, else exit 2: a
+    CUDA that failed to start in this step's process would run everything on the CPU, the kernels
+    interpreted, and compare CPU results. Anywhere else, nothing."""
+    if os.environ.get("GPU_CHECK_MODE") != "gpu":
+        return
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(f"no GPU found in this step's process: jax's backend is {jax.default_backend()!r}", file=sys.stderr)
+        sys.exit(2)
+
+
 def top2_gap(top: dict) -> float | None:
     """The gap between the two largest values of {token: logprob or logit}; None with fewer than two."""
     values = sorted(top.values(), reverse=True)

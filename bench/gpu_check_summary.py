@@ -306,12 +306,25 @@ def _pct(x) -> str:
     return "?" if x is None else f"{100 * x:.0f}%"
 
 
+def not_ok(step: dict) -> str:
+    """The checks of a step that are not ok, each with its status and why (shortened; not the
+    step's own reason again)."""
+    bad = []
+    for name, check in (step.get("checks") or {}).items():
+        why = check.get("reason") or check.get("error")
+        if check.get("status") != "ok" and why != step.get("reason"):
+            bad.append(f"{name}: {check.get('status')}" + (f" ({str(why)[:80]})" if why else ""))
+    return f" [{'; '.join(bad)[:300]}]" if bad else ""
+
+
 def short(name: str, step: dict) -> str:
-    """One line of key figures (or why there are none)."""
-    fig = step.get("figures") or {}
-    bad = [f"{k}: {c.get('status')}" for k, c in (step.get("checks") or {}).items() if c.get("status") != "ok"]
+    """One line of key figures (or why there are none), then the checks that are not ok."""
     if step.get("reason") and step["status"] in ("skipped", "not_run", "failed", "unknown"):
-        return f"{step['reason'][:200]}" + (f" [{'; '.join(bad)[:200]}]" if bad else "")
+        return step["reason"][:200] + not_ok(step)
+    return figures_line(name, step.get("figures") or {}, step) + not_ok(step)
+
+
+def figures_line(name: str, fig: dict, step: dict) -> str:
     if name == "machine":
         return f"{fig.get('num_devices')} x {fig.get('device_kind')}, jax {fig.get('jax')}, " \
                f"attention {fig.get('default_attention_backend')}, ptxas {fig.get('ptxas') or 'none'}"
@@ -321,8 +334,7 @@ def short(name: str, step: dict) -> str:
     if name == "kernels":
         decode = " ".join(f"{r['backend']}@{r['context']}{'' if r['kv_dtype'] == 'bfloat16' else '/' + r['kv_dtype']}:"
                           f"{_pct(r.get('fraction_of_copy_bandwidth'))}" for r in fig.get("decode", []))
-        return f"copy {fig.get('copy_gb_per_s') or 0:.0f} GB/s; decode % of copy {decode}" + (
-            f" [{'; '.join(bad)[:160]}]" if bad else "")
+        return f"copy {fig.get('copy_gb_per_s') or 0:.0f} GB/s; decode % of copy {decode}"
     if name == "e2e":
         serving = " ".join(f"c{s['concurrency']}:{s['output_tokens_per_s'] or 0:.0f}" for s in fig.get("serving", []))
         return (f"start {fig.get('startup_s') or 0:.0f} s ({fig.get('num_step_shapes')} shapes), offline "
@@ -332,7 +344,8 @@ def short(name: str, step: dict) -> str:
     if name == "gpu_compile":
         return "; ".join(f"{r['model']} {r['target']}: {(r['num_shapes'] or 0) - (r['num_failed'] or 0)}/"
                          f"{r['num_shapes']} shapes in {r['seconds']} s" for r in fig.get("runs", []))
-    return "; ".join(f"{k}: {c.get('status')}" for k, c in (step.get("checks") or {}).items())[:240]
+    ok = [k for k, c in (step.get("checks") or {}).items() if c.get("status") == "ok"]
+    return f"ok: {', '.join(ok)}"[:200]
 
 
 def table(path: str) -> int:

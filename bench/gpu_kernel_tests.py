@@ -134,8 +134,13 @@ def run(mode: str) -> int:
             print(collected.stdout[-4000:] + collected.stderr[-2000:], flush=True)
             return 4
         return subprocess.run(pytest + ["-v", *DRY_RUN_TESTS]).returncode
-    # --durations=0: each item's seconds on the GPU, to size the next run's subset from
-    return subprocess.run(pytest + ["-v", "--durations=0", *(node for node, _ in GPU_TESTS)]).returncode
+    # In the process that runs the tests, a GPU first (on a CPU they would pass interpreted); then
+    # --durations=0: each item's seconds on the GPU, to size the next run's subset from.
+    gate = ("import sys, jax, pytest; backend = jax.default_backend(); "
+            "sys.exit(pytest.main(sys.argv[1:]) if backend == 'gpu' else "
+            "f'no GPU found in the kernel tests\' process: jax\'s backend is {backend!r}')")
+    args = ["-p", "no:cacheprovider", "-v", "--durations=0", *(node for node, _ in GPU_TESTS)]
+    return subprocess.run([sys.executable, "-c", gate, *args]).returncode
 
 
 def main(argv=None) -> int:

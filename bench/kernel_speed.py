@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_check_report import StepReport  # noqa: E402
+from bench.gpu_check_report import StepReport, require_gpu  # noqa: E402
 from pallas_kernels import compat, dispatch, grouped_matmul, kv_quant, reference  # noqa: E402
 
 # Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
@@ -273,6 +273,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    require_gpu()
     if not args.interpret and jax.default_backend() != "gpu":
         print("error: the compiled kernels need a GPU; pass --interpret elsewhere", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.e2e_gpu import TINY  # noqa: E402
-from bench.gpu_check_report import StepReport, compare_greedy, top2_gap  # noqa: E402
+from bench.gpu_check_report import StepReport, compare_greedy, require_gpu, top2_gap  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
 from jaxserve.executor import executables  # noqa: E402
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         result = save(args.dir, args.target)
         print(json.dumps(result, indent=2))
         return 1 if result["failed"] or result["saved"] != result["shapes"] else 0
+    require_gpu()
     report = StepReport(args.out or os.devnull + ".json")
     check(args.dir, report, args.refused_elsewhere)
     print(json.dumps(report, indent=2, default=str))

@@ -104,6 +104,28 @@ def test_a_real_run_without_a_gpu_stops_within_two_minutes_saying_so(tmp_path):
     assert [(s["name"], s["status"]) for s in rest] == [(name, "not_run") for name in STEPS[1:]]
 
 
+def test_on_the_gpu_run_every_steps_process_insists_on_the_gpu(monkeypatch):
+    """A step whose own process found no GPU (CUDA failing after the first step's gate passed) stops,
+    rather than measuring the CPU: the benchmarks' require_gpu, and the kernel tests' gate in their
+    pytest process (where the tests would otherwise pass interpreted)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU")
+    from gpu_check_report import require_gpu
+
+    require_gpu()  # not the check's GPU run: nothing asked
+    monkeypatch.setenv("GPU_CHECK_MODE", "gpu")
+    with pytest.raises(SystemExit) as stopped:
+        require_gpu()
+    assert stopped.value.code == 2
+    env = {**os.environ, "GPU_CHECK_MODE": "gpu", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "bench/gpu_kernel_tests.py", "run", "--mode=gpu"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "no GPU found in the kernel tests' process" in result.stderr, result.stderr
+    assert "passed" not in result.stdout
+
+
 def test_a_step_is_ok_only_when_every_comparison_compared_and_agreed():
     ok, unknown, differ = {"status": "ok"}, {"status": "unknown"}, {"status": "differ"}
     assert summary_lib.step_status(0, {"a": ok, "b": ok}, {}) == "ok"
