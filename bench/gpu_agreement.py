@@ -122,6 +122,7 @@ def run_transformers(config: ModelConfig, params: dict, prompts, max_tokens: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_float32_matmul_precision("highest")  # float32 matmuls in float32, not TF32, on the GPU
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_q_heads,
