@@ -107,8 +107,8 @@ def sampler_seconds(engine, rows: int, constrained: bool, repeats: int = 20) -> 
         structured_output.fill_bitmasks([(i, state) for i in range(rows)], inputs["token_bitmask"])
     logits = jax.device_put(np.random.default_rng(0).standard_normal((num_rows, vocab)).astype(np.float32))
     key = (num_rows, False, ALWAYS_BIAS)
-    sample = runner._compiled_sample.get(key, runner._functions.sample)
-    jax.block_until_ready(sample(logits, inputs))  # compiles when not warmed up
+    sample = runner.executables.get("sample", key) or runner.lower_sampler(key).compile()  # compiled if not warmed up
+    jax.block_until_ready(sample(logits, inputs))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -110,12 +110,12 @@ class EngineConfig:
         unset="kept automatically beside the compilation cache")
     save_executables: str | None = setting(
         None, "compile every step shape and save the executables in this folder, for --executables")
-    # The prompt-logprob shapes (jaxserve.executor.warmup): left to the first request that needs each one
-    # unless this is set; --save_executables and a multi-host job compile them at start anyway.
+    # The prompt-logprob shapes (jaxserve.executor.warmup): compiled last, after every step shape, unless this
+    # puts them among the shapes compiled before the server is ready.
     warmup_prompt_logprobs: bool = setting(
-        False, "compile the prompt-logprob shapes (8 .. 256 rows) at start with the step shapes; otherwise each "
-        "is compiled in the background when a request asking for prompt_logprobs first needs it, that request "
-        "waiting meanwhile")
+        False, "compile the prompt-logprob shapes (8 .. 256 rows) before the server is ready, with the first "
+        "requests' shapes; otherwise they compile last, in the background, and a request asking for "
+        "prompt_logprobs before its shape is compiled waits for it (the warm-up takes that shape next)")
     # Parallelism (jaxserve.parallel): an Engine is one replica; from_model builds data_parallel_size of them.
     tensor_parallel_size: int = setting(
         1, "devices each model replica is split over (attention heads, MLP, vocabulary)", minimum=1)

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 
 STEP_RECORDS_KEPT = 1024  # the most recent StepRecords an engine keeps
-HELD_WAIT_S = 0.05  # a step with only held requests waits this long at most for their shape (new requests meanwhile)
 
 
 @dataclasses.dataclass
@@ -127,8 +126,6 @@ class Engine:
             # processes, and the draft's shapes, warm up before the first step).
             background = cfg.background_warmup and self.runner.draft is None and device_setup.process_count() == 1
             self.runner.warmup(background=background, is_serving=self.has_unfinished)
-            # prompt-logprob shapes left to first use: requests wait in the scheduler for theirs
-            self.scheduler.prompt_logprob_shapes = self.runner.prompt_logprob_shapes
             if self.runner.draft is not None:
                 self.runner.draft.warmup(self.runner.all_buckets())
 
@@ -252,8 +249,6 @@ class Engine:
         self._last_step_end = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.scheduler.num_held:  # only requests waiting for a prompt-logprob shape: no busy loop
-                self.runner.prompt_logprob_shapes.wait(HELD_WAIT_S)
             return []
         batch = plan.to_batch()
         try:

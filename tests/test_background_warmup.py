@@ -1,8 +1,8 @@
 """The warm-up in the background (`jaxserve serve`'s: EngineConfig.background_warmup): requests
-run while it compiles, a step whose shape is not ready waits for it instead of compiling on the
-stepping thread, the progress is reported, and once it ends serving compiles nothing. The
-prompt-logprob shapes: compiled on first use off the stepping thread (the request waiting, the
-others stepped), or at start with warmup_prompt_logprobs."""
+run while it compiles, a step whose shape is not ready runs in compiled shapes or waits for its
+own (taken next) instead of compiling on the stepping thread, the progress is reported, and once
+it ends serving compiles nothing. The prompt-logprob shapes compile last, or before ready with
+warmup_prompt_logprobs."""
 from __future__ import annotations
 
 import os
@@ -28,8 +28,8 @@ def params():
 
 def wait_for_every_shape(engine, timeout_s=600):
     assert engine.runner.warmup_state.finished.wait(timeout_s)
-    for future in engine.runner._pending.values():
-        future.result()  # raises what failed
+    for kind, key in engine.runner.executables.promised():
+        engine.runner.executables.promised_result(kind, key)  # raises what failed
 
 
 @pytest.fixture
@@ -150,49 +150,39 @@ def held_after_the_first_phase(params, monkeypatch):
     monkeypatch.setattr(executables, "compile_fresh", compile_fresh)
     monkeypatch.setattr(executables, "default_directory", lambda: None)  # nothing saved: every shape compiles
     yield types.SimpleNamespace(start=lambda: make_engine(params, warmup=True, background_warmup=True, **small),
-                                first_total=first_total, held=held, compiled=compiled)
+                                first_total=first_total, held=held, compiled=compiled, small=small)
     held.set()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="the idle scheduling class is Linux's")
-def test_xlas_compiler_threads_yield_to_serving_while_the_warmup_is_in_the_background(held_after_the_first_phase):
-    """After the first phase XLA's compiler threads (not the Python ones, not those that run
-    executables) are in the idle class until the warm-up ends: a cold start's first request ran
-    beside compiles that took the cores it needed (bench/RESULTS.md)."""
-    import jax
-    import jax.numpy as jnp
+def run_in_thread(fn, timeout_s=300):
+    """fn() on a thread of its own (a step that waits for a held shape would hang the test)."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "a step waited for a shape the warm-up holds back"
+    return result["value"]
 
-    from jaxserve.executor import compile_threads, warmup
+
+def test_steps_whose_shapes_are_not_compiled_run_in_compiled_ones_with_the_same_tokens(held_after_the_first_phase,
+                                                                                       params):
+    """Right after ready only the first requests' shapes are compiled: a step of decoding rows
+    beside prefill chunks runs as its two halves (and any step in a larger compiled bucket), so
+    the first requests never wait for a compile, and get the tokens their own shapes give."""
+    seed = 5
+    prompts = random_prompts(np.random.default_rng(seed), 6, low=5, high=40)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)
+    small = held_after_the_first_phase.small
+    reference = [run_staggered(make_engine(params, **small), prompts, p) for p in (GREEDY, seeded)]
     engine = held_after_the_first_phase.start()
     assert engine.runner.warmup_state.first_ready.wait(600)
-    yielding = engine.runner._warmup_plan.compiler_threads_yielding
-    python_threads = {t.native_id: t.name for t in threading.enumerate()}
-    assert yielding and all(compile_threads.is_idle_class(tid) for tid in yielding)
-    assert set(yielding) - set(python_threads), "none of XLA's compiler threads yields"
-    # of the Python threads, only the warm-up's own (they take their next shape in the idle class)
-    assert all(python_threads[tid].startswith(warmup.COMPILE_THREAD_NAME)
-               for tid in set(yielding) & set(python_threads))
-    assert not any(compile_threads.thread_name(tid).startswith("tf_XLAEigen") for tid in yielding)
-    # What runs executables keeps its class (no compile runs now: the rest of the warm-up is held):
-    # the tiny model's steps run on the calling thread, a larger matmul on XLA's own threads too.
-    matmul = jax.jit(lambda a: a @ a).lower(jnp.ones((1024, 1024))).compile()
-    steps = compile_threads.CpuByThread()
-    steps.start()
-    prompt = random_prompts(np.random.default_rng(0), 1, low=20, high=30)[0]
-    engine.generate([prompt], GREEDY)
-    for _ in range(20):
-        matmul(jnp.ones((1024, 1024))).block_until_ready()
-    ran_steps = set(steps.busy()) - set(python_threads)  # (a warm-up thread may be lowering its next shape)
-    assert ran_steps, "no thread of XLA's ran the executables"
-    assert not ran_steps & set(yielding), (sorted(ran_steps), yielding)
-    assert not compile_threads.is_idle_class(threading.get_native_id())  # the stepping thread
+    outputs = run_in_thread(lambda: [run_staggered(engine, prompts, p) for p in (GREEDY, seeded)])
+    assert outputs == reference, f"seed {seed}"
+    assert "mixed" in {record.kind for record in engine.step_records}, "no step had decoding rows beside prefill"
+    assert len(held_after_the_first_phase.compiled) == held_after_the_first_phase.first_total  # none asked for
+    assert engine.runner.executables.num_waits == 0
     held_after_the_first_phase.held.set()
-    wait_for_every_shape(engine)
-    still_idle = [tid for tid in yielding if compile_threads.is_idle_class(tid)]
-    if os.geteuid() == 0:  # root may leave the idle class, so the warm-up's end undid it
-        assert still_idle == []
-    else:  # (a thread that ended is in no class)
-        assert still_idle or not any(os.path.exists(f"/proc/self/task/{tid}") for tid in yielding)
+    wait_for_every_shape(engine)  # (no compile of this engine's runs on into the next test)
 
 
 def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first_phase, caplog):
@@ -225,69 +215,47 @@ def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first
         wait_for_every_shape(engine)
 
 
-def test_prompt_logprob_shapes_compile_on_first_use_while_the_other_requests_stream(params, monkeypatch,
-                                                                                  compiles_by_thread, caplog):
-    from jaxserve.executor import warmup
+def test_a_step_that_needs_a_shape_still_queued_gets_it_next(held_after_the_first_phase, params, monkeypatch):
+    """A request asking for prompt logprobs before their shapes (compiled last) are: its step
+    waits below the scheduler, and the warm-up takes that shape before the ones queued ahead."""
+    from jaxserve.executor import executable_cache
     seed = 4
-    wanting, plain = random_prompts(np.random.default_rng(seed), 2, low=20, high=40)
-    # Today's path, with the flag: every prompt-logprob shape compiled at start.
-    eager = make_engine(params, warmup=True, warmup_prompt_logprobs=True)
-    buckets = eager.runner.prompt_logprob_buckets
-    assert sorted(eager.runner._compiled_prompt_logprobs) == list(buckets) and eager.runner.prompt_logprob_shapes is None
-    expected = eager.generate([wanting], WANTING)[0]
-    expected_plain = eager.generate([plain], GREEDY)[0].token_ids
+    wanting = random_prompts(np.random.default_rng(seed), 1, low=6, high=9)[0]  # one step's rows: the smallest shape
+    expected = make_engine(params, **held_after_the_first_phase.small).generate([wanting], WANTING)[0]
     assert len(expected.prompt_logprobs) == len(wanting) - 1
+    put_order, real_put = [], executable_cache.ExecutableCache.put
 
-    gate, started, real = threading.Event(), [], warmup.WarmupPlan._compile_prompt_logprobs
+    def put(self, kind, key, compiled):
+        put_order.append((kind, key))
+        real_put(self, kind, key, compiled)
 
-    def gated(self, num_rows):  # the on-demand compile waits for the test's word
-        started.append(num_rows)
-        assert gate.wait(600)
-        real(self, num_rows)
-
-    monkeypatch.setattr(warmup.WarmupPlan, "_compile_prompt_logprobs", gated)
-    with caplog.at_level("INFO", logger="jaxserve.executor.warmup"):
-        engine = make_engine(params, warmup=True, background_warmup=True)
-        wait_for_every_shape(engine)
-    state = engine.runner.warmup_state
-    assert engine.runner._compiled_prompt_logprobs == {} and started == []  # none compiled at start
-    assert state.total == eager.runner.warmup_state.total - len(buckets) and state.on_demand_total == len(buckets)
-    assert f"{len(buckets)} prompt-logprob shapes compiled on first use" in caplog.text
-
-    del compiles_by_thread[:]
-    engine.add_request("wanting", wanting, WANTING)  # first in the queue, held while its shape compiles
-    engine.add_request("plain", plain, GREEDY)
-    outputs = {"wanting": [], "plain": []}
-    for _ in range(100):
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        if outputs["plain"] and outputs["plain"][-1].finished:
+    monkeypatch.setattr(executable_cache.ExecutableCache, "put", put)
+    engine = held_after_the_first_phase.start()
+    assert engine.runner.warmup_state.first_ready.wait(600)
+    cache, first_total = engine.runner.executables, held_after_the_first_phase.first_total
+    needed = next(b for b in engine.runner.prompt_logprob_buckets if b >= len(wanting) - 1)
+    queued_before = [key for key in cache.promised() if not cache.ready(*key)].index(("prompt_logprobs", needed))
+    assert queued_before > os.cpu_count(), "the shape would come soon anyway: the test would prove nothing"
+    stepping, result = [], []
+    thread = threading.Thread(target=lambda: (stepping.append(threading.get_ident()),
+                                              result.append(engine.generate([wanting], WANTING)[0])), daemon=True)
+    thread.start()
+    for _ in range(3000):
+        if cache.waiting:
             break
-    assert [t for out in outputs["plain"] for t in out.new_token_ids] == expected_plain, f"seed {seed}"
-    assert outputs["wanting"] == [] and engine.scheduler.num_waiting == 1, "the held request ran or was lost"
-    needed = next(b for b in buckets if b >= len(wanting) - 1)
-    assert started == [needed]
-    gate.set()
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-    entries = next(out.prompt_logprobs for out in outputs["wanting"] if out.prompt_logprobs is not None)
+        thread.join(0.01)
+    assert cache.waiting == 1, "the step did not wait for its prompt-logprob shape"
+    held_after_the_first_phase.held.set()
+    thread.join(600)
+    assert result, "the request never finished"
+    assert put_order.index(("prompt_logprobs", needed)) <= first_total + (os.cpu_count() or 1), put_order
+    entries = result[0].prompt_logprobs
     assert [(e.token_id, e.rank, [t for t, _ in e.top]) for e in entries] == [
         (e.token_id, e.rank, [t for t, _ in e.top]) for e in expected.prompt_logprobs], f"seed {seed}"
     np.testing.assert_allclose([e.logprob for e in entries], [e.logprob for e in expected.prompt_logprobs], atol=1e-6)
-    assert [t for out in outputs["wanting"] for t in out.new_token_ids] == expected.token_ids
-    assert sorted(engine.runner._compiled_prompt_logprobs) == [needed] and state.on_demand_compiled == 1
-    assert threading.get_ident() not in compiles_by_thread, "a step compiled on the stepping thread"
-
-    # The synchronous engine (a warm-up, no stepping thread of a server) waits the same way.
-    monkeypatch.setattr(warmup.WarmupPlan, "_compile_prompt_logprobs", real)
-    sync = make_engine(params, warmup=True)
-    del compiles_by_thread[:]
-    result = sync.generate([wanting], WANTING)[0]
-    assert [e.token_id for e in result.prompt_logprobs] == [e.token_id for e in expected.prompt_logprobs]
-    np.testing.assert_allclose([e.logprob for e in result.prompt_logprobs],
-                               [e.logprob for e in expected.prompt_logprobs], atol=1e-6)
-    assert threading.get_ident() not in compiles_by_thread and list(sync.runner._compiled_prompt_logprobs) == [needed]
+    assert result[0].token_ids == expected.token_ids
+    wait_for_every_shape(engine)
+    assert sorted(cache.keys("prompt_logprobs")) == list(engine.runner.prompt_logprob_buckets)
 
 
 def test_the_warmup_waits_while_the_engine_serves_and_goes_on_while_a_step_waits_for_a_shape():

@@ -50,7 +50,7 @@ def test_a_restart_loads_every_shape_and_serves_the_same_tokens(params, cache, m
     # The store saves them compiled afresh (an executable the persistent cache served cannot be
     # saved: loaded back it fails with "Function ... not found" on the CPU).
     first = Engine(TINY, params, None, EngineConfig(**ENGINE))
-    store = first.runner._executable_store
+    store = first.runner.executables.store
     total = store.saved
     assert total > 0 and store.loaded == 0
     assert sorted(os.listdir(cache)) == [store.fingerprint]
@@ -62,7 +62,7 @@ def test_a_restart_loads_every_shape_and_serves_the_same_tokens(params, cache, m
     with recorded_compilations() as compiles:  # tracing counts: warm-up traces, lowers and compiles nothing
         second = Engine(TINY, params, None, EngineConfig(**ENGINE))
         assert len(compiles) == len(without_warmup)
-        assert (second.runner._executable_store.loaded, second.runner._executable_store.saved) == (total, 0)
+        assert (second.runner.executables.store.loaded, second.runner.executables.store.saved) == (total, 0)
         assert serve_some(second) == expected
         assert len(compiles) == len(without_warmup)  # and serving compiles nothing either
 
@@ -72,18 +72,18 @@ def test_other_flags_are_another_folder_and_old_folders_are_pruned(params, cache
     folders = []
     for max_num_seqs in (1, 2):
         engine = Engine(TINY, params, None, EngineConfig(**{**ENGINE, "max_num_seqs": max_num_seqs}))
-        folders.append(engine.runner._executable_store.fingerprint)
-        assert engine.runner._executable_store.loaded == 0  # nothing another engine saved is loaded
+        folders.append(engine.runner.executables.store.fingerprint)
+        assert engine.runner.executables.store.loaded == 0  # nothing another engine saved is loaded
     assert len(set(folders)) == 2
     assert os.listdir(cache) == folders[1:]  # the least recently used one is gone
 
 
 def test_a_torn_file_is_compiled_again(params, cache, caplog):
-    store = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner._executable_store
+    store = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner.executables.store
     victim = sorted(f for f in os.listdir(store.directory) if f.endswith(".exe"))[0]
     with open(os.path.join(store.directory, victim), "r+b") as f:
         f.truncate(100)
-    again = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner._executable_store
+    again = Engine(TINY, params, None, EngineConfig(**ENGINE)).runner.executables.store
     assert (again.loaded, again.saved) == (store.saved - 1, 1)
     assert "could not load the saved executable" in caplog.text
 
@@ -92,17 +92,17 @@ def test_explicit_folder_saved_then_loaded_strictly(params, tmp_path, monkeypatc
     monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", "")  # no automatic store: only the explicit folder
     folder = str(tmp_path / "exe")
     saver = Engine(TINY, params, None, EngineConfig(**ENGINE, save_executables=folder)).runner
-    saved = saver._executable_store
+    saved = saver.executables.store
     assert saved.saved == saver.warmup_state.total > 0 and os.path.exists(os.path.join(folder, "manifest.json"))
     num_prompt_shapes = len(saver.prompt_logprob_buckets)  # a saved folder is complete: these too
-    assert sorted(saver._compiled_prompt_logprobs) == list(saver.prompt_logprob_buckets) and num_prompt_shapes
+    assert sorted(saver.executables.keys("prompt_logprobs")) == list(saver.prompt_logprob_buckets) and num_prompt_shapes
     engine = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder))
-    loaded = engine.runner._executable_store
-    assert (loaded.loaded, loaded.saved) == (saved.saved - num_prompt_shapes, 0)  # prompt-logprob shapes: on first use
+    loaded = engine.runner.executables.store
+    assert (loaded.loaded, loaded.saved) == (saved.saved, 0)  # every shape, the prompt-logprob ones last
     result = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    assert len(result.prompt_logprobs) == 3 and (loaded.loaded, loaded.saved) == (saved.saved - num_prompt_shapes + 1, 0)
+    assert len(result.prompt_logprobs) == 3 and (loaded.loaded, loaded.saved) == (saved.saved, 0)
     at_start = Engine(TINY, params, None, EngineConfig(**ENGINE, executables=folder, warmup_prompt_logprobs=True))
-    assert (at_start.runner._executable_store.loaded, at_start.runner._executable_store.saved) == (saved.saved, 0)
+    assert (at_start.runner.executables.store.loaded, at_start.runner.executables.store.saved) == (saved.saved, 0)
 
     with pytest.raises(executables.ExecutablesMismatch, match=r"saved for another engine \(buckets: saved"):
         Engine(TINY, params, None, EngineConfig(**{**ENGINE, "max_num_seqs": 1}, executables=folder))

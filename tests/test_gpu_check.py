@@ -28,6 +28,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the dry run and the no-GPU real run are subprocesses of minutes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 

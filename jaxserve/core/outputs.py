@@ -147,7 +147,3 @@ class StepRecord:
     @property
     def achieved_bytes_per_second(self) -> float:
         return self.estimated_bytes / self.device_seconds if self.device_seconds > 0 else 0.0
-
-    @property
-    def achieved_flops_per_second(self) -> float:
-        return self.estimated_flops / self.device_seconds if self.device_seconds > 0 else 0.0

@@ -30,10 +30,6 @@ Prompt logprobs: a prefill chunk of a request that asked for them names its prom
 whose logprobs the step computes (`PromptLogprobRows`); a step computes at most
 `prompt_logprob_rows_limit` of them (the chunk is cut to fit), and such a request does not take
 prefix-cache pages until its prompt's logprobs are all computed (a cached page has no logits).
-When the engine compiles the prompt-logprob shapes on first use (`prompt_logprob_shapes`), a
-chunk's rows are also cut to what a compiled shape holds; a request none holds yet is *held*:
-it keeps its place in the queue, is passed over (the requests behind it are scheduled) and is
-scheduled once its shape is compiled.
 """
 from __future__ import annotations
 
@@ -45,8 +41,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.speculative import verification
-from jaxserve.core.step import (PromptLogprobRows, PromptLogprobShapes, ScheduledBatch, ScheduledRow,
-                                prompt_logprob_rows_limit, row_params, uses_penalties)
+from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit, row_params,
+                                uses_penalties)
 
 @dataclasses.dataclass
 class StepPlan:
@@ -147,9 +143,6 @@ class Scheduler:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
-        # Set by the engine when the prompt-logprob shapes compile on first use (None: all of them can run).
-        self.prompt_logprob_shapes: PromptLogprobShapes | None = None
-        self.num_held = 0  # requests the last schedule() held for a prompt-logprob shape still compiling
         self.max_model_len = max_model_len
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
         self.max_verify_rows = verification.max_verify_rows(config) if self.max_spec_tokens else 0
@@ -227,7 +220,6 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        self.num_held = 0
 
         for request in [r for r in self.running if self.is_decoding(r)]:
             if budget < 1 or request.status != RequestStatus.RUNNING:
@@ -246,9 +238,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue
-            num_new, held = self._fit_prompt_logprob_chunk(
+            num_new = _cap_prompt_logprob_chunk(
                 request, min(request.num_tokens - request.num_computed_tokens, prefill_budget), rows_left)
-            self.num_held += held
             if num_new < 1:
                 continue
             if self._reserve_pages(request, num_new, scheduled, plan):
@@ -313,24 +304,8 @@ class Scheduler:
         if proposals:
             plan.proposals = proposals
 
-    def _fit_prompt_logprob_chunk(self, request: Request, num_new: int, rows_left: int) -> tuple[int, bool]:
-        """(the longest chunk, at most `num_new` tokens, whose prompt-logprob rows fit in `rows_left`
-        and in a compiled shape with the step's other rows, whether the request is held: it would
-        run but no compiled shape holds its rows yet). Asking starts the compile of its shape."""
-        num_new = _cap_prompt_logprob_chunk(request, num_new, rows_left)
-        rows = _num_prompt_logprob_rows(request, num_new) if num_new > 0 else 0
-        if self.prompt_logprob_shapes is None or not rows:
-            return num_new, False
-        used = self.max_prompt_logprob_rows - rows_left  # the step's rows so far
-        ready = self.prompt_logprob_shapes.rows_ready(used + rows) - used
-        if ready >= rows:
-            return num_new, False
-        num_new = _cap_prompt_logprob_chunk(request, num_new, max(ready, 0))
-        return num_new, num_new < 1
-
     def _admit_waiting(self, plan: StepPlan, budget: int, rows_left: int) -> None:
         allocator = self.allocator
-        held = []  # waiting requests passed over this step (their prompt-logprob shape is compiling)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.prefill) < self.max_num_prefill_seqs):
             request = self.waiting[0]
@@ -340,11 +315,7 @@ class Scheduler:
             cached_pages = allocator.find_cached_prefix(prefix_tokens)
             num_computed = len(cached_pages) * allocator.page_size
             # (a request owed prompt logprobs starts from 0, what the cap counts from)
-            num_new, is_held = self._fit_prompt_logprob_chunk(
-                request, min(request.num_tokens - num_computed, budget), rows_left)
-            if is_held:
-                held.append(self.waiting.popleft())
-                continue
+            num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
             if num_new < 1 or num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
                 break
@@ -359,8 +330,6 @@ class Scheduler:
             plan.prefill.append((request, num_new))
             budget -= num_new
             rows_left -= _num_prompt_logprob_rows(request, num_new)
-        self.waiting.extendleft(reversed(held))  # back in their places, at the front
-        self.num_held += len(held)
 
     @staticmethod
     def is_decoding(request: Request) -> bool:

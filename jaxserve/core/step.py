@@ -2,7 +2,7 @@
 
 The scheduler plans a step over live requests (`scheduler.StepPlan`) and gives the runner its
 snapshot, a `ScheduledBatch` of `ScheduledRow`s: token ids, positions, block-table rows and how
-each row is sampled (`RowParams`). The runner pads it into one of the compiled shapes
+each row is sampled (`RowParams`). The runner pads it into one of the step shapes
 (`Bucket`, from the engine's `BucketSet`) and returns a `StepOutput` of host arrays. Nothing
 here changes a `Request` (`row_params` reads one, to snapshot it), and nothing here imports jax
 (numpy only, for the padding arrays of a bucket).
@@ -10,7 +10,7 @@ here changes a `Request` (`row_params` reads one, to snapshot it), and nothing h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,22 +19,12 @@ from jaxserve.settings import BucketListError  # noqa: F401 (a bad explicit buck
 from jaxserve.core.request import Request, SamplingParams
 
 # The most prompt-logprob rows one step computes (each is a [vocab] row of logits on the device;
-# the runner compiles that function for row counts up to this, or max_num_batched_tokens if lower).
+# the runner's prompt-logprob shapes hold row counts up to this, or max_num_batched_tokens if lower).
 MAX_PROMPT_LOGPROB_ROWS = 256
 
 
 def prompt_logprob_rows_limit(config: EngineConfig) -> int:
     return min(MAX_PROMPT_LOGPROB_ROWS, config.max_num_batched_tokens)
-
-
-class PromptLogprobShapes(Protocol):
-    """The prompt-logprob shapes as the scheduler sees them when they are compiled on first use
-    (the device side's `warmup.PromptLogprobShapesOnDemand`)."""
-
-    def rows_ready(self, rows: int) -> int:
-        """How many of a step's `rows` prompt-logprob rows a compiled shape holds now (`rows`, fewer,
-        or 0: the rest wait); starts compiling the shape of `rows`, off the caller's thread, when
-        it is not compiled."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,7 +145,7 @@ def geometric_buckets(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """One compiled step shape."""
+    """One step shape (the device side builds one executable per shape)."""
     num_decode: int  # decode rows
     num_prefill_tokens: int  # prefill tokens (0: no prefill part)
     pages_per_seq: int  # block table width: pages per sequence the step may read
@@ -175,7 +165,7 @@ CPU_SMALL_DECODE_BUCKETS = (1, 2, 4)
 
 @dataclasses.dataclass(frozen=True)
 class BucketSet:
-    """The step shapes an engine compiles: every combination of its decode rows, prefill tokens
+    """The step shapes of an engine: every combination of its decode rows, prefill tokens
     and block-table widths (but not the empty step).
 
     Rows and tokens double from bucket to bucket, so a step pays for at most twice its work (on
@@ -187,8 +177,8 @@ class BucketSet:
 
     Off the CPU path (`shared_sampler_rows`) a decode-only step returns as many logit rows as a
     step with prefill chunks beside the same decode rows (decode rows + max_num_prefill_seqs), so
-    the two share one compiled sampler: on a GPU a few more rows of LM head and sampler cost
-    microseconds against a step of milliseconds, and every sampler shape is seconds of compile.
+    the two share one sampler shape: on a GPU a few more rows of LM head and sampler cost
+    microseconds against a step of milliseconds, and every sampler shape is one more executable.
 
     On the CPU, decode-only steps also get `decode_only` buckets below the smallest decode bucket
     (CPU_SMALL_DECODE_BUCKETS): a decode step's cost there is its weight and K/V bytes plus work
@@ -259,7 +249,7 @@ class BucketSet:
                                    next(b for b in self.pages if b >= pages_per_seq))
 
     def smallest_and_largest(self) -> list[Bucket]:
-        """The corner shapes: smallest and largest of each kind (a compile check CI can afford)."""
+        """The corner shapes: smallest and largest of each kind (a check of the GPU build CI can afford)."""
         def ends(sizes):  # 0 (no part of that kind) where allowed, the smallest size, the largest
             nonzero = [size for size in sizes if size]
             return sorted({size for size in sizes if size == 0} | {nonzero[0], nonzero[-1]})
@@ -275,13 +265,20 @@ class BucketSet:
                       next(b for b in self.prefill if b >= num_prefill_tokens),
                       next(b for b in self.pages if b >= pages_per_seq))
 
+    def num_rows(self, bucket: Bucket) -> int:
+        """Logit rows of a bucket's step (what its sampler samples)."""
+        if bucket.num_verify:  # verification: logits at every token
+            return bucket.num_decode + bucket.num_prefill_tokens
+        num_prefill_seqs = self.max_num_prefill_seqs if bucket.num_prefill_tokens else 0
+        return bucket.num_decode + (self.max_num_prefill_seqs if bucket.num_decode and self.shared_sampler_rows
+                                    else num_prefill_seqs)
+
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         """All-padding arrays of one bucket's shapes (padding tokens write into the null page)."""
         dec, pre, P = bucket.num_decode, bucket.num_prefill_tokens, bucket.pages_per_seq
         num_prefill_seqs = bucket.num_verify or (self.max_num_prefill_seqs if pre else 0)
         T = dec + pre
-        num_rows = (T if bucket.num_verify else  # verification: logits at every token
-                    dec + (self.max_num_prefill_seqs if dec and self.shared_sampler_rows else num_prefill_seqs))
+        num_rows = self.num_rows(bucket)
         return dict(
             token_ids=np.zeros(T, np.int32),  # [T]
             positions=np.zeros(T, np.int32),  # [T]
@@ -303,7 +300,7 @@ class StepOutput:
     logprobs: np.ndarray | None  # float32[num_rows]; None when no row asked for logprobs
     top_ids: np.ndarray | None  # int32[num_rows, max_logprobs]
     top_logprobs: np.ndarray | None  # float32[num_rows, max_logprobs]
-    bucket: Bucket  # the compiled shape the step ran in
+    bucket: Bucket  # the shape the step ran in
     device_seconds: float  # jitted forward + sampler: host arrays in, sampled ids out
     host_seconds: float  # the runner's host work: packing the arrays, slicing the results
     # Per row of the batch: None, or for a prefill chunk with prompt-logprob rows the arrays of

@@ -3,9 +3,11 @@
 The runner works from the scheduler's plain step data (`jaxserve.core.step.ScheduledBatch`) alone; it never
 sees a `Request`. Shapes come from a small set of buckets (`BucketSet`): decode rows x prefill
 tokens x block table width (one full width, the longest context's, wherever the attention's cost
-follows the contexts present: BucketSet); every step pads to the smallest bucket that holds it, so after warm-up no step
-compiles again. The KV cache is donated to the step and updated in place. The jitted functions
-come from `step_functions.build`; each step reaches the devices through the runner's transport
+follows the contexts present: BucketSet); every step pads to the smallest bucket that holds it
+(while a background warm-up still compiles that one, to compiled ones: `shape_choice`), so after
+warm-up no step compiles again. The executables live in one `ExecutableCache` that the warm-up
+fills. The KV cache is donated to the step and updated in place. The jitted functions come from
+`step_functions.build`; each step reaches the devices through the runner's transport
 (`LocalTransport`, or a multi-host front's: `use_transport`).
 
 Two extras ride on the step without new shapes. Structured output: the sampler's `token_bitmask`
@@ -18,7 +20,6 @@ bucket of rows) turns the wanted ones into logprobs, ranks and top-k on device; 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -26,13 +27,15 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
 from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.executor import decode_loop, device_setup, executables, prompt_logprobs, sampler, step_functions
+from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, prompt_logprobs, sampler,
+                               shape_choice, step_functions)
 from jaxserve.executor import warmup as warmup_lib
 from jaxserve.models import cpu_layout, llama
 
@@ -75,11 +78,12 @@ class ModelRunner:
         self.eos_token_ids = tuple(sorted(config.eos_token_ids if eos_token_ids is None else eos_token_ids))
         self.backend = device_setup.attention_backend(engine_config.attention_backend)
         self.buckets = step_functions.bucket_set(engine_config, self.backend, max_model_len)
+        self._bucket_list = tuple(self.buckets.all())
         # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
         self.prompt_logprob_buckets = geometric_buckets(8, prompt_logprob_rows_limit(engine_config))
-        self.warmup_prompt_logprobs = engine_config.warmup_prompt_logprobs  # at start, else on first use
+        self.warmup_prompt_logprobs = engine_config.warmup_prompt_logprobs  # in the warm-up's first phase
         # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
         # model, with KV heads replicated when tensor parallelism exceeds them).
         self.params = params if shardings is None else shardings.place(params)
@@ -104,17 +108,12 @@ class ModelRunner:
             shardings=shardings)
         self._transport = LocalTransport()
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
-        # Filled by warmup(), used by every step:
-        self._compiled_forward: dict[Bucket, jax.stages.Compiled] = {}
-        self._compiled_sample: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, penalties, sampler.ALWAYS_BIAS)
-        self._compiled_multi_step: dict[Bucket, jax.stages.Compiled] = {}
-        self._compiled_prompt_logprobs: dict[int, jax.stages.Compiled] = {}  # rows -> compiled
-        self._pending: dict[tuple, concurrent.futures.Future] = {}  # (kind, key) -> done when warm-up compiled it
+        # Every compiled executable of the step (filled by warmup(), asked by every step).
+        self.executables = executable_cache.ExecutableCache(
+            self._open_executable_store(engine_config, step_config, shardings))
         self.warmup_state: warmup_lib.WarmupState | None = None  # None: no warm-up started
-        self._warmup_plan: warmup_lib.WarmupPlan | None = None  # once one started (with _pending)
-        # The prompt-logprob shapes the warm-up left to first use (None: compiled at start, or no warm-up).
-        self.prompt_logprob_shapes: warmup_lib.PromptLogprobShapesOnDemand | None = None
-        self._executable_store = self._open_executable_store(engine_config, step_config, shardings)
+        self._warmup_plan: warmup_lib.WarmupPlan | None = None  # once one started
+        self._hidden_rows = None  # the forward's prefill hidden rows (jax.ShapeDtypeStruct), once asked
 
     def use_transport(self, transport) -> None:
         """Routes every later step through `transport` (LocalTransport's `run` and `can_recover`):
@@ -155,13 +154,15 @@ class ModelRunner:
         pages = np.asarray(page_ids, np.int32)[positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
-    def build_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
-        """Pads the batch into its bucket. Returns (bucket, step arrays, the ScheduledRow of each
-        sampled row: decode rows at 0.., prefill chunks at bucket.num_decode..; None for padding).
+    def build_batch(self, batch: ScheduledBatch, bucket: Bucket | None = None
+                    ) -> tuple[Bucket, dict[str, np.ndarray], list]:
+        """Pads the batch into `bucket` (default: the smallest that holds it). Returns (bucket, step
+        arrays, the ScheduledRow of each sampled row: decode rows at 0.., prefill chunks at
+        bucket.num_decode..; None for padding).
         A verification step's sampled rows are [row, position] (K + 1 per row)."""
         if batch.verify:
             return self._build_verify_batch(batch)
-        bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
+        bucket = bucket or self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
         arrays = self.empty_batch(bucket)
         dec_bucket = bucket.num_decode
         token_ids, positions, slot_mapping = arrays["token_ids"], arrays["positions"], arrays["slot_mapping"]
@@ -245,7 +246,7 @@ class ModelRunner:
         bucket = self.bucket_for(len(batch.decode), 0, batch.max_pages_per_seq)
         arrays, sampling, num_steps = self._multi_step_inputs(bucket, batch.decode, batch.num_steps)
         device_start = time.perf_counter()
-        compiled = self._compiled(self._compiled_multi_step, bucket, "multi_step") or self._functions.multi_step
+        compiled = self.executables.get("multi_step", bucket) or self._functions.multi_step
         tokens, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, sampling, num_steps)
         tokens = np.asarray(jax.device_get(tokens))[:len(batch.decode), :batch.num_steps]  # [rows, num_steps]
         device_seconds = time.perf_counter() - device_start
@@ -276,8 +277,7 @@ class ModelRunner:
             offset += len(row.token_ids)
         if not indices:
             return None
-        size = (next((b for b in self.prompt_logprob_buckets if b >= len(indices)), None)
-                if self.prompt_logprob_shapes is None else self.prompt_logprob_shapes.size_for(len(indices)))
+        size = shape_choice.prompt_logprob_rows(self.prompt_logprob_buckets, len(indices), self.executables)
         if size is None:
             raise ValueError(f"{len(indices)} prompt-logprob rows exceed the step's {self.prompt_logprob_buckets[-1]}")
         arrays = {"indices": np.zeros(size, np.int32), "targets": np.zeros(size, np.int32)}
@@ -289,12 +289,44 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Runs one step: host arrays in, sampled ids (and logprobs) out; the only crossing.
 
+        While a background warm-up has not compiled the step's shape, a mixed step whose decode
+        and prefill halves each have a compiled shape runs as those two (shape_choice.split).
         Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
         any other exception comes from the device step (see `recover`)."""
-        start = time.perf_counter()
         if batch.num_steps > 1:
-            return self._execute_multi_step(batch, start)
-        bucket, arrays, rows = self.build_batch(batch)
+            return self._execute_multi_step(batch, time.perf_counter())
+        halves = shape_choice.split(batch, self._ready_to_run)
+        if halves is None:
+            return self._execute_one(batch)
+        return shape_choice.merge_outputs([self._execute_one(half) for half in halves])
+
+    def _ready_to_run(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` runs now in a compiled forward and sampler, without waiting for a compile."""
+        bucket = self._serving_bucket(batch)
+        return (self.executables.ready("forward", bucket)
+                and self.executables.ready("sample", self._sampler_key(bucket, self._sampling_variant(batch))))
+
+    def _serving_bucket(self, batch: ScheduledBatch) -> Bucket:
+        """The bucket the step runs in: its own, or while that one is still compiling the
+        smallest compiled one that holds it (shape_choice.compiled_bucket_holding)."""
+        if batch.verify:
+            return self.buckets.fit_verify(len(batch.verify), batch.max_pages_per_seq)
+        bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
+        return shape_choice.compiled_bucket_holding(
+            bucket, self._bucket_list, self.executables,
+            lambda b: self._sampler_key(b, self._sampling_variant(batch)))
+
+    @staticmethod
+    def _sampling_variant(batch: ScheduledBatch) -> bool:
+        """Whether the step's sampler reads token histories (penalties)."""
+        return any(row.sampling is not None and row.sampling.has_penalties for row in batch.rows)
+
+    def _sampler_key(self, bucket: Bucket, penalties: bool) -> tuple[int, bool, bool]:
+        return (self.buckets.num_rows(bucket), penalties, sampler.ALWAYS_BIAS)
+
+    def _execute_one(self, batch: ScheduledBatch) -> StepOutput:
+        start = time.perf_counter()
+        bucket, arrays, rows = self.build_batch(batch, self._serving_bucket(batch))
         sampling = self._sampling_inputs(rows)
         prompt_rows = self._prompt_logprob_inputs(batch)
         grammars = [(i, row.sampling.grammar) for i, row in enumerate(rows)
@@ -336,14 +368,14 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         return True
 
+    # ---- compiling ------------------------------------------------------------------------
     def warmup(self, background: bool = False, is_serving: Callable[[], bool] = lambda: False) -> int:
         """Compiles the step for every bucket, ahead of time and on all cores (see
         jaxserve.executor.warmup: the first requests' shapes first; with `background` the call
         returns at once, `warmup_state` reports the progress and a shape starts only while
-        `is_serving()` is false or a step waits for a shape; the prompt-logprob shapes on first
-        use, `prompt_logprob_shapes`, unless compiled at start). Returns the count of shapes at start."""
+        `is_serving()` is false or a step waits for a shape). Returns the count of shapes."""
         plan = self._warmup_plan = warmup_lib.WarmupPlan(self, is_serving)
-        self.warmup_state, self._pending, self.prompt_logprob_shapes = plan.state, plan.pending, plan.on_demand
+        self.warmup_state = plan.state
         return plan.run(background)
 
     def stop_warmup(self) -> None:
@@ -352,45 +384,68 @@ class ModelRunner:
         if self._warmup_plan is not None:
             self._warmup_plan.stop()
 
+    def first_request_shapes(self) -> tuple[list[Bucket], list[tuple[int, bool, bool]]]:
+        """What a first request needs: the prefill-only and decode-only steps, and their
+        samplers without penalties."""
+        first = [b for b in self.all_buckets() if not b.num_verify and not (b.num_decode and b.num_prefill_tokens)]
+        return first, list(dict.fromkeys(self._sampler_key(b, False) for b in first))
+
+    def sampler_shapes(self) -> list[tuple[int, bool, bool]]:
+        """Every sampler shape of the step: (rows, penalties, bias)."""
+        rows = sorted({key[0] for key in (self._sampler_key(b, False) for b in self.all_buckets())})
+        return [(n, penalties, sampler.ALWAYS_BIAS) for n in rows for penalties in (False, True)]
+
+    def lower_forward(self, bucket: Bucket):
+        """The forward of `bucket`, lowered (jax.stages.Lowered) for the warm-up to compile."""
+        return self._functions.forward_for(bucket).lower(self._step_params, self.kv_cache, self.empty_batch(bucket))
+
+    def lower_sampler(self, key: tuple[int, bool, bool]):
+        num_rows, penalties, bias = key
+        logits = jax.ShapeDtypeStruct((num_rows, self.config.vocab_size), jnp.float32)
+        sampling = sampler.build_sampling_inputs([None] * num_rows, num_rows, self.max_model_len, penalties,
+                                                 bias, self.eos_token_ids, vocab_size=self.config.vocab_size)
+        return self._functions.sample.lower(logits, sampling)
+
+    def lower_multi_step(self, bucket: Bucket):
+        arrays, sampling, num_steps = self._multi_step_inputs(bucket, [], self.num_scheduler_steps)
+        return self._functions.multi_step.lower(self._step_params, self.kv_cache, arrays, sampling, num_steps)
+
+    def lower_prompt_logprobs(self, num_rows: int):
+        if self._hidden_rows is None:  # the forward's prefill rows of the residual stream
+            bucket = next(b for b in self.all_buckets() if b.num_prefill_tokens)
+            hidden = jax.eval_shape(self._functions.forward_for(bucket), self._step_params, self.kv_cache,
+                                    self.empty_batch(bucket))[2]
+            self._hidden_rows = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype)
+        rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+        return self._functions.prompt_logprobs.lower(self._head, self._hidden_rows, rows, rows)
+
     def time_forward(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> float:
         """Seconds of one call of `bucket`'s forward on `arrays` (its shapes, from build_batch),
-        results waited for; compiled first (into the warm-up's table) if no warm-up has. For
+        results waited for; compiled first (into the executable cache) if no warm-up has. For
         measuring the buckets (jaxserve.planning.bucket_measure): it writes the arrays' K/V
         slots, so only on an engine that serves nothing."""
-        compiled = self._compiled_forward.get(bucket)
-        if compiled is None:
-            compiled = self._compiled_forward[bucket] = self._functions.forward_for(bucket).lower(
-                self._step_params, self.kv_cache, arrays).compile()
+        compiled = self.executables.get("forward", bucket) or self.executables.load_or_compile(
+            "forward", bucket, lambda: self.lower_forward(bucket))
         start = time.perf_counter()
         logits, self.kv_cache, _ = compiled(self._step_params, self.kv_cache, arrays)
         jax.block_until_ready((logits, self.kv_cache))
         return time.perf_counter() - start
-
-    def _compiled(self, table: dict, key, kind: str):
-        """The executable of `key` in `table`, waiting for it while the warm-up compiles it in
-        the background; None when no warm-up will compile it (the jitted function then does)."""
-        compiled = table.get(key)
-        if compiled is None and (future := self._pending.get((kind, key))) is not None:
-            with self._warmup_plan.gate.step_waits():  # the warm-up goes on while a step waits for it
-                future.result()  # compiled on the warm-up's threads, never on the stepping thread
-            compiled = table.get(key)
-        return compiled
 
     def run_step(self, bucket: Bucket, arrays, sampling, grammars=(), prompt_rows=None):
         """Dispatches the step's jitted functions (forward, sampler, prompt logprobs when
         `prompt_rows` is given) on its inputs (host or device arrays); returns their device
         outputs (sampler's, prompt logprobs' or None). The transport calls it (a multi-host
         worker too). The grammar rows' bitmasks are filled on the host while the forward runs."""
-        forward = self._compiled(self._compiled_forward, bucket, "forward") or self._functions.forward_for(bucket)
+        forward = self.executables.get("forward", bucket) or self._functions.forward_for(bucket)
         logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
         if self.draft is not None:  # the draft's K/V of the same tokens, in the same slots
             self.draft.mirror(bucket, arrays)
         structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
         key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
-        sampled = (self._compiled(self._compiled_sample, key, "sample") or self._functions.sample)(logits, sampling)
+        sampled = (self.executables.get("sample", key) or self._functions.sample)(logits, sampling)
         if prompt_rows is None:
             return sampled, None
-        compute = (self._compiled(self._compiled_prompt_logprobs, len(prompt_rows["indices"]), "prompt_logprobs")
+        compute = (self.executables.get("prompt_logprobs", len(prompt_rows["indices"]))
                    or self._functions.prompt_logprobs)
         return sampled, compute(self._head, hidden, prompt_rows["indices"], prompt_rows["targets"])
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.step import Bucket, geometric_buckets, row_params, uses_penalties
-from jaxserve.executor import decode_loop, sampler, step_functions
+from jaxserve.executor import decode_loop, executable_cache, sampler, step_functions
 from jaxserve.models import cpu_layout, llama
 from jaxserve.speculative import verification
 
@@ -80,14 +80,14 @@ class DraftProposer:
         self._functions = step_functions.build(config, self.params, backend=target_runner.backend,
                                                page_size=self.page_size,
                                                verify_row_tokens=target_runner.buckets.verify_row_tokens)
-        self._compiled_mirror: dict[Bucket, jax.stages.Compiled] = {}
-        self._compiled_propose: dict[tuple[DraftShape, bool], jax.stages.Compiled] = {}  # (shape, penalties)
+        # "mirror" + target Bucket, "propose" + (DraftShape, penalties): filled by warmup().
+        self.executables = executable_cache.ExecutableCache()
 
     # ---- keeping the cache in step --------------------------------------------------------
     def mirror(self, bucket: Bucket, arrays: dict[str, np.ndarray]) -> None:
         """Runs the draft over the target step's arrays (dispatched, not waited for): the draft's
         K/V of the step's tokens lands in the same slots as the target's."""
-        forward = self._compiled_mirror.get(bucket, self._functions.forward_for(bucket))
+        forward = self.executables.get("mirror", bucket) or self._functions.forward_for(bucket)
         _, self.kv_cache = forward(self._step_params, self.kv_cache, arrays)
 
     def recover(self) -> None:
@@ -119,7 +119,7 @@ class DraftProposer:
         shape = self._shape(len(requests))
         penalties = any(uses_penalties(r.params) for r in requests)
         arrays, sampling = self._inputs(requests, shape, penalties)
-        propose = self._compiled_propose.get((shape, penalties), self._functions.multi_step)
+        propose = self.executables.get("propose", (shape, penalties)) or self._functions.multi_step
         proposals, self.kv_cache = propose(self._step_params, self.kv_cache, arrays, sampling, np.int32(self.k))
         proposals = np.asarray(jax.device_get(proposals))
         return [proposals[r, :k].tolist() for r in range(len(requests))]
@@ -133,14 +133,14 @@ class DraftProposer:
 
         def compile_mirror(bucket):
             forward = self._functions.forward_for(bucket)
-            self._compiled_mirror[bucket] = forward.lower(self._step_params, self.kv_cache,
-                                                          self.target.empty_batch(bucket)).compile()
+            self.executables.put("mirror", bucket, forward.lower(self._step_params, self.kv_cache,
+                                                                 self.target.empty_batch(bucket)).compile())
 
         def compile_propose(rows, penalties):
             shape = self._shape(rows)
             arrays, sampling = self._inputs([], shape, penalties)
-            self._compiled_propose[shape, penalties] = self._functions.multi_step.lower(
-                self._step_params, self.kv_cache, arrays, sampling, np.int32(self.k)).compile()
+            self.executables.put("propose", (shape, penalties), self._functions.multi_step.lower(
+                self._step_params, self.kv_cache, arrays, sampling, np.int32(self.k)).compile())
 
         variants = [(rows, p) for rows in self.row_buckets for p in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
