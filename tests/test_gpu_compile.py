@@ -241,15 +241,13 @@ def test_saved_gpu_executables_are_what_the_engine_on_that_gpu_asks_for(tmp_path
         keys.append(key)
         raise LookupError(key)
 
-    monkeypatch.setattr(runner._executable_store, "load", asked_for)
-    plan.hidden_info = [jax.ShapeDtypeStruct((32, TINY_LLAMA3.hidden_size), jnp.bfloat16)]  # read off a prefill step
-    shapes = [(fn, args) for phase in plan.phases for _, _, fn, args in phase]
-    shapes += [(plan._compile_prompt_logprobs, (rows,)) for rows in runner.prompt_logprob_buckets]  # on first use
-    for fn, args in shapes:
+    store = runner.executables.store
+    monkeypatch.setattr(store, "load", asked_for)
+    for job in (job for phase in plan.phases for job in phase):  # the prompt-logprob shapes among them, last
         with pytest.raises(LookupError):
-            fn(*args)
+            runner.executables.load_or_compile(job.kind, job.key, lambda: job.lower(job.key))
     assert len(keys) == len(set(keys)) == 3 + 2 * 2 + len(runner.prompt_logprob_buckets)
-    assert not [key for key in keys if not os.path.exists(runner._executable_store._path(key))]
+    assert not [key for key in keys if not os.path.exists(store._path(key))]
     assert len([name for name in os.listdir(folder) if name.endswith(".exe")]) == len(keys)
 
 
