@@ -29,7 +29,7 @@ def params():
 def wait_for_every_shape(engine, timeout_s=600):
     assert engine.runner.warmup_state.finished.wait(timeout_s)
     for kind, key in engine.runner.executables.promised():
-        engine.runner.executables.promised_result(kind, key)  # raises what failed
+        engine.runner.executables.get(kind, key)  # raises what failed
 
 
 @pytest.fixture

@@ -57,11 +57,19 @@ def row(request_id, tokens, start=0):
 
 def test_a_mixed_step_splits_only_when_it_cannot_run_and_both_halves_can():
     batch = ScheduledBatch(decode=(row("a", [5], 9), row("b", [6], 3)), prefill=(row("c", [1, 2, 3]),))
-    halves = shape_choice.split(batch, lambda b: not (b.decode and b.prefill))
-    assert halves == (ScheduledBatch(decode=batch.decode), ScheduledBatch(prefill=batch.prefill))
-    assert shape_choice.split(batch, lambda b: True) is None  # its own shape is ready
-    assert shape_choice.split(batch, lambda b: bool(b.decode) and not b.prefill) is None  # the prefill half is not
-    assert shape_choice.split(ScheduledBatch(decode=batch.decode), lambda b: False) is None  # nothing to split
+
+    def bucket_of(step):  # a stand-in for the runner's: decode rows, prefill tokens
+        return Bucket(len(step.decode), step.num_prefill_tokens, 4)
+
+    def split(runs_now, step=batch):
+        return shape_choice.split(step, bucket_of(step), bucket_of, lambda step, bucket: runs_now(step))
+
+    halves = split(lambda b: not (b.decode and b.prefill))
+    assert halves == [(ScheduledBatch(decode=batch.decode), Bucket(2, 0, 4)),
+                      (ScheduledBatch(prefill=batch.prefill), Bucket(0, 3, 4))]
+    assert split(lambda b: True) is None  # its own shape is ready
+    assert split(lambda b: bool(b.decode) and not b.prefill) is None  # the prefill half is not
+    assert split(lambda b: False, ScheduledBatch(decode=batch.decode)) is None  # nothing to split
 
 
 def output(token_ids, bucket, logprobs=None, prompt=None, seconds=1.0):

@@ -21,6 +21,13 @@ from jaxserve.executor import executables
 Key = tuple[str, Hashable]  # (kind, shape key)
 
 
+def store_key(kind: str, key: Hashable) -> tuple:
+    """The saved store's key of (kind, shape key): ("forward", bucket), ("sample", rows, penalties,
+    bias), ("prompt_logprobs", rows), ... (a tuple key is spread after the kind). The warm-up loads
+    by it; `plan --compile --save_executables` saves by it."""
+    return (kind, *key) if isinstance(key, tuple) else (kind, key)
+
+
 class ExecutableCache:
     """Compiled executables by (kind, shape key), the shapes promised by a warm-up, the store."""
 
@@ -96,22 +103,18 @@ class ExecutableCache:
             if not future.done():
                 future.set_exception(error)
 
-    def promised_result(self, kind: str, key: Hashable) -> None:
-        """Raises what failed the promised shape (kind, key); returns once it is compiled."""
-        self._promised[kind, key].result()
-
     def promised(self) -> list[Key]:
         return list(self._promised)
 
     def load_or_compile(self, kind: str, key: Hashable, lower: Callable[[], object]):
         """The executable of (kind, key) from the store, else `lower()` compiled (queued for
         saving on this thread: `save_queued`); kept here either way."""
-        store_key = (kind, *key) if isinstance(key, tuple) else (kind, key)
-        compiled = self.store.load(store_key) if self.store is not None else None
+        saved_as = store_key(kind, key)
+        compiled = self.store.load(saved_as) if self.store is not None else None
         if compiled is None:
             compiled, fresh = executables.compile_fresh(lower())
             if self.store is not None and fresh:
-                self._unsaved.items = [*getattr(self._unsaved, "items", []), (store_key, compiled)]
+                self._unsaved.items = [*getattr(self._unsaved, "items", []), (saved_as, compiled)]
         self.put(kind, key, compiled)
         return compiled
 

@@ -295,14 +295,14 @@ class ModelRunner:
         any other exception comes from the device step (see `recover`)."""
         if batch.num_steps > 1:
             return self._execute_multi_step(batch, time.perf_counter())
-        halves = shape_choice.split(batch, self._ready_to_run)
-        if halves is None:
-            return self._execute_one(batch)
-        return shape_choice.merge_outputs([self._execute_one(half) for half in halves])
-
-    def _ready_to_run(self, batch: ScheduledBatch) -> bool:
-        """Whether `batch` runs now in a compiled forward and sampler, without waiting for a compile."""
         bucket = self._serving_bucket(batch)
+        halves = shape_choice.split(batch, bucket, self._serving_bucket, self._runs_now)
+        if halves is None:
+            return self._execute_one(batch, bucket)
+        return shape_choice.merge_outputs([self._execute_one(half, bucket) for half, bucket in halves])
+
+    def _runs_now(self, batch: ScheduledBatch, bucket: Bucket) -> bool:
+        """Whether `batch` runs now in `bucket`'s compiled forward and sampler, without waiting."""
         return (self.executables.ready("forward", bucket)
                 and self.executables.ready("sample", self._sampler_key(bucket, self._sampling_variant(batch))))
 
@@ -324,9 +324,9 @@ class ModelRunner:
     def _sampler_key(self, bucket: Bucket, penalties: bool) -> tuple[int, bool, bool]:
         return (self.buckets.num_rows(bucket), penalties, sampler.ALWAYS_BIAS)
 
-    def _execute_one(self, batch: ScheduledBatch) -> StepOutput:
+    def _execute_one(self, batch: ScheduledBatch, bucket: Bucket) -> StepOutput:
         start = time.perf_counter()
-        bucket, arrays, rows = self.build_batch(batch, self._serving_bucket(batch))
+        bucket, arrays, rows = self.build_batch(batch, bucket)
         sampling = self._sampling_inputs(rows)
         prompt_rows = self._prompt_logprob_inputs(batch)
         grammars = [(i, row.sampling.grammar) for i, row in enumerate(rows)

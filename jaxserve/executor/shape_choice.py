@@ -39,13 +39,16 @@ def compiled_bucket_holding(needed: Bucket, buckets: Sequence[Bucket], cache,
     return min(holding, key=lambda b: (b.num_decode + b.num_prefill_tokens, b.pages_per_seq), default=needed)
 
 
-def split(batch: ScheduledBatch, ready_to_run: Callable[[ScheduledBatch], bool]) -> tuple | None:
-    """A step of decoding rows beside prefill chunks that cannot run now in a compiled shape, as
-    (its decode rows, its prefill chunks) when each of those can; else None (run it as it is)."""
-    if not (batch.decode and batch.prefill) or ready_to_run(batch):
+def split(batch: ScheduledBatch, bucket: Bucket, bucket_of: Callable[[ScheduledBatch], Bucket],
+          runs_now: Callable[[ScheduledBatch, Bucket], bool]) -> list | None:
+    """A step of decoding rows beside prefill chunks that cannot run now in `bucket` (the one it
+    would run in), as [(its decode rows, their bucket), (its prefill chunks, theirs)] when each of
+    those can; else None (run it as it is)."""
+    if not (batch.decode and batch.prefill) or runs_now(batch, bucket):
         return None
-    halves = (ScheduledBatch(decode=batch.decode), ScheduledBatch(prefill=batch.prefill))
-    return halves if all(ready_to_run(half) for half in halves) else None
+    halves = [(half, bucket_of(half)) for half in (ScheduledBatch(decode=batch.decode),
+                                                   ScheduledBatch(prefill=batch.prefill))]
+    return halves if all(runs_now(half, half_bucket) for half, half_bucket in halves) else None
 
 
 def _rows(outputs: Sequence[StepOutput], name: str) -> np.ndarray | None:

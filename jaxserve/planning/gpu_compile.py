@@ -36,6 +36,7 @@ from jaxserve import compat, environment
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet, geometric_buckets, prompt_logprob_rows_limit
 from jaxserve.executor import device_setup, executables, prompt_logprobs, sampler, step_functions
+from jaxserve.executor.executable_cache import store_key
 from jaxserve.models import llama, quantization, weights
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
@@ -198,8 +199,8 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     prompt_jobs, store = [], None
     if save_executables is not None:
         store = _store_for_target(build, target, save_executables)
-        step_jobs = [job + (("forward", bucket), store) for job, bucket in zip(step_jobs, chosen)]
-        sampler_jobs = [job + (("sample", job[0]["num_rows"], job[0]["penalties"], job[0]["bias"]), store)
+        step_jobs = [job + (store_key("forward", bucket), store) for job, bucket in zip(step_jobs, chosen)]
+        sampler_jobs = [job + (store_key("sample", (job[0]["num_rows"], job[0]["penalties"], job[0]["bias"])), store)
                         for job in sampler_jobs]
         prompt_jobs = _prompt_logprob_jobs(build, step_jobs, store)
     reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs, workers)
@@ -340,7 +341,7 @@ def _prompt_logprob_jobs(build: _Build, step_jobs: list[tuple], store) -> list[t
     for num_rows in geometric_buckets(8, prompt_logprob_rows_limit(build.cfg)):
         rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=build.replicated)
         jobs.append(({"num_rows": num_rows}, build.functions.prompt_logprobs, (head, hidden, rows, rows), build.mesh,
-                     None, ("prompt_logprobs", num_rows), store))
+                     None, store_key("prompt_logprobs", num_rows), store))
     return jobs
 
 
