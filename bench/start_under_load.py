@@ -4,7 +4,9 @@ From empty compilation and executable caches (a fresh $JAXSERVE_CACHE; the model
 converted and the CPU kernels built, both read from the usual cache), with `--burners`
 CPU-bound processes running beside the server the whole time:
   1. launch `jaxserve serve` and poll /health until 200 (time to ready);
-  2. at once, `--concurrency` greedy completions of `--max_tokens` tokens together (cold batch);
+  2. at once, `--concurrency` greedy completions of `--max_tokens` tokens together (cold batch),
+     and beside them one with a presence penalty and one with prompt logprobs (their shapes
+     compile after ready: they wait for them, taken next);
   3. wait (at most --warm_timeout s from launch) until /health reports every warm-up shape
      compiled, then the same batch again (warm), still beside the neighbours;
 while a thread times every /health call from launch to the end (its slowest answer is what a
@@ -42,9 +44,15 @@ def _get(url: str, timeout: float = 30.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _complete(base: str, prompt: str, max_tokens: int, timeout: float) -> float | None:
-    """Seconds of one greedy completion; None when it took longer than `timeout` (the client gave up)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+# Requests whose shapes compile after ready (a sampler with penalties, the prompt-logprob function).
+EXTRA_KINDS = {"presence_penalty": {"presence_penalty": 0.5}, "prompt_logprobs": {"prompt_logprobs": 1}}
+
+
+def _complete(base: str, prompt: str, max_tokens: int, timeout: float, extra: dict | None = None) -> float | None:
+    """Seconds of one greedy completion (with the `extra` fields); None when it took longer than
+    `timeout` (the client gave up)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       **(extra or {})}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     start = time.perf_counter()
     try:
@@ -57,15 +65,21 @@ def _complete(base: str, prompt: str, max_tokens: int, timeout: float) -> float 
 
 
 def _batch(base: str, concurrency: int, max_tokens: int, timeout: float) -> dict:
-    """`concurrency` different completions sent together: the batch's wall time and each one's
-    (`timed_out`: how many the client gave up on after `timeout` seconds)."""
+    """`concurrency` different completions sent together, with one of each EXTRA_KINDS beside
+    them: the batch's wall time and each one's (`timed_out`: how many the client gave up on after
+    `timeout` seconds), and each extra kind's seconds (None: timed out)."""
     prompts = [f"Question {i}: name a city in Europe and say why people visit it." for i in range(concurrency)]
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    with concurrent.futures.ThreadPoolExecutor(concurrency + len(EXTRA_KINDS)) as pool:
+        extras = {kind: pool.submit(_complete, base, "Tell me about Paris.", max_tokens, timeout, fields)
+                  for kind, fields in EXTRA_KINDS.items()}
         each = list(pool.map(lambda p: _complete(base, p, max_tokens, timeout), prompts))
+        wall = time.perf_counter() - start
+        extra_s = {kind: future.result() for kind, future in extras.items()}
     done = sorted(s for s in each if s is not None)
-    return {"wall_s": round(time.perf_counter() - start, 3), "timed_out": len(each) - len(done),
-            "slowest_s": round(done[-1], 3) if done else None, "median_s": round(done[len(done) // 2], 3) if done else None}
+    return {"wall_s": round(wall, 3), "timed_out": len(each) - len(done),
+            "slowest_s": round(done[-1], 3) if done else None, "median_s": round(done[len(done) // 2], 3) if done else None,
+            **{f"{kind}_s": None if s is None else round(s, 3) for kind, s in extra_s.items()}}
 
 
 class HealthProbe:
