@@ -21,6 +21,7 @@ from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
 from checkpoints.gguf_source import GGUFSource
 from checkpoints.hf_source import HFSource
 from checkpoints.layout import ParamBuffers
+from checkpoints.pooling_checkpoint import save_pooling_files
 from jaxserve.config import ModelConfig
 from jaxserve.core.progress import Progress
 
@@ -91,6 +92,8 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
     logger.info("conversion: %s -> %s (%s, once; later starts load the result)", source_path, output_dir,
                 target_dtype.name if fmt is None else fmt.name)
     try:
+        if isinstance(source, HFSource):  # embedding and reranking checkpoints (first: refused in a moment)
+            save_pooling_files(source, staging)
         formats = _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR), fmt)
         has_tokenizer = source.save_tokenizer(staging)
         _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())

@@ -11,6 +11,7 @@ import numpy as np
 
 from checkpoints import ConversionError
 from checkpoints.layout import describe_slot, expert_slot, source_names
+from checkpoints.pooling_checkpoint import decoder_config, head_tensors, with_model_prefix
 from checkpoints.safetensors_file import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import weights
@@ -49,13 +50,15 @@ class HFSource:
         generation_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(generation_path):
             hf_config = _merge_generation_eos(hf_config, _read_json(generation_path))
+        self.hf_config = hf_config  # as published: a pooling checkpoint's architecture and labels
+        self._head_tensors = head_tensors(hf_config)  # a classifier's score head: checkpoints.pooling_checkpoint
         try:
-            self.config = ModelConfig.from_hf_dict(hf_config)
+            self.config = ModelConfig.from_hf_dict(decoder_config(hf_config))
         except ConfigError as e:
             raise ConversionError(f"{config_path}: {e}") from None
         self._whole_names, self._layer_names = source_names(self.config, "hf")
         self._fused_names = weights.fused_expert_names(self.config)
-        self.files = [SafetensorsFile(p) for p in self._shard_paths()]
+        self.files = with_model_prefix([SafetensorsFile(p) for p in self._shard_paths()])
         self._owner = {}
         for file in self.files:
             for name in file.names():
@@ -131,7 +134,7 @@ class HFSource:
         for file in self.files:
             for name in file.names():
                 tensor = None
-                if name in self._published_skip:
+                if name in self._published_skip or name in self._head_tensors:
                     continue
                 if name in self._published_codes:
                     name, tensor = self._published_codes[name]

@@ -16,10 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
     ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.config"),
-    ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram"),  # host side, no jax
+    ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram",
+     "jaxserve.pooling.config", "jaxserve.pooling.accumulate"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
     ("jaxserve.models", "jaxserve.executor", "jaxserve.parallel", "jaxserve.speculative.draft_proposer",
-     "jaxserve.planning"),
+     "jaxserve.planning", "jaxserve.pooling.poolers"),
     ("checkpoints",),
     ("jaxserve.engine", "jaxserve.async_engine"),
     ("serve",),
@@ -29,7 +30,7 @@ LAYERS = [
     ("jaxserve.benchmarks",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
-              "jaxserve.settings", "jaxserve.environment")
+              "jaxserve.settings", "jaxserve.environment", "jaxserve.pooling.config", "jaxserve.pooling.accumulate")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -66,8 +67,9 @@ def layer_of(name: str) -> int | None:
 
 
 def test_every_module_has_a_room():
+    packages = ("jaxserve", "jaxserve.speculative", "jaxserve.pooling")
     homeless = [module_name(p) for p in project_modules()
-                if layer_of(module_name(p)) is None and module_name(p) not in ("jaxserve", "jaxserve.speculative")]
+                if layer_of(module_name(p)) is None and module_name(p) not in packages]
     assert not homeless, f"modules in no room of LAYERS: {homeless}"
 
 
@@ -200,6 +202,7 @@ def test_no_script_shadows_an_installed_module():
 # `pytestmark = pytest.mark.slow` itself; a new module goes in one group or the other.
 QUICK_TEST_MODULES = {
     "test_bench_datasets", "test_bench_serve", "test_buckets", "test_engine_client", "test_environment",
+    "test_pooling_config",
     "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_memory", "test_metrics_names",
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
     "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
