@@ -37,6 +37,12 @@ Grouped matmul (the routed experts of a mixture-of-experts layer, `grouped_matmu
 Chosen by $JAXSERVE_GROUPED_MATMUL_BACKEND, read when the model is traced (a jitted step keeps
 the choice it was traced with).
 
+Multi-LoRA update (`lora_update`: each row through its own adapter's low-rank matrices), by the
+attention backend's name: "pallas" (and "mosaic", while this jax has the Triton lowering) runs
+the Pallas kernel (lora_bgmv.py) when the program is lowered for a CUDA GPU and the XLA path
+(xla_lora.py) anywhere else; "interpret" the kernel in interpret mode; "reference" the plain-jnp
+oracle; every other backend the XLA path.
+
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
 """
@@ -47,7 +53,7 @@ import jax
 
 import cpu_kernels
 from pallas_kernels import compat, kv_quant, mosaic_common, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
-from pallas_kernels import xla_grouped, xla_paged
+from pallas_kernels import lora_bgmv, xla_grouped, xla_lora, xla_paged
 from pallas_kernels import grouped_matmul as grouped_matmul_kernel
 from pallas_kernels.common import softmax_scale
 
@@ -261,3 +267,22 @@ def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None, *, product
     if backend == "pallas" and takes:
         branches["cuda"] = grouped_matmul_kernel.grouped_matmul  # the Triton kernel lowers for CUDA only
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, **branches)
+
+
+def lora_update(backend: str, x, a, b, slots):
+    """The low-rank updates of rows that each carry their adapter's slot, through `backend`'s
+    implementation (see the module docstring): y[t] = (x[t] @ a[slots[t]]) @ b[slots[t]].
+
+    x [T, K]; a [S, K, R], b [S, R, N] (slot 0: the zero adapter); slots int32[T] in [0, S).
+    Returns [T, N] in x's dtype (float32 accumulation)."""
+    backend = BACKEND_ALIASES.get(backend, backend)
+    if backend == "reference":
+        from pallas_kernels import reference  # the test oracle: loaded only when asked for
+        return reference.lora_update(x, a, b, slots)
+    takes = lora_bgmv.supports(x, a, b)
+    if backend == "interpret" and takes:
+        return lora_bgmv.lora_update(x, a, b, slots, interpret=True)
+    branches = dict(cpu=xla_lora.lora_update, default=xla_lora.lora_update)
+    if backend in ("pallas", "mosaic") and takes and compat.has_pallas_triton():
+        branches["cuda"] = lora_bgmv.lora_update  # the Triton lowering lowers for CUDA only
+    return jax.lax.platform_dependent(x, a, b, slots, **branches)

@@ -1,6 +1,6 @@
 """Plain-jnp paged attention: the oracle of the kernel tests (and the explicit "reference"
-attention backend). Production code does not import it: the engine's CPU path is xla_paged.py,
-the KV write and the shared helpers live in common.py.
+attention backend), and the multi-LoRA update's (`lora_update`). Production code does not import
+it: the engine's CPU path is xla_paged.py, the KV write and the shared helpers live in common.py.
 
 It gathers each sequence's whole block table and soft-maxes it with a dense mask written from the
 positions, transformers-style (options as in pallas_kernels.common):
@@ -127,3 +127,11 @@ def ragged_paged_attention(
     out = _masked_softmax_attention(scores, valid[:, None, None, :, :], v_context)  # [s,kv,g,q,d]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)
     return to_ragged(out, query_start_loc).astype(q.dtype)
+
+
+def lora_update(x, a, b, slots):
+    """The multi-LoRA update row by row: x [T, K] through a[slots[t]] [K, R] then b[slots[t]]
+    [R, N] (gathered per row), in float32 at full precision -> [T, N] in x's dtype."""
+    f32 = jnp.float32
+    shrunk = jnp.einsum("tk,tkr->tr", x.astype(f32), a[slots].astype(f32), precision=_HIGHEST)
+    return jnp.einsum("tr,trn->tn", shrunk, b[slots].astype(f32), precision=_HIGHEST).astype(x.dtype)

@@ -106,7 +106,8 @@ def test_host_modules_do_not_import_jax():
     host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning",
              "jaxserve.benchmarks.datasets", "jaxserve.benchmarks.client", "jaxserve.benchmarks.results",
              "jaxserve.benchmarks.runner", "jaxserve.benchmarks.sweep", "jaxserve.benchmarks.plot",
-             "jaxserve.benchmarks.server_metrics", "jaxserve.benchmarks.serve"]
+             "jaxserve.benchmarks.server_metrics", "jaxserve.benchmarks.serve",
+             "checkpoints.lora_adapter"]  # LoRA adapters are read and checked on the host
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {host!r}]; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -203,7 +204,8 @@ def test_no_script_shadows_an_installed_module():
 QUICK_TEST_MODULES = {
     "test_bench_datasets", "test_bench_serve", "test_buckets", "test_engine_client", "test_environment",
     "test_pooling_config",
-    "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_memory", "test_metrics_names",
+    "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_lora_adapters", "test_memory",
+    "test_metrics_names",
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
     "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
     "test_shape_choice", "test_step_diagnosis", "test_tool_parsers", "test_tools",

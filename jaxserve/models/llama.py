@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import cpu_layout, moe, quantization
+from jaxserve.models import cpu_layout, lora as lora_slab, moe, quantization
 from jaxserve.models.weights import layer_kinds
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
@@ -106,13 +106,15 @@ def embed(params: Params, token_ids: jax.Array, config: ModelConfig) -> jax.Arra
         return x
 
 
-def qkv_projection(lp: Params, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, Hq, hd], k and v [T, Hkv, hd] (before RoPE) on one layer's weights."""
+def qkv_projection(lp: Params, x: jax.Array, config: ModelConfig,
+                   lora: lora_slab.LayerLoRA | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, Hq, hd], k and v [T, Hkv, hd] (before RoPE) on one layer's weights (and
+    its part of a LoRA slab: each projection through `lora_slab.project`)."""
     T, Hq, Hkv, hd = x.shape[0], config.num_q_heads, config.num_kv_heads, config.head_dim
     eps, offset = config.rms_norm_eps, config.norm_weight_offset
     with jax.named_scope("qkv"):
         h = rms_norm(x, lp["attn_norm"], eps, offset)
-        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        q, k, v = (lora_slab.project(h, lp, name, lora) for name in ("wq", "wk", "wv"))
         if config.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
@@ -121,16 +123,18 @@ def qkv_projection(lp: Params, x: jax.Array, config: ModelConfig) -> tuple[jax.A
         return q, k, v
 
 
-def attention_output(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConfig) -> jax.Array:
+def attention_output(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConfig,
+                     lora: lora_slab.LayerLoRA | None = None) -> jax.Array:
     """The residual stream x [T, D] plus the output projection of attn [T, Hq, hd]."""
     with jax.named_scope("attention_output"):
-        out = linear(attn.reshape(x.shape[0], config.num_q_heads * config.head_dim), lp["wo"])
+        out = lora_slab.project(attn.reshape(x.shape[0], config.num_q_heads * config.head_dim), lp, "wo", lora)
         if config.sandwich_norms:
             out = rms_norm(out, lp["attn_post_norm"], config.rms_norm_eps, config.norm_weight_offset)
         return x + out
 
 
-def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.Mesh | None = None,
+              lora: lora_slab.LayerLoRA | None = None) -> jax.Array:
     """The residual stream x [T, D] plus the gated MLP of its normed rows (a mixture-of-experts
     layer's: jaxserve.models.moe, its routed experts split over `mesh`'s "model" axis when given).
     A layer is sparse when its weights have a router: every layer of a mixture-of-experts model
@@ -141,16 +145,17 @@ def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
         if "router" in lp:
             return x + moe.sparse_mlp(lp, h, config, mesh)
-        out = linear(activation(linear(h, lp["w_gate"])) * linear(h, lp["w_up"]), lp["w_down"])
+        project = functools.partial(lora_slab.project, lp=lp, lora=lora)
+        out = project(activation(project(h, name="w_gate")) * project(h, name="w_up"), name="w_down")
         if config.sandwich_norms:
             out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
         return x + out
 
 
 def after_attention(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConfig,
-                    mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+                    mesh: jax.sharding.Mesh | None = None, lora: lora_slab.LayerLoRA | None = None) -> jax.Array:
     """The rest of the layer once attention has run: output projection, then the MLP -> [T, D]."""
-    return mlp_block(lp, attention_output(lp, x, attn, config), config, mesh)
+    return mlp_block(lp, attention_output(lp, x, attn, config, lora), config, mesh, lora)
 
 
 def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill_seqs: int,
@@ -187,13 +192,16 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
 
 
 def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array],
-                   config: ModelConfig, attend: Callable,
-                   mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   config: ModelConfig, attend: Callable, mesh: jax.sharding.Mesh | None = None,
+                   lora: lora_slab.Slab | None = None,
+                   backend: str = "reference") -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [T, D] through every layer under `jax.lax.scan` (stacked weights, or any layout of
     cpu_layout.layer_views), each layer writing its K/V into its own pages of the caches.
     `mesh` (tensor parallel): where a mixture-of-experts model's routed experts run split.
     A model with dense and sparse MLP layers mixed (weights.LayerKinds) runs the same scan: the
     part after attention goes under a switch on the layer's kind, which reads its own weights.
+    `lora`: a LoRA slab (jaxserve.models.lora), sliced by the scan with the weights, with each
+    token's slot in batch["lora_slots"]; its update runs through `backend`'s implementation.
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
@@ -203,13 +211,14 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     if local_rope:
         local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
     weights = cpu_layout.LayerWeights.of(layers, layer_kinds(config))
-    projection = functools.partial(qkv_projection, config=config)
-    rest_of_layer = functools.partial(after_attention, config=config, mesh=mesh)
-
     def layer(carry, scanned):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
-        lp, window = scanned  # this layer's slice of the stacked weights (None: per-layer weights);
-        #                       its sliding window (int32 scalar, 0: none)
+        lp, window, layer_lora = scanned  # this layer's slice of the stacked weights (None: per-layer
+        #      weights); its sliding window (int32 scalar, 0: none); its slice of the LoRA slab (or None)
+        if layer_lora is not None:
+            layer_lora = lora_slab.LayerLoRA(layer_lora, batch["lora_slots"], backend)
+        projection = functools.partial(qkv_projection, config=config, lora=layer_lora)
+        rest_of_layer = functools.partial(after_attention, config=config, mesh=mesh, lora=layer_lora)
         page_offset = layer_idx * num_pages
         q, k, v = weights.apply(projection, lp, layer_idx, x, own_weights=False)
         layer_cos, layer_sin = cos, sin
@@ -226,14 +235,15 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
         return (x, k_cache, v_cache, layer_idx + 1), None
 
     carry = (x, kv_cache["k"], kv_cache["v"], jnp.int32(0))
-    scanned = (weights.scanned, jnp.asarray(config.layer_windows(), jnp.int32))
+    scanned = (weights.scanned, jnp.asarray(config.layer_windows(), jnp.int32), lora)
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, scanned)
     return x, {"k": k_cache, "v": v_cache}
 
 
 def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax.Array], *,
             config: ModelConfig, backend: str = "reference", mesh: jax.sharding.Mesh | None = None,
-            prefill_hidden_rows: int = 0, max_query_len: int | None = None) -> tuple[jax.Array, ...]:
+            prefill_hidden_rows: int = 0, max_query_len: int | None = None,
+            lora: lora_slab.Slab | None = None) -> tuple[jax.Array, ...]:
     """One model step over a batch of decode tokens followed by prefill chunks.
 
     With a `mesh` (tensor parallel, see jaxserve.parallel.sharding), the KV write and attention run per
@@ -247,12 +257,15 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
       prefill_block_table: [num_prefill_seqs, max_pages_per_seq]; prefill_seq_lens: [num_prefill_seqs];
       prefill_query_start_loc: [num_prefill_seqs + 1] (offsets into the prefill tokens)
       logits_indices: [num_rows] tokens whose logits are returned
+      lora_slots: [num_tokens], with a `lora` slab only: each token's adapter slot (0: the base model)
     Returns (logits [num_rows, vocab] float32, updated kv_cache); with `prefill_hidden_rows` > 0
     a third output, the prefill tokens' last residual-stream rows (before the final norm, see
     `final_logits`) zero-padded to [prefill_hidden_rows, D] ([0, D] in a step without prefill):
     what the prompt logprobs are computed from, on device.
     `max_query_len`: no prefill chunk has more tokens (a hint for the attention's blocking;
     speculative verification steps pass K + 1).
+    `lora`: a slab of LoRA adapters (jaxserve.models.lora); without one the step is the base model's,
+    its graph unchanged.
     """
     num_decode = batch["decode_seq_lens"].shape[0]
     num_prefill_seqs = batch["prefill_seq_lens"].shape[0]
@@ -260,7 +273,7 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
     x = embed(params, batch["token_ids"], config)  # [T, D]
-    x, kv_cache = decoder_layers(params["layers"], x, kv_cache, batch, config, attend, mesh)
+    x, kv_cache = decoder_layers(params["layers"], x, kv_cache, batch, config, attend, mesh, lora, backend)
     logits = final_logits(params, x[batch["logits_indices"]], config)  # [R, V]
     if not prefill_hidden_rows:
         return logits, kv_cache
