@@ -25,6 +25,7 @@ from bench import common  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.request import SamplingParams  # noqa: E402
 from jaxserve.engine import Engine  # noqa: E402
+from jaxserve.executor.step_pricing import StepPricer  # noqa: E402
 from jaxserve.planning import predict, probe  # noqa: E402
 
 
@@ -46,6 +47,7 @@ def main() -> int:
     bandwidth, peak, operators = probe.probe(model, sizes, args.prompt_len + (args.skip + args.steps) // 2,
                                              cfg.page_size)
     ceilings = predict.Ceilings(bandwidth, peak, None, "cpu probe", tuple(operators))
+    costs = StepPricer.for_engine(engine).costs
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(sizes[0])]
@@ -63,7 +65,7 @@ def main() -> int:
             engine.step()
         steps = [r for r in list(engine.step_records)[start + args.skip:] if r.kind == "decode"]
         context = round(statistics.mean(r.num_attention_pairs / r.num_decode_rows for r in steps)) - 1
-        seconds, bound = engine.step_costs.decode(size, context).seconds_and_bound(ceilings)
+        seconds, bound = costs.decode(size, context).seconds_and_bound(ceilings)
         device = statistics.median(r.device_seconds for r in steps)
         whole = statistics.median(r.seconds for r in steps)
         fastest = min(r.device_seconds for r in steps)

@@ -1,7 +1,11 @@
-"""AsyncEngine: an `Engine` stepping in a background thread, feeding asyncio consumers.
+"""AsyncEngine: the one async client of the engine cores, for asyncio callers (the server).
 
-Each request is admitted synchronously and then is one async iterator of deltas (a
-`RequestStream`); the event loop never waits on the device. An `EngineClient`
+It drives one `Engine` core, or the replicas of data parallelism, each stepping in its own
+background thread (`_CoreLoop`); each request goes to the core with the fewest in flight. A
+request is admitted synchronously and then is one async iterator of deltas (a `RequestStream`);
+the event loop never waits on the device. A multi-host job is behind the executor seam (each
+core's runner sends its steps to the other processes): a core whose executor failed for good
+makes the client not alive, and new requests are refused. An `EngineClient`
 (jaxserve/core/engine_client.py): what the server needs of an engine.
 """
 from __future__ import annotations
@@ -10,25 +14,125 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
-from jaxserve.core.outputs import EngineStats, QueueFullError, RequestOutput, StepRecord
+from jaxserve.core.outputs import EngineStats, EngineUnavailableError, QueueFullError, RequestOutput, StepRecord
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
-from jaxserve.parallel.data_parallel import DataParallelAsyncEngine, DataParallelEngine
+from jaxserve.parallel.data_parallel import sum_stats
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Runs an `Engine` in a background thread; asyncio callers stream deltas per request."""
+    """Engine cores stepping in background threads; asyncio callers stream deltas per request."""
 
-    def __init__(self, engine: Engine, max_waiting_requests: int | None = None):
+    def __init__(self, engines: Engine | Sequence[Engine], max_waiting_requests: int | None = None):
+        """`engines`: one Engine, or the replicas of data parallelism (each with its own devices,
+        KV pool and scheduler). `max_waiting_requests`: each core's bound on queued requests
+        (default: its config's)."""
+        self.replicas: list[Engine] = [engines] if isinstance(engines, Engine) else list(engines)
+        self.engine = self.replicas[0]
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.limits.max_seq_len  # the context a request can really use
+        self._loops = [_CoreLoop(e, max_waiting_requests or e.config.max_waiting_requests) for e in self.replicas]
+        self._owner: dict[str, _CoreLoop] = {}  # request id -> the core it runs on, while in flight
+        self._pricers = None  # step_pricing.StepPricer per core, once a step listener is added
+
+    def is_alive(self) -> bool:
+        """Every core steps and no executor failed for good."""
+        return all(loop.is_alive() for loop in self._loops) and self._failure() is None
+
+    def _failure(self) -> str | None:
+        return next(filter(None, (e.executor_failure() for e in self.replicas)), None)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for core in self._loops:
+            core.start(loop)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(None, core.stop) for core in self._loops))
+        for engine in self.replicas:
+            if engine.grammar_compiler is not None:  # its sandbox process
+                engine.grammar_compiler.close()
+
+    def stats(self) -> EngineStats:
+        stats = [core.stats for core in self._loops]
+        return stats[0] if len(stats) == 1 else sum_stats(stats)
+
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """`listener(record)` after every step that ran on any core, on that core's thread, the
+        record priced against the roofline (step_pricing.StepPricer)."""
+        from jaxserve.executor.step_pricing import StepPricer  # jax lives behind the engine
+        if self._pricers is None:
+            self._pricers = [StepPricer.for_engine(e) for e in self.replicas]
+        for engine, pricer in zip(self.replicas, self._pricers):
+            engine.add_step_listener(pricer.priced(listener))
+
+    def health(self) -> dict:
+        """What /health reports beyond liveness: failed steps, the last one's error, what the
+        executor adds (a multi-host job: its processes and failure) and, while it compiles, the
+        warm-up's progress (serve.app answers 503 until it is "ready": every core ready)."""
+        errors = [e.last_step_error for e in self.replicas if e.last_step_error]
+        report = {"num_step_failures": sum(e.num_step_failures for e in self.replicas),
+                  "last_step_error": errors[-1] if errors else None}
+        for engine in self.replicas:
+            report.update(engine.executor_health())
+        warmups = [w for w in (e.warmup_status() for e in self.replicas) if w is not None]
+        if len(warmups) == 1:
+            report["warmup"] = warmups[0]
+        elif warmups:
+            failed = [w["error"] for w in warmups if w["error"]]
+            report["warmup"] = {"ready": all(w["ready"] for w in warmups),
+                                "compiled": sum(w["compiled"] for w in warmups),
+                                "total": sum(w["total"] for w in warmups), "error": failed[0] if failed else None}
+        return report
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be
+        used); thread-safe, for the server's thread pool: admission then finds it compiled (the
+        replicas share the tokenizer: one compile serves all)."""
+        self.engine.compile_structured_output(params)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
+        """Admits one request on the core with the fewest in flight and returns the stream of its
+        deltas.
+
+        Admission happens here, synchronously: InvalidRequestError (a ValueError, the engine's one
+        admission check), another ValueError (a duplicate id), QueueFullError or
+        EngineUnavailableError (not running, or the executor failed) mean the engine never saw the
+        request. Closing the stream before its last delta aborts the request."""
+        failure = self._failure()
+        if failure is not None:
+            raise EngineUnavailableError(failure)
+        if request_id in self._owner:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        core = min(self._loops, key=lambda c: c.num_in_flight)
+        deltas = core.admit(request_id, prompt_token_ids, params)
+        self._owner[request_id] = core
+        return RequestStream(request_id, deltas, self._release)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        core = self._owner.pop(request_id, None)
+        if core is not None:
+            core.release(request_id, abort)
+
+    def abort(self, request_id: str) -> None:
+        core = self._owner.get(request_id)
+        if core is not None:
+            core.abort(request_id)
+
+
+class _CoreLoop:
+    """One engine core stepping in its own thread: adds and aborts reach it as commands, its
+    deltas go back to the event loop's queues."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int):
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = engine.model_name
-        self.max_model_len = engine.limits.max_seq_len  # the context a request can really use
-        self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
+        self.max_waiting_requests = max_waiting_requests
+        self.stats = engine.stats()  # refreshed by the thread after every step: cheap to read anywhere
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -37,68 +141,47 @@ class AsyncEngine:
         self._stopping = False
         self._num_pending_adds = 0  # added by callers, not yet taken by the engine thread
         self._pending_lock = threading.Lock()
-        self._stats = engine.stats()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self) -> None:
+    def stop(self) -> None:
+        """Ends the thread (its unfinished requests end with an error delta), then the warm-up:
+        the shapes not compiled yet would hold the process's exit."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
-        self.engine.stop_warmup()  # the shapes not compiled yet would hold the process's exit
-        if self.engine.grammar_compiler is not None:  # its sandbox process
-            self.engine.grammar_compiler.close()
+            self._thread.join(30)
+        self.engine.stop_warmup()
 
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
-        """`listener(record)` after every engine step that ran; it runs on the engine thread."""
-        self.engine.add_step_listener(listener)
-
-    def health(self) -> dict:
-        """What /health reports beyond liveness: failed steps, the last one's error and, while
-        it compiles, the warm-up's progress (serve.app answers 503 until it is "ready")."""
-        report = {"num_step_failures": self.engine.num_step_failures, "last_step_error": self.engine.last_step_error}
-        warmup = self.engine.warmup_status()
-        if warmup is not None:
-            report["warmup"] = warmup
-        return report
-
-    def compile_structured_output(self, params: SamplingParams) -> None:
-        """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be
-        used); thread-safe, for the server's thread pool: admission then finds it compiled."""
-        self.engine.compile_structured_output(params)
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
-        """Admits one request and returns the stream of its deltas.
-
-        Admission happens here, synchronously: InvalidRequestError (a ValueError, the engine's one
-        admission check), QueueFullError or RuntimeError (engine not running) mean the engine never
-        saw the request. Closing the stream before its last delta aborts the request."""
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Checks the request (the engine's admission) and queues it for the thread; the queue
+        its deltas will arrive on."""
         request = self.engine.make_request(request_id, prompt_token_ids, params)
         with self._pending_lock:
-            if self._stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
+            if self.stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
             if request_id in self._queues:
                 raise ValueError(f"duplicate request id {request_id!r}")
             if not self.is_alive():
-                raise RuntimeError("the engine is not running")
+                raise EngineUnavailableError("the engine is not running")
             deltas: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = deltas
             self._num_pending_adds += 1
         self._commands.put(("add", request))
         self._wakeup.set()
-        return RequestStream(request_id, deltas, self._release)
+        return deltas
 
-    def _release(self, request_id: str, abort: bool) -> None:
+    def release(self, request_id: str, abort: bool) -> None:
         self._queues.pop(request_id, None)
         if abort:
             self.abort(request_id)
@@ -107,8 +190,11 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
-    # ---- engine thread --------------------------------------------------------------------
+    # ---- the core's thread ----------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Stats first: a client that sees a request end also sees its pages returned."""
+        self.stats = self.engine.stats()
+
         def deliver():
             for out in outputs:
                 q = self._queues.get(out.request_id)
@@ -140,14 +226,9 @@ class AsyncEngine:
                     outputs.append(out)
         return outputs
 
-    def _publish_with_stats(self, outputs: list[RequestOutput]) -> None:
-        """Stats first: a client that sees a request end also sees its pages returned."""
-        self._stats = self.engine.stats()
-        self._publish(outputs)
-
     def _run(self) -> None:
         while not self._stopping:
-            self._publish_with_stats(self._drain_commands())
+            self._publish(self._drain_commands())
             if not self.engine.has_unfinished():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
@@ -157,8 +238,8 @@ class AsyncEngine:
             except Exception as e:  # only if recovering failed too: nothing else may stop the thread
                 log.exception("the engine could not recover from a failed step")
                 outputs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            self._publish_with_stats(outputs)
-        self._publish_with_stats(self.engine.fail_all("the server is shutting down"))
+            self._publish(outputs)
+        self._publish(self.engine.fail_all("the server is shutting down"))
 
 
 class RequestStream:
@@ -201,10 +282,9 @@ class RequestStream:
 
 
 def build_async_engine(model: str, **engine_kwargs) -> AsyncEngine:
-    """The server's factory: an AsyncEngine (not yet started) for a model name or path.
-    `engine_kwargs`: EngineConfig fields (None: the default)."""
+    """The server's factory: an AsyncEngine (not yet started) over a model name or path's engine
+    cores (one, or data parallelism's replicas). `engine_kwargs`: EngineConfig fields (None: the
+    default)."""
     config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
     engine = Engine.from_model(model, config)
-    if isinstance(engine, DataParallelEngine):  # one AsyncEngine per replica
-        return DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])
-    return AsyncEngine(engine)
+    return AsyncEngine(getattr(engine, "replicas", engine))

@@ -103,7 +103,6 @@ class Engine:
         self.grammar_compiler = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
                                  if tokenizer is not None else None)
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
-        self.step_costs, self.ceilings = _step_cost_model(model_config, cfg)
         self._last_step_end: float | None = None  # perf_counter() when the last step ended with work left
         self._step_listeners: tuple[Callable[[StepRecord], None], ...] = ()
         self.num_steps = 0
@@ -228,6 +227,15 @@ class Engine:
         None without a warm-up. "ready": the shapes a first request needs are compiled."""
         state = self.runner.warmup_state
         return None if state is None else state.to_dict()
+
+    def executor_failure(self) -> str | None:
+        """Why this engine can run no step any more (its executor failed for good: a multi-host
+        job that lost a process), or None."""
+        return self.runner.transport.failure()
+
+    def executor_health(self) -> dict:
+        """What the executor adds to /health (a multi-host job: its processes and failure)."""
+        return self.runner.transport.health()
 
     def stop_warmup(self) -> None:
         """Ends a background warm-up early, for a shutdown once nothing steps any more: the
@@ -371,39 +379,21 @@ class Engine:
         bucket = result.bucket
         kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
                 else "decode" if batch.decode else "prefill")
-        cost = self._step_cost(batch)
-        bandwidth_use = compute_use = None
-        if self.ceilings is not None and result.device_seconds > 0:
-            bandwidth_use = cost.bytes / result.device_seconds / self.ceilings.memory_bandwidth
-            compute_use = cost.flops / result.device_seconds / self.ceilings.peak_flops
         record = StepRecord(
             kind=kind, bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
             bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode) + len(batch.verify),
             num_prefill_rows=len(batch.prefill), num_prefill_tokens=batch.num_prefill_tokens,
             num_tokens=batch.num_tokens, num_attention_pairs=batch.num_attention_pairs,
             device_seconds=result.device_seconds, host_seconds=step_seconds - result.device_seconds,
-            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens, estimated_bytes=cost.bytes,
-            estimated_flops=cost.flops, host_gap_seconds=host_gap, bandwidth_utilization=bandwidth_use,
-            compute_utilization=compute_use)
+            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens,
+            num_kv_tokens_read=sum(row.start for row in batch.rows), num_steps=batch.num_steps,
+            host_gap_seconds=host_gap)
         self.step_records.append(record)
         for listener in self._step_listeners:
             try:
                 listener(record)
             except Exception:
                 log.exception("a step listener failed")
-
-    def _step_cost(self, batch: ScheduledBatch):
-        """The roofline's bytes and FLOPs of the step (jaxserve.planning.predict) on one device."""
-        kv_read = sum(row.start for row in batch.rows)
-        steps = batch.num_steps
-        if steps == 1:
-            return self.step_costs.step(batch.num_tokens, kv_read, batch.num_attention_pairs)
-        # Multi-step decoding (decode rows only): `steps` passes over the weights in one call, each
-        # row's context one longer at every pass.
-        n, extra = len(batch.decode), len(batch.decode) * steps * (steps - 1) // 2
-        cost = self.step_costs.step(n * steps, steps * kv_read + extra, steps * batch.num_attention_pairs + extra)
-        return dataclasses.replace(cost, bytes=cost.bytes + (steps - 1) * self.step_costs.weights_bytes,
-                                   collectives=cost.collectives * steps, rows=n)
 
     def _recover_from_failed_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """A device step failed and no single request can be blamed: its requests end with an
@@ -481,23 +471,6 @@ class Engine:
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
-
-
-def _step_cost_model(model_config, cfg: EngineConfig):
-    """(predict.StepCostModel, predict.Ceilings or None) of the engine's steps on this device: the
-    ceilings from cfg's memory_bandwidth_gbps / peak_tflops, else the GPU preset of the device's
-    kind; none on a CPU without them (the step records then carry no utilization)."""
-    from jaxserve.executor import device_setup  # jax lives behind the runner
-    from jaxserve.planning import gpu_targets, memory, predict
-
-    run = device_setup.platform_config(cfg)
-    costs = predict.StepCostModel.create(
-        memory.parallel_model(model_config, cfg),
-        weight_dtype=memory.normalize_dtype(run.quantization or run.dtype, memory.WEIGHT_DTYPES),
-        compute_dtype=run.dtype, kv_cache_dtype=run.dtype if run.kv_cache_dtype == "auto" else run.kv_cache_dtype,
-        tensor_parallel_size=run.tensor_parallel_size)
-    target = gpu_targets.target_for_device_kind(device_setup.device_kind()) if device_setup.on_gpu() else None
-    return costs, predict.resolve_ceilings(run, target)
 
 
 def _load_draft(cfg: EngineConfig):

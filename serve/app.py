@@ -20,7 +20,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from jaxserve.core.engine_client import EngineClient
-from jaxserve.core.outputs import QueueFullError
+from jaxserve.core.outputs import EngineUnavailableError, QueueFullError
 from jaxserve.core.request import InvalidRequestError, SamplingParams
 from serve import web_ui
 from serve.chat_output import choice_output_factory
@@ -398,6 +398,8 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
             raise ProtocolError(str(e)) from None
         except ServerStopping as e:
             raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
+        except EngineUnavailableError as e:  # not running, or its executor failed (a multi-host job)
+            raise ProtocolError(str(e), status=503, error_type="server_error", code="engine_unavailable") from None
         if req.stream:
             stream = _stream_responses(request, fanout, shaper) if isinstance(req, ResponsesRequest) else \
                 _stream(request, fanout, shaper, req)

@@ -185,6 +185,32 @@ def test_steps_whose_shapes_are_not_compiled_run_in_compiled_ones_with_the_same_
     wait_for_every_shape(engine)  # (no compile of this engine's runs on into the next test)
 
 
+def test_penalties_and_plain_requests_right_after_ready_share_the_first_samplers(held_after_the_first_phase,
+                                                                               params):
+    """The first phase compiles each first bucket's sampler in its variant with penalties, which
+    serves every request (neutral penalties change no logit): right after ready a request with
+    penalties waits for no compile either, and plain and penalised requests get the tokens they
+    get from a fully warmed engine."""
+    seed = 6
+    prompts = random_prompts(np.random.default_rng(seed), 4, low=5, high=30)
+    penalised = SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5,
+                               repetition_penalty=1.3, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    small = held_after_the_first_phase.small
+    reference = [run_staggered(make_engine(params, **small), prompts, p) for p in (GREEDY, seeded, penalised)]
+    assert reference[2] != reference[0], "the penalties change nothing: the test would prove nothing"
+    engine = held_after_the_first_phase.start()
+    assert engine.runner.warmup_state.first_ready.wait(600)
+    cache = engine.runner.executables
+    assert cache.keys("sample") and all(penalties for _, penalties, _ in cache.keys("sample"))
+    outputs = run_in_thread(lambda: [run_staggered(engine, prompts, p) for p in (GREEDY, seeded, penalised)])
+    assert outputs == reference, f"seed {seed}"
+    assert len(held_after_the_first_phase.compiled) == held_after_the_first_phase.first_total  # none asked for
+    assert cache.num_waits == 0
+    held_after_the_first_phase.held.set()
+    wait_for_every_shape(engine)
+
+
 def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first_phase, caplog):
     """A server stopped during a cold warm-up exits once the shapes compiling have: the queued
     ones are skipped. Before, the process's exit waited for the whole phase (concurrent.futures

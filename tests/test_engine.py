@@ -430,35 +430,48 @@ def test_each_step_leaves_one_record_of_its_shape_work_and_times(params, caplog)
     assert len(heard) == 2 and len(engine.step_records) > 2
 
 
-def test_step_records_carry_the_roofline_estimate_the_host_gap_and_utilization(params):
+def test_priced_step_records_carry_the_roofline_estimate_the_host_gap_and_utilization(params):
     from jaxserve.core import diagnosis
+    from jaxserve.executor.step_pricing import StepPricer
     engine = make_engine(params, memory_bandwidth_gbps=10.0, peak_tflops=0.1)
-    assert engine.ceilings is not None and engine.ceilings.memory_bandwidth == 10e9
+    pricer = StepPricer.for_engine(engine)
+    assert pricer.ceilings is not None and pricer.ceilings.memory_bandwidth == 10e9
     engine.add_request("a", list(range(3, 13)), GREEDY)  # 10 tokens
     engine.step()
     time.sleep(0.05)  # the loop dawdles while "a" still has tokens to decode
     engine.step()
-    prefill, decode = engine.step_records
+    assert all(r.estimated_bytes == 0 and r.bandwidth_utilization is None for r in engine.step_records)  # unpriced
+    prefill, decode = map(pricer.price, engine.step_records)
     assert prefill.host_gap_seconds == 0.0 and decode.host_gap_seconds >= 0.05
-    expected = engine.step_costs.step(num_tokens=1, kv_tokens_read=10, attention_pairs=11)
+    expected = pricer.costs.step(num_tokens=1, kv_tokens_read=10, attention_pairs=11)
     assert (decode.estimated_bytes, decode.estimated_flops) == (expected.bytes, expected.flops)
     assert decode.bandwidth_utilization == pytest.approx(expected.bytes / decode.device_seconds / 10e9)
     assert decode.compute_utilization == pytest.approx(expected.flops / decode.device_seconds / 0.1e12)
     assert decode.achieved_bytes_per_second == pytest.approx(expected.bytes / decode.device_seconds)
-    verdict = diagnosis.diagnose_steps(engine.step_records)
+    verdict = diagnosis.diagnose_steps([prefill, decode])
     assert verdict.num_steps == 2 and verdict.host_gap_seconds >= 0.05
+    # A listener wrapped by the pricer gets priced records, and is removed by the listener's own name.
+    heard = []
+    engine.add_step_listener(pricer.priced(heard.append))
+    engine.step()
+    assert heard[0].estimated_bytes > 0 and heard[0].bandwidth_utilization is not None
+    engine.remove_step_listener(heard.append)
+    engine.step()
+    assert len(heard) == 1
     # Without ceilings (a CPU told nothing), rates but no utilization.
     plain = make_engine(params)
+    plain_pricer = StepPricer.for_engine(plain)
     plain.add_request("b", [5, 6, 7], GREEDY)
     plain.step()
-    record = plain.step_records[0]
-    assert plain.ceilings is None and record.bandwidth_utilization is None and record.estimated_bytes > 0
+    record = plain_pricer.price(plain.step_records[0])
+    assert plain_pricer.ceilings is None and record.bandwidth_utilization is None and record.estimated_bytes > 0
     # Multi-step decoding: 4 passes over the weights in one call, contexts 10, 11, 12, 13.
     multi = make_engine(params, num_scheduler_steps=4)
+    multi_pricer = StepPricer.for_engine(multi)
     multi.add_request("c", list(range(3, 13)), GREEDY)
     multi.step()
     multi.step()
-    record = multi.step_records[-1]
-    passes = [multi.step_costs.step(1, 10 + k, 11 + k) for k in range(4)]
+    record = multi_pricer.price(multi.step_records[-1])
+    passes = [multi_pricer.costs.step(1, 10 + k, 11 + k) for k in range(4)]
     assert record.num_tokens == 4 and record.estimated_bytes == sum(p.bytes for p in passes)
     assert record.estimated_flops == sum(p.flops for p in passes)

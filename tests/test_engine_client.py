@@ -14,10 +14,8 @@ import pytest
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.core.engine_client import EngineClient
-from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
-from jaxserve.parallel.multihost_front import FrontAsyncEngine
 
-FRONTS = [AsyncEngine, DataParallelAsyncEngine, FrontAsyncEngine]
+FRONTS = [AsyncEngine]  # the one async client: one engine core, data parallelism's replicas, a multi-host job
 
 
 def protocol_members(protocol: type) -> dict[str, object]:

@@ -50,9 +50,8 @@ def _serve_through_router(engine, prompts) -> list:
     """The prompts as concurrent server requests over AsyncEngine replicas behind the router."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.core.request import SamplingParams
-    from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    router = DataParallelAsyncEngine([AsyncEngine(e) for e in engine.replicas])
+    router = AsyncEngine(engine.replicas)
 
     async def one(i):
         return [t for out in [o async for o in router.generate(f"r{i}", prompts[i], params)]
@@ -361,45 +360,69 @@ def test_partition_specs_cover_every_weight():
     assert sharding.param_partition_specs(odd_vocab, 4)["lm_head"] == P(None, None)  # replicated
 
 
-class _StubReplica:
+class _StubCore:
+    """An engine core that runs each request for two steps, its deltas carrying the core's name."""
+
     def __init__(self, name, num_running):
-        self.name, self.num_running, self.requests, self.aborted = name, num_running, [], []
-        self.feeders = []
-        self.tokenizer, self.model_name, self.max_model_len = None, "stub", 64
+        from types import SimpleNamespace
+        self.name, self.num_running, self.requests, self._left = name, num_running, [], {}
+        self.tokenizer, self.model_name, self.grammar_compiler = None, "stub", None
+        self.config, self.limits = SimpleNamespace(max_waiting_requests=8), SimpleNamespace(max_seq_len=64)
 
     def stats(self):
         return EngineStats(self.num_running, 1, 2, 10, 0, 0, 0)
 
-    def is_alive(self):
-        return True
+    def make_request(self, request_id, prompt_token_ids, params):
+        from jaxserve.core.request import Request, SamplingParams
+        return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=2))
 
-    def generate(self, request_id, prompt_token_ids, params):
-        from jaxserve.async_engine import RequestStream
+    def add(self, request):
+        self.requests.append(request.request_id)
+        self._left[request.request_id] = 2
+
+    def has_unfinished(self):
+        return bool(self._left)
+
+    def step(self):
+        import time
         from jaxserve.core.outputs import RequestOutput
-        self.requests.append(request_id)
-        deltas = asyncio.Queue()
-
-        async def feed():  # two deltas, the second after a pause: the request stays in flight
-            deltas.put_nowait(RequestOutput(request_id, [], self.name, False, None, 2, 0))
-            await asyncio.sleep(0.01)
-            deltas.put_nowait(RequestOutput(request_id, [], self.name, True, "stop", 2, 0))
-        self.feeders.append(asyncio.get_running_loop().create_task(feed()))
-        return RequestStream(request_id, deltas, lambda rid, abort: self.aborted.append(rid) if abort else None)
+        time.sleep(0.01)  # the requests stay in flight a while
+        outputs = []
+        for request_id in list(self._left):
+            self._left[request_id] -= 1
+            finished = not self._left[request_id]
+            outputs.append(RequestOutput(request_id, [], self.name, finished, "stop" if finished else None, 2, 0))
+            if finished:
+                del self._left[request_id]
+        return outputs
 
     def abort(self, request_id):
-        self.aborted.append(request_id)
+        self._left.pop(request_id, None)
+
+    def fail_all(self, message):
+        return []
+
+    def stop_warmup(self):
+        pass
+
+    def executor_failure(self):
+        return None
 
 
-def test_async_router_sends_each_request_to_the_least_busy_replica():
-    from jaxserve.parallel.data_parallel import DataParallelAsyncEngine
-    a, b = _StubReplica("a", 3), _StubReplica("b", 1)
-    router = DataParallelAsyncEngine([a, b])
+def test_async_client_sends_each_request_to_the_least_busy_replica():
+    from jaxserve.async_engine import AsyncEngine
+    a, b = _StubCore("a", 3), _StubCore("b", 1)
+    router = AsyncEngine([a, b])
 
     async def consume(request_id):
         return [out.new_text async for out in router.generate(request_id, [1, 2], None)]
 
     async def main():
-        return await asyncio.gather(*(consume(f"r{i}") for i in range(4)))
+        await router.start()
+        try:
+            return await asyncio.gather(*(consume(f"r{i}") for i in range(4)))
+        finally:
+            await router.shutdown()
 
     outputs = asyncio.run(main())
     assert sorted(a.requests + b.requests) == ["r0", "r1", "r2", "r3"]

@@ -16,7 +16,6 @@ from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
 from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
 from serve.app import STATE, ServerConfig, create_app
 from serve.connections import ConnectionLimits
-from serve.fanout import ServerStopping
 from serve.reasoning import REASONING_PARSERS
 from serve import server as http_server
 from serve.tool_parsers import TOOL_PARSERS
@@ -227,7 +226,6 @@ def run(fv: flags.FlagValues) -> int:
             except multihost.MultiHostError as e:  # a process lost before the first step
                 print(f"jaxserve serve: the multi-host job failed: {e}", file=sys.stderr)
                 multihost.exit_now(1)
-            engine = multihost_front.FrontAsyncEngine(engine, front, refusal=ServerStopping)
         try:
             app = create_app(engine, config)
         except ValueError as e:  # tool or reasoning flags the model's chat template cannot serve

@@ -1,10 +1,9 @@
 """What the server needs from an engine: the `EngineClient` protocol.
 
-`serve.app.create_app` takes any object with these members. The fronts that have them are
-`jaxserve.async_engine.AsyncEngine` (one engine stepping in a background thread),
-`jaxserve.parallel.data_parallel.DataParallelAsyncEngine` (replicas, each request to the least
-busy) and `jaxserve.parallel.multihost_front.FrontAsyncEngine` (process 0 of a multi-host job); they
-satisfy it structurally (tests/test_engine_client.py checks every member). Every member is
+`serve.app.create_app` takes any object with these members. The one front that has them is
+`jaxserve.async_engine.AsyncEngine`, over one engine core or data parallelism's replicas (each
+stepping in its own thread, each request to the least busy), a multi-host job's too (behind its
+executor); it satisfies the protocol structurally (tests/test_engine_client.py checks every member). Every member is
 required: a front with nothing to add answers with the defined empty result (`health()` -> {}),
 so the server never probes for one. No jax here.
 """
@@ -64,7 +63,8 @@ class EngineClient(Protocol):
         """The engine's counters now (requests, pages, prefix cache): cheap, from any thread."""
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
-        """Calls `listener(record)` after every engine step that ran, on the engine's thread."""
+        """Calls `listener(record)` after every engine step that ran, on the engine's thread, the
+        record priced against the roofline (its estimated bytes, FLOPs and utilization)."""
 
     def compile_structured_output(self, params: SamplingParams) -> None:
         """Compiles the params' structured-output grammar (InvalidRequestError if it cannot be
@@ -74,5 +74,5 @@ class EngineClient(Protocol):
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> DeltaStream:
         """Admits one request and returns the stream of its deltas. Admission happens here,
         synchronously: InvalidRequestError (a ValueError: the engine's admission check), another
-        ValueError (a duplicate id), QueueFullError, RuntimeError (not running) or a front's own
-        refusal (a failed multi-host job) mean the engine never saw the request."""
+        ValueError (a duplicate id), QueueFullError or EngineUnavailableError (not running, or a
+        failed multi-host job) mean the engine never saw the request."""

@@ -8,6 +8,11 @@ class QueueFullError(RuntimeError):
     """The engine's waiting queue is full; the caller should retry later (HTTP 429)."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no request now: not started, stopped, or its executor failed for good (a
+    multi-host job that lost a process). The server answers 503."""
+
+
 class StepInputError(ValueError):
     """The inputs of one request could not be packed into a step (nothing ran on the device)."""
 
@@ -108,7 +113,9 @@ class StepRecord:
     """One engine step that ran: its shape, its work and where its time went.
 
     The engine keeps the recent ones (`Engine.step_records`) and passes each to its step
-    listeners (`Engine.add_step_listener`): the benchmarks and the server's /metrics read these."""
+    listeners (`Engine.add_step_listener`): the benchmarks and the server's /metrics read these.
+    The engine leaves the roofline's fields empty; a `step_pricing.StepPricer` fills them (the
+    async client's listeners get priced records)."""
     kind: str  # "decode" (decode rows only) | "prefill" (prefill chunks only) | "mixed" | "verify" (speculative)
     bucket_decode_rows: int  # the compiled shape the step was padded into ...
     bucket_prefill_tokens: int
@@ -122,8 +129,11 @@ class StepRecord:
     host_seconds: float  # the rest of `Engine.step`: scheduling, packing, stop checks, detokenizing
     pack_seconds: float  # the runner's part of host_seconds: packing the arrays, slicing the results
     num_output_tokens: int = 0  # output tokens the step gave its requests (verify: often several per row)
+    num_kv_tokens_read: int = 0  # cached context tokens the step's rows attend to (the sum of their starts)
+    num_steps: int = 1  # model passes in the call (multi-step decoding: several)
     # The roofline's estimate of the step's work on one device (jaxserve.planning.predict): bytes
-    # moved (weights, K/V read and written, activations) and FLOPs (matmuls and attention).
+    # moved (weights, K/V read and written, activations) and FLOPs (matmuls and attention);
+    # 0 until a StepPricer priced the record.
     estimated_bytes: float = 0.0
     estimated_flops: float = 0.0
     # From the end of the previous step to the start of this one while the engine had work (0

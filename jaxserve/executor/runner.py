@@ -56,6 +56,14 @@ class LocalTransport:
         """Whether a failed step may be recovered from (`ModelRunner.recover`)."""
         return True
 
+    def failure(self) -> str | None:
+        """Why no step can run any more (the executor failed for good), or None."""
+        return None
+
+    def health(self) -> dict:
+        """What the executor adds to /health: {} for this process alone."""
+        return {}
+
 
 class ModelRunner:
     """Owns the weights and the KV cache on device; runs one step per ScheduledBatch."""
@@ -106,7 +114,7 @@ class ModelRunner:
             step_config, self.params, backend=self.backend, page_size=self.page_size, max_logprobs=self.max_logprobs,
             prefill_hidden_rows=max(self.buckets.prefill), verify_row_tokens=self.buckets.verify_row_tokens,
             shardings=shardings)
-        self._transport = LocalTransport()
+        self.transport = LocalTransport()
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
         # Every compiled executable of the step (filled by warmup(), asked by every step).
         self.executables = executable_cache.ExecutableCache(
@@ -116,9 +124,10 @@ class ModelRunner:
         self._hidden_rows = None  # the forward's prefill hidden rows (jax.ShapeDtypeStruct), once asked
 
     def use_transport(self, transport) -> None:
-        """Routes every later step through `transport` (LocalTransport's `run` and `can_recover`):
-        a multi-host front's sends each step to the other processes before it runs here."""
-        self._transport = transport
+        """Routes every later step through `transport` (LocalTransport's `run`, `can_recover`,
+        `failure` and `health`): a multi-host front's sends each step to the other processes
+        before it runs here."""
+        self.transport = transport
 
     def _open_executable_store(self, engine_config: EngineConfig, step_config: ModelConfig,
                                shardings) -> executables.ExecutableStore | None:
@@ -254,10 +263,12 @@ class ModelRunner:
                           device_seconds=device_seconds,
                           host_seconds=time.perf_counter() - start - device_seconds)
 
-    def _sampling_inputs(self, rows: list) -> dict[str, np.ndarray]:
+    def _sampling_inputs(self, rows: list, histories: bool | None = None) -> dict[str, np.ndarray]:
+        """The sampler's inputs of the rows; with the token histories when `histories` (None:
+        when a row has a penalty)."""
         try:
             return sampler.build_sampling_inputs([None if row is None else row.sampling for row in rows],
-                                                 len(rows), self.max_model_len, bias=sampler.ALWAYS_BIAS,
+                                                 len(rows), self.max_model_len, histories, bias=sampler.ALWAYS_BIAS,
                                                  eos_token_ids=self.eos_token_ids, vocab_size=self.config.vocab_size)
         except sampler.RowInputError as e:
             raise StepInputError(rows[e.row_index].request_id, str(e)) from e
@@ -304,7 +315,7 @@ class ModelRunner:
     def _runs_now(self, batch: ScheduledBatch, bucket: Bucket) -> bool:
         """Whether `batch` runs now in `bucket`'s compiled forward and sampler, without waiting."""
         return (self.executables.ready("forward", bucket)
-                and self.executables.ready("sample", self._sampler_key(bucket, self._sampling_variant(batch))))
+                and self.executables.ready("sample", self._sampler_key(bucket, self._with_histories(batch, bucket))))
 
     def _serving_bucket(self, batch: ScheduledBatch) -> Bucket:
         """The bucket the step runs in: its own, or while that one is still compiling the
@@ -314,12 +325,16 @@ class ModelRunner:
         bucket = self.bucket_for(len(batch.decode), batch.num_prefill_tokens, batch.max_pages_per_seq)
         return shape_choice.compiled_bucket_holding(
             bucket, self._bucket_list, self.executables,
-            lambda b: self._sampler_key(b, self._sampling_variant(batch)))
+            lambda b: self._sampler_key(b, self._with_histories(batch, b)))
 
-    @staticmethod
-    def _sampling_variant(batch: ScheduledBatch) -> bool:
-        """Whether the step's sampler reads token histories (penalties)."""
-        return any(row.sampling is not None and row.sampling.has_penalties for row in batch.rows)
+    def _with_histories(self, batch: ScheduledBatch, bucket: Bucket) -> bool:
+        """Whether the step samples with the variant that reads token histories: when a row has
+        a penalty, and while only that variant of the bucket's rows is compiled (the warm-up
+        compiles it first: neutral penalties change no logit, so it serves every row)."""
+        if any(row.sampling is not None and row.sampling.has_penalties for row in batch.rows):
+            return True
+        return (not self.executables.ready("sample", self._sampler_key(bucket, False))
+                and self.executables.ready("sample", self._sampler_key(bucket, True)))
 
     def _sampler_key(self, bucket: Bucket, penalties: bool) -> tuple[int, bool, bool]:
         return (self.buckets.num_rows(bucket), penalties, sampler.ALWAYS_BIAS)
@@ -327,12 +342,12 @@ class ModelRunner:
     def _execute_one(self, batch: ScheduledBatch, bucket: Bucket) -> StepOutput:
         start = time.perf_counter()
         bucket, arrays, rows = self.build_batch(batch, bucket)
-        sampling = self._sampling_inputs(rows)
+        sampling = self._sampling_inputs(rows, self._with_histories(batch, bucket))
         prompt_rows = self._prompt_logprob_inputs(batch)
         grammars = [(i, row.sampling.grammar) for i, row in enumerate(rows)
                     if row is not None and row.sampling is not None and row.sampling.grammar is not None]
         device_start = time.perf_counter()
-        out, prompt_out = jax.device_get(self._transport.run(self.run_step, bucket, arrays, sampling, grammars,
+        out, prompt_out = jax.device_get(self.transport.run(self.run_step, bucket, arrays, sampling, grammars,
                                                              None if prompt_rows is None else prompt_rows[0]))
         device_seconds = time.perf_counter() - device_start
         prompt = None
@@ -359,7 +374,7 @@ class ModelRunner:
         are deleted once a call takes them). Returns whether it was rebuilt, i.e. every cached
         K/V is lost and the requests that had any must be recomputed. Never after a failed
         multi-host job (its transport refuses: the processes' caches could no longer be kept equal)."""
-        if not self._transport.can_recover():
+        if not self.transport.can_recover():
             return False
         if self.draft is not None:
             self.draft.recover()
@@ -386,9 +401,9 @@ class ModelRunner:
 
     def first_request_shapes(self) -> tuple[list[Bucket], list[tuple[int, bool, bool]]]:
         """What a first request needs: the prefill-only and decode-only steps, and their
-        samplers without penalties."""
+        samplers with penalties (which serve every request; those without come later)."""
         first = [b for b in self.all_buckets() if not b.num_verify and not (b.num_decode and b.num_prefill_tokens)]
-        return first, list(dict.fromkeys(self._sampler_key(b, False) for b in first))
+        return first, list(dict.fromkeys(self._sampler_key(b, True) for b in first))
 
     def sampler_shapes(self) -> list[tuple[int, bool, bool]]:
         """Every sampler shape of the step: (rows, penalties, bias)."""

@@ -6,9 +6,9 @@ compiles. Every shape is promised to the cache at the start: a step that needs o
 yet waits for it, and the warm-up takes that shape next (`urgent`), on every thread. Three
 phases, in order:
   1. what a first request needs: the prefill-only and decode-only steps and their samplers
-     without penalties (`WarmupState.first_ready` is set after them);
-  2. the rest of the steps (decoding rows beside prefill chunks), the samplers with penalties
-     and the multi-step shapes;
+     with penalties, which serve every request (`WarmupState.first_ready` is set after them);
+  2. the rest of the steps (decoding rows beside prefill chunks), the samplers without
+     penalties (a little faster for the requests without) and the multi-step shapes;
   3. the prompt-logprob shapes (in phase 1 instead with `warmup_prompt_logprobs`).
 In the background (`jaxserve serve`) the phases run in a thread after the first, at the normal
 scheduling priority, and a shape starts compiling only while the engine serves nothing (then on

@@ -3,8 +3,9 @@
 Every replica has its own weights (sharded over its `tensor_parallel_size` devices), KV page
 pool, scheduler and step loop; nothing crosses between replicas during a step. The offline
 `DataParallelEngine` splits a batch of prompts across replicas and runs them in threads (a
-step blocks only on its own devices; XLA releases the GIL), the server's
-`DataParallelAsyncEngine` routes each request to the replica with the fewest in flight.
+step blocks only on its own devices; XLA releases the GIL); the server's async client
+(`jaxserve.async_engine.AsyncEngine`) steps each replica in its own thread and routes each
+request to the one with the fewest in flight.
 README "Multi-device" explains, with measurements, why replicas rather than a batch sharded
 over the "data" mesh axis.
 """
@@ -159,71 +160,3 @@ class DataParallelEngine:
                 for i, out in zip(share, outputs):
                     results[i] = out
         return results
-
-
-class DataParallelAsyncEngine:
-    """AsyncEngine replicas behind the one server; each request goes to the least busy."""
-
-    def __init__(self, replicas: list):
-        self.replicas = replicas
-        first = replicas[0]
-        self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
-        self._in_flight = [0] * len(replicas)
-        self._owner: dict[str, int] = {}
-
-    def is_alive(self) -> bool:
-        return all(r.is_alive() for r in self.replicas)
-
-    async def start(self) -> None:
-        for replica in self.replicas:
-            await replica.start()
-
-    async def shutdown(self) -> None:
-        for replica in self.replicas:
-            await replica.shutdown()
-
-    def stats(self) -> EngineStats:
-        return sum_stats([r.stats() for r in self.replicas])
-
-    def add_step_listener(self, listener: Callable) -> None:
-        """AsyncEngine.add_step_listener on every replica (each calls it on its own thread)."""
-        for replica in self.replicas:
-            replica.add_step_listener(listener)
-
-    def health(self) -> dict:
-        reports = [r.health() for r in self.replicas]
-        errors = [h["last_step_error"] for h in reports if h["last_step_error"]]
-        report = {"num_step_failures": sum(h["num_step_failures"] for h in reports),
-                  "last_step_error": errors[-1] if errors else None}
-        warmups = [h["warmup"] for h in reports if "warmup" in h]
-        if warmups:  # ready when every replica is
-            failed = [w["error"] for w in warmups if w["error"]]
-            report["warmup"] = {"ready": all(w["ready"] for w in warmups),
-                                "compiled": sum(w["compiled"] for w in warmups),
-                                "total": sum(w["total"] for w in warmups), "error": failed[0] if failed else None}
-        return report
-
-    def compile_structured_output(self, params) -> None:
-        """AsyncEngine.compile_structured_output (the replicas share the tokenizer: one compile serves all)."""
-        self.replicas[0].compile_structured_output(params)
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params):
-        """AsyncEngine.generate (admission now, then a RequestStream) on the replica with the
-        fewest requests in flight."""
-        if request_id in self._owner:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        index = min(range(len(self.replicas)), key=self._in_flight.__getitem__)
-        stream = self.replicas[index].generate(request_id, prompt_token_ids, params)
-        self._in_flight[index] += 1
-        self._owner[request_id] = index
-
-        def done():
-            self._in_flight[index] -= 1
-            self._owner.pop(request_id, None)
-        stream.add_done_callback(done)
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        index = self._owner.get(request_id)
-        if index is not None:
-            self.replicas[index].abort(request_id)

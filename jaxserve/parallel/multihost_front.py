@@ -6,8 +6,8 @@ joining and the step channel).
 workers (packed, through `multihost.StepChannel`) and then runs on global, replicated copies of its
 host arrays (`run_global_step`); the outputs are read from the local shard. `LivenessMonitor`
 follows jax.distributed's heartbeats; a lost process, a worker's failed step or a step past its
-timeout fail the job for good (`Front.failure`), and `FrontAsyncEngine` is the server's engine
-on process 0 (/health answers 503 once the job failed).
+timeout fail the job for good (`Front.failure`); the transport says so to the engine, and the
+server's async client then refuses requests and /health answers 503.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
@@ -60,11 +59,8 @@ def _replicated_sharding(runner):
 
 
 def engine_replicas(engine) -> list:
-    """The Engine replicas of an Engine, a DataParallelEngine, an AsyncEngine or its router."""
-    replicas = getattr(engine, "replicas", None)
-    if replicas is None:
-        return [getattr(engine, "engine", engine)]
-    return [getattr(r, "engine", r) for r in replicas]
+    """The Engine replicas of an Engine, a DataParallelEngine or an AsyncEngine."""
+    return list(getattr(engine, "replicas", [engine]))
 
 
 def _check_supported(engine) -> None:
@@ -285,6 +281,12 @@ class FrontTransport:
     def can_recover(self) -> bool:
         return self.front.failure is None
 
+    def failure(self) -> str | None:
+        return None if self.front.failure is None else f"the multi-host job failed: {self.front.failure}"
+
+    def health(self) -> dict:
+        return {"num_processes": self.front.num_processes, "multihost_failure": self.front.failure}
+
 
 # ---- the workers ------------------------------------------------------------------------------
 _worker_monitor: LivenessMonitor | None = None
@@ -347,43 +349,3 @@ def leave() -> None:
         jax.distributed.shutdown()
     except Exception as e:
         log.warning("leaving the job: %s", e)
-
-
-class FrontAsyncEngine:
-    """The server's engine on process 0 of a multi-host job (an EngineClient): the AsyncEngine (or
-    replica router) it wraps, except that a failed job is not alive (/health answers 503), its
-    health names the failure, and new requests are refused with it."""
-
-    def __init__(self, engine, front: Front, refusal: type[Exception] = multihost.MultiHostError):
-        """`refusal`: the exception new requests get once the job failed (the server's 503 type)."""
-        self._engine = engine
-        self.front = front
-        self._refusal = refusal
-        self.tokenizer, self.model_name, self.max_model_len = engine.tokenizer, engine.model_name, engine.max_model_len
-
-    async def start(self) -> None:
-        await self._engine.start()
-
-    async def shutdown(self) -> None:
-        await self._engine.shutdown()
-
-    def stats(self):
-        return self._engine.stats()
-
-    def add_step_listener(self, listener: Callable) -> None:
-        self._engine.add_step_listener(listener)
-
-    def compile_structured_output(self, params) -> None:
-        self._engine.compile_structured_output(params)
-
-    def is_alive(self) -> bool:
-        return self.front.failure is None and self._engine.is_alive()
-
-    def health(self) -> dict:
-        return {**self._engine.health(), "num_processes": self.front.num_processes,
-                "multihost_failure": self.front.failure}
-
-    def generate(self, request_id, prompt_token_ids, params):
-        if self.front.failure is not None:
-            raise self._refusal(f"the multi-host job failed: {self.front.failure}")
-        return self._engine.generate(request_id, prompt_token_ids, params)
