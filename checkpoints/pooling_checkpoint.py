@@ -24,7 +24,7 @@ import shutil
 import numpy as np
 
 from checkpoints import ConversionError
-from jaxserve.config import SUPPORTED_ARCHITECTURES, ConfigError
+from jaxserve.config import SUPPORTED_ARCHITECTURES
 from jaxserve.pooling.config import (CLASSIFIER_SUFFIX, POOLING_FILE, ST_CONFIG_FILE, ST_MODULES_FILE,
                                      PoolerConfigError, is_classifier, published_pooling_fields, resolve_pooler,
                                      sentence_transformers_modules)
@@ -37,15 +37,12 @@ _PREFIX = "model."
 
 def decoder_config(hf_config: dict) -> dict:
     """The config the decoder is converted from: a bare `XModel` or an `XForSequenceClassification`
-    is read as `XForCausalLM` with its embedding tied (it publishes no LM head); others unchanged.
-    ConfigError when that decoder is not a supported architecture."""
+    whose `XForCausalLM` is supported is read as that, its embedding tied (it publishes no LM
+    head); any other config unchanged (ModelConfig refuses an unsupported architecture by name)."""
     architecture = str((hf_config.get("architectures") or [""])[0])
     for suffix in (CLASSIFIER_SUFFIX, BASE_MODEL_SUFFIX):
-        if architecture.endswith(suffix):
-            causal = architecture[:-len(suffix)] + "ForCausalLM"
-            if causal not in SUPPORTED_ARCHITECTURES:
-                raise ConfigError(f"architecture {architecture!r} is not supported: its decoder {causal} is "
-                                  f"not one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+        causal = architecture.removesuffix(suffix) + "ForCausalLM"
+        if architecture.endswith(suffix) and causal in SUPPORTED_ARCHITECTURES:
             return {**hf_config, "architectures": [causal], "tie_word_embeddings": True}
     return hf_config
 

@@ -104,6 +104,7 @@ def test_host_modules_do_not_import_jax():
     host = [module_name(p) for p in project_modules()
             if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]
     host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning",
+             "serve.pooling_protocol", "serve.pair_prompts",
              "jaxserve.benchmarks.datasets", "jaxserve.benchmarks.client", "jaxserve.benchmarks.results",
              "jaxserve.benchmarks.runner", "jaxserve.benchmarks.sweep", "jaxserve.benchmarks.plot",
              "jaxserve.benchmarks.server_metrics", "jaxserve.benchmarks.serve",
@@ -203,7 +204,7 @@ def test_no_script_shadows_an_installed_module():
 # `pytestmark = pytest.mark.slow` itself; a new module goes in one group or the other.
 QUICK_TEST_MODULES = {
     "test_bench_datasets", "test_bench_serve", "test_buckets", "test_engine_client", "test_environment",
-    "test_pooling_config",
+    "test_pooling_config", "test_pooling_protocol",
     "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_lora_adapters", "test_memory",
     "test_metrics_names",
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",

@@ -242,6 +242,33 @@ def test_unservable_pooling_checkpoints_are_refused_at_conversion(tmp_path):
     publish_sentence_transformers(str(tmp_path / "bert"), model, "MEAN", True)
     config_path = str(tmp_path / "bert" / "config.json")
     write_json(config_path, {**json.load(open(config_path)), "architectures": ["BertModel"]})
-    with pytest.raises(ConversionError, match="'BertModel' is not supported"):
+    with pytest.raises(ConversionError, match="unsupported architecture 'BertModel'"):
         convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "out2"))
     assert not os.path.exists(tmp_path / "out1") and not os.path.exists(tmp_path / "out2")
+
+
+QWEN3_RERANKER_PROMPT = (  # the prompt Qwen publishes for Qwen3-Reranker, with its default instruction
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web '
+    'search query, retrieve relevant passages that answer the query\n<Query>: {query}\n<Document>: {document}'
+    '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+
+
+def test_a_query_and_document_pair_as_one_prompt():
+    """With the Qwen3-Reranker score template: Qwen's published prompt, encoded without extra special
+    tokens; without a template: the tokenizer's pair encoding (SmolLM2's: the two texts' tokens)."""
+    from transformers import AutoTokenizer
+
+    from checkpoints.default_model import resolve_model
+    from serve.pair_prompts import encode_pair, pair_text
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "examples", "qwen3_reranker_score_template.jinja")) as f:
+        template = f.read()
+    query, document = "What is JAX?", "JAX is a library for array computing."
+    expected = QWEN3_RERANKER_PROMPT.format(query=query, document=document)
+    assert pair_text(tokenizer, query, document, template) == expected
+    expected_ids = tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert encode_pair(tokenizer, query, document, template) == expected_ids
+    ids = lambda text: tokenizer(text)["input_ids"]
+    assert encode_pair(tokenizer, query, document) == ids(query) + ids(document)
