@@ -11,6 +11,7 @@ makes the client not alive, and new requests are refused. An `EngineClient`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -36,6 +37,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.limits.max_seq_len  # the context a request can really use
+        self.lora_enabled = self.engine.loras is not None
         self._loops = [_CoreLoop(e, max_waiting_requests or e.config.max_waiting_requests) for e in self.replicas]
         self._owner: dict[str, _CoreLoop] = {}  # request id -> the core it runs on, while in flight
         self._pricers = None  # step_pricing.StepPricer per core, once a step listener is added
@@ -95,6 +97,32 @@ class AsyncEngine:
         used); thread-safe, for the server's thread pool: admission then finds it compiled (the
         replicas share the tokenizer: one compile serves all)."""
         self.engine.compile_structured_output(params)
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    def lora_modules(self) -> list:
+        """The LoRA adapters served (lora_registry.LoRAModule; none without --enable_lora)."""
+        return self.engine.lora_modules()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serves the adapter in folder `path` as `name` on every core: read and checked in a
+        worker thread, then registered on each core's own thread between steps (LoRAError or
+        ValueError, the engine's, when it cannot be; nothing changes then)."""
+        loop = asyncio.get_running_loop()
+        adapter = await loop.run_in_executor(None, self.engine.read_lora_adapter, path)
+        done = []
+        try:
+            for core in self._loops:
+                await asyncio.wrap_future(core.call(core.engine.load_lora_adapter, name, path, adapter))
+                done.append(core)
+        except BaseException:
+            for core in done:  # the replicas serve the same adapters
+                await asyncio.wrap_future(core.call(core.engine.unload_lora_adapter, name))
+            raise
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving adapter `name` on every core (LoRANotFoundError when none has it)."""
+        for core in self._loops:
+            await asyncio.wrap_future(core.call(core.engine.unload_lora_adapter, name))
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
         """Admits one request on the core with the fewest in flight and returns the stream of its
@@ -190,6 +218,17 @@ class _CoreLoop:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def call(self, function: Callable, *args) -> concurrent.futures.Future:
+        """`function(*args)` on the core's thread between two steps (at once, here, before the
+        thread runs or after it ended); its result or exception in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_alive():
+            _run_into(future, function, args)
+            return future
+        self._commands.put(("call", future, function, args))
+        self._wakeup.set()
+        return future
+
     # ---- the core's thread ----------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Stats first: a client that sees a request end also sees its pages returned."""
@@ -220,6 +259,8 @@ class _CoreLoop:
                 except ValueError as e:
                     outputs.append(RequestOutput(request.request_id, [], "", True, "error",
                                                  request.num_prompt_tokens, 0, error=str(e)))
+            elif command[0] == "call":
+                _run_into(*command[1:])
             else:
                 out = self.engine.abort(command[1])
                 if out is not None:
@@ -239,7 +280,15 @@ class _CoreLoop:
                 log.exception("the engine could not recover from a failed step")
                 outputs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._publish(outputs)
+        self._publish(self._drain_commands())  # (their requests then end below; no call waits forever)
         self._publish(self.engine.fail_all("the server is shutting down"))
+
+
+def _run_into(future: concurrent.futures.Future, function: Callable, args: tuple) -> None:
+    try:
+        future.set_result(function(*args))
+    except Exception as e:
+        future.set_exception(e)
 
 
 class RequestStream:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.setting_checks import check_lora_settings, check_speculation
 from jaxserve.settings import SettingError, bound_problem, parse_bucket_sizes, setting
 
 # Hugging Face architecture -> model_type; every one runs through jaxserve.models.llama.forward.
@@ -41,6 +42,8 @@ DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len when none is given (at most the mo
 CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD = 32
 MAX_SCHEDULER_STEPS = 64  # decode steps one multi-step call may take (jaxserve.executor.decode_loop)
 MAX_SPECULATIVE_TOKENS = 16  # tokens proposed per row and step at most (jaxserve.speculative)
+MAX_LORAS = 256  # LoRA slots of one slab at most
+MAX_LORA_RANK = 512  # vLLM's highest --max-lora-rank
 
 
 @dataclasses.dataclass
@@ -166,6 +169,22 @@ class EngineConfig:
         None, "all-reduce bandwidth of one device to its tensor-parallel peers in GB/s", unset="the GPU preset's NVLink")
     speculative_disable_by_batch_size: int | None = setting(
         None, "speculative decoding: no speculation in steps with more running sequences", minimum=1, unset="never")
+    # Multi-LoRA (jaxserve.core.lora_registry, jaxserve.models.lora): adapters in the slots of a device slab.
+    enable_lora: bool = setting(False, "serve LoRA adapters over the base model (--lora_modules; a request picks "
+                                "one by its model name)")
+    lora_modules: tuple | None = setting(
+        None, "LoRA adapters served from the start: NAME=PATH (a PEFT folder), or vLLM's JSON form "
+        '{"name": ..., "path": ..., "base_model_name": ...}; repeat the flag or separate by commas', repeated=True,
+        unset="none")
+    max_loras: int = setting(1, "LoRA: most distinct adapters in one step (the device slab's slots)", minimum=1,
+                             maximum=MAX_LORAS)
+    max_lora_rank: int = setting(16, "LoRA: highest adapter rank served (the slab's width)", minimum=1,
+                                 maximum=MAX_LORA_RANK)
+    max_cpu_loras: int | None = setting(
+        None, "LoRA: adapters kept loaded in host memory (least recently used evicted, reloaded from their path "
+        "when asked again); at least --max_loras", minimum=1, unset="--max_loras")
+    lora_dtype: str = setting("auto", "LoRA: dtype of the adapter slab (auto: the model's compute dtype)",
+                              choices=("auto", "float32", "bfloat16", "float16"))
 
     def __post_init__(self) -> None:
         self.check()
@@ -192,29 +211,8 @@ class EngineConfig:
         if self.quantize_embedding and self.tensor_parallel_size * self.data_parallel_size > 1:
             raise SettingError("--quantize_embedding needs the weights on one device: --tensor_parallel_size and "
                                f"--data_parallel_size 1, got {self.tensor_parallel_size} and {self.data_parallel_size}")
-        self._check_speculation()
-
-    def _check_speculation(self) -> None:
-        """The speculative-decoding settings together (jaxserve.speculative.verification)."""
-        method = self.speculative_method
-        if method != "draft" and self.speculative_model:
-            raise SettingError("--speculative_model is only used with speculative_method=draft "
-                               "(--speculative_method=draft, or leave --speculative_model out)")
-        if method is None:
-            return
-        if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:
-            raise SettingError(f"--num_speculative_tokens + 1 ({self.num_speculative_tokens + 1}) exceeds "
-                               f"max_num_batched_tokens ({self.max_num_batched_tokens}): a verification row of "
-                               "K + 1 tokens must fit one step's token budget (--max_num_batched_tokens)")
-        if method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
-            raise SettingError(f"--prompt_lookup_min ({self.prompt_lookup_min}) must be <= --prompt_lookup_max "
-                               f"({self.prompt_lookup_max})")
-        if method == "draft" and not self.speculative_model:
-            raise SettingError("--speculative_method=draft needs speculative_model: give the draft model as "
-                               "--speculative_model (anything --model takes)")
-        if method == "draft" and self.num_scheduler_steps > 1:
-            raise SettingError("--num_scheduler_steps > 1 does not combine with speculative_method=draft (the draft "
-                               "mirrors each step's tokens, which multi-step decoding keeps on the device)")
+        check_speculation(self)
+        self.lora_modules = check_lora_settings(self)
 
     @property
     def speculative_tokens(self) -> int:

@@ -18,9 +18,12 @@ import uuid
 from typing import Callable, Sequence
 
 from checkpoints import load  # Engine.from_model and the draft model open what --model names
+from checkpoints import lora_adapter
 from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
+from jaxserve.core.lora_registry import LoRANotFoundError, LoRARegistry
+from jaxserve.setting_checks import LoRAModule
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
 from jaxserve.core.scheduler import Scheduler, StepPlan
@@ -98,6 +101,14 @@ class Engine:
                                              max_model_len=self.max_model_len, shardings=shardings,
                                              eos_token_ids=self.eos_token_ids)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
+        # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
+        self.loras: LoRARegistry | None = None
+        if cfg.enable_lora:
+            self.loras = LoRARegistry(
+                lambda path: lora_adapter.load_adapter(path, model_config, cfg.max_lora_rank),
+                self.runner.write_lora_slot, self.runner.clear_lora_slot, cfg.max_loras, cfg.max_cpu_loras)
+            for module in cfg.lora_modules or ():
+                self.loras.add(module)
         self.output_processor = OutputProcessor(tokenizer)
         # Structured output compiles grammars against the tokenizer (none without one).
         self.grammar_compiler = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
@@ -158,6 +169,9 @@ class Engine:
         """Raises InvalidRequestError (a ValueError) when the request can never be served. A
         structured-output grammar is compiled here unless it already was (`compile_structured_output`)."""
         check_request(prompt_token_ids, params, self.limits)
+        if params.lora_name is not None and (self.loras is None or params.lora_name not in self.loras):
+            raise InvalidRequestError(f"The model `{params.lora_name}` does not exist.", param="model",
+                                      code="model_not_found")
         if params.structured_output is not None:
             self.compile_structured_output(params)
 
@@ -181,6 +195,8 @@ class Engine:
         grammar state when it has structured output)."""
         self.check_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params)
+        if params.lora_name is not None:
+            request.prefix_salt = self.loras.prefix_salt(params.lora_name)
         if params.structured_output is not None:
             request.grammar = self.grammar_compiler.new_state(params.structured_output)
             request.grammar.executor = self.grammar_compiler.executor()
@@ -258,6 +274,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.loras is not None:
+            self._place_adapters(plan)
         batch = plan.to_batch()
         try:
             result = self.runner.execute(batch)
@@ -298,6 +316,43 @@ class Engine:
         if self.has_unfinished():
             self._last_step_end = time.perf_counter()
         return outputs
+
+    def _place_adapters(self, plan: StepPlan) -> None:
+        """Puts the adapters of the step's requests in the slab's slots (the scheduler keeps at
+        most --max_loras distinct ones running) and gives each request its slot."""
+        names = [r.params.lora_name for r, _ in plan.scheduled if r.params.lora_name is not None]
+        in_use = {r.params.lora_name for r in self.scheduler.running} - {None}
+        slots = self.loras.place(names, in_use)
+        for request, _ in plan.scheduled:
+            request.lora_slot = slots.get(request.params.lora_name, 0)
+
+    # ---- LoRA adapters at run time --------------------------------------------------------
+    def read_lora_adapter(self, path: str):
+        """The PEFT adapter in folder `path`, read and checked against this engine's model
+        (checkpoints.lora_adapter.LoRAError naming the reason; ValueError when LoRA is off).
+        Touches nothing of the engine: any thread may call it."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable_lora")
+        return lora_adapter.load_adapter(path, self.model_config, self.config.max_lora_rank)
+
+    def load_lora_adapter(self, name: str, path: str, adapter=None) -> None:
+        """Serves the PEFT adapter in folder `path` as `name` from the next request on (`adapter`:
+        read already by `read_lora_adapter`, else read now). LoRAError naming the reason,
+        ValueError when LoRA is off or the name is taken; the adapters served are untouched."""
+        if adapter is None:
+            adapter = self.read_lora_adapter(path)
+        self.loras.add(LoRAModule(name, path), adapter)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving adapter `name` (requests already running with it finish with it);
+        LoRANotFoundError when no adapter has that name."""
+        if self.loras is None:
+            raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
+        self.loras.remove(name)
+
+    def lora_modules(self) -> list[LoRAModule]:
+        """The adapters served (none without LoRA)."""
+        return [] if self.loras is None else self.loras.modules()
 
     def _emit(self, request: Request, first: int, row: int, result) -> RequestOutput | None:
         """The delta of a request that got output tokens `first ..` in this step (one, or in a

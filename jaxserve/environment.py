@@ -30,6 +30,9 @@ JAXSERVE_MULTIHOST_KV_MAX_BYTES (default 131072)
     Multi-host: step messages larger than this go as device broadcasts instead of through the
     key-value store; the same value on every process. Read at the import of
     jaxserve.parallel.multihost.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING (default off)
+    `serve`: True (or 1) turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as in
+    vLLM (deployment manifests written for vLLM carry it); --allow_runtime_lora_updating does too.
 JAXSERVE_CPU_KERNELS (default on)
     0: the C++ CPU kernels off (XLA's formulations run).
 JAXSERVE_KERNEL_CACHE (default cpu_kernels/ under JAXSERVE_CACHE)
@@ -97,6 +100,11 @@ def grouped_matmul_backend() -> str | None:
 def api_key() -> str | None:
     """$JAXSERVE_API_KEY, None when unset or empty."""
     return os.environ.get(API_KEY) or None
+
+
+def allow_runtime_lora_updating() -> bool:
+    """$VLLM_ALLOW_RUNTIME_LORA_UPDATING: true or 1 (any case) turns the LoRA load routes on."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1")
 
 
 def multihost_kv_max_bytes() -> int:

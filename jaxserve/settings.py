@@ -51,8 +51,8 @@ def format_bucket_sizes(sizes) -> str:
 class Flag:
     """How an EngineConfig field is a flag of `jaxserve serve`, `generate` and `plan`
     (jaxserve.commands.engine_flags defines one per field that has a Flag, of the field's type:
-    int, float, bool, str, or str with `choices` an enum, and a str for a tuple of ints, which
-    EngineConfig parses; every flag defaults to None, which keeps the field's default). Its help ends
+    int, float, bool, str, or str with `choices` an enum, a str for a tuple of ints, which
+    EngineConfig parses, and a repeatable str with `repeated`; every flag defaults to None, which keeps the field's default). Its help ends
     "(default: ...)": `unset` where given, else the field's default; nothing for a None default
     without `unset`. `choices`, `minimum` and `maximum` bound the field (EngineConfig.check, and
     absl's own bounds at parsing)."""
@@ -63,6 +63,7 @@ class Flag:
     maximum: float | None = None
     exclusive_minimum: bool = False  # the value must be above `minimum`, not equal to it
     vllm_name: str | None = None  # vLLM's flag name for the setting (absl's underscore form), an alias
+    repeated: bool = False  # a list of strings: the flag may be given several times (absl's multi_string)
 
 
 def setting(default, help: str, **flag) -> Any:

@@ -22,7 +22,7 @@ from aiohttp import web
 from jaxserve.core.engine_client import EngineClient
 from jaxserve.core.outputs import EngineUnavailableError, QueueFullError
 from jaxserve.core.request import InvalidRequestError, SamplingParams
-from serve import web_ui
+from serve import lora_routes, web_ui
 from serve.chat_output import choice_output_factory
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.fanout import ChoiceFanout, ServerStopping
@@ -62,6 +62,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # None: the format the chat template asks for
     enable_auto_tool_choice: bool | None = None  # None: "auto" wherever the template renders tools
     reasoning_parser: str | None = None  # serve/reasoning.py's REASONING_PARSERS; None: no reasoning split
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 class ServerState:
@@ -69,6 +71,7 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.model_names = tuple(config.served_model_names) or (engine.model_name,)
+        self.lora_enabled = engine.lora_enabled
         self.metrics = ServerMetrics(engine.stats, self.model_names[0], engine.max_model_len)
         engine.add_step_listener(self.metrics.observe_step)  # step time and tokens per step (serve/metrics.py)
         self.active: set[ChoiceFanout] = set()
@@ -109,7 +112,8 @@ class ServerState:
                  parse: Callable | None = None) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
         body = _parse_json(raw)
         parse = parse or (parse_chat_request if is_chat else parse_completion_request)
-        request = parse(body, self.model_names)
+        adapters = self.lora_names()
+        request = parse(body, self.model_names + adapters)
         if request.tools is not None and request.tools.choice == "auto":
             if self.auto_tools.refusal is not None:
                 raise ProtocolError(self.auto_tools.refusal, param="tool_choice")
@@ -121,6 +125,8 @@ class ServerState:
         for index in range(request.num_prompts):
             prompt_ids = prompt_token_ids(self.engine.tokenizer, request, index)
             params = build_sampling_params(request, len(prompt_ids), max_seq_len, self.config.sampling_defaults)
+            if request.model in adapters:  # a LoRA adapter's name picks it
+                params.lora_name = request.model
             prepared.append((prompt_ids, params))
         if prepared and prepared[0][1].structured_output is not None:  # one grammar for every prompt
             try:  # compiled here, in the pool: admission on the event loop then finds it compiled
@@ -154,6 +160,19 @@ class ServerState:
                 "unk_token": tokenizer.unk_token, "chat_template": template if isinstance(template, str) else None,
                 "vocab_size": len(tokenizer), "add_bos_token": getattr(tokenizer, "add_bos_token", None)}
 
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served, by the names requests pick them with."""
+        return tuple(module.name for module in self.engine.lora_modules())
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """/v1/models: the served names, then every LoRA adapter (`parent` the base model's id,
+        `root` its folder, as vLLM lists them)."""
+        cards = [self.model_card(name) for name in self.model_names]
+        for module in self.engine.lora_modules():
+            cards.append({**self.model_card(module.name), "root": module.path,
+                          "parent": module.base_model_name or self.model_names[0]})
+        return cards
+
     def model_card(self, name: str) -> dict[str, Any]:
         """OpenAI's model object with vLLM's fields (`root`, `parent`, `max_model_len`, `permission`:
         `vllm bench serve` reads `root`); `root` is the served model's public id, never a path."""
@@ -184,6 +203,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.
     app.router.add_delete("/v1/responses/{response_id:.+}", handle_stored_response)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model_id:.+}", handle_model)
+    app.router.add_post("/v1/load_lora_adapter", handle_load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", handle_unload_lora_adapter)
     app.router.add_post("/tokenize", handle_tokenize)
     app.router.add_post("/detokenize", handle_detokenize)
     app.router.add_get("/tokenizer_info", handle_tokenizer_info)
@@ -251,16 +272,31 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 async def handle_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+    return web.json_response({"object": "list", "data": state.model_cards()})
 
 
 async def handle_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model_id = request.match_info["model_id"]
-    if model_id not in state.model_names:
+    card = next((card for card in state.model_cards() if card["id"] == model_id), None)
+    if card is None:
         raise ProtocolError(f"The model `{model_id[:100]}` does not exist", status=404, param="model",
                             code="model_not_found")
-    return web.json_response(state.model_card(model_id))
+    return web.json_response(card)
+
+
+async def handle_load_lora_adapter(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name, path = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name", "lora_path"),
+                                         allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    return web.Response(text=await lora_routes.load_adapter(state.engine, state.model_names, name, path))
+
+
+async def handle_unload_lora_adapter(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    (name,) = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name",),
+                                      allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    return web.Response(text=await lora_routes.unload_adapter(state.engine, name))
 
 
 async def handle_tokenize(request: web.Request) -> web.Response:

@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Rooms from the bottom up: a module may import its own room and the rooms listed before it.
 LAYERS = [
     ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
-    ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.config"),
+    ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.setting_checks",
+     "jaxserve.config"),
     ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram",
      "jaxserve.pooling.config", "jaxserve.pooling.accumulate"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
@@ -30,7 +31,8 @@ LAYERS = [
     ("jaxserve.benchmarks",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
-              "jaxserve.settings", "jaxserve.environment", "jaxserve.pooling.config", "jaxserve.pooling.accumulate")
+              "jaxserve.settings", "jaxserve.setting_checks", "jaxserve.environment", "jaxserve.pooling.config",
+              "jaxserve.pooling.accumulate")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -205,8 +207,8 @@ def test_no_script_shadows_an_installed_module():
 QUICK_TEST_MODULES = {
     "test_bench_datasets", "test_bench_serve", "test_buckets", "test_engine_client", "test_environment",
     "test_pooling_config", "test_pooling_protocol",
-    "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_lora_adapters", "test_memory",
-    "test_metrics_names",
+    "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_lora_registry", "test_lora_adapters",
+    "test_memory", "test_metrics_names",
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
     "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
     "test_shape_choice", "test_step_diagnosis", "test_tool_parsers", "test_tools",

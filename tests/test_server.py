@@ -138,6 +138,17 @@ class FakeEngine:
     def add_step_listener(self, listener) -> None:
         """The fake runs no steps: the listener is never called."""
 
+    lora_enabled = False
+
+    def lora_modules(self) -> list:
+        return []
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        raise ValueError("LoRA is not enabled")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise ValueError("LoRA is not enabled")
+
     def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
         self._abort_requested.add(request_id)

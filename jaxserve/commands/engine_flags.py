@@ -64,7 +64,9 @@ def define_engine_flags(fv: flags.FlagValues) -> None:
     for field, kind, flag in _flag_fields():
         bounds = {key: value for key, value in (("lower_bound", flag.minimum), ("upper_bound", flag.maximum))
                   if value is not None}
-        if flag.choices is not None:
+        if flag.repeated:
+            flags.DEFINE_multi_string(field.name, None, _help(field, flag), flag_values=fv)
+        elif flag.choices is not None:
             flags.DEFINE_enum(field.name, None, list(flag.choices), _help(field, flag), flag_values=fv)
         else:
             _DEFINE[kind](field.name, None, _help(field, flag), flag_values=fv, **bounds)

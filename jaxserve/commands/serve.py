@@ -46,6 +46,9 @@ def define_flags(fv: flags.FlagValues) -> None:
                        "after)", lower_bound=0.1, flag_values=fv)
     flags.DEFINE_float("keepalive_timeout_s", 30.0, "idle time before a keep-alive connection is closed",
                        lower_bound=0.1, flag_values=fv)
+    flags.DEFINE_boolean("allow_runtime_lora_updating", False, "LoRA: answer POST /v1/load_lora_adapter and "
+                         "/v1/unload_lora_adapter (also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as vLLM)",
+                         flag_values=fv)
     flags.DEFINE_boolean("no_web_ui", False, "do not serve the chat page at / (then / is a 404)", flag_values=fv)
     flags.DEFINE_list("allowed_origins", None, "origins (scheme://host[:port], comma-separated; * for any) whose "
                       "browser pages may call the /v1 routes (CORS). Default: none, same-origin only",
@@ -196,6 +199,7 @@ def run(fv: flags.FlagValues) -> int:
         allowed_origins=parse_allowed_origins(fv.allowed_origins or ()),
         tool_call_parser=fv.tool_call_parser,
         enable_auto_tool_choice=fv.enable_auto_tool_choice,
+        allow_runtime_lora_updating=fv.allow_runtime_lora_updating or environment.allow_runtime_lora_updating(),
         reasoning_parser=fv.reasoning_parser,
     )
 

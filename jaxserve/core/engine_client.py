@@ -45,6 +45,23 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int:
         """The context a request can really use: prompt plus output tokens."""
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters (--enable_lora)."""
+
+    def lora_modules(self) -> list:
+        """The LoRA adapters served (jaxserve.core.lora_registry.LoRAModule: name, path, base
+        model); [] without LoRA. A request picks one by naming it as its model."""
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter in folder `path` as `name` from the next request on; a
+        ValueError (checkpoints.lora_adapter.LoRAError for the adapter itself) when it cannot be,
+        and then nothing changes."""
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving adapter `name` (its running requests finish with it); LoRANotFoundError
+        (jaxserve.core.lora_registry) when no adapter has that name."""
+
     async def start(self) -> None:
         """Starts stepping (on the running event loop's behalf); requests are admitted after it."""
 

@@ -114,12 +114,13 @@ class PageAllocator:
         request.page_hashes = []
 
     # ---- prefix caching -----------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The longest chain of cached full pages covering a prefix of `token_ids`; no side effects."""
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
+        """The longest chain of cached full pages covering a prefix of `token_ids`; no side effects.
+        `salt` roots the chain (a request's `prefix_salt`: its LoRA adapter's pages are its own)."""
         if not self.enable_prefix_caching:
             return []
         pages: list[int] = []
-        parent = b""
+        parent = salt
         ps = self.page_size
         for start in range(0, len(token_ids) - ps + 1, ps):
             parent = hash_page_tokens(parent, token_ids[start:start + ps])
@@ -133,11 +134,11 @@ class PageAllocator:
         """`num_free_pages` once `cached_pages` (from find_cached_prefix) are held."""
         return self.num_free_pages - sum(1 for page in cached_pages if self._refcounts[page] == 0)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Acquires (refcount + 1) the longest chain of cached full pages of `token_ids`."""
+    def match_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
+        """Acquires (refcount + 1) the longest chain of cached full pages of `token_ids` (under `salt`)."""
         if not self.enable_prefix_caching:
             return []
-        pages = self.find_cached_prefix(token_ids)
+        pages = self.find_cached_prefix(token_ids, salt)
         for page in pages:
             if self._refcounts[page] == 0:
                 del self._evictable[page]
@@ -160,7 +161,7 @@ class PageAllocator:
         if num_full <= start:
             return
         token_ids = request.all_token_ids
-        parent = request.page_hashes[-1] if start else b""
+        parent = request.page_hashes[-1] if start else request.prefix_salt
         for i in range(start, num_full):
             page = request.page_ids[i]
             page_hash = self._page_to_hash.get(page)

@@ -101,6 +101,7 @@ class SamplingParams:
     # logprob (the first has none) and its top-k alternatives. max_tokens may then be 0 (no output).
     prompt_logprobs: int | None = None
     structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
+    lora_name: str | None = None  # the LoRA adapter the request runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -296,6 +297,10 @@ class Request:
         # Speculative decoding: tokens proposed to follow the last one, verified in the next step
         # (set by the engine after each step while the request decodes; jaxserve.speculative.verification).
         self.spec_token_ids: list[int] = []
+        # LoRA: the slot of the request's adapter in the step (set by the engine before each step;
+        # 0: the base model), and what the prefix cache keys its pages with (b"": the base model's).
+        self.lora_slot = 0
+        self.prefix_salt = b""
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

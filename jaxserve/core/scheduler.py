@@ -44,6 +44,12 @@ from jaxserve.speculative import verification
 from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit, row_params,
                                 uses_penalties)
 
+
+# LoRA: requests admitted past the oldest waiting one while its adapter has no slot, at most; then
+# admission waits for it (Scheduler._next_admissible).
+LORA_PASS_LIMIT = 64
+
+
 @dataclasses.dataclass
 class StepPlan:
     """What one step computes, over live requests (the scheduler's `update` applies its results)."""
@@ -91,7 +97,7 @@ class StepPlan:
 def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:
     start = request.num_computed_tokens
     return ScheduledRow(request.request_id, (request.token_id_at(start),) + tuple(proposals), start,
-                        tuple(request.page_ids), row_params(request))
+                        tuple(request.page_ids), row_params(request), lora_slot=request.lora_slot)
 
 
 def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
@@ -110,7 +116,8 @@ def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
         last = min(end, request.num_prompt_tokens - 1)
         prompt_logprobs = PromptLogprobRows(first, tuple(request.prompt_token_ids[first + 1:last + 1]),
                                             request.params.prompt_logprobs)
-    return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling, prompt_logprobs)
+    return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling, prompt_logprobs,
+                        lora_slot=request.lora_slot)
 
 
 def _num_prompt_logprob_rows(request: Request, num_new: int) -> int:
@@ -148,6 +155,9 @@ class Scheduler:
         self.max_verify_rows = verification.max_verify_rows(config) if self.max_spec_tokens else 0
         self.spec_stats = verification.SpeculationStats(self.max_spec_tokens)
         self.num_scheduler_steps = config.num_scheduler_steps
+        # LoRA: at most max_loras distinct adapters among the running requests (None: LoRA off).
+        self.max_loras = config.max_loras if config.enable_lora else None
+        self._num_passed_over = 0  # requests admitted past the oldest waiting one (its adapter had no room)
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -308,19 +318,26 @@ class Scheduler:
         allocator = self.allocator
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.prefill) < self.max_num_prefill_seqs):
-            request = self.waiting[0]
+            request = self._next_admissible()
+            if request is None:
+                break
             # The last token is always recomputed (its logits are needed), so match before it. A
             # request still owed prompt logprobs computes its whole prompt: cached pages have no logits.
             prefix_tokens = request.all_token_ids[:-1] if not request.num_prompt_logprobs_missing else []
-            cached_pages = allocator.find_cached_prefix(prefix_tokens)
+            cached_pages = allocator.find_cached_prefix(prefix_tokens, request.prefix_salt)
             num_computed = len(cached_pages) * allocator.page_size
             # (a request owed prompt logprobs starts from 0, what the cap counts from)
             num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
             if num_new < 1 or num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
                 break
-            self.waiting.popleft()
-            request.page_ids = allocator.match_prefix(prefix_tokens) + allocator.allocate(num_needed)
+            if request is self.waiting[0]:
+                self._num_passed_over = 0
+            else:
+                self._num_passed_over += 1
+            self.waiting.remove(request)
+            request.page_ids = (allocator.match_prefix(prefix_tokens, request.prefix_salt)
+                                + allocator.allocate(num_needed))
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -330,6 +347,22 @@ class Scheduler:
             plan.prefill.append((request, num_new))
             budget -= num_new
             rows_left -= _num_prompt_logprob_rows(request, num_new)
+
+    def _next_admissible(self) -> Request | None:
+        """The waiting request to admit next: the oldest, unless its LoRA adapter has no room
+        among the running requests' (--max_loras distinct); then the oldest whose adapter has,
+        until LORA_PASS_LIMIT requests were admitted past it: from then on none is, the running
+        requests drain, and its adapter gets a slot (no adapter waits without bound)."""
+        head = self.waiting[0]
+        if self.max_loras is None:
+            return head
+        running = {r.params.lora_name for r in self.running} - {None}
+        fits = lambda r: r.params.lora_name is None or r.params.lora_name in running or len(running) < self.max_loras  # noqa: E731
+        if fits(head):
+            return head
+        if self._num_passed_over >= LORA_PASS_LIMIT:
+            return None
+        return next((r for r in self.waiting if fits(r)), None)
 
     @staticmethod
     def is_decoding(request: Request) -> bool:

@@ -81,6 +81,7 @@ class ScheduledRow:
     page_ids: tuple[int, ...]  # the sequence's block-table row; holds positions up to `end`
     sampling: RowParams | None  # None: a prefill chunk short of the sequence's end (its sample is dropped)
     prompt_logprobs: PromptLogprobRows | None = None  # prompt positions of the chunk whose logprobs are wanted
+    lora_slot: int = 0  # the LoRA slab's slot of the sequence's adapter (0: the base model)
 
     @property
     def end(self) -> int:

@@ -38,6 +38,7 @@ from jaxserve.executor import (decode_loop, device_setup, executable_cache, exec
                                shape_choice, step_functions)
 from jaxserve.executor import warmup as warmup_lib
 from jaxserve.models import cpu_layout, llama
+from jaxserve.models import lora as lora_lib
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,24 @@ class LocalTransport:
     def health(self) -> dict:
         """What the executor adds to /health: {} for this process alone."""
         return {}
+
+
+class LoRASlots:
+    """The LoRA slab of a runner's model: its shapes under the engine's --max_loras and
+    --max_lora_rank, and an adapter written into one of its slots (jaxserve.models.lora)."""
+
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig, dtype):
+        self.config, self.dtype = config, dtype
+        self.max_loras, self.max_rank = engine_config.max_loras, engine_config.max_lora_rank
+        self.names = lora_lib.adaptable_names(config)
+        self.shapes = lora_lib.projection_shapes(config)
+
+    def init(self):
+        return lora_lib.init_slab(self.config, self.max_loras, self.max_rank, self.dtype, self.names)
+
+    def write(self, slab, slot: int, adapter):
+        arrays = adapter.padded(self.max_rank, self.names, self.shapes, self.config.num_layers)
+        return lora_lib.write_slot(slab, slot, arrays)
 
 
 class ModelRunner:
@@ -99,6 +118,13 @@ class ModelRunner:
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
         self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations)
+        # LoRA: the adapter slab travels with the weights (the step's params["lora"]); a slot's
+        # write replaces it in place and never recompiles (jaxserve.models.lora).
+        self.lora = None
+        if engine_config.enable_lora:
+            lora_dtype = engine_config.dtype if engine_config.lora_dtype == "auto" else engine_config.lora_dtype
+            self.lora = LoRASlots(step_config, engine_config, device_setup.param_dtype(lora_dtype))
+            self._step_params = {**self._step_params, "lora": self.lora.init()}
         self._head = prompt_logprobs.head_params(self.params)
         # "auto": the model's float dtype (the norms keep it)
         self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or params["final_norm"].dtype
@@ -189,6 +215,8 @@ class ModelRunner:
             decode_seq_lens[i] = row.end
             logits_indices[i] = i
             rows[i] = row
+            if row.lora_slot:
+                arrays["lora_slots"][i] = row.lora_slot
         offset = 0
         for j, row in enumerate(batch.prefill):
             n = len(row.token_ids)
@@ -202,6 +230,8 @@ class ModelRunner:
             offset += n
             logits_indices[dec_bucket + j] = t0 + n - 1
             rows[dec_bucket + j] = row
+            if row.lora_slot:
+                arrays["lora_slots"][t0:t0 + n] = row.lora_slot
         return bucket, arrays, rows
 
     def _build_verify_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
@@ -224,13 +254,27 @@ class ModelRunner:
             arrays["prefill_seq_lens"][j] = row.end
             arrays["prefill_query_start_loc"][j] = offset
             arrays["logits_indices"][j * width:(j + 1) * width] = offset + np.minimum(np.arange(width), n - 1)
+            if row.lora_slot:
+                arrays["lora_slots"][offset:offset + n] = row.lora_slot
             for p in range(n):
                 rows[j * width + p] = dataclasses.replace(row, sampling=_position_params(row, p))
             offset += n
         return bucket, arrays, rows
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
-        return self.buckets.empty_batch(bucket)
+        arrays = self.buckets.empty_batch(bucket)
+        if self.lora is not None:  # each token's adapter slot (0, the base model, for padding)
+            arrays["lora_slots"] = np.zeros_like(arrays["token_ids"])
+        return arrays
+
+    # ---- LoRA -----------------------------------------------------------------------------
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Puts `adapter` (checkpoints.lora_adapter.LoRAAdapter) in slab slot `slot` (1..max_loras)."""
+        self._step_params["lora"] = self.lora.write(self._step_params["lora"], slot, adapter)
+
+    def clear_lora_slot(self, slot: int) -> None:
+        """Slot `slot` back to the zero adapter."""
+        self._step_params["lora"] = lora_lib.clear_slot(self._step_params["lora"], slot)
 
     # ---- multi-step decoding --------------------------------------------------------------
     def multi_step_buckets(self) -> list[Bucket]:

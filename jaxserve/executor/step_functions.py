@@ -68,7 +68,7 @@ def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logp
       stream (for prompt logprobs; 0: none). verify_row_tokens: K + 1 (0: no speculation).
     shardings: a `jaxserve.parallel.sharding.ModelShardings` for a step on its mesh, else None."""
     mesh = None if shardings is None else shardings.mesh
-    forward = functools.partial(llama.forward, config=config, backend=backend, mesh=mesh)
+    forward = functools.partial(_forward, config=config, backend=backend, mesh=mesh)
     step_forward = functools.partial(forward, prefill_hidden_rows=prefill_hidden_rows)
     verify_forward = functools.partial(step_forward, max_query_len=verify_row_tokens or None)
     multi_step = functools.partial(forward_steps, forward=forward, page_size=page_size)
@@ -89,6 +89,12 @@ def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logp
         jax.jit(multi_step, donate_argnums=(1,), in_shardings=(weights, kv, replicated, replicated, replicated),
                 out_shardings=(replicated, kv)),
         jax.jit(sample, in_shardings=replicated, out_shardings=replicated), prompt)
+
+
+def _forward(params, kv_cache, batch, **static):
+    """llama.forward, with the LoRA slab the params carry under "lora" (an engine with
+    --enable_lora: jaxserve.executor.runner.LoRASlots), if any."""
+    return llama.forward(params, kv_cache, batch, lora=params.get("lora"), **static)
 
 
 def forward_steps(params, kv_cache, arrays, sampling, num_steps, *, forward: Callable, page_size: int):
