@@ -6,10 +6,10 @@ Slot 0 is the zero adapter of base rows (its matrices are zeros) and is not comp
 other slot's A multiplies every row in one dot ([T, K] x [K, (S-1) R]), a one-hot mask of the
 rows' slots keeps each row's own R columns, and one dot by the stacked B ([(S-1) R, N]) adds
 them up: two dense dots instead of a per-row gather of the matrices. On the 2-core CPU, 30
-layers of SmolLM2-135M's seven projections, 32 rows, 4 slots of rank 16 (bench/lora_bgmv.py):
-this form costs about 1.2x the base matmuls, a per-row gather of A and B 1.5x, jax.lax.ragged_dot
-over rows sorted by slot 1.6x (its CPU lowering is dense per group, see xla_grouped.py).
-The FLOPs grow with the slots: (S-1) R (K + N) per row.
+layers of SmolLM2-135M's seven projections, 32 rows, 4 adapters of rank 16 (bench/lora_decode.py
+--forms, bench/RESULTS.md): this form costs about 1.2x the base matmuls alone, a per-row gather of
+A and B 1.8x, jax.lax.ragged_dot over rows sorted by slot 1.6x (its CPU lowering is dense per
+group, see xla_grouped.py). The FLOPs grow with the slots: (S-1) R (K + N) per row.
 """
 
 import jax

@@ -49,3 +49,28 @@ def test_windowed_soft_capped_kernels_do_not_spill_on_sm90a():
             assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
 
 
+
+
+LORA_SHAPES = {  # (rows, K, rank, N, slots): a decode step's projections with 4 adapters plus the zero slot
+    "smollm2_decode_down": (32, 1536, 16, 576, 5),
+    "smollm2_decode_kv": (32, 576, 16, 192, 5),
+    "llama3_8b_prefill_gate": (512, 4096, 64, 14336, 9),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(LORA_SHAPES))
+def test_lora_kernel_at_its_default_blocks_does_not_spill_on_sm90a(shape):
+    from pallas_kernels.lora_bgmv import lora_update  # the multi-LoRA update (jaxserve.models.lora)
+
+    rows, k, rank, n, slots = LORA_SHAPES[shape]
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    replicated = NamedSharding(mesh, P())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=replicated) for s, d in (
+        ((rows, k), jnp.bfloat16), ((slots, k, rank), jnp.bfloat16), ((slots, rank, n), jnp.bfloat16),
+        ((rows,), jnp.int32))]
+    (report,) = gpu_compile.kernel_reports(jax.jit(lora_update), args, mesh, "h100")
+    assert report.name == "lora_bgmv" and report.gpu == "sm_90a" and report.threads == 128, report  # 4 warps
+    assert report.grid[0] == rows and report.grid[1] >= 1, report  # a program per (row, block of outputs)
+    assert report.shared_memory_bytes <= 232448, report
+    if jax.__version__.startswith("0.10."):  # later XLA dumps no PTX
+        assert 0 < report.registers <= 255 and report.spill_store_bytes == report.spill_load_bytes == 0, report

@@ -211,6 +211,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     if local_rope:
         local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
     weights = cpu_layout.LayerWeights.of(layers, layer_kinds(config))
+
     def layer(carry, scanned):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
         lp, window, layer_lora = scanned  # this layer's slice of the stacked weights (None: per-layer

@@ -1,0 +1,206 @@
+"""Multi-LoRA against transformers + peft, and the update's kernels against the plain-jnp reference.
+
+A tiny random Llama (GQA) gets three random adapters made by peft itself (get_peft_model, then
+random lora_B so that each adapter changes the logits: checked), of ranks 4, 8 and 16 and three
+target sets (attention only; all-linear with rsLoRA; the MLP of one layer). One step of
+jaxserve's forward over a batch whose sequences each use another adapter, or none, gives every
+sequence the logits transformers + peft give it alone (float32). Quantized base weights (int8,
+int4): the reference is peft over the dequantized weights. The kernel tests draw seeded inputs
+and compare the XLA path, the Pallas kernel (interpret mode) and dispatch with the reference.
+"""
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.convert import convert_checkpoint
+from checkpoints.load import load_config, load_params
+from checkpoints.lora_adapter import load_adapter
+from jaxserve import compat
+from jaxserve.models import cpu_layout, llama, lora, quantization
+from pallas_kernels import dispatch, lora_bgmv, reference, xla_lora
+from tests.tiny_models import hf_logits, make_tiny_hf_model, prefill_batch
+
+pytestmark = pytest.mark.slow  # torch, peft and the Pallas kernel in interpret mode
+
+SEED = 20261205
+MAX_LORAS, MAX_RANK = 3, 16
+ADAPTERS = [  # slot: (rank, alpha, LoraConfig fields)
+    (8, 16, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
+    (16, 8, dict(target_modules="all-linear", use_rslora=True)),
+    (4, 4, dict(target_modules=["gate_proj", "up_proj", "down_proj"], layers_to_transform=[1])),
+]
+SEQUENCE_SLOTS = [0, 1, 2, 3, 2, 0, 1]  # each sequence's adapter slot (0: the base model)
+LENGTHS = [5, 9, 1, 12, 7, 3, 16]
+
+
+def make_adapters(base, folder, seed: int) -> list:
+    """peft models of `base` (deep copies), one per ADAPTERS entry, each saved under folder/<slot>."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    models = []
+    for slot, (rank, alpha, fields) in enumerate(ADAPTERS, start=1):
+        torch.manual_seed(seed + slot)
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=alpha, **fields)).eval()
+        with torch.no_grad():  # peft starts B at zero (a no-op adapter): make it change the output
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.1 * torch.randn_like(p))
+        model.save_pretrained(str(folder / str(slot)), safe_serialization=True)
+        models.append(model)
+    return models
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora")
+    base = make_tiny_hf_model(str(folder / "hf"), seed=SEED % 1000, num_q_heads=4, num_kv_heads=2)
+    convert_checkpoint(str(folder / "hf"), str(folder / "converted"))
+    config = load_config(str(folder / "converted"))
+    params = load_params(str(folder / "converted"), jnp.float32)
+    peft_models = make_adapters(base, folder, SEED)
+    slab = lora.init_slab(config, MAX_LORAS, MAX_RANK)
+    shapes = lora.projection_shapes(config)
+    for slot in range(1, MAX_LORAS + 1):
+        adapter = load_adapter(str(folder / str(slot)), config, MAX_RANK)
+        slab = lora.write_slot(slab, slot, adapter.padded(MAX_RANK, tuple(slab), shapes, config.num_layers))
+    return dict(base=base, config=config, params=params, peft=peft_models, slab=slab, folder=folder)
+
+
+def run_forward(params, slab, config, backend, seed):
+    """jaxserve's logits of every sequence of a seeded prefill batch (each its SEQUENCE_SLOTS
+    adapter) -> (logits per sequence, token ids per sequence)."""
+    rng = np.random.default_rng([SEED, seed])
+    batch, token_ids, num_pages = prefill_batch(LENGTHS, 8, 4, config.vocab_size, rng)
+    batch["lora_slots"] = np.repeat(np.asarray(SEQUENCE_SLOTS, np.int32), LENGTHS)
+    cache = llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, 8), jnp.float32)
+    step = jax.jit(lambda p, c, b, s: llama.forward(p, c, b, config=config, backend=backend, lora=s))
+    logits, _ = step(params, cache, batch, slab)
+    ends = np.cumsum(LENGTHS)
+    return np.split(np.asarray(logits), ends[:-1]), token_ids
+
+
+def check_against_peft(got, token_ids, base, peft_models, seed, atol_scale=1e-4):
+    for i, (logits, ids, slot) in enumerate(zip(got, token_ids, SEQUENCE_SLOTS)):
+        expected = hf_logits(base if slot == 0 else peft_models[slot - 1], ids[None])[0]
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=atol_scale * np.abs(expected).max(),
+                                   err_msg=f"sequence {i} (slot {slot}), seed {seed}")
+
+
+def test_every_adapter_changes_the_output(setup):
+    ids = np.random.default_rng([SEED, 1]).integers(0, setup["config"].vocab_size, (1, 12))
+    base = hf_logits(setup["base"], ids)
+    for slot, model in enumerate(setup["peft"], start=1):
+        assert np.abs(hf_logits(model, ids) - base).max() > 1e-2, f"adapter {slot} is a no-op (seed {SEED})"
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference", "interpret"])
+def test_mixed_adapters_in_one_batch_match_peft(setup, backend):
+    seed = 2
+    got, token_ids = run_forward(setup["params"], setup["slab"], setup["config"], backend, seed)
+    check_against_peft(got, token_ids, setup["base"], setup["peft"], seed)
+
+
+def test_the_cpu_layer_views_read_the_slab_too(setup):
+    """On one CPU device the step reads float layers as per-layer views under a switch."""
+    views = cpu_layout.layer_views(setup["params"], int8_activations=False)
+    assert isinstance(views["layers"], tuple), "expected the per-layer views on the CPU"
+    got, token_ids = run_forward(views, setup["slab"], setup["config"], "xla", 3)
+    check_against_peft(got, token_ids, setup["base"], setup["peft"], 3)
+
+
+def dequantized_hf_models(setup, quantized):
+    """The base model over the dequantized weights of `quantized`, and peft's adapters (loaded
+    from their folders) over copies of it."""
+    import torch
+    from peft import PeftModel
+    layers = quantization.dequantize_params(quantized)["layers"]
+    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    base = copy.deepcopy(setup["base"])
+    with torch.no_grad():
+        for name, module in names.items():
+            for layer in range(setup["config"].num_layers):
+                weight = np.asarray(layers[name][layer], np.float32).T  # [out, in] as torch stores it
+                base.get_parameter(f"model.layers.{layer}.{module}.weight").copy_(torch.from_numpy(weight.copy()))
+    adapters = [PeftModel.from_pretrained(copy.deepcopy(base), str(setup["folder"] / str(slot))).eval()
+                for slot in range(1, MAX_LORAS + 1)]
+    return base, adapters
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["stacked", "cpu-views"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_base_weights(setup, quant, views):
+    """The LoRA arrays stay float over quantized base weights: stacked, or in the CPU step's
+    per-layer views (cpu_layout.layer_views with float activations: exact dequantization)."""
+    quantized = quantization.quantize_params(setup["params"], quant, setup["config"])
+    base, peft_models = dequantized_hf_models(setup, quantized)
+    seed = 4
+    params = cpu_layout.layer_views(quantized, int8_activations=False) if views else quantized
+    got, token_ids = run_forward(params, setup["slab"], setup["config"], "xla", seed)
+    check_against_peft(got, token_ids, base, peft_models, seed)
+
+
+# ---- the update's kernels -----------------------------------------------------------------------
+KERNEL_CASES = [  # (name, rows T, K, rank R, N, slots S)
+    ("decode-smollm2-k", 32, 576, 16, 192, 5),
+    ("one-row", 1, 96, 8, 48, 3),
+    ("prefill-down", 40, 1536, 16, 576, 4),
+    ("rank-64", 9, 128, 64, 256, 2),
+]
+
+
+def draw(case, dtype, seed):
+    _, rows, k, rank, n, slots = case
+    rng = np.random.default_rng([SEED, seed])
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    a = rng.standard_normal((slots, k, rank)) / np.sqrt(k)
+    b = rng.standard_normal((slots, rank, n)) / np.sqrt(rank)
+    a[0], b[0] = 0.0, 0.0  # slot 0: the zero adapter
+    ids = rng.integers(0, slots, rows).astype(np.int32)
+    ids[0] = 0  # a base row in every case (one-row: only that)
+    return x, jnp.asarray(a, dtype), jnp.asarray(b, dtype), jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("path", ["xla", "kernel"])
+def test_update_matches_the_reference(case, dtype, path):
+    seed = KERNEL_CASES.index(case) * 10 + (dtype == jnp.bfloat16)
+    x, a, b, ids = draw(case, dtype, seed)
+    if path == "xla":
+        out = jax.jit(xla_lora.lora_update)(x, a, b, ids)
+    else:
+        out = lora_bgmv.lora_update(x, a, b, ids, interpret=True)
+    assert out.shape == (x.shape[0], b.shape[2]) and out.dtype == x.dtype
+    got = np.asarray(out.astype(jnp.float32))
+    want = np.asarray(reference.lora_update(x.astype(jnp.float32), a.astype(jnp.float32), b.astype(jnp.float32), ids))
+    base_rows = np.asarray(ids) == 0
+    assert not got[base_rows].any(), f"base rows must be exactly zero (seed {seed})"
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the shrunk row is rounded to it
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * max(1.0, np.abs(want).max()), err_msg=f"seed {seed}")
+
+
+def test_dispatch_falls_back_to_xla_for_what_the_kernel_does_not_take():
+    x, a, b, ids = draw(("odd-rank", 6, 48, 16, 32, 3), jnp.float32, 99)
+    a, b = a[:, :, :12], b[:, :12]  # rank 12: not a power of two
+    assert not lora_bgmv.supports(x, a, b)
+    want = np.asarray(reference.lora_update(x, a, b, ids))
+    for backend in ("interpret", "pallas", "xla"):
+        got = np.asarray(jax.jit(lambda *args, backend=backend: dispatch.lora_update(backend, *args))(x, a, b, ids))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"{backend}, seed 99")
+
+
+def test_the_pallas_backend_puts_the_kernel_in_a_cuda_program():
+    """Lowered for CUDA (jax.export, no GPU needed), the "pallas" backend's update is the Triton
+    kernel and the "xla" backend's is not."""
+    specs = [jax.ShapeDtypeStruct(s, d) for s, d in (((32, 576), jnp.bfloat16), ((5, 576, 16), jnp.bfloat16),
+                                                     ((5, 16, 192), jnp.bfloat16), ((32,), jnp.int32))]
+    texts = {backend: compat.lower_for_cuda(lambda *args, backend=backend: dispatch.lora_update(backend, *args), *specs)
+             for backend in ("xla", "pallas")}
+    kernels = {backend: [t for t in compat.PALLAS_GPU_CUSTOM_CALL_TARGETS if f"@{t}(" in text]
+               for backend, text in texts.items()}
+    assert kernels["pallas"] and "lora_bgmv" in texts["pallas"], "no Pallas kernel in the lowered module"
+    assert not kernels["xla"]
