@@ -192,3 +192,20 @@ def test_runtime_loading_is_off_unless_turned_on(models):
         assert response.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in response.text
     finally:
         live.close()
+
+
+def test_the_planner_counts_the_slab(models):
+    """`plan` and the engine's KV sizing count the slab jaxserve.models.lora allocates."""
+    from checkpoints.load import load_config
+    from jaxserve.models import lora
+    from jaxserve.planning import memory
+    config = load_config(models[0])
+    cfg = EngineConfig(enable_lora=True, max_loras=3, max_lora_rank=32, dtype="float32", page_size=8,
+                       max_model_len=128)
+    assert memory.lora_slab_bytes(config, cfg) == lora.slab_bytes(config, 3, 32)
+    budget = 2**30
+    with_lora = memory.plan_engine(config, cfg, device_memory_bytes=budget, on_gpu=True)
+    without = memory.plan_engine(config, EngineConfig(dtype="float32", page_size=8, max_model_len=128),
+                                 device_memory_bytes=budget, on_gpu=True)
+    assert with_lora.lora_slab_bytes == lora.slab_bytes(config, 3, 32) and without.lora_slab_bytes == 0
+    assert with_lora.num_pages < without.num_pages

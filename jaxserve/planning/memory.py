@@ -88,6 +88,7 @@ class MemoryPlan:
     draft_weights_bytes: int = 0
     draft_kv_bytes_per_page: int = 0
     draft_kv_cache_bytes: int = 0  # (num_pages + its scratch pages) * draft_kv_bytes_per_page
+    lora_slab_bytes: int = 0  # --enable_lora: the adapters' device slab (lora_slab_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -420,8 +421,9 @@ def plan_memory(
     if draft_model is not None:
         draft_weights = weights_bytes(draft_model, compute_dtype, 1)
         draft_per_page = kv_bytes_per_token(draft_model, kv_dtype, 1) * page_size
-    # What stays whatever the pool's size: the weights, and a draft's weights and scratch pages.
-    resident = weights + draft_weights + draft_scratch_pages * draft_per_page
+    # What stays whatever the pool's size: the weights, a draft's weights and scratch pages, a LoRA slab.
+    lora = lora_slab_bytes(model, cfg) if cfg.enable_lora else 0
+    resident = weights + draft_weights + draft_scratch_pages * draft_per_page + lora
     if resident > usable - reserve and num_pages is None:
         raise MemoryPlanError(
             f"the weights do not fit: they need {format_bytes(resident)} per device, but only "
@@ -458,7 +460,19 @@ def plan_memory(
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,
         draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page,
-        draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page)
+        draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page, lora_slab_bytes=lora)
+
+
+def lora_slab_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
+    """Bytes of the LoRA slab of jaxserve.models.lora on one device: A [L, S, in, R] and B
+    [L, S, R, out] of every adaptable projection (a mixture of experts: attention only), S =
+    max_loras + 1 slots, R = max_lora_rank, in lora_dtype ("auto": the compute dtype)."""
+    D, F, q, kv = model.hidden_size, model.intermediate_size, model.q_size, model.kv_size
+    shapes = [(D, q), (D, kv), (D, kv), (q, D)] + ([] if model.is_moe else [(D, F), (D, F), (F, D)])
+    dtype = cfg.dtype if cfg.lora_dtype == "auto" else cfg.lora_dtype
+    itemsize = FLOAT_DTYPE_BYTES[normalize_dtype(dtype or "float32", FLOAT_DTYPE_BYTES)]
+    slots, rank = cfg.max_loras + 1, cfg.max_lora_rank
+    return model.num_layers * slots * rank * sum(i + o for i, o in shapes) * itemsize
 
 
 def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: int, on_gpu: bool,
