@@ -103,6 +103,18 @@ def test_mixed_adapters_in_one_batch_match_peft(setup, backend):
     check_against_peft(got, token_ids, setup["base"], setup["peft"], seed)
 
 
+def test_a_step_of_base_rows_only_is_the_base_models(setup):
+    """Every row on slot 0 (the update skipped on the CPU): the logits of the step without a slab."""
+    config, params = setup["config"], setup["params"]
+    batch, _, num_pages = prefill_batch(LENGTHS, 8, 4, config.vocab_size, np.random.default_rng([SEED, 5]))
+    cache = llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, 8), jnp.float32)
+    base, _ = jax.jit(lambda p, c, b: llama.forward(p, c, b, config=config, backend="xla"))(params, cache, batch)
+    batch["lora_slots"] = np.zeros(sum(LENGTHS), np.int32)
+    step = jax.jit(lambda p, c, b, s: llama.forward(p, c, b, config=config, backend="xla", lora=s))
+    with_slab, _ = step(params, cache, batch, setup["slab"])
+    np.testing.assert_array_equal(np.asarray(with_slab), np.asarray(base), err_msg=f"seed {SEED}")
+
+
 def test_the_cpu_layer_views_read_the_slab_too(setup):
     """On one CPU device the step reads float layers as per-layer views under a switch."""
     views = cpu_layout.layer_views(setup["params"], int8_activations=False)

@@ -200,8 +200,8 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     `mesh` (tensor parallel): where a mixture-of-experts model's routed experts run split.
     A model with dense and sparse MLP layers mixed (weights.LayerKinds) runs the same scan: the
     part after attention goes under a switch on the layer's kind, which reads its own weights.
-    `lora`: a LoRA slab (jaxserve.models.lora), sliced by the scan with the weights, with each
-    token's slot in batch["lora_slots"]; its update runs through `backend`'s implementation.
+    `lora`: a LoRA slab (jaxserve.models.lora), each layer reading its slices, with each token's
+    slot in batch["lora_slots"]; its update runs through `backend`'s implementation.
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
@@ -214,10 +214,9 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
 
     def layer(carry, scanned):
         x, k_cache, v_cache, layer_idx = carry  # x: [T, D]
-        lp, window, layer_lora = scanned  # this layer's slice of the stacked weights (None: per-layer
-        #      weights); its sliding window (int32 scalar, 0: none); its slice of the LoRA slab (or None)
-        if layer_lora is not None:
-            layer_lora = lora_slab.LayerLoRA(layer_lora, batch["lora_slots"], backend)
+        lp, window = scanned  # this layer's slice of the stacked weights (None: per-layer weights);
+        #                       its sliding window (int32 scalar, 0: none)
+        layer_lora = None if lora is None else lora_slab.LayerLoRA(lora, layer_idx, batch["lora_slots"], backend)
         projection = functools.partial(qkv_projection, config=config, lora=layer_lora)
         rest_of_layer = functools.partial(after_attention, config=config, mesh=mesh, lora=layer_lora)
         page_offset = layer_idx * num_pages
@@ -236,7 +235,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
         return (x, k_cache, v_cache, layer_idx + 1), None
 
     carry = (x, kv_cache["k"], kv_cache["v"], jnp.int32(0))
-    scanned = (weights.scanned, jnp.asarray(config.layer_windows(), jnp.int32), lora)
+    scanned = (weights.scanned, jnp.asarray(config.layer_windows(), jnp.int32))
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, carry, scanned)
     return x, {"k": k_cache, "v": v_cache}
 

@@ -20,8 +20,9 @@ In the step (jaxserve.models.llama.forward with a slab), every token row carries
 
 through pallas_kernels.dispatch.lora_update (one gathered batched matmul per projection, the
 BGMV of Punica and S-LoRA: the Pallas kernel on a GPU, two dense dots on the CPU), over float
-and quantized base weights alike (the LoRA arrays are float, `lora_dtype`). The layer scan
-slices the slab with the weights: `LayerLoRA` is one layer's part.
+and quantized base weights alike (the LoRA arrays are float, `lora_dtype`). `LayerLoRA` is one
+layer's view of the slab: it reads the layer's slices where the update runs (on the CPU, a step
+with every row on slot 0 reads none and runs no update).
 """
 from __future__ import annotations
 
@@ -128,9 +129,10 @@ def _check_slot(slab: Slab, slot: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoRA:
-    """One layer's part of the slab in the step, and the rows' slots."""
+    """One layer's view of the slab in the step, and the rows' slots."""
 
-    weights: Slab  # {name: {"a": [S, in, R], "b": [S, R, out]}}: the scan's slice of the slab
+    slab: Slab  # the whole slab, [L, S, ...] each
+    layer: jax.Array  # int32 scalar: the layer whose slices the updates read
     slots: jax.Array  # int32[T]: each token row's slot (0: the base model)
     backend: str  # the attention backend's name (pallas_kernels.dispatch.lora_update)
 
@@ -138,10 +140,23 @@ class LayerLoRA:
         """x [T, in] @ weight (float or quantized, quantization.linear) plus each row's update
         when the slab has projection `name` -> [T, out] in x's dtype."""
         y = linear(x, weight)
-        if name not in self.weights:
-            return y
-        pair = self.weights[name]
-        return y + dispatch.lora_update(self.backend, x, pair["a"], pair["b"], self.slots).astype(y.dtype)
+        return y if name not in self.slab else y + self.update(x, name).astype(y.dtype)
+
+    def update(self, x: jax.Array, name: str) -> jax.Array:
+        """Each row's (x @ A[slot]) @ B[slot] at this layer -> [T, out]. On the CPU a step
+        without a row on an adapter skips the update and the read of the layer's slices (a
+        `lax.cond`, whose predicate a GPU would have to read back to the host: not there)."""
+        pair = self.slab[name]
+
+        def dense():
+            a, b = (jax.lax.dynamic_index_in_dim(pair[k], self.layer, keepdims=False) for k in ("a", "b"))
+            return dispatch.lora_update(self.backend, x, a, b, self.slots)  # a [S, in, R], b [S, R, out]
+
+        def skippable():
+            zeros = jnp.zeros((x.shape[0], pair["b"].shape[-1]), x.dtype)
+            return jax.lax.cond(jnp.any(self.slots > 0), dense, lambda: zeros)
+
+        return jax.lax.platform_dependent(cpu=skippable, default=dense)
 
 
 def project(x: jax.Array, lp: dict, name: str, lora: LayerLoRA | None) -> jax.Array:
