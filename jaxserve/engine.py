@@ -236,7 +236,9 @@ class Engine:
             num_step_failures=self.num_step_failures, spec_verify_steps=spec.num_verify_steps,
             spec_proposed_tokens=spec.num_proposed_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
-            warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0)
+            warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0,
+            lora_running=_adapters(self.scheduler.running), lora_waiting=_adapters(self.scheduler.waiting),
+            max_lora=self.config.max_loras if self.loras is not None else 0)
 
     def warmup_status(self) -> dict | None:
         """The warm-up's progress ({"ready", "compiled", "total", "error"}: ModelRunner.warmup_state),
@@ -526,6 +528,11 @@ class Engine:
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
+
+
+def _adapters(requests) -> tuple[str, ...]:
+    """The LoRA adapters of `requests`, sorted."""
+    return tuple(sorted({r.params.lora_name for r in requests} - {None}))
 
 
 def _load_draft(cfg: EngineConfig):

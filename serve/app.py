@@ -436,6 +436,9 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
             raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
         except EngineUnavailableError as e:  # not running, or its executor failed (a multi-host job)
             raise ProtocolError(str(e), status=503, error_type="server_error", code="engine_unavailable") from None
+        for _, params in prepared:
+            if params.lora_name is not None:
+                state.metrics.lora_requests.labels(lora_name=params.lora_name).inc()
         if req.stream:
             stream = _stream_responses(request, fanout, shaper) if isinstance(req, ResponsesRequest) else \
                 _stream(request, fanout, shaper, req)

@@ -86,6 +86,14 @@ class _EngineStatsCollector:
         for position, count in enumerate(s.spec_accepted_per_position):
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
+        if s.max_lora:  # vLLM's lora_requests_info: the adapters in the labels, the time as the value
+            info = GaugeMetricFamily(
+                "jaxserve_lora_requests_info", "LoRA: the adapters of the running and the waiting requests "
+                "(comma-separated labels) and --max_loras; the value is the time of the scrape.",
+                labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([self.model_name, ",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_lora)],
+                            time.time())
+            yield info
 
 
 def _metric(kind: type, model_name: str, name: str, documentation: str, value: float) -> Metric:
@@ -148,6 +156,8 @@ class ServerMetrics:
                                    "jaxserve_request_success under jaxserve's first name and label "
                                    "(finish_reason; invalid_request: ended by a limit its own input met, e.g. "
                                    "of its grammar; error: the server's).", ("finish_reason",))
+        self.lora_requests = m(Counter, "jaxserve_lora_requests", "LoRA: requests (prompts) admitted for each "
+                               "adapter.", ("lora_name",))
         self.prompt_tokens = m(Counter, "jaxserve_prompt_tokens", "Prompt tokens of finished requests (each "
                                "prompt once, however many choices it has).")
         self.generation_tokens = m(Counter, "jaxserve_generation_tokens", "Tokens generated.")

@@ -180,6 +180,9 @@ def test_the_server_picks_the_adapter_by_model_and_loads_at_run_time(server, mod
     assert response.status_code == 200, response.text
     response = completion(server, "all16", prompt)
     assert response.status_code == 404 and "does not exist" in response.json()["error"]["message"]
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    assert 'jaxserve_lora_requests_total{lora_name="attn8",model_name=' in metrics
+    assert 'max_lora="2"' in metrics and "jaxserve_lora_requests_info{" in metrics
 
 
 def test_runtime_loading_is_off_unless_turned_on(models):

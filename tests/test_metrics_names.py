@@ -41,3 +41,17 @@ def test_every_name_the_dashboard_queries_is_exported():
     _, names = exported()
     assert "jaxserve_num_preemptions_total" in queried
     assert queried - names == set()
+
+
+def test_lora_requests_info_carries_the_adapters_in_its_labels_as_vllm():
+    import dataclasses
+    stats = dataclasses.replace(STATS, lora_running=("a", "b"), lora_waiting=("c",), max_lora=2)
+    metrics = ServerMetrics(lambda: stats, "m")
+    metrics.lora_requests.labels(lora_name="a").inc()
+    text = generate_latest(metrics.registry).decode()
+    (info,) = [s for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "jaxserve_lora_requests_info"]
+    assert info.labels == {"model_name": "m", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c",
+                           "max_lora": "2"} and info.value > 0
+    assert 'jaxserve_lora_requests_total{lora_name="a",model_name="m"} 1.0' in text
+    assert "jaxserve_lora_requests_info" not in generate_latest(ServerMetrics(lambda: STATS, "m").registry).decode()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 class QueueFullError(RuntimeError):
@@ -83,6 +84,10 @@ class RequestOutput:
     # (the first token has no logprob: nothing precedes it).
     prompt_logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # in the finished delta: the request's phase times
+    # A pooling engine's finished delta: the prompt's pooled vector, numpy float32 [hidden] (an
+    # embedding before dimensions and normalization: jaxserve.pooling.accumulate.finish_embedding)
+    # or a classifier's activated scores [num_labels]; None otherwise.
+    pooled: Any = None
 
 
 @dataclasses.dataclass
@@ -106,6 +111,11 @@ class EngineStats:
     # Warm-up: shapes compiled so far of all it compiles (0 of 0 without a warm-up).
     warmup_shapes_compiled: int = 0
     warmup_shapes_total: int = 0
+    # LoRA: the adapters of the running and of the waiting requests (sorted names), and the most in
+    # one step (--max_loras; 0: LoRA off).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,14 +104,18 @@ def _ranges(indices: list[int]) -> str:
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' stats added up (tuples of counters element-wise)."""
+    """The replicas' stats added up (tuples of counters element-wise, of names merged; the LoRA
+    slots, the same on every replica, taken once)."""
     def add(values):
         values = list(values)
+        if isinstance(values[0], tuple) and any(isinstance(v, str) for t in values for v in t):
+            return tuple(sorted(set().union(*values)))
         if isinstance(values[0], tuple):
             return tuple(map(sum, zip(*values)))
         return sum(values)
     fields = [f.name for f in dataclasses.fields(EngineStats)]
-    return EngineStats(**{name: add(getattr(s, name) for s in stats) for name in fields})
+    summed = {name: add(getattr(s, name) for s in stats) for name in fields}
+    return EngineStats(**{**summed, "max_lora": max(s.max_lora for s in stats)})
 
 
 class DataParallelEngine:
