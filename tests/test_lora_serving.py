@@ -212,3 +212,31 @@ def test_the_planner_counts_the_slab(models):
                                  device_memory_bytes=budget, on_gpu=True)
     assert with_lora.lora_slab_bytes == lora.slab_bytes(config, 3, 32) and without.lora_slab_bytes == 0
     assert with_lora.num_pages < without.num_pages
+
+
+def test_generate_runs_each_line_with_its_adapter(models, tmp_path, capsys):
+    """`jaxserve generate --enable_lora --lora_modules ...`: a line's "lora" picks its adapter (the
+    tokens peft gives); an unknown one exits 2 naming the line, before anything runs."""
+    from jaxserve.commands import cli
+    from serve.prompts import encode_text
+    base_dir, paths, torch_models = models
+    batch = prompts(SEED + 2, 2)
+    lines = [{"id": i, "prompt": "", "lora": name} for i, name in enumerate(("mlp4", "attn8"))]
+    tokenizer = Engine.from_model(base_dir, EngineConfig(warmup=False, num_pages=16, page_size=8,
+                                                         max_model_len=128)).tokenizer
+    for line, ids in zip(lines, batch):
+        line["prompt"] = tokenizer.decode(ids)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = [f"--model={base_dir}", f"--input={inp}", f"--output={out}", "--enable_lora",
+             f"--lora_modules=mlp4={paths['mlp4']},attn8={paths['attn8']}", "--max_loras=2", "--page_size=8",
+             "--num_pages=64", "--max_model_len=128", f"--max_tokens={MAX_TOKENS}", "--ignore_eos", "--noprogress"]
+    assert cli.main(["jaxserve", "generate", *flags]) == 0
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    encoded = [encode_text(tokenizer, line["prompt"]) for line in lines]  # as generate encodes them
+    expected = [hf_greedy(torch_models[line["lora"]], ids) for line, ids in zip(lines, encoded)]
+    assert [rows[line["id"]]["token_ids"] for line in lines] == expected, f"seed {SEED}"
+    inp.write_text(json.dumps({"id": 9, "prompt": "x", "lora": "nope"}) + "\n")
+    out.unlink()
+    assert cli.main(["jaxserve", "generate", *flags]) == 2
+    assert "id 9" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """`jaxserve generate`: batch generation, JSONL prompts in, JSONL completions out.
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]}, with
-optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop". Output lines:
+optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", and "lora": the
+name of a LoRA adapter of --lora_modules (with --enable_lora) the line runs with. Output lines:
 {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as
 requests finish (completion order, not input order: match lines by id). Ids already in the output file are skipped, so an interrupted run resumes.
 """
@@ -22,7 +23,8 @@ from jaxserve.engine import Engine
 from serve.prompts import encode_chat, encode_text
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
-                   "top_k": int, "seed": int, "stop": (str, list)}
+                   "top_k": int, "seed": int, "stop": (str, list), "lora": str}
+_LINE_FIELDS = {"lora": "lora_name"}  # a line's key -> the SamplingParams field, where they differ
 
 
 class InputError(ValueError):
@@ -113,7 +115,7 @@ def run(fv: flags.FlagValues) -> int:
         base = engine_flags.sampling_kwargs(fv)
         params = []
         for item in items:
-            sp = SamplingParams(**{**base, **{k: item[k] for k in _LINE_OVERRIDES if k in item}})
+            sp = SamplingParams(**{**base, **{_LINE_FIELDS.get(k, k): item[k] for k in _LINE_OVERRIDES if k in item}})
             try:
                 check_sampling_params(sp)  # early, before the model loads; all of check_request after
             except ValueError as e:
