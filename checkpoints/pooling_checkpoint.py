@@ -147,3 +147,25 @@ def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def pooling_model(model_dir: str, hidden_size: int, runner: str, pooler_flag=None):
+    """How the converted model in `model_dir` is served under --runner `runner`: (PoolerConfig,
+    score head [labels, hidden] or None) for "pooling" (--pooler_config `pooler_flag` first, then
+    the checkpoint's files: jaxserve.pooling.config.resolve_pooler), (None, None) for "generate".
+    ConversionError naming the reason: a field of the pooler that cannot be served, or a classifier
+    (its score head in score.npy, no LM head) asked to generate."""
+    if runner != "pooling":
+        if os.path.isfile(os.path.join(model_dir, SCORE_FILE)):
+            raise ConversionError(f"{model_dir} is a {CLASSIFIER_SUFFIX} checkpoint (a score head, no LM head): "
+                                  "serve it with --runner=pooling")
+        return None, None
+    try:
+        pooler = resolve_pooler(model_dir, hidden_size, pooler_flag)
+    except PoolerConfigError as e:
+        raise ConversionError(f"{model_dir}: {e}") from None
+    head = load_score_head(model_dir) if pooler.classifier is not None else None
+    if pooler.classifier is not None and head is None:
+        raise ConversionError(f"{model_dir}: a {CLASSIFIER_SUFFIX} config without its score head ({SCORE_FILE}): "
+                              "convert the checkpoint again")
+    return pooler, head

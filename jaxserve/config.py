@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.setting_checks import check_lora_settings, check_speculation
+from jaxserve.moe_config import ConfigError, moe_fields, moe_hf_fields
+from jaxserve.setting_checks import check_lora_settings, check_pooling_settings, check_speculation
 from jaxserve.settings import SettingError, bound_problem, parse_bucket_sizes, setting
 
 # Hugging Face architecture -> model_type; every one runs through jaxserve.models.llama.forward.
@@ -44,6 +45,8 @@ MAX_SCHEDULER_STEPS = 64  # decode steps one multi-step call may take (jaxserve.
 MAX_SPECULATIVE_TOKENS = 16  # tokens proposed per row and step at most (jaxserve.speculative)
 MAX_LORAS = 256  # LoRA slots of one slab at most
 MAX_LORA_RANK = 512  # vLLM's highest --max-lora-rank
+RUNNERS = ("generate", "pooling")  # --runner, vLLM's names
+DEFAULT_MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's bound on one embeddings request's inputs
 
 
 @dataclasses.dataclass
@@ -185,6 +188,15 @@ class EngineConfig:
         "when asked again); at least --max_loras", minimum=1, unset="--max_loras")
     lora_dtype: str = setting("auto", "LoRA: dtype of the adapter slab (auto: the model's compute dtype)",
                               choices=("auto", "float32", "bfloat16", "float16"))
+    # The pooling runner (jaxserve.pooling, docs/pooling.md): prefill and pool instead of decoding.
+    runner: str = setting("generate", "what the engine runs: generate (tokens) or pooling (embeddings, scores, "
+                          "reranking and classes: /v1/embeddings, /score, /rerank, /classify)", choices=RUNNERS)
+    pooler_config: str | dict | None = setting(
+        None, "runner=pooling: how the model pools, vLLM's JSON (pooling_type LAST|MEAN|CLS, normalize, dimensions, "
+        "use_activation)", unset="the checkpoint's sentence-transformers files, else the last token, normalized")
+    max_inputs_per_request: int = setting(
+        DEFAULT_MAX_INPUTS_PER_REQUEST, "runner=pooling: most inputs (or documents) in one request; more is a 400",
+        minimum=1)
 
     def __post_init__(self) -> None:
         self.check()
@@ -213,6 +225,7 @@ class EngineConfig:
                                f"--data_parallel_size 1, got {self.tensor_parallel_size} and {self.data_parallel_size}")
         check_speculation(self)
         self.lora_modules = check_lora_settings(self)
+        check_pooling_settings(self)
 
     @property
     def speculative_tokens(self) -> int:
@@ -230,10 +243,6 @@ class EngineConfig:
         the model's context."""
         context = model_config.max_position_embeddings
         return min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context)
-
-
-class ConfigError(ValueError):
-    """A model configuration that jaxserve cannot serve."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +351,7 @@ class ModelConfig:
                                     ("partial_rotary_factor", 1.0)):
                 if cfg.get(field) not in (None, harmless):
                     raise ConfigError(f"{field}={cfg[field]!r} is not supported")
-            moe = _moe(cfg, arch, num_layers)
+            moe = moe_fields(cfg, arch, num_layers)
             config = cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -419,7 +428,7 @@ class ModelConfig:
         if self.architecture in _QWEN_ARCHS:
             out["use_sliding_window"] = self.sliding_window is not None
         if self.is_moe:
-            out.update(_moe_hf_fields(self))
+            out.update(moe_hf_fields(self))
         if gemma:
             scalar = self.query_pre_attn_scalar
             out.update(query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,  # transformers wants an int
@@ -512,67 +521,6 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
     if window is not None and (isinstance(window, bool) or int(window) < 1):
         raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
     return (None if window is None else int(window)), types
-
-
-def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields ({} for a dense family), from transformers 4 or 5
-    names: the expert count is `num_local_experts` (Mixtral; Qwen3-MoE under transformers 5) or
-    `num_experts` (Qwen2/3-MoE under transformers 4). Mixtral always renormalises its top-k
-    weights; the Qwen families do where `norm_topk_prob` says. The Qwen families may mix dense MLP
-    layers with sparse ones, by transformers' rule (the same for both): layer i is sparse iff
-    i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the dense ones are
-    kept as ModelConfig.mlp_only_layers. A model without any sparse layer is refused."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
-        return {}
-    experts = cfg.get("num_local_experts") if arch == "MixtralForCausalLM" else None
-    experts = int(experts or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    top_k = int(cfg.get("num_experts_per_tok") or 2)
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise ConfigError(f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
-                          f"got {experts} experts and top-{top_k}")
-    if arch == "MixtralForCausalLM":
-        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                    moe_intermediate_size=int(cfg["intermediate_size"]))
-    dense_layers = _dense_mlp_layers(cfg, num_layers)
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-    if arch == "Qwen2MoeForCausalLM" and shared < 1:
-        raise ConfigError(f"shared_expert_intermediate_size={shared!r}: Qwen2-MoE needs its shared expert")
-    size = cfg.get("moe_intermediate_size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"moe_intermediate_size must be a positive integer, got {size!r}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                moe_intermediate_size=size, shared_expert_intermediate_size=shared, mlp_only_layers=dense_layers)
-
-
-def _dense_mlp_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """The Qwen MoE layers whose MLP is dense: in `mlp_only_layers` (entries past the last layer
-    name no layer, as in transformers), or not a multiple of `decoder_sparse_step` (counting from 1)."""
-    step = cfg.get("decoder_sparse_step")
-    step = 1 if step is None else step
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-    listed = cfg.get("mlp_only_layers") or []
-    if not isinstance(listed, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in listed):
-        raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {listed!r}")
-    dense = tuple(i for i in range(num_layers) if i in listed or (i + 1) % step)
-    if len(dense) == num_layers:
-        raise ConfigError(f"decoder_sparse_step={step}, mlp_only_layers={list(listed)}: no layer of the "
-                          f"{num_layers} is a mixture-of-experts layer (serve it as a dense model)")
-    return dense
-
-
-def _moe_hf_fields(config: "ModelConfig") -> dict[str, Any]:
-    """The config.json fields of a mixture-of-experts model (both transformers 4 and 5 read them);
-    the dense layers as `mlp_only_layers`, with decoder_sparse_step 1."""
-    if config.architecture == "MixtralForCausalLM":
-        return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok}
-    out = {"num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
-           "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": list(config.mlp_only_layers)}
-    if config.architecture == "Qwen2MoeForCausalLM":
-        out.update(shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                   qkv_bias=config.attention_bias)
-    return out
 
 
 def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None) -> np.ndarray:

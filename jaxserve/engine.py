@@ -12,22 +12,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 import uuid
 from typing import Callable, Sequence
 
 from checkpoints import load  # Engine.from_model and the draft model open what --model names
-from checkpoints import lora_adapter
+from checkpoints import lora_adapter, pooling_checkpoint
 from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
-from jaxserve.core.outputs import EngineStats, RequestMetrics, RequestOutput, StepInputError, StepRecord, TokenLogprob
+from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestMetrics, RequestOutput, StepInputError,
+                                   StepRecord, TokenLogprob)
 from jaxserve.core.lora_registry import LoRANotFoundError, LoRARegistry
 from jaxserve.setting_checks import LoRAModule
 from jaxserve.core.page_allocator import PageAllocator
-from jaxserve.core.request import InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams, check_request
+from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams,
+                                   check_pooling_request, check_request)
 from jaxserve.core.scheduler import Scheduler, StepPlan
 from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.pooling.accumulate import PooledRequests
+from jaxserve.pooling.config import PoolerConfig
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
 from jaxserve.speculative import ngram
 
@@ -37,40 +42,20 @@ log = logging.getLogger(__name__)
 STEP_RECORDS_KEPT = 1024  # the most recent StepRecords an engine keeps
 
 
-@dataclasses.dataclass
-class FinishedRequest:
-    """The whole result of one request (offline generation)."""
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    num_cached_tokens: int
-    ttft: float | None  # seconds from arrival to the first token
-    e2e: float  # seconds from arrival to the end
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs: prompt tokens 2..
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or len(self.token_ids) < 2:
-            return None
-        return (self.e2e - self.ttft) / (len(self.token_ids) - 1)
-
-
 class Engine:
     """Synchronous engine: the scheduler (host) plus the model runner (device)."""
 
     def __init__(self, model_config, params, tokenizer, engine_config: EngineConfig | None = None,
                  *, model_name: str = "model", shardings=None, device_memory_bytes: int | None = None,
-                 draft_model=None):
+                 draft_model=None, pooler=None, score_head=None):
         """One replica over loaded weights: on the first device, or on the devices of `shardings`
         (a `sharding.ModelShardings`, required with tensor_parallel_size > 1). Engines are built
         by `data_parallel.build_engine` (which `from_model` uses); tests and benchmarks may call
         this directly on one device. Without `num_pages` the KV pool is `memory.plan_engine`'s
         for `device_memory_bytes` (default: the device's budget, read now). With
         speculative_method="draft", `draft_model` is the draft's (ModelConfig, params); default:
-        loaded from `speculative_model`."""
+        loaded from `speculative_model`. With runner="pooling", `pooler` (a PoolerConfig; default
+        last token, normalized) and a classifier's `score_head` [labels, hidden] say how it pools."""
         from jaxserve.executor import runner as runner_lib  # jax lives behind the runner
         from jaxserve.executor import device_setup
 
@@ -91,7 +76,8 @@ class Engine:
         num_pages = cfg.num_pages or device_setup.plan_engine(
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes,
             draft_model=draft_model[0] if draft_model else None).num_pages
-        self.allocator = PageAllocator(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.pooler, self.pooled, prefix_caching = _pooling(cfg, pooler)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching)
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -99,7 +85,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
                                              max_model_len=self.max_model_len, shardings=shardings,
-                                             eos_token_ids=self.eos_token_ids)
+                                             eos_token_ids=self.eos_token_ids, pooler=self.pooler,
+                                             score_head=score_head)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
@@ -153,8 +140,11 @@ class Engine:
         multihost.initialize()
         cfg = device_setup.platform_config(engine_config or EngineConfig())
         source = load.open_model(model)
+        pooler, score_head = pooling_checkpoint.pooling_model(source.path, source.config.hidden_size, cfg.runner,
+                                                              cfg.pooler_config)
+        engine_cls = functools.partial(cls, pooler=pooler, score_head=score_head) if pooler is not None else cls
         return data_parallel.build_engine(
-            cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,
+            engine_cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,
             load_params=lambda shardings: source.load_params(
                 cfg.dtype, None if shardings is None else shardings.checkpoint_shardings()))
 
@@ -168,7 +158,10 @@ class Engine:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (a ValueError) when the request can never be served. A
         structured-output grammar is compiled here unless it already was (`compile_structured_output`)."""
-        check_request(prompt_token_ids, params, self.limits)
+        if self.pooler is not None:  # a pooling engine: the prompt alone (core.request.pooling_params)
+            check_pooling_request(prompt_token_ids, params, self.limits)
+        else:
+            check_request(prompt_token_ids, params, self.limits)
         if params.lora_name is not None and (self.loras is None or params.lora_name not in self.loras):
             raise InvalidRequestError(f"The model `{params.lora_name}` does not exist.", param="model",
                                       code="model_not_found")
@@ -291,6 +284,10 @@ class Engine:
         self.num_computed_tokens += batch.num_tokens
         self.time_in_steps += result.device_seconds
         rows = {row.request_id: i for i, row in enumerate(batch.rows)}
+        if result.pooled is not None:  # before update: the chunks start where each request's computed tokens end
+            for (request, num_new), partial in zip(plan.prefill, result.pooled):
+                self.pooled.add(request.request_id, request.num_prompt_tokens, request.num_computed_tokens, num_new,
+                                partial)
         if result.prompt_logprobs is not None:  # before update: a request may finish in it (max_tokens 0)
             for row, (request, _), out in zip(batch.rows, plan.scheduled, result.prompt_logprobs):
                 if out is not None and request.status == RequestStatus.RUNNING:
@@ -428,6 +425,10 @@ class Engine:
     def _close(self, request: Request) -> RequestOutput:
         """The closing delta of a request the core ended without a new token (abort, error)."""
         outputs, _ = self.output_processor.process([self._core_output(request)])
+        if self.pooled is not None:  # a pooling request's vector (None unless its whole prompt was pooled)
+            pooled = self.pooled.pop(request.request_id)
+            if pooled is not None and request.error_message is None:
+                outputs[0] = dataclasses.replace(outputs[0], pooled=pooled)
         return _with_metrics(request, outputs[0])
 
     def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int,
@@ -524,7 +525,7 @@ class Engine:
                         None if req.first_token_time is None else req.first_token_time - req.arrival_time,
                         (req.finish_time or time.monotonic()) - req.arrival_time,
                         logprobs[out.request_id] if req.params.logprobs is not None else None,
-                        req.prompt_logprobs)
+                        req.prompt_logprobs, out.pooled)
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
@@ -533,6 +534,17 @@ class Engine:
 def _adapters(requests) -> tuple[str, ...]:
     """The LoRA adapters of `requests`, sorted."""
     return tuple(sorted({r.params.lora_name for r in requests} - {None}))
+
+
+def _pooling(cfg: EngineConfig, pooler: PoolerConfig | None) -> tuple:
+    """(pooler, PooledRequests, prefix caching) of an engine: with --runner=pooling its pooler
+    (default: last token, normalized) and the prompts it pools chunk by chunk, where only LAST
+    pooling may take cached prefix pages (the others pool every token's row); else (None, None, as set)."""
+    if cfg.runner != "pooling":
+        return None, None, cfg.enable_prefix_caching
+    pooler = pooler or PoolerConfig("LAST", True)
+    return (pooler, PooledRequests(pooler.pooling_type),
+            cfg.enable_prefix_caching and pooler.pooling_type == "LAST")
 
 
 def _load_draft(cfg: EngineConfig):

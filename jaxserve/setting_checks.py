@@ -2,7 +2,7 @@
 
 EngineConfig (jaxserve.config) declares each setting with its own bounds; `EngineConfig.check`
 calls the checks here for the settings that combine: speculative decoding's (jaxserve.speculative)
-and LoRA's (jaxserve.core.lora_registry). Each raises a SettingError naming the flags.
+LoRA's (jaxserve.core.lora_registry) and the pooling runner's (jaxserve.pooling). Each raises a SettingError naming the flags.
 """
 from __future__ import annotations
 
@@ -105,3 +105,27 @@ def check_speculation(cfg) -> None:
     if method == "draft" and cfg.num_scheduler_steps > 1:
         raise SettingError("--num_scheduler_steps > 1 does not combine with speculative_method=draft (the draft "
                            "mirrors each step's tokens, which multi-step decoding keeps on the device)")
+
+
+def check_pooling_settings(cfg) -> None:
+    """The pooling runner's settings together (EngineConfig.check calls this): SettingError for
+    --pooler_config without --runner=pooling or not a JSON object, and for what the pooling runner
+    does not combine with (it never decodes). Each --pooler_config field is checked when the model's
+    pooler is resolved (jaxserve.pooling.config.resolve_pooler), before any weight loads."""
+    if cfg.runner != "pooling":
+        if cfg.pooler_config is not None:
+            raise SettingError("--pooler_config needs --runner=pooling")
+        return
+    if isinstance(cfg.pooler_config, str) and cfg.pooler_config:
+        try:
+            value = json.loads(cfg.pooler_config)
+        except json.JSONDecodeError as e:
+            raise SettingError(f"--pooler_config is not valid JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise SettingError("--pooler_config must be a JSON object")
+    for flag, refused, why in (
+            ("speculative_method", cfg.speculative_method is not None, "a pooling engine never decodes"),
+            ("enable_lora", cfg.enable_lora, "adapters are served by the generating runner only"),
+            ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1, "the pooled step is not sharded yet")):
+        if refused:
+            raise SettingError(f"--runner=pooling does not combine with --{flag} yet ({why})")

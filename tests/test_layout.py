@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ("pallas_kernels", "cpu_kernels"),  # kernels: jax only
     ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.setting_checks",
-     "jaxserve.config"),
+     "jaxserve.moe_config", "jaxserve.config"),
     ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram",
      "jaxserve.pooling.config", "jaxserve.pooling.accumulate"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
@@ -31,7 +31,7 @@ LAYERS = [
     ("jaxserve.benchmarks",),
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
-              "jaxserve.settings", "jaxserve.setting_checks", "jaxserve.environment", "jaxserve.pooling.config",
+              "jaxserve.moe_config", "jaxserve.settings", "jaxserve.setting_checks", "jaxserve.environment", "jaxserve.pooling.config",
               "jaxserve.pooling.accumulate")
 
 

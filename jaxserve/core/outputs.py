@@ -167,3 +167,25 @@ class StepRecord:
     @property
     def achieved_bytes_per_second(self) -> float:
         return self.estimated_bytes / self.device_seconds if self.device_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class FinishedRequest:
+    """The whole result of one request (offline generation)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    ttft: float | None  # seconds from arrival to the first token
+    e2e: float  # seconds from arrival to the end
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs: prompt tokens 2..
+    pooled: Any = None  # a pooling engine's: RequestOutput.pooled
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or len(self.token_ids) < 2:
+            return None
+        return (self.e2e - self.ttft) / (len(self.token_ids) - 1)

@@ -123,6 +123,20 @@ def check_request(prompt_token_ids: Any, params: SamplingParams, limits: Request
             param="max_tokens", code="context_length_exceeded")
 
 
+def check_pooling_request(prompt_token_ids: Any, params: SamplingParams, limits: RequestLimits) -> None:
+    """A pooling engine's admission check (--runner=pooling): the prompt alone, which may fill the
+    context; its params ask for nothing but the prompt (`pooling_params()`)."""
+    _check_prompt(prompt_token_ids, limits, prompt_only=True)
+    if params != pooling_params():
+        raise InvalidRequestError("a pooling engine (--runner=pooling) pools the prompt: it takes no sampling "
+                                  "parameters (max_tokens 0, the defaults otherwise)", param="max_tokens")
+
+
+def pooling_params() -> SamplingParams:
+    """The params of every request of a pooling engine: the prompt only, no output token."""
+    return SamplingParams(max_tokens=0)
+
+
 def _check_prompt(prompt_token_ids: Any, limits: RequestLimits, prompt_only: bool = False) -> None:
     """`prompt_only`: a request for the prompt alone (max_tokens 0, e.g. echo), which may fill the context."""
     if not isinstance(prompt_token_ids, (list, tuple)):

@@ -307,3 +307,6 @@ class StepOutput:
     # Per row of the batch: None, or for a prefill chunk with prompt-logprob rows the arrays of
     # `prompt_logprobs.compute` for them (logprobs, ranks [n]; top_ids, top_logprobs [n, max_logprobs]).
     prompt_logprobs: list[dict[str, np.ndarray] | None] | None = None
+    # The pooling runner: each prefill chunk's pooled partial, float32 [chunks, hidden] (or a classifier's
+    # activated scores [chunks, labels]), in the batch's prefill order (jaxserve.pooling.poolers).
+    pooled: np.ndarray | None = None

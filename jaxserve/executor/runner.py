@@ -88,12 +88,16 @@ class ModelRunner:
     """Owns the weights and the KV cache on device; runs one step per ScheduledBatch."""
 
     def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, *, num_pages: int,
-                 max_model_len: int, shardings=None, eos_token_ids: Sequence[int] | None = None):
+                 max_model_len: int, shardings=None, eos_token_ids: Sequence[int] | None = None,
+                 pooler=None, score_head: np.ndarray | None = None):
         """The step of `config`'s model under `engine_config` (page size, limits, attention backend,
         KV cache dtype, max_logprobs) over a pool of `num_pages` pages (null page included) for
         sequences of at most `max_model_len`; on the mesh of `shardings` when given.
-        `eos_token_ids` (default: the config's) are masked for rows short of their min_tokens."""
+        `eos_token_ids` (default: the config's) are masked for rows short of their min_tokens.
+        `pooler` (a jaxserve.pooling.config.PoolerConfig) makes it the pooling runner: its steps are
+        prefill chunks only, each pooled (`score_head` [labels, hidden]: a classifier's), no sampler."""
         self.config = config
+        self.pooler = pooler
         self.page_size = engine_config.page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -105,7 +109,8 @@ class ModelRunner:
         self.eos_token_ids = tuple(sorted(config.eos_token_ids if eos_token_ids is None else eos_token_ids))
         self.backend = device_setup.attention_backend(engine_config.attention_backend)
         self.buckets = step_functions.bucket_set(engine_config, self.backend, max_model_len)
-        self._bucket_list = tuple(self.buckets.all())
+        # The pooling runner's steps are prefill chunks only: no decode rows ever.
+        self._bucket_list = tuple(b for b in self.buckets.all() if pooler is None or not b.num_decode)
         # Prompt logprobs: the forward also returns its prefill rows of the residual stream, padded
         # to the largest prefill bucket; a third jitted function turns the wanted ones (a bucket of
         # rows, at most the scheduler's per-step limit) into logprobs, on device.
@@ -139,7 +144,9 @@ class ModelRunner:
         self._functions = step_functions.build(
             step_config, self.params, backend=self.backend, page_size=self.page_size, max_logprobs=self.max_logprobs,
             prefill_hidden_rows=max(self.buckets.prefill), verify_row_tokens=self.buckets.verify_row_tokens,
-            shardings=shardings)
+            shardings=shardings, pooling=None if pooler is None else (
+                pooler.pooling_type, pooler.classifier.activation if pooler.classifier else ""))
+        self._score_head = None if score_head is None else jnp.asarray(score_head, jnp.float32)  # [labels, hidden]
         self.transport = LocalTransport()
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
         # Every compiled executable of the step (filled by warmup(), asked by every step).
@@ -180,7 +187,7 @@ class ModelRunner:
         return self.buckets.fit(num_decode, num_prefill_tokens, pages_per_seq)
 
     def all_buckets(self) -> list[Bucket]:
-        return self.buckets.all()
+        return list(self._bucket_list)
 
     # ---- host arrays ----------------------------------------------------------------------
     def _slots(self, page_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
@@ -228,8 +235,9 @@ class ModelRunner:
             prefill_seq_lens[j] = row.end
             query_start_loc[j] = offset
             offset += n
-            logits_indices[dec_bucket + j] = t0 + n - 1
-            rows[dec_bucket + j] = row
+            if self.pooler is None:  # (the pooling runner's step has no logit rows)
+                logits_indices[dec_bucket + j] = t0 + n - 1
+                rows[dec_bucket + j] = row
             if row.lora_slot:
                 arrays["lora_slots"][t0:t0 + n] = row.lora_slot
         return bucket, arrays, rows
@@ -263,6 +271,8 @@ class ModelRunner:
 
     def empty_batch(self, bucket: Bucket) -> dict[str, np.ndarray]:
         arrays = self.buckets.empty_batch(bucket)
+        if self.pooler is not None:  # no logits: the step pools its prefill rows instead
+            arrays["logits_indices"] = np.zeros(0, np.int32)
         if self.lora is not None:  # each token's adapter slot (0, the base model, for padding)
             arrays["lora_slots"] = np.zeros_like(arrays["token_ids"])
         return arrays
@@ -348,6 +358,8 @@ class ModelRunner:
         and prefill halves each have a compiled shape runs as those two (shape_choice.split).
         Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
         any other exception comes from the device step (see `recover`)."""
+        if self.pooler is not None:
+            return self._execute_pool(batch)
         if batch.num_steps > 1:
             return self._execute_multi_step(batch, time.perf_counter())
         bucket = self._serving_bucket(batch)
@@ -355,6 +367,31 @@ class ModelRunner:
         if halves is None:
             return self._execute_one(batch, bucket)
         return shape_choice.merge_outputs([self._execute_one(half, bucket) for half, bucket in halves])
+
+    def _execute_pool(self, batch: ScheduledBatch) -> StepOutput:
+        """The pooling runner's step: the prefill chunks' pooled partials [chunks, D or L] back to
+        the host (no logits, no sampler); token_ids are zeros, one per chunk (no output token)."""
+        start = time.perf_counter()
+        bucket, arrays, _ = self.build_batch(batch)
+        key = self.pool_key(bucket)
+        device_start = time.perf_counter()
+        compiled = self.executables.get("pool", key) or self._functions.pool
+        pooled, self.kv_cache = compiled(self._step_params, self.kv_cache, arrays, self._score_head)
+        pooled = np.asarray(jax.device_get(pooled))[:len(batch.prefill)]
+        device_seconds = time.perf_counter() - device_start
+        return StepOutput(token_ids=np.zeros(len(batch.prefill), np.int32), logprobs=None, top_ids=None,
+                          top_logprobs=None, bucket=bucket, device_seconds=device_seconds,
+                          host_seconds=time.perf_counter() - start - device_seconds, pooled=pooled)
+
+    def pool_key(self, bucket: Bucket) -> tuple:
+        """The executable cache's key of the pooled step of `bucket`: the bucket, the pooling type and
+        a classifier's activation (saved executables of one model pooled two ways differ by it)."""
+        return (bucket, self.pooler.pooling_type, self.pooler.classifier.activation if self.pooler.classifier else "")
+
+    def lower_pool(self, key: tuple):
+        """The pooled step of a `pool_key`, lowered for the warm-up to compile."""
+        arrays = self.empty_batch(key[0])
+        return self._functions.pool.lower(self._step_params, self.kv_cache, arrays, self._score_head)
 
     def _runs_now(self, batch: ScheduledBatch, bucket: Bucket) -> bool:
         """Whether `batch` runs now in `bucket`'s compiled forward and sampler, without waiting."""

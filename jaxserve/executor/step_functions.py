@@ -20,6 +20,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet
 from jaxserve.executor import decode_loop, device_setup, prompt_logprobs, sampler
 from jaxserve.models import llama
+from jaxserve.pooling import poolers
 from jaxserve.speculative import verification
 from pallas_kernels import dispatch
 
@@ -36,6 +37,9 @@ class StepFunctions:
     multi_step: Any
     sample: Any  # (logits f32[rows, vocab], sampling inputs) -> sampler.sample's outputs
     prompt_logprobs: Any  # (head params, hidden [H, D], indices i32[P], targets i32[P]) -> prompt_logprobs.compute's
+    # The pooling runner's step (build's `pooling`; None otherwise): (params, kv_cache, batch, score
+    # head [L, D] or None) -> (pooled f32[prefill chunks, D or L], kv_cache); kv_cache donated.
+    pool: Any = None
 
     def forward_for(self, bucket: Bucket):
         """The forward that runs `bucket`: the verification one for a verification bucket."""
@@ -58,7 +62,8 @@ def bucket_set(engine_config: EngineConfig, backend: str, max_model_len: int) ->
 
 
 def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logprobs: int = 0,
-          prefill_hidden_rows: int = 0, verify_row_tokens: int = 0, shardings=None) -> StepFunctions:
+          prefill_hidden_rows: int = 0, verify_row_tokens: int = 0, shardings=None,
+          pooling: tuple[str, str] | None = None) -> StepFunctions:
     """The step functions of `config` (the model the step runs: a sharded replica's is
     `shardings.model_config`) with `backend`'s attention over pages of `page_size`.
 
@@ -66,7 +71,9 @@ def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logp
       their shardings. max_logprobs: top-k width of the sampler and prompt logprobs.
     prefill_hidden_rows: the forward also returns that many rows of its prefill tokens' residual
       stream (for prompt logprobs; 0: none). verify_row_tokens: K + 1 (0: no speculation).
-    shardings: a `jaxserve.parallel.sharding.ModelShardings` for a step on its mesh, else None."""
+    shardings: a `jaxserve.parallel.sharding.ModelShardings` for a step on its mesh, else None.
+    pooling: (pooling type, a classifier's activation or "") for the pooling runner's step
+      (jaxserve.pooling.poolers.pooled_step; one device only: EngineConfig refuses it sharded)."""
     mesh = None if shardings is None else shardings.mesh
     forward = functools.partial(_forward, config=config, backend=backend, mesh=mesh)
     step_forward = functools.partial(forward, prefill_hidden_rows=prefill_hidden_rows)
@@ -74,9 +81,13 @@ def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logp
     multi_step = functools.partial(forward_steps, forward=forward, page_size=page_size)
     sample = functools.partial(sampler.sample, max_logprobs=max_logprobs)
     prompt = jax.jit(functools.partial(prompt_logprobs.compute, config=config, max_logprobs=max_logprobs))
+    pool = None
+    if pooling is not None:
+        pool = jax.jit(functools.partial(poolers.pooled_step, forward=forward, config=config,
+                                         pooling_type=pooling[0], activation=pooling[1]), donate_argnums=(1,))
     if shardings is None:
         return StepFunctions(jax.jit(step_forward, donate_argnums=(1,)), jax.jit(verify_forward, donate_argnums=(1,)),
-                             jax.jit(multi_step, donate_argnums=(1,)), jax.jit(sample), prompt)
+                             jax.jit(multi_step, donate_argnums=(1,)), jax.jit(sample), prompt, pool)
     # One step for the whole mesh; logits gathered (replicated) for the sampler.
     kv = {"k": shardings.kv_cache, "v": shardings.kv_cache}
     weights = jax.tree.map(lambda a: a.sharding, params)  # quantized leaves: per array

@@ -10,6 +10,7 @@ phases, in order:
   2. the rest of the steps (decoding rows beside prefill chunks), the samplers without
      penalties (a little faster for the requests without) and the multi-step shapes;
   3. the prompt-logprob shapes (in phase 1 instead with `warmup_prompt_logprobs`).
+The pooling runner (--runner=pooling) has only its pooled steps, all in the first phase.
 In the background (`jaxserve serve`) the phases run in a thread after the first, at the normal
 scheduling priority, and a shape starts compiling only while the engine serves nothing (then on
 half the threads: `ServingGate.idle_threads`) or one of its steps waits for a shape
@@ -132,11 +133,22 @@ class WarmupPlan:
         # Each shape waits for its turn (is_serving: whether the engine holds requests; a warm-up in
         # the foreground runs before any, so only the background one ever waits).
         self.gate = ServingGate(is_serving)
+        self.phases = self._pooling_phases(runner) if runner.pooler is not None else self._phases(runner)
+        self.total = sum(len(phase) for phase in self.phases)
+        self.state = WarmupState(total=self.total, first_total=len(self.phases[0]))
+        self._queue = collections.deque(job for phase in self.phases for job in phase)  # the next shapes, in order
+        self._queue_lock = threading.Lock()
+        self.cache.promise((job.kind, job.key) for job in self._queue)
+        self.cache.on_wait = self.urgent
+
+    @staticmethod
+    def _phases(runner) -> list[list[Job]]:
+        """A generating runner's shapes in the three phases of the module docstring."""
         first_steps, first_samplers = runner.first_request_shapes()
         rest_steps = [b for b in runner.all_buckets() if b not in first_steps]
         rest_samplers = [s for s in runner.sampler_shapes() if s not in first_samplers]
         prompt = [Job("prompt_logprobs", n, runner.lower_prompt_logprobs) for n in runner.prompt_logprob_buckets]
-        self.phases = [
+        return [
             [Job("forward", b, runner.lower_forward) for b in first_steps]
             + [Job("sample", s, runner.lower_sampler) for s in first_samplers]
             + (prompt if runner.warmup_prompt_logprobs else []),
@@ -145,12 +157,12 @@ class WarmupPlan:
             + [Job("multi_step", b, runner.lower_multi_step) for b in runner.multi_step_buckets()],
             [] if runner.warmup_prompt_logprobs else prompt,
         ]
-        self.total = sum(len(phase) for phase in self.phases)
-        self.state = WarmupState(total=self.total, first_total=len(self.phases[0]))
-        self._queue = collections.deque(job for phase in self.phases for job in phase)  # the next shapes, in order
-        self._queue_lock = threading.Lock()
-        self.cache.promise((job.kind, job.key) for job in self._queue)
-        self.cache.on_wait = self.urgent
+
+    @staticmethod
+    def _pooling_phases(runner) -> list[list[Job]]:
+        """The pooling runner's shapes: its pooled steps (prefill chunks only), every one before the
+        server is ready (no sampler, decode, multi-step or prompt-logprob shapes)."""
+        return [[Job("pool", runner.pool_key(b), runner.lower_pool) for b in runner.all_buckets()], [], []]
 
     # ---- one shape each -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -207,7 +219,7 @@ class WarmupPlan:
                         self.gate.idle_threads = max(1, threads // 2)
                     self.state.first_ready.set()
         log.info("warm-up compiled %d shapes (%d steps, %d samplers, %d multi-step, %d prompt-logprob) in %.1fs%s",
-                 self.total, len(self.cache.keys("forward")), len(self.cache.keys("sample")),
+                 self.total, len(self.cache.keys("forward")) + len(self.cache.keys("pool")), len(self.cache.keys("sample")),
                  len(self.cache.keys("multi_step")), len(self.cache.keys("prompt_logprobs")),
                  time.perf_counter() - start,
                  "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
@@ -238,7 +250,7 @@ class WarmupPlan:
         """Compiles every shape (in a thread when `background`); returns the count."""
         threads = os.cpu_count() or 1
         log.info("warm-up: compiling %d shapes (%d prompt-logprob shapes among them) on %d threads%s (a filled "
-                 "compilation cache makes this seconds)", self.total, len(self.runner.prompt_logprob_buckets),
+                 "compilation cache makes this seconds)", self.total, sum(job.kind == "prompt_logprobs" for phase in self.phases for job in phase),
                  threads, ", serving once the first requests' shapes are ready" if background else "")
         if background:
             threading.Thread(target=self._compile_in_background, args=(threads,), name="warm-up", daemon=True).start()

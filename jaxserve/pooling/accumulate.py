@@ -4,7 +4,8 @@ The device pools each prefill chunk on its own (`jaxserve.pooling.poolers.chunk_
 classifier's activated scores of each chunk's last row); a `PooledPrompt` per request takes them
 in order, chunk by chunk, and once the prompt's last chunk is in gives the prompt's pooled vector:
 the last chunk's (LAST, a classifier's scores), the first chunk's (CLS), or the sum of every
-chunk's sums over the prompt's length (MEAN). `finish_embedding` then keeps a request's first
+chunk's sums over the prompt's length (MEAN); a pooling engine keeps one per request in flight
+(`PooledRequests`). `finish_embedding` then keeps a request's first
 `dimensions` values (matryoshka) and normalizes, as the model's pooler config asks.
 No jax here: the vectors are one per request, finished where the outputs are.
 """
@@ -38,6 +39,14 @@ class PooledPrompt:
             self._value = partial.copy()
         self.tokens_seen += num_tokens
 
+    def skip_cached(self, num_tokens: int) -> None:
+        """The prompt's first `num_tokens` came from the prefix cache: their rows are never computed,
+        which only LAST pooling (the last row alone) allows."""
+        if self.pooling_type != "LAST" or self.tokens_seen or not 0 <= num_tokens < self.prompt_len:
+            raise ValueError(f"{self.pooling_type} pooling of a {self.prompt_len}-token prompt cannot skip "
+                             f"{num_tokens} cached tokens after {self.tokens_seen}")
+        self.tokens_seen = num_tokens
+
     @property
     def done(self) -> bool:
         return self.tokens_seen == self.prompt_len
@@ -47,6 +56,31 @@ class PooledPrompt:
         if not self.done:
             raise ValueError(f"pooled after {self.tokens_seen} of {self.prompt_len} tokens")
         return self._value / self.prompt_len if self.pooling_type == "MEAN" else self._value
+
+
+class PooledRequests:
+    """A pooling engine's prompts in flight, by request id, each a PooledPrompt fed every step.
+
+    A chunk that does not continue its prompt's last one starts the prompt over (the request was
+    preempted and is recomputed from its first token, or from its cached prefix: LAST only)."""
+
+    def __init__(self, pooling_type: str):
+        self.pooling_type = pooling_type
+        self._prompts: dict[str, PooledPrompt] = {}
+
+    def add(self, request_id: str, prompt_len: int, start: int, num_tokens: int, partial: np.ndarray) -> None:
+        """One chunk of a request's prompt (its tokens start .. start + num_tokens - 1) and its partial."""
+        pooled = self._prompts.get(request_id)
+        if pooled is None or pooled.tokens_seen != start:
+            pooled = self._prompts[request_id] = PooledPrompt(self.pooling_type, prompt_len)
+            if start:
+                pooled.skip_cached(start)
+        pooled.add(partial, start, num_tokens)
+
+    def pop(self, request_id: str) -> np.ndarray | None:
+        """The request's pooled vector once its whole prompt is in (None before); forgets the request."""
+        pooled = self._prompts.pop(request_id, None)
+        return pooled.pooled() if pooled is not None and pooled.done else None
 
 
 def finish_embedding(pooled: np.ndarray, normalize: bool, dimensions: int | None = None) -> np.ndarray:

@@ -12,9 +12,12 @@ a prompt's chunks (`jaxserve.pooling.accumulate`):
   prompt's length);
 - `classify`: a `*ForSequenceClassification` score head on rows (each chunk's last row: the prompt's
   final chunk's is the one kept) and its activation.
-A chunk with no tokens (a padding chunk of the step's bucket) pools to zeros.
+A chunk with no tokens (a padding chunk of the step's bucket) pools to zeros. `pooled_step` is
+the pooling runner's whole step: the forward, then the chunks pooled (jaxserve.executor.runner).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,3 +65,21 @@ def classify(last_hidden: jax.Array, score_weight: jax.Array, activation: str) -
     logits = jnp.einsum("sd,ld->sl", last_hidden.astype(jnp.float32), score_weight.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     return apply_activation(logits, activation)
+
+
+def pooled_step(params: dict, kv_cache: dict, batch: dict, score_head: jax.Array | None, *, forward: Callable,
+                config: ModelConfig, pooling_type: str, activation: str) -> tuple[jax.Array, dict]:
+    """The pooling runner's step: `forward` (llama.forward, its static arguments bound) over a
+    batch of prefill chunks only, computing no logits (batch["logits_indices"] is empty), then each
+    chunk pooled: [S, D] float32 partials, or with a `score_head` [L, D] each chunk's last row
+    scored and activated, [S, L]. Returns (pooled, kv_cache)."""
+    num_prefill = batch["token_ids"].shape[0] - batch["decode_seq_lens"].shape[0]  # static: the bucket's
+    _, kv_cache, rows = forward(params, kv_cache, batch, prefill_hidden_rows=num_prefill)  # rows [T, D]
+    query_start_loc = batch["prefill_query_start_loc"]
+    if score_head is not None:  # a classifier reads the last row of each chunk
+        last = final_hidden(params, chunk_partials(rows, query_start_loc, "LAST"), config)  # [S, D]
+        return classify(last, score_head, activation), kv_cache
+    if pooling_type == "MEAN":  # the norm of every row, then the sums
+        return chunk_partials(final_hidden(params, rows, config), query_start_loc, "MEAN"), kv_cache
+    # LAST, CLS: one row per chunk, normed (a padding chunk's zeros stay zeros)
+    return final_hidden(params, chunk_partials(rows, query_start_loc, pooling_type), config), kv_cache
