@@ -17,7 +17,8 @@ soft-cap and scale); the Mosaic kernels at the layouts of Llama-3 / Mistral, Smo
 (head_dim 256) and float16 with a group of 8, with a window, soft-cap and scale, over int8 pages
 (fp8 pages: the kernels step, at Llama-3-8B's shape), and their independence of the block table's
 order (Qwen2.5's group of 7 stays in CI: SmolLM2's group of 3 pads the same way); the grouped
-matmul in bfloat16 and float32 and its empty groups; an engine serving with the Triton backend
+matmul in bfloat16 and float32 and its empty groups; the multi-LoRA kernel at SmolLM2's decode
+shape in bfloat16; an engine serving with the Triton backend
 hidden (tests/test_dispatch_fallback.py). The rest (other page sizes and splits of the same
 layouts, the XLA path's own cases, host-side checks, CPU-only invariants) stays in CI.
 
@@ -37,13 +38,15 @@ import time
 # 2-core machine under load): a Triton / Mosaic / XLA-path / reference program at a test's shapes.
 COMPILE_S = {"triton decode": 1.43, "triton ragged": 2.35, "mosaic decode": 2.49, "mosaic ragged": 3.99,
              "xla decode": 2.96, "xla ragged": 3.67, "reference decode": 1.48, "reference ragged": 2.23,
-             "grouped": 1.40, "engine shape": 2.5}
+             "grouped": 1.40, "engine shape": 2.5,
+             "lora": 0.40, "lora reference": 0.44}  # the LoRA pair measured 2026-12-05 06:55 UTC
 # What an item compiles: tests/test_kernels.py's checks compile the Triton kernel, the reference and
 # the XLA path; the Mosaic decode test two split counts; the engine test, on its 2 engines, 4 step shapes
 # and 3 sampler shapes (counted with jax_log_compiles: 6 at an engine shape's cost in all).
 TRITON_DECODE = ("triton decode", "reference decode", "xla decode")
 TRITON_RAGGED = ("triton ragged", "reference ragged", "xla ragged")
 K, M, G = "tests/test_kernels.py::", "tests/test_mosaic_kernels.py::", "tests/test_grouped_matmul.py::"
+LORA = "tests/test_lora_kernels.py::"
 GPU_TESTS = [
     (K + "test_paged_decode_matches_oracle[ps16-d128-g4-kv1-bfloat16]", TRITON_DECODE),
     (K + "test_ragged_matches_oracle[ps16-d128-g4-kv1-bfloat16]", TRITON_RAGGED),
@@ -62,6 +65,7 @@ GPU_TESTS = [
     (M + "test_mosaic_results_do_not_depend_on_the_block_table_order", ("mosaic decode",)),
     (G + "test_kernel_matches_ragged_dot[prefill-default-tiles-bfloat16]", ("grouped",) * 2),
     (G + "test_the_matrices_of_empty_groups_are_never_read[kernel]", ("grouped",) * 2),  # float32
+    (LORA + "test_update_matches_the_reference[kernel-decode-smollm2-k-bfloat16]", ("lora", "lora reference")),
     ("tests/test_dispatch_fallback.py::test_an_engine_serves_with_the_triton_backend_hidden", ("engine shape",) * 6),
 ]
 # The dry run, interpreted on the CPU: one decode and one ragged case of each kernel family at 8B-like heads.
@@ -90,7 +94,7 @@ def measure() -> dict:
     import jax.numpy as jnp
 
     from jaxserve.planning import gpu_compile
-    from pallas_kernels import grouped_matmul, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
+    from pallas_kernels import grouped_matmul, lora_bgmv, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
     from pallas_kernels import reference, xla_paged
 
     mesh = gpu_compile.gpu_mesh("h200", 1)
@@ -103,6 +107,7 @@ def measure() -> dict:
     decode = (spec((6, 4, 128)), pages, pages, table, lens)
     ragged = (spec((40, 4, 128)), pages, pages, table, lens, spec((7,), jnp.int32))
     grouped = (spec((200, 128)), spec((7, 128, 256)), spec((7,), jnp.int32))
+    lora = (spec((32, 576)), spec((5, 576, 16)), spec((5, 16, 192)), spec((32,), jnp.int32))  # SmolLM2's k, decode
     programs = {"triton decode": (paged_decode.paged_decode_attention, decode),
                 "triton ragged": (ragged_prefill.ragged_paged_attention, ragged),
                 "mosaic decode": (mosaic_decode.paged_decode_attention, decode),
@@ -111,7 +116,8 @@ def measure() -> dict:
                 "xla ragged": (xla_paged.ragged_paged_attention, ragged),
                 "reference decode": (reference.paged_decode_attention, decode),
                 "reference ragged": (reference.ragged_paged_attention, ragged),
-                "grouped": (grouped_matmul.grouped_matmul, grouped)}
+                "grouped": (grouped_matmul.grouped_matmul, grouped),
+                "lora": (lora_bgmv.lora_update, lora), "lora reference": (reference.lora_update, lora)}
     seconds = {}
     for name, (function, args) in programs.items():
         start = time.perf_counter()
