@@ -240,3 +240,58 @@ def test_generate_runs_each_line_with_its_adapter(models, tmp_path, capsys):
     out.unlink()
     assert cli.main(["jaxserve", "generate", *flags]) == 2
     assert "id 9" in capsys.readouterr().err
+
+
+def test_a_thousand_loads_and_unloads_beside_running_streams(server, models, tmp_path):
+    """Hostile use of the run-time routes: a corrupt adapter and one whose config lies are 400s,
+    and a thousand load/unload calls (every tenth adapter also used by a request) while two
+    greedy streams run leave the streams' tokens unchanged and the server's memory flat."""
+    import shutil
+    import threading
+
+    import psutil
+    base_dir, paths, torch_models = models
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(paths["attn8"], corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    liar = tmp_path / "liar"
+    shutil.copytree(paths["attn8"], liar)
+    config = json.loads((liar / "adapter_config.json").read_text())
+    (liar / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))  # the tensors have rank 8
+    for bad in (corrupt, liar, tmp_path / "missing"):
+        response = requests.post(server.url + "/v1/load_lora_adapter",
+                                 json={"lora_name": "bad", "lora_path": str(bad)}, timeout=30)
+        assert response.status_code == 400 and "error" in response.json(), (bad, response.text)
+
+    tokenizer = server.async_engine.tokenizer
+    prompt = prompts(SEED + 3, 1)[0]
+    expected = {name: tokenizer.decode(hf_greedy(torch_models[name], prompt, 48)) for name in (None, "attn8")}
+    base_name = server.async_engine.model_name
+    streamed, done = {}, threading.Event()
+
+    def stream(name):
+        with requests.post(server.url + "/v1/completions", json={
+                "model": name or base_name, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True, "stream": True}, timeout=300, stream=True) as response:
+            streamed[name] = streamed_text(response)
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in expected]
+    for thread in threads:
+        thread.start()
+    rss = psutil.Process().memory_info().rss
+    for i in range(1000):
+        response = requests.post(server.url + "/v1/load_lora_adapter",
+                                 json={"lora_name": "churn", "lora_path": paths["mlp4"]}, timeout=30)
+        assert response.status_code == 200, (i, response.text)
+        if i % 10 == 0:
+            assert completion(server, "churn", prompt[:4]).status_code == 200
+        response = requests.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "churn"}, timeout=30)
+        assert response.status_code == 200, (i, response.text)
+        if i == 100:
+            rss = psutil.Process().memory_info().rss  # once the caches (HTTP, compiled shapes) are warm
+    grown = psutil.Process().memory_info().rss - rss
+    for thread in threads:
+        thread.join(300)
+    assert streamed == expected, f"seed {SEED}"
+    assert grown < 64 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 900 load/unload calls"
+    assert len(server.async_engine.engine.loras.slotted) <= 2
