@@ -17,6 +17,7 @@ import queue
 import threading
 from typing import Callable, Sequence
 
+from jaxserve.core.engine_client import PoolingService
 from jaxserve.core.outputs import EngineStats, EngineUnavailableError, QueueFullError, RequestOutput, StepRecord
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
@@ -38,6 +39,9 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.limits.max_seq_len  # the context a request can really use
         self.lora_enabled = self.engine.loras is not None
+        self.pooling = None if self.engine.pooler is None else PoolingService(
+            self.engine.pooler, self.engine.model_config.hidden_size, self.engine.model_config.vocab_size,
+            self.engine.config.max_inputs_per_request)
         self._loops = [_CoreLoop(e, max_waiting_requests or e.config.max_waiting_requests) for e in self.replicas]
         self._owner: dict[str, _CoreLoop] = {}  # request id -> the core it runs on, while in flight
         self._pricers = None  # step_pricing.StepPricer per core, once a step listener is added

@@ -22,7 +22,7 @@ from aiohttp import web
 from jaxserve.core.engine_client import EngineClient
 from jaxserve.core.outputs import EngineUnavailableError, QueueFullError
 from jaxserve.core.request import InvalidRequestError, SamplingParams
-from serve import lora_routes, web_ui
+from serve import lora_routes, pooling_routes, web_ui
 from serve.chat_output import choice_output_factory
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.fanout import ChoiceFanout, ServerStopping
@@ -182,7 +182,14 @@ class ServerState:
                                 "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                                 "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                                 "organization": "*", "group": None, "is_blocking": False}],
-                "sampling_defaults": dict(self.config.sampling_defaults)}
+                "sampling_defaults": dict(self.config.sampling_defaults), **self.runner_fields()}
+
+    def runner_fields(self) -> dict[str, Any]:
+        """What the model card says the runner serves: vLLM's runner name and its tasks."""
+        pooling = self.engine.pooling
+        if pooling is None:
+            return {"runner": "generate", "tasks": ["generate"]}
+        return {"runner": "pooling", "tasks": ["classify", "score"] if pooling.pooler.classifier else ["embed", "score"]}
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -210,6 +217,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.
     app.router.add_get("/tokenizer_info", handle_tokenizer_info)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    pooling_routes.add_routes(app, lambda request: request.app[STATE], _read_json)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_stop_engine)
@@ -373,6 +381,10 @@ def _parse_json(raw: bytes) -> Any:
         raise ProtocolError("the request body is nested too deeply") from None
 
 
+async def _read_json(request: web.Request) -> Any:
+    return _parse_json(await _read_body(request))
+
+
 async def _read_body(request: web.Request) -> bytes:
     """The body, within the server's body timeout (see serve.connections)."""
     try:
@@ -389,6 +401,8 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
     engine = state.engine
     if state.draining:
         raise ProtocolError("the server is shutting down", status=503, error_type="server_error", code="shutting_down")
+    if engine.pooling is not None:
+        raise pooling_routes.generation_refusal()
     raw = await _read_body(request)
     loop = asyncio.get_running_loop()
     req, prepared = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat, parse)

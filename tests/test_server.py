@@ -105,6 +105,7 @@ class FakeEngine:
         self.tokenizer = byte_tokenizer()
         self.model_name = MODEL
         self.max_model_len = max_model_len
+        self.pooling = None  # a generating engine
         self.max_running, self.max_waiting = max_running, max_waiting
         self.token_delay_s = token_delay_s
         self.page_size, self.num_pages = page_size, num_pages

@@ -9,10 +9,22 @@ so the server never probes for one. No jax here.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from jaxserve.core.outputs import EngineStats, RequestOutput, StepRecord
 from jaxserve.core.request import SamplingParams
+from jaxserve.pooling.config import PoolerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingService:
+    """What a pooling engine (--runner=pooling) serves: how its model pools, and the bounds of a
+    pooling request's inputs (token ids below vocab_size, dimensions at most hidden_size)."""
+    pooler: PoolerConfig
+    hidden_size: int
+    vocab_size: int
+    max_inputs_per_request: int
 
 
 class DeltaStream(Protocol):
@@ -44,6 +56,13 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int:
         """The context a request can really use: prompt plus output tokens."""
+
+    @property
+    def pooling(self) -> PoolingService | None:
+        """What the engine pools (--runner=pooling: the server's embedding, score, rerank and classify
+        routes), or None for a generating engine (the completion routes). A pooling engine's requests
+        are `generate` calls with `jaxserve.core.request.pooling_params()`; each one's finished delta
+        carries its pooled vector (RequestOutput.pooled)."""
 
     @property
     def lora_enabled(self) -> bool:
