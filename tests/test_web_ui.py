@@ -487,3 +487,30 @@ def test_cross_origin_calls_from_a_browser_need_allowed_origins(browser, make_se
     assert result[:2] == ["ok", 200] and len(result[2]) == 2
     result = browser.execute_async_script(fetch, url(closed, ""))
     assert result[0] == "failed" and closed.engine.prompts == []
+
+
+@needs_browser
+def test_a_lora_adapter_is_picked_from_the_models_list(browser, make_server):
+    """With LoRA adapters served, the page lists them beside the base model; the one picked is the
+    `model` of the next message (the engine gets its adapter), and the base model again after."""
+    from selenium.webdriver.support.ui import Select
+
+    from jaxserve.setting_checks import LoRAModule
+    server = make_server()
+    single = Page(browser, server)
+    single.wait(lambda: single.status_state() == "ok")
+    assert not single.find("#model-select").is_displayed() and single.find("#model-name").is_displayed()
+    server.engine.lora_modules = lambda: [LoRAModule("sql", "/adapters/sql")]
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    select = Select(page.find("#model-select"))
+    assert [o.text for o in select.options] == [MODEL, "sql (LoRA)"] and page.find("#model-select").is_displayed()
+    select.select_by_value("sql")
+    page.set_field("max-tokens", 2)
+    page.send("hi")
+    page.wait_finished(1)
+    select.select_by_value(MODEL)
+    page.send("again")
+    page.wait_finished(2)
+    assert [p.lora_name for p in server.engine.params] == ["sql", None]
+    assert not page.console_errors()

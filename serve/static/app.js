@@ -9,10 +9,10 @@
     messages: $("messages"), emptyHint: $("empty-hint"), form: $("composer"), input: $("input"),
     send: $("send"), stop: $("stop"), clear: $("clear"), keyBox: $("api-key-box"), key: $("api-key"),
     system: $("system-prompt"), temperature: $("temperature"), topP: $("top-p"), maxTokens: $("max-tokens"),
-    seed: $("seed"), modelName: $("model-name"), modelCtx: $("model-ctx"), status: $("server-status"),
-    statusText: $("status-text"),
+    seed: $("seed"), modelName: $("model-name"), modelSelect: $("model-select"), modelCtx: $("model-ctx"),
+    status: $("server-status"), statusText: $("status-text"),
   };
-  const state = { model: null, history: [], controller: null };
+  const state = { model: null, models: [], history: [], controller: null };
 
   function setStatus(kind, text) {
     ui.status.dataset.state = kind;
@@ -69,16 +69,32 @@
       return;
     }
     const body = await response.json();
-    const model = body.data && body.data[0];
-    if (!model) {
+    state.models = body.data || [];
+    if (!state.models.length) {
       setStatus("down", "no model served");
       return;
     }
+    // The base model, or a LoRA adapter (listed with its `parent`): picked in the select when the
+    // server serves more than one; the choice is kept across reloads while it is still served.
+    const model = state.models.find((m) => m.id === state.model) || state.models[0];
+    ui.modelSelect.replaceChildren(...state.models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.parent ? m.id + " (LoRA)" : m.id;
+      return option;
+    }));
+    ui.modelSelect.hidden = state.models.length < 2;
+    ui.modelName.hidden = !ui.modelSelect.hidden;
+    useModel(model);
+    setStatus("ok", "ready");
+  }
+
+  function useModel(model) {
     state.model = model.id;
+    ui.modelSelect.value = model.id;
     ui.modelName.textContent = model.id;
     ui.modelCtx.textContent = model.max_model_len ? model.max_model_len + " tokens" : "?";
     showSamplingDefaults(model.sampling_defaults || {});
-    setStatus("ok", "ready");
   }
 
   // An empty sampling field shows the value the server will use for it (its defaults, else OpenAI's).
@@ -345,6 +361,10 @@
     ui.input.focus();
   });
   ui.key.addEventListener("change", loadModels);
+  ui.modelSelect.addEventListener("change", () => {
+    const model = state.models.find((m) => m.id === ui.modelSelect.value);
+    if (model) useModel(model);
+  });
 
   loadModels();
   ui.input.focus();
