@@ -295,3 +295,31 @@ def test_a_thousand_loads_and_unloads_beside_running_streams(server, models, tmp
     assert streamed == expected, f"seed {SEED}"
     assert grown < 64 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 900 load/unload calls"
     assert len(server.async_engine.engine.loras.slotted) <= 2
+
+
+def test_ngram_speculation_and_int8_weights_under_adapters(models):
+    """n-gram speculation's verification steps carry each row's slot at every position: the same
+    greedy tokens as without it; over int8 base weights the adapters still change the output and
+    speculation still gives the same tokens."""
+    base_dir, paths, torch_models = models
+    modules = tuple(LoRAModule(name, path) for name, path in paths.items())
+    rng = np.random.default_rng(SEED + 4)
+    motif = rng.integers(100, 49000, 6).tolist()
+    batch = [motif * 4, prompts(SEED + 5, 1)[0], motif * 3 + [7, 8]]  # repetition: proposals get accepted
+    names = ["attn8", "all16", None]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, lora_name=n) for n in names]
+    expected = [hf_greedy(torch_models[n], p, 16) for n, p in zip(names, batch)]
+    engine_args = {**ENGINE, "max_loras": 3}
+    for extra in ({}, {"quantization": "int8"}):
+        plain = Engine.from_model(base_dir, EngineConfig(**engine_args, **extra, lora_modules=modules))
+        speculating = Engine.from_model(base_dir, EngineConfig(**engine_args, **extra, lora_modules=modules,
+                                                               speculative_method="ngram", num_speculative_tokens=3))
+        tokens = [r.token_ids for r in plain.generate(batch, params)]
+        assert [r.token_ids for r in speculating.generate(batch, params)] == tokens, f"{extra} seed {SEED}"
+        assert speculating.scheduler.spec_stats.num_accepted_tokens > 0, "no proposal was accepted: proves nothing"
+        if not extra:
+            assert tokens == expected, f"seed {SEED}"
+        else:
+            base = [r.token_ids for r in plain.generate(batch, [SamplingParams(
+                max_tokens=16, temperature=0.0, ignore_eos=True)] * 3)]
+            assert tokens[0] != base[0] and tokens[1] != base[1], "int8: the adapters change nothing"
