@@ -77,8 +77,9 @@ class LoRARegistry:
         return name in self._known
 
     def modules(self) -> list[LoRAModule]:
-        """The adapters served, in the order they were added."""
-        return [known.module for known in self._known.values()]
+        """The adapters served, in the order they were added (a snapshot: the server's threads read
+        it while the engine's thread adds and removes)."""
+        return [known.module for known in list(self._known.values())]
 
     def prefix_salt(self, name: str | None) -> bytes:
         """What the prefix cache keys a request's pages with: b"" for the base model, else the
