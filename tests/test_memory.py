@@ -354,3 +354,16 @@ def test_vllm_engine_flag_names_are_aliases():
     config = engine_flags.engine_config(fv)
     assert (config.memory_utilization, config.page_size, config.num_pages) == (0.5, 32, 100)
     assert "gpu_memory_utilization" in fv.get_help()
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_the_pooling_runner_plans_no_decode_rows_and_no_logits(backend):
+    model = ModelConfig.from_hf_dict(SMOLLM2_135M)
+    shape = dict(max_num_batched_tokens=64, max_num_seqs=64, max_context_len=64, max_prefill_seqs=1,
+                 backend=backend)  # the logits of 64 rows outweigh the step's other phases
+    generating = memory.activation_bytes(model, **shape)
+    pooling = memory.activation_bytes(model, **shape, pooling=True)
+    no_logits = memory.activation_bytes(dataclasses.replace(model, vocab_size=1), **shape, pooling=True)
+    assert pooling < generating and pooling == no_logits  # the vocabulary no longer counts
+    assert pooling == memory.activation_bytes(dataclasses.replace(model, vocab_size=1),
+                                              **{**shape, "max_num_seqs": 0})  # nor the decode rows

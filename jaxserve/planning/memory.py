@@ -246,6 +246,7 @@ def activation_bytes(
     backend: str = "reference",
     weight_dtype: str | None = None,
     kv_dtype: str = "auto",
+    pooling: bool = False,
 ) -> int:
     """Peak live activations of the largest step bucket on one device.
 
@@ -282,8 +283,12 @@ def activation_bytes(
     `backend="mosaic"` is the same build with the Mosaic GPU kernels, which over int8 pages
     (`kv_dtype`) also gather each sequence's K and V scales into one float32 array per call
     (pallas_kernels.mosaic_common.sequence_scales): attention += (S + P) hkv 2 C * 4.
+
+    The pooling runner (`pooling`, --runner=pooling) has no decode rows and no logits: S is 0 in
+    every term and the logits phase is gone (its pooled rows, P x d, are noise next to the rest).
     """
     tp = tensor_parallel_size
+    max_num_seqs = 0 if pooling else max_num_seqs  # (the pooling runner: prefill chunks only)
     a = FLOAT_DTYPE_BYTES[normalize_dtype(compute_dtype, tuple(FLOAT_DTYPE_BYTES))]
     tokens, seqs, context = max_num_batched_tokens, max_num_seqs, max_context_len
     hd = model.head_dim
@@ -300,7 +305,7 @@ def activation_bytes(
             attention += (seqs + p) * hkv * 2 * context * KV_SCALE_BYTES[kv_dtype]
         step = (layer_weights + 2 * tokens * model.hidden_size * a
                 + max(attention, _mlp_bytes(model, tokens, tp, a, gpu=True)))
-        return int(max(step, GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
+        return int(max(step, 0 if pooling else GPU_LOGITS_COPIES * (seqs + p) * model.vocab_size * 4))
     residual = 2 * tokens * model.hidden_size * a
     attention = (tokens * (hq + 2 * hkv) * hd * a
                  + ATTENTION_SCORE_COPIES * p * hq * tokens * context * 4
@@ -436,7 +441,7 @@ def plan_memory(
         model, compute_dtype=compute_dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_context_len=pages_per_seq * page_size, tensor_parallel_size=tp,
         max_prefill_seqs=cfg.max_num_prefill_seqs, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-        backend=estimated_backend(cfg))
+        backend=estimated_backend(cfg), pooling=cfg.runner == "pooling")
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_page = per_token * page_size
     kv_budget = usable - resident - activations - reserve
