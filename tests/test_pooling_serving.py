@@ -51,10 +51,10 @@ def build(root, family: str, head: str, **fields) -> tuple[object, str]:
 
 @pytest.fixture(scope="module", params=sorted(EMBEDDERS))
 def embedder(request, tmp_path_factory):
-    """(family, torch model, live pooling server) of an embedding model."""
+    """(family, torch model, live pooling server, converted directory) of an embedding model."""
     model, converted = build(tmp_path_factory.mktemp(f"embed_{request.param}"), request.param, "Model")
     live = LiveServer(Engine.from_model(converted, EngineConfig(**ENGINE)), ServerConfig(drain_timeout_s=2.0))
-    yield request.param, model, live
+    yield request.param, model, live, converted
     live.close()
 
 
@@ -72,7 +72,7 @@ def cosine(a, b) -> float:
 
 
 def test_embeddings_equal_transformers_for_text_and_token_ids_beside_other_requests(embedder):
-    family, model, server = embedder
+    family, model, server, _ = embedder
     tokenizer = server.async_engine.tokenizer
     rng = np.random.default_rng(SEED)
     id_inputs = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (1, 7, 40, 128)]  # 128: the whole context
@@ -99,7 +99,7 @@ def test_embeddings_equal_transformers_for_text_and_token_ids_beside_other_reque
 
 
 def test_scores_and_rerank_order_are_the_embeddings_cosines(embedder):
-    family, model, server = embedder
+    family, model, server, _ = embedder
     tokenizer = server.async_engine.tokenizer
     vectors = {t: expected_embedding(family, model, tokenizer(t)["input_ids"]) for t in TEXTS}
     query, documents = TEXTS[3], TEXTS[:3] + TEXTS[4:]
@@ -117,7 +117,7 @@ def test_scores_and_rerank_order_are_the_embeddings_cosines(embedder):
 
 def test_the_openai_client_embeds_unchanged(embedder):
     from openai import OpenAI
-    family, model, server = embedder
+    family, model, server, _ = embedder
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     ids = client.embeddings.create(model=server.async_engine.model_name, input=TEXTS[:2])  # base64 by default
     floats = client.embeddings.create(model=server.async_engine.model_name, input=TEXTS[:2], encoding_format="float")
@@ -132,7 +132,7 @@ def test_the_openai_client_embeds_unchanged(embedder):
 
 
 def test_bad_input_is_a_400_naming_the_field_and_the_server_goes_on(embedder):
-    family, model, server = embedder
+    family, model, server, _ = embedder
     hidden = model.config.hidden_size
     cases = [({"input": []}, "input"), ({"input": [[]]}, "input[0]"), ({"input": list(range(3, 140))}, "input"),
              ({"input": [[1, VOCAB]]}, "input[0]"), ({"input": "x", "dimensions": 0}, "dimensions"),
@@ -197,3 +197,21 @@ def test_a_generating_server_refuses_the_pooling_routes():
         assert card["runner"] == "generate"
     finally:
         server.close()
+
+
+def test_generate_with_the_pooling_runner_writes_embeddings_as_jsonl(tmp_path, embedder):
+    import json
+
+    from jaxserve.commands import cli
+    family, model, server, converted = embedder
+    tokenizer = server.async_engine.tokenizer
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": text}) + "\n" for i, text in enumerate(TEXTS)))
+    assert cli.main(["jaxserve", "generate", f"--model={converted}", f"--input={inp}", f"--output={out}",
+                     "--runner=pooling", "--max_model_len=128", "--num_pages=160", "--noprogress"]) == 0
+    lines = {line["id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert sorted(lines) == list(range(len(TEXTS)))
+    for i, text in enumerate(TEXTS):
+        ids = tokenizer(text)["input_ids"]
+        assert lines[i]["num_prompt_tokens"] == len(ids)
+        assert cosine(lines[i]["embedding"], expected_embedding(family, model, ids)) >= 0.99999

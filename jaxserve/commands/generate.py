@@ -5,6 +5,9 @@ optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
 name of a LoRA adapter of --lora_modules (with --enable_lora) the line runs with. Output lines:
 {"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as
 requests finish (completion order, not input order: match lines by id). Ids already in the output file are skipped, so an interrupted run resumes.
+With --runner=pooling each line's prompt is pooled instead (no per-line sampling fields): output
+lines {"id", "embedding", "num_prompt_tokens"} (the model's dimensions and normalization), or a
+classifier's {"id", "probs", "label", "num_prompt_tokens"} (docs/pooling.md).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.commands import engine_flags
-from jaxserve.core.request import SamplingParams, check_sampling_params
+from jaxserve.core.request import SamplingParams, check_sampling_params, pooling_params
+from jaxserve.pooling.accumulate import finish_embedding
 from jaxserve.engine import Engine
 from serve.prompts import encode_chat, encode_text
 
@@ -116,8 +120,14 @@ def run(fv: flags.FlagValues) -> int:
         params = []
         for item in items:
             sp = SamplingParams(**{**base, **{_LINE_FIELDS.get(k, k): item[k] for k in _LINE_OVERRIDES if k in item}})
+            if fv.runner == "pooling":  # the prompt alone, pooled
+                overrides = [k for k in _LINE_OVERRIDES if k in item]
+                if overrides:
+                    raise InputError(f"{fv.input}: id {item['id']!r}: '{overrides[0]}' does not apply to --runner=pooling")
+                sp = pooling_params()
             try:
-                check_sampling_params(sp)  # early, before the model loads; all of check_request after
+                if fv.runner != "pooling":  # early, before the model loads; all of check_request after
+                    check_sampling_params(sp)
             except ValueError as e:
                 raise InputError(f"{fv.input}: id {item['id']!r}: {e}") from None
             params.append(sp)
@@ -157,6 +167,14 @@ def run(fv: flags.FlagValues) -> int:
     return _run_batch(engine, todo, prompts, fv)
 
 
+def _pooled_fields(pooler, result) -> dict:
+    """A pooled line's result: the embedding, or a classifier's probabilities and label."""
+    if pooler.classifier is not None:
+        probs = [float(p) for p in result.pooled]
+        return {"probs": probs, "label": pooler.classifier.labels[int(np.argmax(probs))]}
+    return {"embedding": finish_embedding(result.pooled, pooler.normalize, pooler.dimensions).tolist()}
+
+
 def _run_batch(engine, todo, prompts, fv) -> int:
     request_ids = [f"line-{i}" for i in range(len(todo))]
     item_of = {rid: item for rid, (item, _) in zip(request_ids, todo)}
@@ -164,6 +182,12 @@ def _run_batch(engine, todo, prompts, fv) -> int:
     start = time.monotonic()
     with open(fv.output, "a", encoding="utf-8") as out:
         def write(result):
+            if engine.pooler is not None:
+                out.write(json.dumps({"id": item_of[result.request_id]["id"], **_pooled_fields(engine.pooler, result),
+                                      "num_prompt_tokens": len(result.prompt_token_ids)}) + "\n")
+                out.flush()
+                bar.update(1)
+                return
             out.write(json.dumps({
                 "id": item_of[result.request_id]["id"], "text": result.text,
                 "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -176,6 +200,11 @@ def _run_batch(engine, todo, prompts, fv) -> int:
                                   on_finish=write)
     bar.close()
     elapsed = time.monotonic() - start
+    if engine.pooler is not None:
+        tokens = sum(len(r.prompt_token_ids) for r in results)
+        print(f"{len(results)} inputs pooled, {tokens} tokens in {elapsed:.1f}s: {tokens / elapsed:.1f} tokens/s",
+              file=sys.stderr)
+        return 0
     num_out = sum(len(r.token_ids) for r in results)
     print(f"{len(results)} requests, {num_out} output tokens in {elapsed:.1f}s: "
           f"{num_out / elapsed:.1f} output tokens/s", file=sys.stderr)

@@ -1,0 +1,126 @@
+"""Embedding speed: SmolLM2 served as an embedding model (--runner=pooling, last token, normalized)
+against transformers in process, same run, same weights and inputs.
+
+256 inputs of 64 random tokens (fixed seed). transformers: the base model's last_hidden_state in
+static batches of 32, the last token's row normalized. jaxserve: the same inputs through the engine
+in process (`Engine.generate`, every input submitted at once), and through the server (8 POST
+/v1/embeddings of 32 token-id inputs each, sent together). Warm-ups excluded; each side is timed
+once after one untimed pass. The embeddings of both sides are compared (lowest cosine).
+
+  python bench/pooling.py --out=bench/out/pooling.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+from bench.hf_baseline import load_hf_model  # noqa: E402
+
+NUM_INPUTS, INPUT_TOKENS, HF_BATCH = 256, 64, 32
+SEED = 51
+
+
+def hf_embeddings(model, inputs: np.ndarray) -> tuple[np.ndarray, float]:
+    """transformers: static batches of HF_BATCH, the last row of last_hidden_state normalized."""
+    import torch
+    out, start = [], time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(inputs), HF_BATCH):
+            hidden = model.model(torch.as_tensor(inputs[i:i + HF_BATCH])).last_hidden_state[:, -1]
+            out.append(torch.nn.functional.normalize(hidden, dim=-1).numpy())
+    return np.concatenate(out), time.perf_counter() - start
+
+
+def engine_embeddings(engine, inputs: np.ndarray) -> tuple[np.ndarray, float]:
+    from jaxserve.core.request import pooling_params
+    from jaxserve.pooling.accumulate import finish_embedding
+    start = time.perf_counter()
+    results = engine.generate([list(map(int, ids)) for ids in inputs], pooling_params())
+    seconds = time.perf_counter() - start
+    return np.stack([finish_embedding(r.pooled, True) for r in results]), seconds
+
+
+def server_embeddings(url: str, model_name: str, inputs: np.ndarray) -> tuple[np.ndarray, float]:
+    import requests
+    bodies = [{"model": model_name, "input": inputs[i:i + HF_BATCH].tolist()} for i in range(0, len(inputs), HF_BATCH)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda body: requests.post(url + "/v1/embeddings", json=body, timeout=600), bodies))
+    seconds = time.perf_counter() - start
+    vectors = [item["embedding"] for r in responses for item in r.json()["data"]]
+    return np.asarray(vectors, np.float32), seconds
+
+
+def start_server(engine) -> str:
+    """The engine behind the app on a loopback port, in a thread with its own event loop."""
+    from jaxserve.async_engine import AsyncEngine
+    from serve.app import ServerConfig, create_app
+    from serve.server import serve_until_stopped
+    loop = asyncio.new_event_loop()
+    ready: concurrent.futures.Future = concurrent.futures.Future()
+    app = create_app(AsyncEngine(engine), ServerConfig(drain_timeout_s=1.0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(serve_until_stopped(app, "127.0.0.1", 0, stop=asyncio.Event(),
+                                                         on_ready=ready.set_result), loop)
+    return f"http://127.0.0.1:{ready.result(timeout=60)}"
+
+
+def lowest_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.min(np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max_num_batched_tokens", type=int, default=512)
+    parser.add_argument("--max_num_prefill_seqs", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from checkpoints.default_model import resolve_model
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    model_dir = resolve_model(args.model)
+    inputs = np.random.default_rng(SEED).integers(100, 40000, (NUM_INPUTS, INPUT_TOKENS))
+    config = EngineConfig(runner="pooling", pooler_config={"pooling_type": "LAST", "normalize": True},
+                          max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_prefill_seqs=args.max_num_prefill_seqs, max_model_len=128)
+    start = time.perf_counter()
+    engine = Engine.from_model(model_dir, config)
+    load_s = time.perf_counter() - start
+    hf_model, _ = load_hf_model(model_dir)
+    engine_embeddings(engine, inputs[:HF_BATCH])  # one untimed pass each
+    hf_embeddings(hf_model, inputs[:HF_BATCH])
+    hf, hf_s = hf_embeddings(hf_model, inputs)
+    ours, ours_s = engine_embeddings(engine, inputs)
+    url = start_server(engine)
+    server_embeddings(url, engine.model_name, inputs[:HF_BATCH])
+    served, served_s = server_embeddings(url, engine.model_name, inputs)
+    result = {"machine": common.machine_line(common.machine_info(with_jax=True)), "load_average": common.load_average(),
+              "inputs": NUM_INPUTS, "input_tokens": INPUT_TOKENS, "hf_batch": HF_BATCH,
+              "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
+                         "max_num_prefill_seqs": args.max_num_prefill_seqs, "load_and_warmup_s": round(load_s, 1)},
+              "transformers_s": round(hf_s, 2), "jaxserve_in_process_s": round(ours_s, 2),
+              "jaxserve_server_s": round(served_s, 2),
+              "in_process_ratio": round(ours_s / hf_s, 3), "server_ratio": round(served_s / hf_s, 3),
+              "lowest_cosine_in_process": lowest_cosine(ours, hf), "lowest_cosine_server": lowest_cosine(served, hf)}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    os._exit(0)  # the server thread and the engine's threads end with the process
+
+
+if __name__ == "__main__":
+    main()
