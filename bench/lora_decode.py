@@ -4,7 +4,8 @@ of rank 16 among 32 decode rows cost at most 1.3x a base-only step on the CPU).
 A SmolLM2-135M-shaped model with random weights (hidden 576, intermediate 1536, 30 layers, 9 query
 and 3 KV heads of 64, vocabulary 49152, tied embeddings), its weights as the engine's step reads
 them (cpu_layout.layer_views), 32 decode rows with contexts of 64-128 tokens. Three steps, timed
-in turns (medians of `--repeats` steps in each of `--rounds` rounds):
+in turns (`--repeats` steps in each of `--rounds` rounds; medians, and minima, which other
+processes' load disturbs least):
   base        llama.forward without a slab (the engine's step today);
   lora        with a slab of 4 adapters of rank 16 on all seven projections (max_loras 4,
               max_lora_rank 16), the rows' slots 0-4 in turn (a fifth of the rows base);
@@ -151,14 +152,17 @@ def main(argv=None) -> int:
     caches = {name: llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, page_size), jnp.float32)
               for name in ("base", "lora", "lora-base")}
     batch = decode_batch(ROWS, 64, 128, page_size, num_pages, max_pages, seed=ROWS)
-    seconds = interleaved_seconds(step_runs(config, params, random_slab(config), batch, caches),
-                                  args.repeats, args.rounds)
-    result = {"step_ms": {k: 1e3 * v for k, v in seconds.items()},
-              "lora_over_base": seconds["lora"] / seconds["base"],
-              "lora_base_rows_over_base": seconds["lora-base"] / seconds["base"]}
-    print(", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items())
-          + f"; lora / base {result['lora_over_base']:.2f}, lora-base / base {result['lora_base_rows_over_base']:.2f}",
-          flush=True)
+    samples = interleaved_seconds(step_runs(config, params, random_slab(config), batch, caches),
+                                  args.repeats, args.rounds, reduce=list)
+    result = {}
+    for statistic, reduce in (("median", np.median), ("min", np.min)):  # min: the least disturbed by load
+        seconds = {name: float(reduce(times)) for name, times in samples.items()}
+        result[statistic] = {"step_ms": {k: 1e3 * v for k, v in seconds.items()},
+                             "lora_over_base": seconds["lora"] / seconds["base"],
+                             "lora_base_rows_over_base": seconds["lora-base"] / seconds["base"]}
+        print(f"{statistic}: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items())
+              + f"; lora / base {seconds['lora'] / seconds['base']:.2f}, "
+              f"lora-base / base {seconds['lora-base'] / seconds['base']:.2f}", flush=True)
     if args.forms:
         form_seconds = interleaved_seconds(form_runs(config), args.repeats, args.rounds)
         base = form_seconds["base matmuls"]

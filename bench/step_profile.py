@@ -88,9 +88,9 @@ def median_seconds(run, repeats):
     return float(np.median(times))
 
 
-def interleaved_seconds(runs: dict, repeats: int, rounds: int) -> dict:
-    """{name: median seconds} of several step functions timed in turns (rounds of `repeats` calls
-    each), so that load from other processes falls on all of them alike."""
+def interleaved_seconds(runs: dict, repeats: int, rounds: int, reduce=lambda times: float(np.median(times))) -> dict:
+    """{name: median seconds} (or `reduce` of the samples) of several step functions timed in turns
+    (rounds of `repeats` calls each), so that load from other processes falls on all of them alike."""
     for run in runs.values():
         run()  # compiled and warm
     samples = {name: [] for name in runs}
@@ -100,7 +100,7 @@ def interleaved_seconds(runs: dict, repeats: int, rounds: int) -> dict:
                 start = time.perf_counter()
                 run()
                 samples[name].append(time.perf_counter() - start)
-    return {name: float(np.median(times)) for name, times in samples.items()}
+    return {name: reduce(times) for name, times in samples.items()}
 
 
 def copy_bandwidth(num_bytes=256 * 2**20, repeats=5):
