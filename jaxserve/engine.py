@@ -24,7 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestMetrics, RequestOutput, StepInputError,
                                    StepRecord, TokenLogprob)
-from jaxserve.core.lora_registry import LoRANotFoundError, LoRARegistry
+from jaxserve.core.lora_registry import LoRANotFoundError, LoRAPlacementError, LoRARegistry
 from jaxserve.setting_checks import LoRAModule
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams,
@@ -270,7 +270,9 @@ class Engine:
         if plan.is_empty:
             return []
         if self.loras is not None:
-            self._place_adapters(plan)
+            failed = self._place_adapters(plan)
+            if failed:  # the step runs next time without them (its pages stay reserved)
+                return failed
         batch = plan.to_batch()
         try:
             result = self.runner.execute(batch)
@@ -316,14 +318,27 @@ class Engine:
             self._last_step_end = time.perf_counter()
         return outputs
 
-    def _place_adapters(self, plan: StepPlan) -> None:
+    def _place_adapters(self, plan: StepPlan) -> list[RequestOutput]:
         """Puts the adapters of the step's requests in the slab's slots (the scheduler keeps at
-        most --max_loras distinct ones running) and gives each request its slot."""
+        most --max_loras distinct ones running) and gives each request its slot. An adapter that
+        cannot be placed (evicted from host memory, its folder gone) is no longer served: its
+        requests end with an error, returned, and the step is not run."""
         names = [r.params.lora_name for r, _ in plan.scheduled if r.params.lora_name is not None]
-        in_use = {r.params.lora_name for r in self.scheduler.running} - {None}
-        slots = self.loras.place(names, in_use)
+        try:
+            slots = self.loras.place(names, self._adapters_in_use())
+        except LoRAPlacementError as e:
+            log.error("%s; its requests fail and it is unloaded", e)
+            if e.name in self.loras:
+                self.loras.remove(e.name)
+            return [self._fail(r, str(e)) for r in self.scheduler.unfinished_requests()
+                    if r.params.lora_name == e.name]
         for request, _ in plan.scheduled:
             request.lora_slot = slots.get(request.params.lora_name, 0)
+        return []
+
+    def _adapters_in_use(self) -> set[str]:
+        """The LoRA adapters of the unfinished requests."""
+        return set(_adapters(self.scheduler.running) + _adapters(self.scheduler.waiting))
 
     # ---- LoRA adapters at run time --------------------------------------------------------
     def read_lora_adapter(self, path: str):
@@ -348,6 +363,7 @@ class Engine:
         if self.loras is None:
             raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
         self.loras.remove(name)
+        self.loras.release_unused(self._adapters_in_use())  # at once when no request uses it
 
     def lora_modules(self) -> list[LoRAModule]:
         """The adapters served (none without LoRA)."""

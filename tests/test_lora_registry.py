@@ -17,9 +17,11 @@ class Device:
     """Records what the registry writes into and clears from the slab's slots."""
 
     def __init__(self):
-        self.slots, self.reads = {}, []
+        self.slots, self.reads, self.missing = {}, [], set()
 
     def load(self, path):
+        if path in self.missing:
+            raise OSError(f"{path}: no such folder")
         self.reads.append(path)
         return f"adapter@{path}"
 
@@ -38,12 +40,13 @@ def registry(max_loras=2, max_cpu_loras=None, names="abc"):
     return loras, device
 
 
-def test_slots_are_reused_least_recently_used_first_and_never_while_in_use():
+def test_slots_are_reused_least_recently_used_first_never_within_the_step():
     loras, device = registry()
     assert loras.place(["a", "b"], set()) == {"a": 1, "b": 2}
     assert loras.place(["a"], {"a"}) == {"a": 1}  # b idle now, a used more recently
-    assert loras.place(["c"], {"a"}) == {"c": 2}  # b's slot: the least recently used one not in use
-    assert device.slots == {1: "adapter@/a", 2: "adapter@/c"}
+    assert loras.place(["c"], {"a"}) == {"c": 2}  # b's slot: the least recently used one
+    assert loras.place(["b", "c"], set()) == {"b": 1, "c": 2}  # a's slot, never c's: c runs in this step
+    assert device.slots == {1: "adapter@/b", 2: "adapter@/c"}
     with pytest.raises(ValueError, match="max_loras"):
         loras.place(["a", "b", "c"], set())
 
@@ -65,12 +68,26 @@ def test_names_and_salts():
     loras.place(["a"], set())
     loras.remove("a")
     assert "a" not in loras and device.slots  # its slot is kept while a request may still use it
+    assert loras.place(["a"], {"a"}) == {"a": 1}  # a request admitted before the unload still runs with it
+    with pytest.raises(ValueError, match="being unloaded"):
+        loras.add(LoRAModule("a", "/new"))
+    loras.release_unused({"a"})
+    assert device.slots
     loras.release_unused(set())
     assert not device.slots
     loras.add(LoRAModule("a", "/new"))
     assert loras.prefix_salt("a") != salt  # pages of the old adapter never serve the new one
     with pytest.raises(LoRANotFoundError, match="cannot be found"):
         loras.remove("nope")
+
+
+def test_an_adapter_that_cannot_be_read_again_is_named():
+    from jaxserve.core.lora_registry import LoRAPlacementError
+    loras, device = registry(max_loras=1, max_cpu_loras=1, names="ab")  # a evicted from host memory by b
+    device.missing.add("/a")
+    with pytest.raises(LoRAPlacementError, match="'a' could not be read again") as caught:
+        loras.place(["a"], set())
+    assert caught.value.name == "a" and not device.slots
 
 
 def make_scheduler(max_loras=2):

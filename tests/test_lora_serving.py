@@ -89,7 +89,7 @@ def test_mixed_adapters_and_base_requests_match_peft(models):
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, lora_name=name)
               for name in names]
     placed, place = [], engine.loras.place
-    engine.loras.place = lambda names, in_use: placed.append(set(names) | in_use) or place(names, in_use)
+    engine.loras.place = lambda names, in_use: placed.append(set(names)) or place(names, in_use)
     results = engine.generate(batch, params)
     assert [r.token_ids for r in results] == expected, f"seed {SEED}"
     # Three adapters over two slots: never more than two running at once, every one placed in
@@ -323,3 +323,42 @@ def test_ngram_speculation_and_int8_weights_under_adapters(models):
             base = [r.token_ids for r in plain.generate(batch, [SamplingParams(
                 max_tokens=16, temperature=0.0, ignore_eos=True)] * 3)]
             assert tokens[0] != base[0] and tokens[1] != base[1], "int8: the adapters change nothing"
+
+
+def run_to_end(engine) -> tuple[dict, dict]:
+    """Steps until every request ended: ({request id: its last delta}, {request id: its tokens})."""
+    last, tokens = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            last[out.request_id] = out
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return last, tokens
+
+
+def test_an_unload_lets_admitted_requests_finish_and_an_unreadable_adapter_fails_only_its_own(models, tmp_path):
+    import shutil
+    base_dir, paths, torch_models = models
+    attn8 = str(tmp_path / "attn8")
+    shutil.copytree(paths["attn8"], attn8)
+    # One slot and one adapter in host memory: attn8, read first, is evicted by mlp4 at the start.
+    engine = Engine.from_model(base_dir, EngineConfig(**{**ENGINE, "max_loras": 1}, max_cpu_loras=1, lora_modules=(
+        LoRAModule("attn8", attn8), LoRAModule("mlp4", paths["mlp4"]))))
+    batch = prompts(SEED + 6, 3)
+    greedy = lambda name: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,  # noqa: E731
+                                         lora_name=name)
+    for i, name in enumerate(("mlp4", "attn8", None)):
+        engine.add_request(f"r{i}", batch[i], greedy(name))
+    engine.unload_lora_adapter("mlp4")  # r0 was admitted with it: it still runs with it
+    shutil.rmtree(attn8)  # attn8 must be read again for r1, and cannot be
+    last, tokens = run_to_end(engine)
+    assert last["r1"].finish_reason == "error" and "'attn8' could not be read again" in last["r1"].error
+    assert tokens["r0"] == hf_greedy(torch_models["mlp4"], batch[0]), f"seed {SEED}"
+    assert tokens["r2"] == hf_greedy(torch_models[None], batch[2]), f"seed {SEED}"
+    outputs = {r.request_id: r for r in engine.generate([batch[2]], [greedy(None)], request_ids=["again"])}
+    assert outputs["again"].token_ids == hf_greedy(torch_models[None], batch[2])
+    assert "mlp4" not in engine.loras and "attn8" not in engine.loras and not engine.loras.slotted
+    with pytest.raises(ValueError, match="does not exist"):
+        engine.check_request(batch[0], greedy("mlp4"))
+    engine.load_lora_adapter("mlp4", paths["mlp4"])  # the name is free again once no request uses it
+    result = engine.generate([batch[0]], [greedy("mlp4")])[0]
+    assert result.token_ids == hf_greedy(torch_models["mlp4"], batch[0]), f"seed {SEED}"

@@ -22,6 +22,15 @@ from typing import Callable, Sequence
 from jaxserve.setting_checks import LoRAModule
 
 
+class LoRAPlacementError(RuntimeError):
+    """An adapter that could not be put in a slot: evicted from host memory, it could not be read
+    again. `name`: the adapter; its requests cannot run."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"LoRA adapter '{name}' could not be read again: {reason}")
+        self.name = name
+
+
 class LoRANotFoundError(KeyError):
     """A name the engine serves no adapter under (the server answers 404, as vLLM)."""
 
@@ -46,6 +55,7 @@ class LoRARegistry:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self._known: dict[str, _Known] = {}
+        self._retired: dict[str, _Known] = {}  # removed, while admitted requests still use them
         self._host: collections.OrderedDict[str, object] = collections.OrderedDict()  # name -> adapter, LRU first
         self._slots: dict[str, int] = {}  # name -> its slot (1..max_loras)
         self._slot_use: collections.OrderedDict[str, None] = collections.OrderedDict()  # slotted names, LRU first
@@ -58,6 +68,9 @@ class LoRARegistry:
         LoRAError propagates, and nothing changes); ValueError when the name is served already."""
         if module.name in self._known:
             raise ValueError(f"The lora adapter '{module.name}' has already been loaded.")
+        if module.name in self._retired:
+            raise ValueError(f"The lora adapter '{module.name}' is being unloaded: requests still use it; load it "
+                             f"again once they have ended")
         if adapter is None:
             adapter = self._load(module.path)
         self.num_loads += 1
@@ -65,13 +78,12 @@ class LoRARegistry:
         self._keep_in_host(module.name, adapter)
 
     def remove(self, name: str) -> None:
-        """Forgets the adapter (its slot is cleared once no running request holds it: the
-        scheduler's running requests keep their slot through `release_unused`).
+        """Stops serving the adapter to new requests; the requests already admitted with it keep
+        it until `release_unused` finds none left, which then clears its slot and forgets it.
         LoRANotFoundError when the name is unknown."""
         if name not in self._known:
             raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
-        del self._known[name]
-        self._host.pop(name, None)
+        self._retired[name] = self._known.pop(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._known
@@ -94,17 +106,19 @@ class LoRARegistry:
         return dict(self._slots)
 
     def place(self, names: Sequence[str], in_use: set[str]) -> dict[str, int]:
-        """Puts every adapter of `names` (at most max_loras distinct) in a slot and returns each
-        one's slot. A free slot is taken first, else the least recently used slot of an adapter
-        neither in `names` nor in `in_use`; an adapter evicted from host memory is read again.
-        Slots of adapters that were removed and are no longer in use are cleared first."""
+        """Puts every adapter of `names` (a step's, at most max_loras distinct) in a slot and
+        returns each one's slot. A free slot is taken first, else the least recently used slot of
+        an adapter not in `names` (slots are given per step: a request that sits a step out gets
+        one again when it runs); an adapter evicted from host memory is read again
+        (LoRAPlacementError naming it when that fails). Removed adapters that no request uses any
+        more (`in_use`: the adapters of every unfinished request) are forgotten first."""
         wanted = list(dict.fromkeys(names))
         if len(wanted) > self.max_loras:
             raise ValueError(f"{len(wanted)} adapters in one step, more than --max_loras={self.max_loras}")
         self.release_unused(in_use | set(wanted))
         for name in wanted:
             if name not in self._slots:
-                slot = self._free_slot(keep=in_use | set(wanted))
+                slot = self._free_slot(keep=set(wanted))
                 self._write_slot(slot, self._host_adapter(name))
                 self._slots[name] = slot
             self._slot_use[name] = None
@@ -112,24 +126,32 @@ class LoRARegistry:
         return {name: self._slots[name] for name in wanted}
 
     def release_unused(self, in_use: set[str]) -> None:
-        """Clears the slots of removed adapters that no request in `in_use` holds any more."""
-        for name in [n for n in self._slots if n not in self._known and n not in in_use]:
-            self._clear_slot(self._slots.pop(name))
-            self._slot_use.pop(name, None)
+        """Forgets the removed adapters no request uses any more (`in_use`: the adapters of the
+        unfinished requests), clearing their slots."""
+        for name in [n for n in self._retired if n not in in_use]:
+            del self._retired[name]
+            self._host.pop(name, None)
+            if name in self._slots:
+                self._clear_slot(self._slots.pop(name))
+                self._slot_use.pop(name, None)
 
     def _free_slot(self, keep: set[str]) -> int:
         taken = set(self._slots.values())
         free = next((slot for slot in range(1, self.max_loras + 1) if slot not in taken), None)
         if free is not None:
             return free
-        victim = next(name for name in self._slot_use if name not in keep)  # the scheduler keeps one
+        victim = next(name for name in self._slot_use if name not in keep)  # (at most max_loras are kept)
         self._slot_use.pop(victim)
         return self._slots.pop(victim)
 
     def _host_adapter(self, name: str):
         adapter = self._host.get(name)
         if adapter is None:
-            adapter = self._load(self._known[name].module.path)
+            known = self._known.get(name) or self._retired[name]
+            try:
+                adapter = self._load(known.module.path)
+            except Exception as e:  # its folder changed or went away since it was loaded
+                raise LoRAPlacementError(name, f"{type(e).__name__}: {e}") from e
             self.num_loads += 1
             self._keep_in_host(name, adapter)
         self._host.move_to_end(name)
