@@ -11,8 +11,11 @@
   of (sequence, KV head, 128 keys) on XLA's CPU threads, where XLA's loop pays a dozen ops per
   block of pages (SmolLM2's 30 layers at a ~500-token context: 0.6 ms at one row, 64 ms at 64
   rows). paged_attention.cc.
+* `lora_update`: the multi-LoRA update, each row through its own adapter's A and B only (rows
+  grouped by slot, rows on slot 0 skipped), the slab's layer read in place, where XLA's one-hot
+  form multiplies every row by every slot's matrices in thin dots. lora_update.cc.
 
-Both run on the threads of XLA's CPU client. The library is built with the machine's C++
+All run on the threads of XLA's CPU client. The library is built with the machine's C++
 compiler (`$CXX`, else `c++`) for this CPU (-march=native) against the FFI headers of the
 installed jaxlib, into `$JAXSERVE_KERNEL_CACHE` (default `cpu_kernels/` under $JAXSERVE_CACHE, else
 ~/.cache/jaxserve), named by a hash of all that and the sources: a few seconds once per machine. Without a compiler, on a
@@ -43,10 +46,12 @@ STRIP = 64  # output columns per strip of the packed layout (kStrip in quantized
 BLOCK = 32  # inputs per int8 scale of x (kBlock)
 MAX_HEAD_DIM = 256  # the attention kernel's longest head (kLanes * kMaxVectors in paged_attention.cc)
 SCALE_DTYPE = jnp.float16
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc",
+                                                                       "lora_update.cc")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part of the library's hash
 _TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
-            "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention"}  # target: handler symbol
+            "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
+            "jaxserve_lora_update": "JaxserveLoraUpdate"}  # target: handler symbol
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17", "-w"]
 
 _lock = threading.Lock()
@@ -195,3 +200,25 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, window
     return jax.ffi.ffi_call("jaxserve_paged_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def takes_lora_update(x, a, b) -> bool:
+    """Whether `lora_update` serves these operands: float32 rows and slab (a bfloat16 slab keeps
+    the XLA form), and the kernels built."""
+    return all(getattr(t, "dtype", None) == jnp.float32 for t in (x, a, b)) and available()
+
+
+def lora_update(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array,
+                layer: jax.Array | None = None) -> jax.Array:
+    """Each row's (x[t] @ a[slots[t]]) @ b[slots[t]] (pallas_kernels.reference.lora_update's
+    result, float32 sums): x [T, K] float32, a [S, K, R] and b [S, R, N] float32 (slot 0 the
+    zero adapter, its rows get zeros), slots int32 [T] in [0, S) -> [T, N] float32. With `layer`
+    (an int32 scalar, traced or not) a and b are stacked on a leading layer axis ([L, S, ...])
+    and that layer's slices are read in place. A slot or layer outside the slab fails the call."""
+    _require()
+    stacked = layer is not None
+    if a.ndim != (4 if stacked else 3) or b.ndim != a.ndim:
+        raise ValueError(f"lora_update: a {a.shape} and b {b.shape} with layer={layer!r}")
+    layer = jnp.zeros(1, jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    return jax.ffi.ffi_call("jaxserve_lora_update", jax.ShapeDtypeStruct((x.shape[0], b.shape[-1]), jnp.float32))(
+        x, a, b, slots.astype(jnp.int32), layer)

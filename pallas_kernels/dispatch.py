@@ -41,7 +41,9 @@ Multi-LoRA update (`lora_update`: each row through its own adapter's low-rank ma
 attention backend's name: "pallas" (and "mosaic", while this jax has the Triton lowering) runs
 the Pallas kernel (lora_bgmv.py) when the program is lowered for a CUDA GPU and the XLA path
 (xla_lora.py) anywhere else; "interpret" the kernel in interpret mode; "reference" the plain-jnp
-oracle; every other backend the XLA path.
+oracle; every other backend the XLA path. Lowered for the CPU, the XLA path is the C++ kernel
+(cpu_kernels.lora_update: each row through its own slot only) for float32 operands when the
+kernels are built, xla_lora's dense form otherwise.
 
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
@@ -50,6 +52,7 @@ int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static
 import functools
 
 import jax
+import jax.numpy as jnp
 
 import cpu_kernels
 from pallas_kernels import compat, kv_quant, mosaic_common, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
@@ -269,20 +272,33 @@ def grouped_matmul(lhs, rhs, group_sizes, backend: str | None = None, *, product
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, **branches)
 
 
-def lora_update(backend: str, x, a, b, slots):
+def lora_update(backend: str, x, a, b, slots, layer=None):
     """The low-rank updates of rows that each carry their adapter's slot, through `backend`'s
     implementation (see the module docstring): y[t] = (x[t] @ a[slots[t]]) @ b[slots[t]].
 
     x [T, K]; a [S, K, R], b [S, R, N] (slot 0: the zero adapter); slots int32[T] in [0, S).
+    With `layer` (an int32 scalar), a and b are stacked on a leading layer axis ([L, S, ...]) and
+    that layer's slices are used (the C++ kernel reads them in place; the others slice them).
     Returns [T, N] in x's dtype (float32 accumulation)."""
     backend = BACKEND_ALIASES.get(backend, backend)
+    if layer is None:  # one layer: a stack of one
+        a, b, layer = a[None], b[None], 0
+    layer = jnp.asarray(layer, jnp.int32)  # a, b: [L, S, K, R], [L, S, R, N]
+
+    def at_layer(update):  # update(x, a [S, K, R], b [S, R, N], slots) on the layer's slices
+        return lambda x, a, b, slots, layer: update(
+            x, *(jax.lax.dynamic_index_in_dim(t, layer, keepdims=False) for t in (a, b)), slots)
+
     if backend == "reference":
         from pallas_kernels import reference  # the test oracle: loaded only when asked for
-        return reference.lora_update(x, a, b, slots)
-    takes = lora_bgmv.supports(x, a, b)
+        return at_layer(reference.lora_update)(x, a, b, slots, layer)
+    layer_a, layer_b = (jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in (a, b))
+    takes = lora_bgmv.supports(x, layer_a, layer_b)
     if backend == "interpret" and takes:
-        return lora_bgmv.lora_update(x, a, b, slots, interpret=True)
-    branches = dict(cpu=xla_lora.lora_update, default=xla_lora.lora_update)
+        return at_layer(functools.partial(lora_bgmv.lora_update, interpret=True))(x, a, b, slots, layer)
+    branches = dict(cpu=at_layer(xla_lora.lora_update), default=at_layer(xla_lora.lora_update))
     if backend in ("pallas", "mosaic") and takes and compat.has_pallas_triton():
-        branches["cuda"] = lora_bgmv.lora_update  # the Triton lowering lowers for CUDA only
-    return jax.lax.platform_dependent(x, a, b, slots, **branches)
+        branches["cuda"] = at_layer(lora_bgmv.lora_update)  # the Triton lowering lowers for CUDA only
+    if cpu_kernels.takes_lora_update(x, a, b):
+        branches["cpu"] = cpu_kernels.lora_update  # the layer's slices read in place
+    return jax.lax.platform_dependent(x, a, b, slots, layer, **branches)

@@ -1,4 +1,6 @@
-"""The multi-LoRA update in plain XLA (the CPU path of pallas_kernels.dispatch.lora_update).
+"""The multi-LoRA update in plain XLA: the CPU's form of pallas_kernels.dispatch.lora_update
+where the C++ kernel (cpu_kernels.lora_update, each row through its own slot only) does not run
+(not built, or a slab that is not float32), and the form for a platform with no kernel.
 
     y[t] = (x[t] @ a[slots[t]]) @ b[slots[t]]          x [T, K], a [S, K, R], b [S, R, N]
 
@@ -9,7 +11,9 @@ them up: two dense dots instead of a per-row gather of the matrices. On the 2-co
 layers of SmolLM2-135M's seven projections, 32 rows, 4 adapters of rank 16 (bench/lora_decode.py
 --forms, bench/RESULTS.md): this form costs about 1.2x the base matmuls alone, a per-row gather of
 A and B 1.8x, jax.lax.ragged_dot over rows sorted by slot 1.6x (its CPU lowering is dense per
-group, see xla_grouped.py). The FLOPs grow with the slots: (S-1) R (K + N) per row.
+group, see xla_grouped.py). The FLOPs grow with the slots: (S-1) R (K + N) per row. The C++
+kernel does R (K + N) per row and reads each used slot once: in the decode step above it adds
+about half of what this form adds (bench/RESULTS.md, Multi-LoRA decode step).
 """
 
 import jax

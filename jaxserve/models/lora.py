@@ -19,7 +19,8 @@ In the step (jaxserve.models.llama.forward with a slab), every token row carries
     y[t] += (x[t] @ A[l, slot[t]]) @ B[l, slot[t]]
 
 through pallas_kernels.dispatch.lora_update (one gathered batched matmul per projection, the
-BGMV of Punica and S-LoRA: the Pallas kernel on a GPU, two dense dots on the CPU), over float
+BGMV of Punica and S-LoRA: the Pallas kernel on a GPU, the C++ kernel of cpu_kernels on the
+CPU, each row through its own slot, the layer's slices read in place), over float
 and quantized base weights alike (the LoRA arrays are float, `lora_dtype`). `LayerLoRA` is one
 layer's view of the slab: it reads the layer's slices where the update runs (on the CPU, a step
 with every row on slot 0 reads none and runs no update).
@@ -148,9 +149,8 @@ class LayerLoRA:
         `lax.cond`, whose predicate a GPU would have to read back to the host: not there)."""
         pair = self.slab[name]
 
-        def dense():
-            a, b = (jax.lax.dynamic_index_in_dim(pair[k], self.layer, keepdims=False) for k in ("a", "b"))
-            return dispatch.lora_update(self.backend, x, a, b, self.slots)  # a [S, in, R], b [S, R, out]
+        def dense():  # the layer's a [S, in, R] and b [S, R, out] of the stacked slab
+            return dispatch.lora_update(self.backend, x, pair["a"], pair["b"], self.slots, layer=self.layer)
 
         def skippable():
             zeros = jnp.zeros((x.shape[0], pair["b"].shape[-1]), x.dtype)
