@@ -9,13 +9,17 @@ processes' load disturbs least):
   base        llama.forward without a slab (the engine's step today);
   lora        with a slab of 4 adapters of rank 16 on all seven projections (max_loras 4,
               max_lora_rank 16), the rows' slots 0-4 in turn (a fifth of the rows base);
-  lora-base   the same slab, every row on slot 0 (what a slab costs a step of base requests).
+  lora-base   the same slab, every row on slot 0 (what a slab costs a step of base requests);
+  lora-xla    lora with the update in xla_lora's one-hot form (the C++ kernel turned off while it
+              is traced): the CPU path before the kernel, when the kernels are built.
 With --quantization (int8, int4) the linear layers are quantized first (the LoRA arrays stay float32).
 
 --forms also times the XLA forms of the update that pallas_kernels/xla_lora.py chose between, on
 the 30 layers' seven projections alone (float32 matmuls of 32 rows, no attention, no lm_head):
 the base matmuls, a per-row gather of A and B (the reference's form), two dense dots over every
-slot under a one-hot mask (xla_lora's form), and jax.lax.ragged_dot over rows sorted by slot.
+slot under a one-hot mask (xla_lora's form), jax.lax.ragged_dot over rows sorted by slot, and the
+C++ kernel (cpu_kernels.lora_update, rows grouped by slot, each through its own adapter only;
+here on the scan's slices of the slab, where the step reads the stacked slab in place).
 
   python bench/lora_decode.py --forms --out bench/out/lora_decode.json
   python bench/lora_decode.py --quantization=int8 --out bench/out/lora_decode_int8.json
@@ -60,10 +64,16 @@ def random_slab(config, seed=0):
 
 def step_runs(config, params, slab, batch, caches):
     """{name: run} of warm, compiled decode steps (see the module docstring)."""
+    import contextlib
+    from unittest import mock
+
     import jax
 
+    import cpu_kernels
     from jaxserve.models import llama
     slots = {"lora": np.arange(ROWS, dtype=np.int32) % (MAX_LORAS + 1), "lora-base": np.zeros(ROWS, np.int32)}
+    slots["lora-xla"] = slots["lora"]
+    names = ("base", "lora", "lora-base") + (("lora-xla",) if cpu_kernels.available() else ())
 
     def run_of(name):
         forward = functools.partial(llama.forward, config=config, backend="xla")
@@ -73,8 +83,10 @@ def step_runs(config, params, slab, batch, caches):
             call = lambda: compiled(params, caches[name], batch)  # noqa: E731
         else:
             lora_batch = {**batch, "lora_slots": slots[name]}
-            compiled = jax.jit(lambda p, c, b, s: forward(p, c, b, lora=s), donate_argnums=(1,)).lower(
-                params, caches[name], lora_batch, slab).compile()
+            without_kernel = mock.patch.object(cpu_kernels, "takes_lora_update", lambda *args: False)
+            with without_kernel if name == "lora-xla" else contextlib.nullcontext():
+                compiled = jax.jit(lambda p, c, b, s: forward(p, c, b, lora=s), donate_argnums=(1,)).lower(
+                    params, caches[name], lora_batch, slab).compile()
             call = lambda: compiled(params, caches[name], lora_batch, slab)  # noqa: E731
 
         def run():
@@ -82,7 +94,7 @@ def step_runs(config, params, slab, batch, caches):
             logits.block_until_ready()
         return run
 
-    return {name: run_of(name) for name in ("base", "lora", "lora-base")}
+    return {name: run_of(name) for name in names}
 
 
 def form_runs(config, seed=0):
@@ -90,6 +102,7 @@ def form_runs(config, seed=0):
     import jax
     import jax.numpy as jnp
 
+    import cpu_kernels
     from jaxserve.models import lora
     from pallas_kernels import reference, xla_lora
     rng = np.random.default_rng(seed)
@@ -110,6 +123,8 @@ def form_runs(config, seed=0):
 
     forms = {"base matmuls": None, "gather (per-row A, B)": reference.lora_update,
              "one-hot dense dots (xla_lora)": xla_lora.lora_update, "ragged_dot (rows sorted)": ragged}
+    if cpu_kernels.available():
+        forms["C++ kernel (cpu_kernels, rows by slot)"] = cpu_kernels.lora_update
 
     def make(update):
         def layer(x, scanned):
@@ -150,19 +165,20 @@ def main(argv=None) -> int:
     page_size, max_pages = 16, 8
     num_pages = ROWS * max_pages + 1
     caches = {name: llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, page_size), jnp.float32)
-              for name in ("base", "lora", "lora-base")}
+              for name in ("base", "lora", "lora-base", "lora-xla")}
     batch = decode_batch(ROWS, 64, 128, page_size, num_pages, max_pages, seed=ROWS)
     samples = interleaved_seconds(step_runs(config, params, random_slab(config), batch, caches),
                                   args.repeats, args.rounds, reduce=list)
     result = {}
     for statistic, reduce in (("median", np.median), ("min", np.min)):  # min: the least disturbed by load
         seconds = {name: float(reduce(times)) for name, times in samples.items()}
+        ratios = {f"{name} / base": value / seconds["base"] for name, value in seconds.items() if name != "base"}
         result[statistic] = {"step_ms": {k: 1e3 * v for k, v in seconds.items()},
                              "lora_over_base": seconds["lora"] / seconds["base"],
-                             "lora_base_rows_over_base": seconds["lora-base"] / seconds["base"]}
+                             "lora_base_rows_over_base": seconds["lora-base"] / seconds["base"],
+                             "over_base": ratios}
         print(f"{statistic}: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items())
-              + f"; lora / base {seconds['lora'] / seconds['base']:.2f}, "
-              f"lora-base / base {seconds['lora-base'] / seconds['base']:.2f}", flush=True)
+              + "; " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), flush=True)
     if args.forms:
         form_seconds = interleaved_seconds(form_runs(config), args.repeats, args.rounds)
         base = form_seconds["base matmuls"]
