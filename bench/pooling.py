@@ -1,11 +1,15 @@
 """Embedding speed: SmolLM2 served as an embedding model (--runner=pooling, last token, normalized)
 against transformers in process, same run, same weights and inputs.
 
-256 inputs of 64 random tokens (fixed seed). transformers: the base model's last_hidden_state in
+256 inputs of 64 random tokens (seeded; fresh ones each round, so no round hits the prefix cache
+of an earlier one). transformers: the base model's last_hidden_state in
 static batches of 32, the last token's row normalized. jaxserve: the same inputs through the engine
-in process (`Engine.generate`, every input submitted at once), and through the server (8 POST
-/v1/embeddings of 32 token-id inputs each, sent together). Warm-ups excluded; each side is timed
-once after one untimed pass. The embeddings of both sides are compared (lowest cosine).
+in process (`Engine.generate`, every input submitted at once), and through the server (a second
+engine of the same config behind the app, stepped by the server's thread; 8 POST
+/v1/embeddings of 32 token-id inputs each, sent together). Warm-ups excluded (one untimed pass
+each); then `--rounds` rounds, each timing the three in turn (the order rotating), so that they
+share whatever load the machine has; medians over the rounds, and each round's ratios. The
+embeddings of both sides are compared (lowest cosine).
 
   python bench/pooling.py --out=bench/out/pooling.json
 """
@@ -16,6 +20,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -85,8 +90,9 @@ def lowest_cosine(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--max_num_batched_tokens", type=int, default=512)
-    parser.add_argument("--max_num_prefill_seqs", type=int, default=8)
+    parser.add_argument("--max_num_batched_tokens", type=int, default=2048)
+    parser.add_argument("--max_num_prefill_seqs", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from checkpoints.default_model import resolve_model
@@ -101,23 +107,35 @@ def main() -> None:
     engine = Engine.from_model(model_dir, config)
     load_s = time.perf_counter() - start
     hf_model, _ = load_hf_model(model_dir)
+    url = start_server(Engine.from_model(model_dir, config))  # its own engine: the server's thread steps it
     engine_embeddings(engine, inputs[:HF_BATCH])  # one untimed pass each
     hf_embeddings(hf_model, inputs[:HF_BATCH])
-    hf, hf_s = hf_embeddings(hf_model, inputs)
-    ours, ours_s = engine_embeddings(engine, inputs)
-    print(f"transformers {hf_s:.2f} s, jaxserve in process {ours_s:.2f} s ({ours_s / hf_s:.3f}x), lowest cosine "
-          f"{lowest_cosine(ours, hf):.6f}", flush=True)
-    url = start_server(engine)
     server_embeddings(url, engine.model_name, inputs[:HF_BATCH])
-    served, served_s = server_embeddings(url, engine.model_name, inputs)
+    sides = {"transformers": lambda inputs: hf_embeddings(hf_model, inputs),
+             "in_process": lambda inputs: engine_embeddings(engine, inputs),
+             "server": lambda inputs: server_embeddings(url, engine.model_name, inputs)}
+    seconds = {name: [] for name in sides}
+    vectors = {}
+    for round_index in range(args.rounds):
+        # Fresh inputs each round (the same for the three sides): no prefix-cache hit from an earlier round.
+        inputs = np.random.default_rng([SEED, round_index]).integers(100, 40000, (NUM_INPUTS, INPUT_TOKENS))
+        names = list(sides)[round_index % 3:] + list(sides)[:round_index % 3]
+        for name in names:
+            vectors[name], taken = sides[name](inputs)
+            seconds[name].append(taken)
+        print(f"round {round_index}: " + ", ".join(f"{n} {seconds[n][-1]:.2f} s" for n in sides), flush=True)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
     result = {"machine": common.machine_line(common.machine_info(with_jax=True)), "load_average": common.load_average(),
               "inputs": NUM_INPUTS, "input_tokens": INPUT_TOKENS, "hf_batch": HF_BATCH,
               "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
                          "max_num_prefill_seqs": args.max_num_prefill_seqs, "load_and_warmup_s": round(load_s, 1)},
-              "transformers_s": round(hf_s, 2), "jaxserve_in_process_s": round(ours_s, 2),
-              "jaxserve_server_s": round(served_s, 2),
-              "in_process_ratio": round(ours_s / hf_s, 3), "server_ratio": round(served_s / hf_s, 3),
-              "lowest_cosine_in_process": lowest_cosine(ours, hf), "lowest_cosine_server": lowest_cosine(served, hf)}
+              "seconds": {name: [round(v, 2) for v in values] for name, values in seconds.items()},
+              "median_s": {name: round(v, 2) for name, v in median.items()},
+              "in_process_ratio": round(median["in_process"] / median["transformers"], 3),
+              "server_ratio": round(median["server"] / median["transformers"], 3),
+              "round_ratios": [round(s / h, 3) for s, h in zip(seconds["server"], seconds["transformers"])],
+              "lowest_cosine_in_process": lowest_cosine(vectors["in_process"], vectors["transformers"]),
+              "lowest_cosine_server": lowest_cosine(vectors["server"], vectors["transformers"])}
     print(json.dumps(result, indent=2))
     if args.out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
