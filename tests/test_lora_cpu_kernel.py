@@ -135,3 +135,17 @@ def test_dispatch_falls_back_to_xla_without_the_kernel(monkeypatch, why):
     tolerance = 1e-5 if why == "not built" else 2e-2  # bfloat16: the shrunk rows rounded to it
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=tolerance * max(1.0, float(np.abs(want).max())), err_msg="seed 500")
+
+
+def test_a_cuda_program_has_no_cpu_kernel():
+    """Lowered for CUDA (jax.export, no GPU needed), a float32 stacked slab's update is not the
+    CPU kernel on either backend ("pallas": the Triton kernel; "xla": XLA's form)."""
+    from jaxserve import compat
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((32, 576), (3, 5, 576, 16), (3, 5, 16, 192))]
+    specs += [jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+    for backend in ("xla", "pallas"):
+        text = compat.lower_for_cuda(
+            lambda x, a, b, slots, layer, backend=backend: dispatch.lora_update(backend, x, a, b, slots, layer=layer),
+            *specs)
+        assert "jaxserve_lora_update" not in text, backend
+        assert ("lora_bgmv" in text) == (backend == "pallas"), backend
