@@ -48,7 +48,9 @@ constexpr int kTasksPerThread = 4;  // expand tasks per thread: a little slack f
 // once, at memory speed: a second thread saved little on an idle machine and cost more on a busy
 // one (SmolLM2's 30 layers, 4 slots of rank 16, 32 rows, at most 540 KiB a call: single-threaded
 // calls took 10% longer alone, but a decode step with two threads 8% longer under other processes'
-// load, its minimum 1.30x the base step's instead of 1.18x).
+// load, its minimum 1.30x the base step's instead of 1.18x). Prefill-sized calls, compute-bound,
+// gained nothing from the second thread on the busy machine either (a layer's seven updates of
+// 256-2048 rows, 4 slots: 1.1-9 ms single-threaded, the same with two; XLA's one-hot form 3-21 ms).
 constexpr int64_t kParallelBytes = int64_t(1) << 20;
 
 inline __mmask16 Lanes(int64_t count) {
