@@ -126,6 +126,7 @@ class DataParallelEngine:
         first = replicas[0]
         self.config, self.model_config = first.config, first.model_config
         self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
+        self.pooler = first.pooler  # the pooling runner's (None: the engines generate)
 
     def check_request(self, prompt_token_ids, params) -> None:
         self.replicas[0].check_request(prompt_token_ids, params)
