@@ -367,6 +367,7 @@ class _StubCore:
         from types import SimpleNamespace
         self.name, self.num_running, self.requests, self._left = name, num_running, [], {}
         self.tokenizer, self.model_name, self.grammar_compiler = None, "stub", None
+        self.loras = self.pooler = None  # no LoRA adapters; a generating engine
         self.config, self.limits = SimpleNamespace(max_waiting_requests=8), SimpleNamespace(max_seq_len=64)
 
     def stats(self):
