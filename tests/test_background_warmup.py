@@ -140,9 +140,11 @@ def held_after_the_first_phase(params, monkeypatch):
     first = [b for b in probe.runner.all_buckets() if not (b.num_decode and b.num_prefill_tokens)]
     first_total = len(first) + len({len(probe.runner.empty_batch(b)["logits_indices"]) for b in first})
     held, real, compiled = threading.Event(), executables.compile_fresh, []
+    in_hand = threading.Event()  # set once a shape after the first phase waits for `held`
 
     def compile_fresh(lowered):
         if len(compiled) >= first_total:
+            in_hand.set()
             held.wait(timeout=600)
         compiled.append(lowered)
         return real(lowered)
@@ -150,7 +152,8 @@ def held_after_the_first_phase(params, monkeypatch):
     monkeypatch.setattr(executables, "compile_fresh", compile_fresh)
     monkeypatch.setattr(executables, "default_directory", lambda: None)  # nothing saved: every shape compiles
     yield types.SimpleNamespace(start=lambda: make_engine(params, warmup=True, background_warmup=True, **small),
-                                first_total=first_total, held=held, compiled=compiled, small=small)
+                                first_total=first_total, held=held, compiled=compiled, small=small,
+                                in_hand=in_hand)
     held.set()
 
 
@@ -224,6 +227,9 @@ def test_a_shutdown_mid_warmup_skips_the_shapes_not_started(held_after_the_first
         engine = held_after_the_first_phase.start()
         state = engine.runner.warmup_state
         assert state.first_ready.wait(600)
+        # A shape of the second phase is compiling when the server stops (on a loaded machine the
+        # warm-up thread may not have taken one yet right after ready).
+        assert held_after_the_first_phase.in_hand.wait(600)
         async_engine = AsyncEngine(engine)
 
         async def start_and_stop():
