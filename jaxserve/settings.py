@@ -52,7 +52,8 @@ class Flag:
     """How an EngineConfig field is a flag of `jaxserve serve`, `generate` and `plan`
     (jaxserve.commands.engine_flags defines one per field that has a Flag, of the field's type:
     int, float, bool, str, or str with `choices` an enum, a str for a tuple of ints, which
-    EngineConfig parses, and a repeatable str with `repeated`; every flag defaults to None, which keeps the field's default). Its help ends
+    EngineConfig parses, and a repeatable str with `repeated`; every flag defaults to None, which
+    keeps the field's default). Its help ends
     "(default: ...)": `unset` where given, else the field's default; nothing for a None default
     without `unset`. `choices`, `minimum` and `maximum` bound the field (EngineConfig.check, and
     absl's own bounds at parsing)."""

@@ -80,4 +80,3 @@ class SpeculationStats:
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_proposed_tokens if self.num_proposed_tokens else None
-
