@@ -338,7 +338,7 @@ class Engine:
 
     def _adapters_in_use(self) -> set[str]:
         """The LoRA adapters of the unfinished requests."""
-        return set(_adapters(self.scheduler.running) + _adapters(self.scheduler.waiting))
+        return {r.params.lora_name for r in self.scheduler.unfinished_requests()} - {None}
 
     # ---- LoRA adapters at run time --------------------------------------------------------
     def read_lora_adapter(self, path: str):
