@@ -14,7 +14,12 @@ the Pallas kernel against XLA's ragged_dot on the gate projection of Qwen3-30B-A
 2048 -> 768, top-8) at 1, 64 and 512 tokens and of Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) at
 8 tokens, each token routed to distinct random experts; bandwidth against the bytes of the experts
 a call routes to (their weights, the rows in and out), FLOP/s against 2 * rows * K * N, its output
-against ragged_dot's.
+against ragged_dot's. Multi-LoRA update (last): the XLA path, the Triton kernel (lora_bgmv) and the
+Mosaic GPU kernel (mosaic_lora) through pallas_kernels.dispatch.lora_update on a stacked bf16 slab at
+a layer index, as the model calls it, at Llama-3-8B's q projection (64 decode rows) and gate
+projection (512 prefill rows) with 4 adapters of rank 16 (slot 0 among the rows' slots): seconds,
+bandwidth against the bytes the update must move (the rows in and out, the used adapters' A and B),
+speedup over the XLA path, each output against the reference.
 
 Every figure is written to --out as soon as it is measured (bench/gpu_check_report.StepReport), and
 each backend of each problem runs in its own guard: a Mosaic exception or the step's time limit
@@ -39,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_check_report import StepReport, require_gpu  # noqa: E402
-from pallas_kernels import compat, dispatch, grouped_matmul, kv_quant, reference  # noqa: E402
+from pallas_kernels import compat, dispatch, grouped_matmul, kv_quant, mosaic_lora, reference  # noqa: E402
 
 # Grouped-matmul cases: (name, experts, K, N, top-k, tokens).
 QWEN3_30B_A3B, MIXTRAL_8X7B = (128, 2048, 768, 8), (8, 4096, 14336, 2)
@@ -47,14 +52,17 @@ FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_
             page_size=16, quantized_contexts=(4096,), prefills=8, prefill_len=512, copy_mib=1024, matmul=8192,
             repeats=20,
             grouped=[("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 1), ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 64),
-                     ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)])
+                     ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)],
+            # Multi-LoRA cases: (name, rows, K, N, rank, adapters): Llama-3-8B's q and gate projections.
+            lora=[("llama-3-8b q decode", 64, 4096, 4096, 16, 4), ("llama-3-8b gate prefill", 512, 4096, 14336, 16, 4)])
 # Largest |kernel - reference| / largest |reference| a row may show: bfloat16 outputs of the same
 # inputs (tests/test_kernels.py's bfloat16 tolerance).
 TOLERANCE = 2e-2
 QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
              page_size=16, quantized_contexts=(100,), prefills=2, prefill_len=24, copy_mib=4, matmul=128,
              repeats=2,
-             grouped=[("tiny gate", 8, 64, 128, 2, 1), ("tiny gate", 8, 64, 128, 2, 16)])
+             grouped=[("tiny gate", 8, 64, 128, 2, 1), ("tiny gate", 8, 64, 128, 2, 16)],
+             lora=[("tiny", 70, 128, 64, 16, 2)])  # two blocks of 64 rows, the second partial
 
 
 def time_call(function, *args, repeats):
@@ -260,6 +268,48 @@ def bench_grouped(report, config, rng, interpret):
             del lhs, rhs
 
 
+def lora_backends(interpret):
+    """The dispatch names of the multi-LoRA update's paths: XLA's, the Triton kernel's and, where
+    this jax has Mosaic GPU, the Mosaic kernel's."""
+    return {"xla": "xla", **kernel_backends(interpret)}
+
+
+def bench_lora(report, config, rng, interpret):
+    """Each multi-LoRA path (lora_backends) on each case of config["lora"]: bf16 rows, a stacked slab
+    of 2 layers read at layer 1, every row's slot drawn from [0, adapters] (0: a base row); each
+    output against the reference on that layer's matrices, each path in its own guard."""
+    for name, rows, k, n, rank, adapters in config["lora"]:
+        label = f"lora/{name}"
+        with report.guard(f"{label}/reference"):
+            slots_in_use = adapters + 1
+            keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
+            x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+            a = (jax.random.normal(keys[1], (2, slots_in_use, k, rank)) / math.sqrt(k)).astype(jnp.bfloat16)
+            b = (jax.random.normal(keys[2], (2, slots_in_use, rank, n)) / math.sqrt(rank)).astype(jnp.bfloat16)
+            a, b = a.at[:, 0].set(0), b.at[:, 0].set(0)  # slot 0: the zero adapter
+            slots = jnp.asarray(rng.integers(0, slots_in_use, rows), jnp.int32)
+            layer = jnp.int32(1)
+            expected = np.asarray(reference.lora_update(*(t.astype(jnp.float32) for t in (x, a[1], b[1])), slots))
+            used = len(set(np.asarray(slots).tolist()) - {0})
+            needed = (rows * (k + n) + used * rank * (k + n)) * 2 + rows * 4  # rows in and out, used A and B, slots
+            row = report.append("lora", {"case": name, "rows": rows, "k": k, "n": n, "rank": rank,
+                                         "adapters": adapters, "adapters_used": used, "bytes": needed,
+                                         "mosaic_takes": mosaic_lora.supports(x, a[1], b[1])})
+            for family, backend in lora_backends(interpret).items():
+                with report.guard(f"{label}/{family}"):
+                    update = jax.jit(lambda *args, _b=backend: dispatch.lora_update(_b, *args))
+                    difference = relative_difference(update(x, a, b, slots, layer), expected)
+                    report.check(f"{label}/{family}", "ok" if difference <= TOLERANCE else "differ",
+                                 relative_difference=difference, tolerance=TOLERANCE)
+                    seconds = time_call(update, x, a, b, slots, layer, repeats=config["repeats"])
+                    row[f"{family}_seconds"], row[f"{family}_relative_diff_vs_reference"] = seconds, difference
+                    row[f"{family}_gb_per_s"] = needed / seconds / 1e9
+                    if family != "xla" and row.get("xla_seconds"):
+                        row[f"{family}_speedup_over_xla"] = row["xla_seconds"] / seconds
+                    report.write()  # the row as it grows
+            del x, a, b
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -288,13 +338,14 @@ def main(argv=None):
     with report.guard("matmul"):
         report.put("matmul", matmul_rate(config["matmul"], config["repeats"]))
     # Most valuable first: 16-bit decode at every context, the ragged prefill, the MoE grouped matmul,
-    # then decode over quantized pages.
+    # then decode over quantized pages, then the multi-LoRA update.
     bench_decode(report, config, rng, args.interpret, args.with_reference,
                  [(context, "bfloat16") for context in config["contexts"]])
     bench_ragged(report, config, rng, args.interpret, args.with_reference)
     bench_grouped(report, config, rng, args.interpret)
     bench_decode(report, config, rng, args.interpret, args.with_reference,
                  [(context, kind) for context in config["quantized_contexts"] for kind in ("int8", "fp8")])
+    bench_lora(report, config, rng, args.interpret)
     print(json.dumps(report, indent=2, default=str))
     return report.exit_status()
 

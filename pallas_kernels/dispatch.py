@@ -38,12 +38,15 @@ Chosen by $JAXSERVE_GROUPED_MATMUL_BACKEND, read when the model is traced (a jit
 the choice it was traced with).
 
 Multi-LoRA update (`lora_update`: each row through its own adapter's low-rank matrices), by the
-attention backend's name: "pallas" (and "mosaic", while this jax has the Triton lowering) runs
-the Pallas kernel (lora_bgmv.py) when the program is lowered for a CUDA GPU and the XLA path
-(xla_lora.py) anywhere else; "interpret" the kernel in interpret mode; "reference" the plain-jnp
-oracle; every other backend the XLA path. Lowered for the CPU, the XLA path is the C++ kernel
-(cpu_kernels.lora_update: each row through its own slot only) for float32 operands when the
-kernels are built, xla_lora's dense form otherwise.
+attention backend's name, when the program is lowered for a CUDA GPU: "mosaic" runs the Mosaic GPU
+kernel (mosaic_lora.py: 16-bit operands, ranks 16-128, jax >= 0.11) where it takes the operands,
+else the Triton kernel (lora_bgmv.py) while this jax has that lowering, else the XLA path
+(xla_lora.py); "pallas" runs the Triton kernel where it takes them, else the XLA path. Lowered for
+any other platform both run the XLA path. "interpret" runs the Triton kernel in interpret mode and
+"mosaic_interpret" the Mosaic kernel in Mosaic GPU's interpreter (operands they do not take: the
+XLA path); "reference" the plain-jnp oracle; every other backend the XLA path. Lowered for the
+CPU, the XLA path is the C++ kernel (cpu_kernels.lora_update: each row through its own slot only)
+for float32 operands when the kernels are built, xla_lora's dense form otherwise.
 
 Attention options (the same on every backend, see pallas_kernels.common): sliding_window, an
 int32 scalar operand (<= 0: no window) or None; scale and logit_soft_cap, static floats or None.
@@ -56,7 +59,7 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from pallas_kernels import compat, kv_quant, mosaic_common, mosaic_decode, mosaic_ragged, paged_decode, ragged_prefill
-from pallas_kernels import lora_bgmv, xla_grouped, xla_lora, xla_paged
+from pallas_kernels import lora_bgmv, mosaic_lora, xla_grouped, xla_lora, xla_paged
 from pallas_kernels import grouped_matmul as grouped_matmul_kernel
 from pallas_kernels.common import softmax_scale
 
@@ -278,7 +281,8 @@ def lora_update(backend: str, x, a, b, slots, layer=None):
 
     x [T, K]; a [S, K, R], b [S, R, N] (slot 0: the zero adapter); slots int32[T] in [0, S).
     With `layer` (an int32 scalar), a and b are stacked on a leading layer axis ([L, S, ...]) and
-    that layer's slices are used (the C++ kernel reads them in place; the others slice them).
+    that layer's slices are used (the C++ kernel and the Mosaic kernel read them in place; the
+    others slice them).
     Returns [T, N] in x's dtype (float32 accumulation)."""
     backend = BACKEND_ALIASES.get(backend, backend)
     if layer is None:  # one layer: a stack of one
@@ -294,10 +298,16 @@ def lora_update(backend: str, x, a, b, slots, layer=None):
         return at_layer(reference.lora_update)(x, a, b, slots, layer)
     layer_a, layer_b = (jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in (a, b))
     takes = lora_bgmv.supports(x, layer_a, layer_b)
+    mosaic_takes = backend in MOSAIC_BACKENDS and compat.has_mosaic_gpu() and mosaic_lora.supports(
+        x, layer_a, layer_b)
     if backend == "interpret" and takes:
         return at_layer(functools.partial(lora_bgmv.lora_update, interpret=True))(x, a, b, slots, layer)
+    if backend == "mosaic_interpret" and mosaic_takes:
+        return mosaic_lora.lora_update(x, a, b, slots, layer, interpret=True)
     branches = dict(cpu=at_layer(xla_lora.lora_update), default=at_layer(xla_lora.lora_update))
-    if backend in ("pallas", "mosaic") and takes and compat.has_pallas_triton():
+    if backend == "mosaic" and mosaic_takes:
+        branches["cuda"] = mosaic_lora.lora_update  # Hopper only, as the Mosaic attention kernels
+    elif backend in ("pallas", "mosaic") and takes and compat.has_pallas_triton():
         branches["cuda"] = at_layer(lora_bgmv.lora_update)  # the Triton lowering lowers for CUDA only
     if cpu_kernels.takes_lora_update(x, a, b):
         branches["cpu"] = cpu_kernels.lora_update  # the layer's slices read in place

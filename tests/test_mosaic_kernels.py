@@ -23,7 +23,7 @@ if not compat.has_mosaic_gpu():
     pytest.skip(f"Mosaic GPU's interpreter needs jax >= 0.11 (this is {jax.__version__}); these tests run in "
                 ".venv-gpu-rehearsal (make test-gpu-rehearsal)", allow_module_level=True)
 
-from pallas_kernels import dispatch, kv_quant, mosaic_decode, mosaic_ragged  # noqa: E402
+from pallas_kernels import dispatch, kv_quant, mosaic_decode, mosaic_lora, mosaic_ragged  # noqa: E402
 from tests.test_kernels import (  # noqa: E402
     CASES, SEED, SOFT_CAP_OPTIONS, WINDOWS, Case, Options, case_id, context_lengths, decode_problem,
     jitted, oracle, ragged_problem,
@@ -332,6 +332,30 @@ def test_mosaic_kernels_compile_for_sm90a_without_spills(shape, kv_dtype):
         print(f"{shape} {kv_dtype} {r.name}: {r.registers} registers, spills {r.spill_store_bytes} B stored "
               f"{r.spill_load_bytes} B loaded, {r.shared_memory_bytes} B shared memory")
         assert 0 < r.shared_memory_bytes <= H100_SHARED_MEMORY, r
+
+
+# The multi-LoRA kernel (tests/test_mosaic_lora.py) on a stacked [L, S, ...] bfloat16 slab at a layer
+# index, as the model calls it: (rows, K, rank, N, slots) of a decode and a prefill projection.
+MOSAIC_LORA_SHAPES = {"smollm2-decode-kv": (32, 576, 16, 192, 5), "llama-3-8b-prefill-gate": (512, 4096, 64, 14336, 9),
+                      "rank-128-decode": (64, 4096, 128, 4096, 5)}
+
+
+@pytest.mark.parametrize("shape", MOSAIC_LORA_SHAPES)
+def test_mosaic_lora_kernel_compiles_for_sm90a_without_spills(shape, monkeypatch):
+    gpu_compile = _gpu_compile()
+    if "lora_bgmv_mosaic" not in gpu_compile.KERNEL_NAMES:  # the kernels kernel_reports reads
+        monkeypatch.setattr(gpu_compile, "KERNEL_NAMES", gpu_compile.KERNEL_NAMES + ("lora_bgmv_mosaic",))
+    rows, k, rank, n, slots = MOSAIC_LORA_SHAPES[shape]
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=replicated) for s, d in (
+        ((rows, k), jnp.bfloat16), ((2, slots, k, rank), jnp.bfloat16), ((2, slots, rank, n), jnp.bfloat16),
+        ((rows,), jnp.int32), ((), jnp.int32))]
+    (r,) = gpu_compile.kernel_reports(jax.jit(mosaic_lora.lora_update), args, mesh, "h100")
+    assert r.name == "lora_bgmv_mosaic" and r.gpu == "sm_90a" and r.threads == 128, r
+    assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
+    assert 0 < r.shared_memory_bytes <= H100_SHARED_MEMORY, r
+    print(f"{shape} {r.name}: {r.registers} registers, {r.shared_memory_bytes} B shared memory")
 
 
 def test_engine_step_compiles_for_h100_with_the_mosaic_kernels():
