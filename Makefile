@@ -82,7 +82,7 @@ gpu-executables: install-gpu-rehearsal
 ## kernels in their interpreter and compiled for sm_90a; their time: bench/RESULTS.md, "Test suite
 ## run time"). Without a Python 3.12 they are skipped with a note, not failed: `make test` passes
 ## without them.
-GPU_REHEARSAL_TESTS := tests/test_gpu_check.py tests/test_mosaic_kernels.py
+GPU_REHEARSAL_TESTS := tests/test_gpu_check.py tests/test_mosaic_kernels.py tests/test_mosaic_lora.py
 test-gpu-rehearsal:
 	@if [ -z "$(GPU_REHEARSAL_PYTHON)" ]; then \
 		echo "note: no Python 3.12 (pyenv install 3.12, or GPU_REHEARSAL_PYTHON=...): the GPU rehearsal tests ($(GPU_REHEARSAL_TESTS)) are SKIPPED, not run; make test passes without them"; \

@@ -49,7 +49,12 @@ def build_engine(model_config, params, variant, args):
 
     float_activations = variant.endswith("+float_activations")  # EngineConfig.cpu_int8_activations=False
     variant = variant.removesuffix("+float_activations")
-    quantization = None if variant == "float" else variant
+    dtype = "bfloat16" if variant == "bf16" else "float32"  # bf16: weights, activations and KV in bfloat16
+    if dtype == "bfloat16":
+        import jax
+        import jax.numpy as jnp
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, params)
+    quantization = None if variant in ("float", "bf16") else variant
     if variant.endswith("+embed"):  # the embedding and tied lm_head in int8 too
         from jaxserve.models import quantization as quantization_lib
         params = quantization_lib.quantize_embedding(params)
@@ -57,7 +62,7 @@ def build_engine(model_config, params, variant, args):
     max_model_len = args.max_model_len
     cfg = EngineConfig(max_model_len=max_model_len, enable_prefix_caching=False, warmup=False,
                        num_pages=2 * -(-max_model_len // 16) + 2, quantization=quantization,
-                       cpu_int8_activations=not float_activations)
+                       cpu_int8_activations=not float_activations, dtype=dtype)
     return Engine(model_config, params, None, cfg)
 
 

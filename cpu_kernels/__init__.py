@@ -243,6 +243,15 @@ def pack_bf16(w: jax.Array) -> jax.Array:
     return w.reshape(*lead, strips, k, STRIP)
 
 
+def unpack_bf16(packed: jax.Array, n: int) -> jax.Array:
+    """`pack_bf16`'s inverse: bfloat16 [..., S, K, STRIP] -> the weight [..., K, n]."""
+    *lead, strips, k, _ = packed.shape
+    w = packed.reshape(*lead, strips, k, 2, 16, 2)  # [..., s, k, h, i, j]: column s*64 + h*32 + j*16 + i
+    n_lead = len(lead)
+    w = jnp.transpose(w, (*range(n_lead), n_lead + 1, n_lead, n_lead + 2, n_lead + 4, n_lead + 3))
+    return w.reshape(*lead, k, strips * STRIP)[..., :n]
+
+
 def takes_bf16_matmul(x, packed, layer=None) -> bool:
     """Whether `bf16_matmul` serves these operands: a `pack_bf16` weight (4-D with `layer`, else
     3-D), at most MAX_ROWS rows of x, and the kernels built."""

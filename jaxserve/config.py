@@ -93,7 +93,8 @@ class EngineConfig:
                                         unset=f"min(the model's context, {DEFAULT_MAX_MODEL_LEN})")
     enable_prefix_caching: bool = setting(True, "share KV pages of common prompt prefixes")
     # The weights' float dtype; EngineConfig.for_platform fills in the platform's.
-    dtype: str | None = setting(None, "weights, activations and KV cache dtype",
+    dtype: str | None = setting(None, "weights, activations and KV cache dtype (bfloat16 on the CPU: the weights "
+                                "and the prompts' matmuls; activations and the KV cache stay float32)",
                                 choices=("float32", "bfloat16", "float16"), unset="float32 on CPU, bfloat16 on GPU")
     attention_backend: str | None = setting(None, "attention implementation",
                                             choices=ATTENTION_BACKENDS, unset="pallas on GPU, xla on CPU")
@@ -143,12 +144,14 @@ class EngineConfig:
         "lm_head (an untied one per output channel); one device per replica (no tensor parallelism)")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the weights' float dtype), int8 "
                                   "(per-token-per-head scales) or fp8 (e4m3fn)", choices=("auto", "int8", "fp8"))
-    # Steps of up to 64 rows (cpu_kernels, as llama.cpp does); False: XLA dequantizes the weights
-    # to float, as on every other device.
+    # Steps of up to 64 rows (cpu_kernels, as llama.cpp does), prompt chunks through XLA
+    # (jaxserve.models.prompt_matmul); False: XLA dequantizes the weights to float32, as on
+    # every other device.
     cpu_int8_activations: bool = setting(
         True, "quantized weights on the CPU: steps of up to 64 rows multiply int8-quantized activations with the "
-        "weight codes in integer dot products (faster decoding; about 0.5% noise on the logits); false: float "
-        "activations, the weights dequantized by XLA")
+        "weight codes in integer dot products (faster decoding; about 0.5% noise on the logits), and prompt chunks "
+        "multiply in int8 (per-channel int8 weights) or bfloat16 (other formats, on CPUs with bfloat16 "
+        "instructions): prompts several times faster; false: float32 activations, the weights dequantized by XLA")
     # Speculative decoding (jaxserve.speculative.verification).
     speculative_method: str | None = setting(
         None, "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier in the "

@@ -75,14 +75,39 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
         np.asarray(at_layer(x, stacked, jnp.int32(3)))
 
 
-def test_more_rows_than_the_kernel_takes_use_xla():
-    rng = np.random.default_rng([SEED, 1])
-    weight = qz.quantize(rng.standard_normal((64, 32)).astype(np.float32), qz.parse_format("int4"))
+@pytest.mark.parametrize("name", ["int8", "int4", "int8_g64"])
+def test_prompt_chunks_multiply_in_int8_or_bfloat16(name):
+    """More rows than the kernel takes (a prompt chunk) stay out of the C++ kernel: a per-channel
+    int8 weight multiplies the rows quantized to int8 per row (prompt_matmul.int8_linear: exactly
+    the int8 rows times the codes, then both scales), other formats the rows and the weight
+    rounded to bfloat16 (on a CPU with bfloat16 instructions; float32 elsewhere)."""
+    from jaxserve.models import prompt_matmul
+    rng = np.random.default_rng([SEED, 1, len(name)])
+    w = (rng.standard_normal((128, 96)) / np.sqrt(128)).astype(np.float32)
+    weight = qz.quantize(w, qz.parse_format(name))
     kernel_weight = cpu_layout.with_kernel_layout(weight)
-    x = jnp.asarray(rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 64)).astype(np.float32))
-    hlo = jax.jit(qz.linear).lower(x, kernel_weight).as_text()
+    x = rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 128)).astype(np.float32)
+    x[3] = 0.0  # a zero row: scale 1, no division by zero
+    hlo = jax.jit(qz.linear).lower(jnp.asarray(x), kernel_weight).as_text()
     assert "jaxserve_quantized_matmul" not in hlo
-    np.testing.assert_allclose(np.asarray(qz.linear(x, kernel_weight)), np.asarray(qz.linear(x, weight)), rtol=1e-6)
+    got = np.asarray(jax.jit(qz.linear)(jnp.asarray(x), kernel_weight))
+    dequantized = np.asarray(qz.dequantize(weight), np.float64)
+    exact = x.astype(np.float64) @ dequantized
+    if name == "int8":
+        top = np.abs(x).max(-1, keepdims=True)
+        row_scale = np.where(top > 0, top / np.float32(127), 1).astype(np.float32)
+        codes = np.clip(np.round(x / row_scale), -127, 127)
+        expected = (codes @ np.asarray(weight.q, np.float64)) * row_scale * np.asarray(weight.scale, np.float64)[0]
+        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"
+        assert "xi8>" in hlo and "x96xi32>" in hlo  # an int8 dot summed in int32
+    elif prompt_matmul.cpu_has_bfloat16():
+        rounded = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+        expected = rounded(x) @ rounded(dequantized)
+        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"
+    else:
+        np.testing.assert_allclose(got, np.asarray(qz.linear(jnp.asarray(x), weight)), rtol=1e-6)
+    assert not got[3].any()
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max(), f"seed {SEED}: far from float"
     assert "jaxserve_quantized_matmul" in jax.jit(qz.linear).lower(x[:cpu_kernels.MAX_ROWS], kernel_weight).as_text()
 
 

@@ -56,7 +56,9 @@ def test_plan_reports_the_pool_serve_allocates(tiny_chat_model_dir, argv, capsys
         assert planned["max_model_len"] == 256  # the tiny model's context, under the 2048 default
         assert planned["num_pages"] == defaults.max_num_seqs * 256 // defaults.page_size + 1
     else:
-        assert planned["kv_cache_dtype"] == "int8" and planned["compute_dtype"] == "bfloat16"
+        # bfloat16 weights on the CPU: float32 activations (jaxserve.models.cpu_layout.bfloat16_views)
+        assert planned["kv_cache_dtype"] == "int8" and planned["weight_dtype"] == "bfloat16"
+        assert planned["compute_dtype"] == "float32"
         assert planned["num_pages"] == 8 * 128 // 8 + 1
 
 

@@ -617,7 +617,7 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
             assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max(), rows
         else:
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
-    if kernel:  # a prefill chunk of more than the kernel's rows: the stored layout, as the scan reads it
+    if kernel:  # a prefill chunk of more than the kernel's rows: int8 or bfloat16 products (prompt_matmul)
         tokens = cpu_kernels.MAX_ROWS + 6
         table = np.arange(1, 11, dtype=np.int32)[None]
         prefill_cache = llama.init_kv_cache(config, llama.KVCacheSpec(12, page_size), jnp.float32)
@@ -628,8 +628,9 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
                      prefill_query_start_loc=np.array([0, tokens], np.int32),
                      logits_indices=np.array([tokens - 1], np.int32))
         hidden = jax.jit(functools.partial(llama.forward, config=config, backend="xla", prefill_hidden_rows=tokens))
-        assert np.array_equal(np.asarray(hidden(views, prefill_cache, prefill)[2]),  # before the (kernel's) lm_head
-                              np.asarray(hidden(params, prefill_cache, prefill)[2]))
+        chunk = np.asarray(hidden(views, prefill_cache, prefill)[2])  # before the (kernel's) lm_head
+        stored = np.asarray(hidden(params, prefill_cache, prefill)[2])  # the stored layout in float32
+        assert np.abs(chunk - stored).max() < 0.05 * np.abs(stored).max()  # random weights, 3 layers
     if quantization and quantization.endswith("+embed"):
         float_logits = np.asarray(forward(cpu_layout.layer_views(qz.quantize_params(
             weights.random_params(config, seed=3), "int8_g32_zp", config)), cache, batch)[0])

@@ -217,9 +217,11 @@ def predict_for_flags(fv: flags.FlagValues, model: ModelConfig, plan: memory.Mem
     cfg = engine_flags.engine_config(fv)
 
     def probe():
-        from jaxserve.planning import probe as probe_lib  # loads jax: only when no ceilings are given
+        from jaxserve.models import quantization  # loads jax: only when no ceilings are given
+        from jaxserve.planning import probe as probe_lib
         rows = [*sizes, predict.prefill_chunk(cfg)]  # the decode steps and the TTFT's prefill chunks
-        return probe_lib.probe(model, rows, fv.predict_context_len, cfg.page_size)
+        prompt_dtype = quantization.prompt_compute_dtype(plan.weight_dtype, cfg.cpu_int8_activations)
+        return probe_lib.probe(model, rows, fv.predict_context_len, cfg.page_size, prompt_dtype)
 
     ceilings = predict.resolve_ceilings(cfg, fv.target, probe)
     if cfg.tensor_parallel_size > 1 and ceilings.interconnect_bandwidth is None:

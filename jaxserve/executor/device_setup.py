@@ -125,16 +125,17 @@ def plan_engine(model_config: ModelConfig, cfg, params, *, shardings=None,
     if device_memory_bytes is None:
         device_memory_bytes = memory_budget_bytes(shardings)
     measured = quantized_weights_bytes(params, shardings)
-    if measured is not None:
-        measured += cpu_step_layout_bytes(params, cfg, on_gpu())
+    layouts = cpu_step_layout_bytes(params, cfg, on_gpu())
+    if measured is not None or layouts:
+        measured = (quantization.tree_bytes(params) if measured is None else measured) + layouts
     return memory.plan_engine(model_config, cfg, device_memory_bytes=device_memory_bytes, on_gpu=on_gpu(),
                               measured_weights_bytes=measured, draft_model=draft_model)
 
 
 def cpu_step_layout_bytes(params, cfg: EngineConfig, gpu: bool) -> int:
-    """The bytes the CPU step's copies of quantized weights take (cpu_layout.layer_views: the C++
-    kernel's layout, or the transposed one) when each replica sits on one CPU device; 0 on a GPU
-    or with tensor parallelism (the step reads the stored weights)."""
+    """The bytes the CPU step's copies of quantized or bfloat16 weights take (cpu_layout.layer_views:
+    the C++ kernel's layout, or the transposed one) when each replica sits on one CPU device; 0 on
+    a GPU or with tensor parallelism (the step reads the stored weights)."""
     if gpu or cfg.tensor_parallel_size > 1:
         return 0
     return cpu_layout.layer_views_bytes(params, cfg.cpu_int8_activations)

@@ -131,10 +131,11 @@ class ModelRunner:
             self.lora = LoRASlots(step_config, engine_config, device_setup.param_dtype(lora_dtype))
             self._step_params = {**self._step_params, "lora": self.lora.init()}
         self._head = prompt_logprobs.head_params(self.params)
-        # "auto": the model's float dtype (the norms keep it)
-        self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or params["final_norm"].dtype
-        device_setup.check_attention_operands(self.backend, config, params["final_norm"].dtype, self.kv_cache_dtype,
-                                              self.page_size)
+        # "auto": the step's activations' dtype (the norms keep it: float32 for a bfloat16 model
+        # on the CPU, see cpu_layout.bfloat16_views; else the model's float dtype)
+        activations = self._step_params["final_norm"].dtype
+        self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or activations
+        device_setup.check_attention_operands(self.backend, config, activations, self.kv_cache_dtype, self.page_size)
         self._new_kv_cache = functools.partial(
             llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, self.page_size), self.kv_cache_dtype,
             None if shardings is None else shardings.kv_cache)

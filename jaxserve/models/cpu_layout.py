@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
-from jaxserve.models.quantization import KernelLayout, QuantArray, QuantEmbedding, TransposedLayout, tree_bytes
+from jaxserve.models.quantization import (BFloat16Matrix, KernelLayout, QuantArray, QuantEmbedding, TransposedLayout,
+                                          tree_bytes)
 
 Params = dict[str, Any]
 
@@ -141,6 +142,8 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
 
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
+    if _bfloat16_matrices(params):
+        return bfloat16_views(params)
     if int8_activations and _kernel_takes_every_matrix(params["layers"]):
         layers = {name: with_kernel_layout(w) if isinstance(w, QuantArray) else w
                   for name, w in params["layers"].items()}
@@ -150,6 +153,46 @@ def layer_views(params: Params, int8_activations: bool = True) -> Params:
         return params
     views = {**params, "layers": per_layer}
     return _with_lm_head_kernel_layout(views) if int8_activations else views
+
+
+def _bfloat16_matrices(params: Params) -> bool:
+    """Whether every matrix of the model is a bfloat16 float array (no quantized weight, no
+    routed experts) and the C++ kernels are built: `bfloat16_views` takes it."""
+    matrices = [w for w in params["layers"].values() if isinstance(w, QuantArray) or w.ndim > 2]
+    matrices += [params[name] for name in ("embed", "lm_head") if name in params]
+    return bool(matrices) and all(not isinstance(w, (QuantArray, QuantEmbedding)) and w.ndim in (2, 3)
+                                  and w.dtype == jnp.bfloat16 for w in matrices) \
+        and all(w.ndim == 3 for w in params["layers"].values() if w.ndim > 2) and cpu_kernels.available()
+
+
+def bfloat16_views(params: Params) -> Params:
+    """A bfloat16 model as the CPU step reads it: each matrix a `BFloat16Matrix` (its stored
+    layout and a copy in the C++ kernel's, read at the layer index: float32 rows times bfloat16
+    weights at memory speed, where XLA:CPU takes 5-30x longer), the lm_head too (a tied one in the
+    kernel's layout only), and the norms and biases in float32: the residual stream, attention
+    and the "auto" KV cache stay float32, and only the weights' storage and the prompt's matmuls
+    (jaxserve.models.prompt_matmul) are bfloat16."""
+    as_float32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    layers = {name: _bfloat16_matrix_jit(w) if w.ndim == 3 else as_float32(w) for name, w in params["layers"].items()}
+    views = {**{name: as_float32(w) if w.ndim == 1 else w for name, w in params.items() if name != "layers"},
+             "layers": layers}
+    views["lm_head"] = _bfloat16_matrix_jit(params["lm_head"]) if "lm_head" in params \
+        else _tied_lm_head_jit(params["embed"])
+    return views
+
+
+def _bfloat16_matrix_jit(w: jax.Array) -> BFloat16Matrix:
+    """A bfloat16 [..., in, out] weight with the kernel's layout beside it (the same array, no copy)."""
+    return BFloat16Matrix(w, KernelLayout(_pack_bf16_jit(w), None), w.shape[-1])
+
+
+def _tied_lm_head_jit(embed: jax.Array) -> BFloat16Matrix:
+    """The lm_head tied to a bfloat16 embedding [V, D]: its [D, V] in the kernel's layout only."""
+    return BFloat16Matrix(None, KernelLayout(_pack_transposed_bf16_jit(embed), None), embed.shape[0])
+
+
+_pack_bf16_jit = jax.jit(cpu_kernels.pack_bf16)
+_pack_transposed_bf16_jit = jax.jit(lambda w: cpu_kernels.pack_bf16(w.T))
 
 
 def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
@@ -176,7 +219,12 @@ def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
 def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
     """Bytes `layer_views` adds beside `params` (arrays or abstract arrays) on one CPU device:
     the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
-    tied lm_head. Views themselves cost nothing. For the memory planner."""
+    tied lm_head, or a bfloat16 model's matrices in the kernel's layout (and its norms in float32).
+    Views themselves cost nothing. For the memory planner."""
+    if _bfloat16_matrices(params):
+        shared = [w for w in params["layers"].values() if w.ndim == 3]  # the matrices' stored layout
+        shared += [params[name] for name in ("embed", "lm_head") if name in params]
+        return tree_bytes(jax.eval_shape(bfloat16_views, params)) - tree_bytes(shared)
     added = 0
     for weight in params["layers"].values():
         if isinstance(weight, QuantArray):
@@ -261,7 +309,8 @@ class LayerWeights:
             return cls(None, {}, tuple(layers))
         own = {name: w for name, w in layers.items() if kinds is not None and name in kinds.leaves}
         layers = {name: w for name, w in layers.items() if name not in own}
-        whole = {name: w.kernel for name, w in layers.items() if isinstance(w, QuantArray) and w.kernel is not None}
+        whole = {name: w.kernel for name, w in layers.items()
+                 if isinstance(w, (QuantArray, BFloat16Matrix)) and w.kernel is not None}
         scanned = {name: dataclasses.replace(w, kernel=None) if name in whole else w for name, w in layers.items()}
         return cls(scanned, whole, None, own, kinds if own else None)
 

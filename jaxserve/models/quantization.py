@@ -55,7 +55,7 @@ import numpy as np
 
 import cpu_kernels
 from jaxserve.config import ModelConfig
-from jaxserve.models import weights
+from jaxserve.models import prompt_matmul, weights
 
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPE = jnp.float16
@@ -161,6 +161,25 @@ class QuantArray:
         """The stored arrays by name, as a checkpoint holds them (without the CPU layouts)."""
         names = ("q", "scale", "zero", "perm")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BFloat16Matrix:
+    """A bfloat16 weight [..., in, out] as the CPU step reads it (jaxserve.models.cpu_layout):
+    the stored layout, which prompt chunks multiply (prompt_matmul.bfloat16_linear), and the C++
+    kernel's (cpu_kernels.pack_bf16) for up to cpu_kernels.MAX_ROWS float32 rows. An lm_head
+    tied to the embedding has the kernel's layout only (w None: prompt rows unpack it)."""
+    w: Any  # bfloat16 [..., in, out], or None
+    kernel: KernelLayout  # packed: bfloat16 [..., S, in, STRIP]; scale None; layer as KernelLayout's
+    out_features: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's [..., in, out]."""
+        if self.w is not None:
+            return self.w.shape
+        return (*self.kernel.packed.shape[:-3], self.kernel.packed.shape[-2], self.out_features)
 
 
 @jax.tree_util.register_dataclass
@@ -330,10 +349,31 @@ def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
     Otherwise the dequantization is elementwise work that XLA fuses into the jitted step. int4
     runs as two dots over the low-nibble and high-nibble halves of every group (the inputs split
     to match), which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""
+    if isinstance(weight, BFloat16Matrix):
+        y = _bfloat16_linear(x, weight)
+        return y if out_dtype is None else y.astype(out_dtype)
     if not isinstance(weight, QuantArray):
         return jnp.matmul(x, weight, preferred_element_type=out_dtype)
     y = _quantized_linear(x, weight)
     return y if out_dtype is None else y.astype(out_dtype)
+
+
+def prompt_compute_dtype(weight_dtype: str, int8_activations: bool) -> str:
+    """What a prompt chunk's matmuls multiply in on this CPU (`linear`, jaxserve.models.prompt_matmul)
+    for linear layers stored as `weight_dtype` (a float dtype or a format name): "int8" (per-channel
+    int8 with int8 activations), "bfloat16" (other formats with int8 activations, and bfloat16
+    weights, where the CPU has bfloat16 instructions) or "float32"."""
+    if weight_dtype in ("float32", "float16"):
+        return "float32"
+    bfloat16 = "bfloat16" if prompt_matmul.cpu_has_bfloat16() else "float32"
+    if weight_dtype == "bfloat16":
+        return bfloat16
+    fmt = parse_format(weight_dtype, stored=True)
+    kernel_takes = not (fmt.float8 or fmt.act_order or fmt.integer_zero or fmt.scale_dtype != "float16"
+                        or (fmt.group_size or cpu_kernels.BLOCK) % cpu_kernels.BLOCK)  # cpu_layout.kernel_takes
+    if not (int8_activations and kernel_takes and cpu_kernels.available()):
+        return "float32"
+    return "int8" if (fmt.bits, fmt.group_size, fmt.zero_point) == (8, None, False) else bfloat16
 
 
 def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
@@ -344,6 +384,11 @@ def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
         offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
         return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
                                             weight.q.shape[-1], layer=kernel.layer)
+    if weight.kernel is not None:  # a prompt chunk on the CPU, with int8 activations: see prompt_matmul
+        if weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1:
+            return prompt_matmul.int8_linear(x, weight.q, weight.scale)
+        if prompt_matmul.cpu_has_bfloat16():
+            return prompt_matmul.bfloat16_linear(x, dequantize(weight, jnp.bfloat16))
     if weight.perm is not None:  # act-order: the rows are stored in this order of the inputs
         x = jnp.take(x, weight.perm, axis=-1)
     if weight.transposed is not None and rows == 1:  # one row: see cpu_layout.transposed
@@ -358,6 +403,21 @@ def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
     x_second = x_halves[..., 1, :].reshape(*lead, num_groups * half)
     return (x_first @ first.reshape(num_groups * half, out).astype(x.dtype)
             + x_second @ second.reshape(num_groups * half, out).astype(x.dtype))
+
+
+def _bfloat16_linear(x: jax.Array, weight: BFloat16Matrix) -> jax.Array:
+    """x [..., in] @ a BFloat16Matrix (one layer's: `kernel.layer` set when stacked) -> x's dtype."""
+    rows, packed = math.prod(x.shape[:-1]), weight.kernel.packed
+    if rows <= cpu_kernels.MAX_ROWS:
+        return cpu_kernels.bf16_matmul(x, packed, weight.out_features, layer=weight.kernel.layer).astype(x.dtype)
+    w = weight.w
+    if w is None:  # the kernel's layout back to [in, out] (see cpu_kernels.pack_bf16)
+        if weight.kernel.layer is not None:
+            packed = jax.lax.dynamic_index_in_dim(packed, weight.kernel.layer, keepdims=False)
+        w = cpu_kernels.unpack_bf16(packed, weight.out_features)
+    if prompt_matmul.cpu_has_bfloat16():
+        return prompt_matmul.bfloat16_linear(x, w)
+    return x @ w.astype(x.dtype)
 
 
 def _linear_transposed(x: jax.Array, layout: TransposedLayout) -> jax.Array:
@@ -407,7 +467,7 @@ def embedding_rows(embed, token_ids: jax.Array, dtype) -> jax.Array:
     """Rows [T, D] of a float embedding [V, D] or a QuantEmbedding at `token_ids` [T]; those
     of a QuantEmbedding (computed in float32) cast to `dtype`."""
     if not isinstance(embed, QuantEmbedding):
-        return embed[token_ids]
+        return embed[token_ids].astype(dtype)
     return (embed.q[token_ids].astype(jnp.float32) * embed.scale[token_ids]).astype(dtype)
 
 

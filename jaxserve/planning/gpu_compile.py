@@ -371,7 +371,7 @@ def step_activation_bytes(model_config: ModelConfig, bucket: Bucket, buckets: Bu
 
 # ---- the kernels on the real compiler ------------------------------------------------------------
 KERNEL_NAMES = ("paged_decode_attention", "ragged_paged_attention", "grouped_matmul", "lora_bgmv",  # Triton lowering
-                "paged_decode_attention_mosaic", "ragged_paged_attention_mosaic")  # Mosaic GPU
+                "paged_decode_attention_mosaic", "ragged_paged_attention_mosaic", "lora_bgmv_mosaic")  # Mosaic GPU
 _THUNK_LINE = re.compile(r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+"
                          r"shared_memory: (\d+) bytes")
 

@@ -399,6 +399,7 @@ def plan_memory(
     draft_scratch_pages: int = 0,
     runtime_reserve_fraction: float = 0.05,
     min_runtime_reserve_bytes: int = 256 * MiB,
+    activations_dtype: str | None = None,
 ) -> MemoryPlan:
     """Sizes the KV page pool of one device for `cfg`, whose dtype must be set (for_platform
     fills it in): the activations and, with kv_cache_dtype "auto", the KV cache in cfg.dtype;
@@ -408,13 +409,18 @@ def plan_memory(
     replaces the estimate. `max_num_pages` caps the pool; cfg.num_pages fixes it (the estimates
     are still reported, the fit checks are skipped). `draft_model`: a speculative-decoding draft
     on this device: its weights (in the compute dtype) and a K/V cache of the same pages plus
-    `draft_scratch_pages` come out of the same budget.
+    `draft_scratch_pages` come out of the same budget. `activations_dtype`: the activations' (and
+    the "auto" KV cache's) dtype when it is not cfg.dtype (a bfloat16 model on the CPU: float32).
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
     or when not even one sequence of max_model_len fits next to them.
     """
     model = parallel_model(model, cfg)
-    weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(model, cfg, device_memory_bytes, runtime_reserve_fraction)
+    weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(
+        model, cfg if activations_dtype is None else dataclasses.replace(cfg, dtype=activations_dtype),
+        device_memory_bytes, runtime_reserve_fraction)
+    if activations_dtype is not None and not cfg.quantization:
+        weight_dtype = normalize_dtype(cfg.dtype, WEIGHT_DTYPES)
     max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
     memory_utilization, tp = cfg.memory_utilization, cfg.tensor_parallel_size
 
@@ -497,10 +503,13 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
     cap = None
     if not on_gpu and cfg.page_size > 0:
         cap = cfg.max_num_seqs * math.ceil(cfg.model_len(model) / cfg.page_size) + 1  # + the null page
+    # On one CPU a bfloat16 model's step keeps its activations in float32 (cpu_layout.bfloat16_views).
+    cpu_bfloat16 = not on_gpu and cfg.dtype == "bfloat16" and cfg.tensor_parallel_size == 1
     return plan_memory(
         model, cfg, device_memory_bytes=device_memory_bytes, measured_weights_bytes=measured_weights_bytes,
         max_num_pages=cap, draft_model=draft_model if cfg.speculative_method == "draft" else None,
-        draft_scratch_pages=draft_scratch_pages(cfg) if draft_model is not None else 0)
+        draft_scratch_pages=draft_scratch_pages(cfg) if draft_model is not None else 0,
+        activations_dtype="float32" if cpu_bfloat16 else None)
 
 
 def draft_scratch_pages(cfg: EngineConfig) -> int:

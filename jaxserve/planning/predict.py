@@ -71,6 +71,7 @@ class OperatorCeilings:
     matmul_bandwidth: float
     matmul_flops: float
     attention_bandwidth: float
+    compute_dtype: str = "float32"  # what the matmul multiplied in (prompt chunks: maybe bfloat16 or int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Ceilings:
         mix = lambda a, b: a + w * (b - a)  # noqa: E731
         return OperatorCeilings(rows, mix(lo.matmul_bandwidth, hi.matmul_bandwidth),
                                 mix(lo.matmul_flops, hi.matmul_flops),
-                                mix(lo.attention_bandwidth, hi.attention_bandwidth))
+                                mix(lo.attention_bandwidth, hi.attention_bandwidth), hi.compute_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,7 +302,8 @@ def predict(model: ModelConfig, plan: memory.MemoryPlan, cfg: EngineConfig, ceil
         "cost_model": dataclasses.asdict(costs),
         "decode": decode,
         "ttft": {"prompt_len": prompt_len, "chunk_tokens": prefill_chunk(cfg), "steps": len(chunks),
-                 "ttft_ms": sum(s for s, _ in steps) * 1e3, "bound": ttft_bounds[0]},
+                 "ttft_ms": sum(s for s, _ in steps) * 1e3, "bound": ttft_bounds[0],
+                 "compute_dtype": ceilings.at_rows(prefill_chunk(cfg)).compute_dtype},
         "max_decode_throughput": {
             "concurrency": concurrency, "max_num_seqs": plan.max_num_seqs, "kv_limited_seqs": kv_limit,
             "context_len": context_len, "limited_by": "max_num_seqs" if plan.max_num_seqs <= kv_limit else "kv_cache",
@@ -317,7 +319,8 @@ def format_table(prediction: dict[str, Any]) -> str:
     lines = [f"ceilings ({c['source']}): memory {c['memory_bandwidth'] / 1e9:,.1f} GB/s, compute "
              f"{c['peak_flops'] / 1e12:,.2f} TFLOP/s, interconnect {link}",
              *[f"  at {o['rows']} rows (probed): matmul {o['matmul_bandwidth'] / 1e9:,.1f} GB/s and "
-               f"{o['matmul_flops'] / 1e9:,.1f} GFLOP/s, decode attention {o['attention_bandwidth'] / 1e9:,.1f} GB/s"
+               f"{o['matmul_flops'] / 1e9:,.1f} GFLOP/s ({o['compute_dtype']}), decode attention "
+               f"{o['attention_bandwidth'] / 1e9:,.1f} GB/s"
                for o in c.get("operators") or ()],
              f"{'batch':>6} {'context':>8} {'TPOT ms':>9} {'bound':>12} {'bw ms':>9} {'compute ms':>10} "
              f"{'link ms':>8} {'tok/s':>9} {'fits':>5}"]
@@ -327,7 +330,7 @@ def format_table(prediction: dict[str, Any]) -> str:
                      f"{d['tokens_per_s']:>9,.0f} {'yes' if d['fits'] else 'NO':>5}")
     t, m = prediction["ttft"], prediction["max_decode_throughput"]
     lines.append(f"TTFT of a {t['prompt_len']}-token prompt: {t['ttft_ms']:,.1f} ms ({t['steps']} chunk(s) of "
-                 f"{t['chunk_tokens']} tokens, {t['bound']}-bound)")
+                 f"{t['chunk_tokens']} tokens, {t['bound']}-bound, matmuls in {t['compute_dtype']})")
     if m["tpot_ms"] is None:
         lines.append("max decode throughput: no sequence of that context fits")
     else:

@@ -3,13 +3,14 @@
 It measures, each as the fastest of a few repeats:
   * the copy bandwidth of a buffer larger than the caches (the device-wide bandwidth);
   * at each row count the predictor will price, the rates of the step's two kinds of work:
-    - a float32 [rows, hidden] x [hidden, intermediate] matmul, over a stack of such weight matrices
+    - a [rows, hidden] x [hidden, intermediate] matmul (float32; a prompt chunk's in its compute dtype), over a stack of such weight matrices
       larger than the caches, one after the other as the engine's layer scan reads its weights:
       the bytes/s at which it reads them and the FLOP/s it reaches at that many rows;
     - the engine's CPU decode attention (pallas_kernels.dispatch, "xla": the C++ kernel where it
       is built) of that many rows over a float32 paged cache of the model's heads, at the context
       asked, over as many layers as fit in PROBE_CACHE_BYTES: the bytes/s at which it reads K/V;
-  * the device-wide peak: the best matmul rate of those row counts and of a prefill chunk.
+  * the device-wide peak: the best matmul rate of those row counts and of a prefill chunk,
+    prompt chunks in the dtype their matmuls multiply in (float32, bfloat16 or int8).
 
 It times single operations of the model's shapes, never the step it predicts, so the roofline
 stays a roofline: what a step's parts would take at the rates the machine reaches for them.
@@ -51,22 +52,30 @@ def copy_bandwidth(budget_s: float = 1.0) -> float:
     return 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), budget_s)
 
 
-def matmul_rates(hidden: int, intermediate: int, rows: int) -> tuple[float, float]:
-    """(weight bytes/s, FLOP/s) of float32 [rows, hidden] x [hidden, intermediate] matmuls over a
-    stack of weight matrices larger than the caches, run one after the other under a scan."""
+def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float32") -> tuple[float, float]:
+    """(weight bytes/s, FLOP/s) of [rows, hidden] x [hidden, intermediate] matmuls over a stack of
+    weight matrices larger than the caches, run one after the other under a scan, both operands
+    in `dtype`: float32, bfloat16 (summed in float32) or int8 (summed in int32; operations/s), the
+    compute dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul)."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
-    matrix_bytes = hidden * intermediate * 4
+    element = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[dtype]
+    total_dtype = jnp.int32 if dtype == "int8" else jnp.float32
+    matrix_bytes = hidden * intermediate * jnp.dtype(element).itemsize
     count = max(1, math.ceil(WEIGHT_STACK_BYTES / matrix_bytes))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))  # [rows, hidden]
-    stack = jnp.asarray(rng.standard_normal((count, hidden, intermediate), np.float32) * 0.01)  # [n, hidden, inter]
+    if dtype == "int8":
+        x = jnp.asarray(rng.integers(-127, 128, (rows, hidden)), jnp.int8)  # [rows, hidden]
+        stack = jnp.asarray(rng.integers(-127, 128, (count, hidden, intermediate)), jnp.int8)  # [n, hidden, inter]
+    else:
+        x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), element)
+        stack = jnp.asarray(rng.standard_normal((count, hidden, intermediate), np.float32) * 0.01, element)
 
     @jax.jit
     def run(x, stack):
         def one(total, w):  # total [rows, intermediate]
-            return total + x @ w, None
-        return jax.lax.scan(one, jnp.zeros((rows, intermediate), jnp.float32), stack)[0]
+            return total + jnp.matmul(x, w, preferred_element_type=total_dtype), None
+        return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), stack)[0]
 
     run(x, stack).block_until_ready()  # compile
     seconds = _best_seconds(lambda: run(x, stack).block_until_ready())
@@ -105,16 +114,21 @@ def attention_bandwidth(model: ModelConfig, rows: int, context_len: int, page_si
     return layers * rows * context_len * token_bytes / seconds
 
 
-def probe(model: ModelConfig, rows: Sequence[int], context_len: int, page_size: int
-          ) -> tuple[float, float, list[OperatorCeilings]]:
+def probe(model: ModelConfig, rows: Sequence[int], context_len: int, page_size: int,
+          prompt_dtype: str = "float32") -> tuple[float, float, list[OperatorCeilings]]:
     """(copy bytes/s, peak FLOP/s, the operators' ceilings at each of `rows`) of this machine, in
-    a few seconds (about 2 x BUDGET_S and two compiles per row count, and a prefill chunk's matmul)."""
+    a few seconds (about 2 x BUDGET_S and two compiles per row count, and a prefill chunk's matmul).
+    Row counts past the decode kernel's (prompt chunks) are probed in `prompt_dtype`, what their
+    matmuls multiply in (jaxserve.models.quantization.prompt_compute_dtype), and so is the peak."""
+    import cpu_kernels  # as in matmul_rates: only the probe needs jax and the kernels
+    dtype_at = lambda count: prompt_dtype if count > cpu_kernels.MAX_ROWS else "float32"  # noqa: E731
     operators = []
     for count in sorted(set(rows)):
-        bandwidth, flops = matmul_rates(model.hidden_size, model.intermediate_size, count)
+        bandwidth, flops = matmul_rates(model.hidden_size, model.intermediate_size, count, dtype_at(count))
         attention = attention_bandwidth(model, min(count, ATTENTION_PROBE_MAX_ROWS), context_len, page_size)
-        operators.append(OperatorCeilings(count, bandwidth, flops, attention))
+        operators.append(OperatorCeilings(count, bandwidth, flops, attention, dtype_at(count)))
     best_flops = max(o.matmul_flops for o in operators) if operators else 0.0
     if PREFILL_PROBE_ROWS not in rows:
-        best_flops = max(best_flops, matmul_rates(model.hidden_size, model.intermediate_size, PREFILL_PROBE_ROWS)[1])
+        best_flops = max(best_flops, matmul_rates(model.hidden_size, model.intermediate_size, PREFILL_PROBE_ROWS,
+                                                  prompt_dtype)[1])
     return copy_bandwidth(), best_flops, operators

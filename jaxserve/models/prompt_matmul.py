@@ -1,0 +1,68 @@
+"""The matmuls of prompt chunks on the CPU, in int8 or bfloat16 instead of float32.
+
+A prompt chunk (more rows than cpu_kernels.MAX_ROWS, the decode kernel's) is compute-bound:
+SmolLM2's 512-token chunk is ~135 GFLOP of matmuls. XLA:CPU multiplies float32 at ~250 GFLOP/s
+on the development machine, but hands an int8 x int8 -> int32 dot, and a bfloat16 x bfloat16 ->
+float32 dot, to the CPU's integer and bfloat16 units (AMX, AVX-512 VNNI / BF16): ~1.2 TOP/s and
+~1 TFLOP/s there, 512 rows ([576, 1536] and [1536, 576]). So with int8 activations
+(EngineConfig.cpu_int8_activations) a quantized weight multiplies a prompt chunk:
+
+* int8 per output channel (`--quantization=int8`, symmetric): `int8_linear`, the rows of x
+  quantized to int8 (one scale per row, symmetric, dynamic: max |x| / 127), an int8 dot
+  accumulated in int32, both scales applied to the result in float32 (W8A8, as SmoothQuant's
+  per-token dynamic quantization without its smoothing);
+* any other format (groups along the input, int4, zero points): `bfloat16_linear` on the weight
+  dequantized to bfloat16 (XLA:CPU has no fast dot over groups of 32 integers: one int8 dot per
+  group measured 160 ms where the bfloat16 dot takes 3.3);
+
+and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too.
+Only where the CPU has bfloat16 instructions (`cpu_has_bfloat16`): elsewhere XLA converts
+bfloat16 to float32 element by element and the float32 path is faster.
+
+What each costs in accuracy is in docs/quantization.md, measured (bench/prompt_compute.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Flags in /proc/cpuinfo of CPUs that multiply bfloat16 in hardware (AVX-512 BF16, AMX).
+BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (read once from /proc/cpuinfo; False
+    where there is none, e.g. not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] float -> (codes int8 [..., K], scale float32 [..., 1]): symmetric, one scale per
+    row (max |x| / 127; a zero row gets scale 1 and zero codes)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+def int8_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., K] @ w for w = q * scale, q int8 [K, N], scale [1, N] (one per output channel):
+    x quantized per row to int8, an int8 dot accumulated in int32, scaled in float32 -> [..., N]
+    in x's dtype."""
+    codes, row_scale = quantize_rows(x)
+    acc = jnp.matmul(codes, q, preferred_element_type=jnp.int32)  # [..., N]
+    return (acc.astype(jnp.float32) * row_scale * scale[0].astype(jnp.float32)).astype(x.dtype)
+
+
+def bfloat16_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N], both rounded to bfloat16, accumulated in float32 -> x's dtype."""
+    return jnp.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
