@@ -11,6 +11,11 @@
   of (sequence, KV head, 128 keys) on XLA's CPU threads, where XLA's loop pays a dozen ops per
   block of pages (SmolLM2's 30 layers at a ~500-token context: 0.6 ms at one row, 64 ms at 64
   rows). paged_attention.cc.
+* `ragged_prefill_attention`: causal attention of prompt-chunk queries over float32 KV pages, in
+  tasks of (sequence, KV head, 32 queries): the queries of all the group's heads transposed in
+  the cache, each key and value read once per task from its page, scores and weighted values in
+  AVX-512 register tiles, an online softmax down the lanes, keys past a block's last query
+  skipped, where XLA's loops run small batched dots. prefill_attention.cc.
 * `lora_update`: the multi-LoRA update, each row through its own adapter's A and B only (rows
   grouped by slot, rows on slot 0 skipped), the slab's layer read in place, where XLA's one-hot
   form multiplies every row by every slot's matrices in thin dots. lora_update.cc.
@@ -51,10 +56,12 @@ BLOCK = 32  # inputs per int8 scale of x (kBlock)
 MAX_HEAD_DIM = 256  # the attention kernel's longest head (kLanes * kMaxVectors in paged_attention.cc)
 SCALE_DTYPE = jnp.float16
 _SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantized_matmul.cc", "paged_attention.cc",
-                                                                       "lora_update.cc", "bf16_matmul.cc")]
+                                                                       "lora_update.cc", "bf16_matmul.cc",
+                                                                       "prefill_attention.cc")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part of the library's hash
 _TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
             "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
+            "jaxserve_ragged_prefill_attention": "JaxserveRaggedPrefillAttention",
             "jaxserve_lora_update": "JaxserveLoraUpdate",
             "jaxserve_bf16_matmul": "JaxserveBf16Matmul"}  # target: handler symbol
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17", "-w"]
@@ -205,6 +212,25 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, window
     return jax.ffi.ffi_call("jaxserve_paged_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def takes_prefill_attention(q, k_pages, v_pages) -> bool:
+    """Whether `ragged_prefill_attention` serves these operands: float32 queries and pages (not
+    an int8 / fp8 cache), head_dim up to MAX_HEAD_DIM, and the kernels built."""
+    return takes_decode_attention(q, k_pages, v_pages)
+
+
+def ragged_prefill_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, window,
+                             scale: float, soft_cap: float | None) -> jax.Array:
+    """Causal attention of ragged query tokens (pallas_kernels.xla_paged.ragged_paged_attention's
+    inputs and result): q [T, Hq, D] float32, pages [P, page_size, Hkv, D] float32, block_table
+    int32 [S, W], seq_lens int32 [S], query_start_loc int32 [S + 1] (non-decreasing), window an
+    int32 scalar (<= 0: none) -> [T, Hq, D] float32 (zeros for tokens of no sequence)."""
+    _require()
+    return jax.ffi.ffi_call("jaxserve_ragged_prefill_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32), jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0))
 
 
 def takes_lora_update(x, a, b) -> bool:

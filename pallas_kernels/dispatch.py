@@ -11,8 +11,8 @@ Backends:
   "mosaic_interpret"  the same kernels in Mosaic GPU's interpreter (on the CPU, with race
                detection: for tests);
   "xla"        plain XLA that loops over the context a few pages at a time (xla_paged.py); on
-               the CPU, decode attention over float32 pages runs in a C++ kernel instead
-               (cpu_kernels, when built): the fast path on CPU;
+               the CPU, decode and prefill attention over float32 pages run in C++ kernels
+               instead (cpu_kernels, when built): the fast path on CPU;
   "reference"  the plain-jnp test oracle in reference.py (the whole context at once), loaded
                only when this backend is asked for.
 Default on a GPU: what the installed jax offers there. "pallas" while the Triton lowering is
@@ -216,6 +216,14 @@ def ragged_attention(
         )
     if backend == "xla" and max_query_len:
         options["query_chunk"] = min(xla_paged.PREFILL_QUERY_CHUNK, max_query_len)
+    if backend == "xla" and cpu_kernels.takes_prefill_attention(q, k_pages, v_pages):
+        # Lowered for the CPU: the C++ kernel (cpu_kernels); for any other platform: XLA's loops.
+        window = -1 if sliding_window is None else sliding_window
+        return jax.lax.platform_dependent(
+            q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window,
+            cpu=lambda *args: cpu_kernels.ragged_prefill_attention(
+                *args[:6], window=args[6], scale=softmax_scale(scale, q.shape[-1]), soft_cap=logit_soft_cap),
+            default=lambda *args: xla_paged.ragged_paged_attention(*args[:6], **options))
     return _plain_module(backend).ragged_paged_attention(
         q, k_pages, v_pages, block_table, seq_lens, query_start_loc, **options
     )

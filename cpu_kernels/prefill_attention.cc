@@ -1,0 +1,320 @@
+// Causal attention of a ragged batch of prompt-chunk queries over the paged KV cache on the CPU,
+// the chunk's own K/V already written. Same inputs and results as
+// pallas_kernels.xla_paged.ragged_paged_attention for float32 caches:
+//   q                float32 [T, Hq, D]
+//   k, v pages       float32 [P, page_size, Hkv, D]
+//   block_table      int32 [S, W]: the pages of each sequence, in order
+//   seq_lens         int32 [S]: 0 for a padding row (its queries give zeros)
+//   query_start_loc  int32 [S + 1], non-decreasing: sequence i's queries are the tokens
+//                    [query_start_loc[i], query_start_loc[i + 1]), the last of its seq_len
+//                    tokens (query j at position seq_len - query_len + j)
+//   window           int32 [1]: sliding window (<= 0: none); a query at position p sees the keys
+//                    at k with p - window < k <= p
+//   scale, soft_cap (attributes): scores = soft_cap * tanh(scale * q.k / soft_cap), or
+//                    scale * q.k with soft_cap 0
+//   out              float32 [T, Hq, D]; tokens of no sequence (past query_start_loc[S]) zeros
+// Query heads h read KV head h / (Hq / Hkv).
+//
+// Work: each (sequence, KV head, block of kQueryBlock queries) is one task; its rows are the
+// block's queries times the group's query heads, M = kQueryBlock * group, 16 rows of one head to
+// a vector. The queries are kept transposed ([D][M], scaled), so that the scores of a key are
+// a broadcast of each key element times vectors of 16 rows (FMAs with no horizontal sums), and
+// the online softmax runs down the lanes (a running max, sum per row). Keys come kKeyBlock at a
+// time straight from their pages, each K and V element loaded once per task for all its rows;
+// the keys read stop at the block's last query (causal) and start at its first query's window.
+// Then the weighted values are added into the rows' sums [M][D] in register tiles. A task writes
+// only its own rows of out, so results do not depend on the thread count or the order of tasks.
+
+#if !defined(__AVX512F__)
+#error "prefill_attention.cc needs AVX-512 (compiled with -march=native on such a CPU)"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kQueryBlock = 32;  // queries per task (a multiple of kLanes)
+constexpr int64_t kKeyBlock = 32;    // keys per softmax step (a multiple of kKeyTile)
+constexpr int kKeyTile = 4;          // keys per register tile of the scores
+constexpr int kRowVectors = 4;       // row vectors per register tile of the scores
+constexpr int kValueRows = 4;        // rows per register tile of the weighted values
+constexpr int kValueVectors = 4;     // head_dim vectors per register tile of the weighted values
+constexpr int64_t kMaxDim = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp of 16 floats <= 0 (-inf included), within about an ulp of std::exp (paged_attention.cc's).
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Block {  // one task's queries: tokens [first, last) of sequence s
+  int64_t s, first, last;
+};
+
+struct Problem {
+  const float *q, *k, *v;
+  const int32_t *block_table, *seq_lens, *query_start_loc;
+  float* out;
+  int64_t tokens, q_heads, kv_heads, dim, page_size, table_width;
+  int32_t window;
+  float scale, soft_cap;
+  std::vector<Block> blocks;
+  std::vector<float> zeros;  // a key of zeros for the key tiles' padding
+
+  int64_t group() const { return q_heads / kv_heads; }
+  int64_t QueryLen(int64_t s) const { return query_start_loc[s + 1] - query_start_loc[s]; }
+  // Position of token t of sequence s.
+  int64_t Position(int64_t s, int64_t t) const { return seq_lens[s] - QueryLen(s) + (t - query_start_loc[s]); }
+  const float* Key(const float* pages, int64_t s, int64_t pos, int64_t head) const {
+    const int64_t page = block_table[s * table_width + pos / page_size];
+    return pages + ((page * page_size + pos % page_size) * kv_heads + head) * dim;
+  }
+
+  // scores[t][m] += q_t[m] . key_t for kRows vectors of rows from m0, keys t0 .. t0 + kKeyTile.
+  template <int kRows>
+  void ScoreTile(const float* qt, int64_t rows, const float* const* keys, int64_t m0, float* scores) const {
+    __m512 acc[kKeyTile][kRows];
+    for (int t = 0; t < kKeyTile; ++t)
+      for (int r = 0; r < kRows; ++r) acc[t][r] = _mm512_setzero_ps();
+    const float *k0 = keys[0], *k1 = keys[1], *k2 = keys[2], *k3 = keys[3];
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* row = qt + d * rows + m0;
+      __m512 qv[kRows];
+      for (int r = 0; r < kRows; ++r) qv[r] = _mm512_loadu_ps(row + r * kLanes);
+      const __m512 b0 = _mm512_set1_ps(k0[d]), b1 = _mm512_set1_ps(k1[d]), b2 = _mm512_set1_ps(k2[d]),
+                   b3 = _mm512_set1_ps(k3[d]);
+      for (int r = 0; r < kRows; ++r) {
+        acc[0][r] = _mm512_fmadd_ps(qv[r], b0, acc[0][r]);
+        acc[1][r] = _mm512_fmadd_ps(qv[r], b1, acc[1][r]);
+        acc[2][r] = _mm512_fmadd_ps(qv[r], b2, acc[2][r]);
+        acc[3][r] = _mm512_fmadd_ps(qv[r], b3, acc[3][r]);
+      }
+    }
+    for (int t = 0; t < kKeyTile; ++t)
+      for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(scores + t * rows + m0 + r * kLanes, acc[t][r]);
+  }
+
+  // acc[m][d] = acc[m][d] * keep[m] + sum_t weights[t][m] value_t[d] for kValueRows rows from m0
+  // and kVectors vectors of d from d0.
+  template <int kVectors>
+  void ValueTile(const float* weights, int64_t rows, const float* keep, const float* const* values, int64_t count,
+                 int64_t m0, int64_t d0, int64_t dim_padded, float* acc) const {
+    __mmask16 masks[kVectors];
+    for (int j = 0; j < kVectors; ++j) {
+      const int64_t left = dim - (d0 + j * kLanes);
+      masks[j] = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(left, 0)) - 1);
+    }
+    __m512 o[kValueRows][kVectors];
+    for (int r = 0; r < kValueRows; ++r) {
+      const __m512 kv = _mm512_set1_ps(keep[m0 + r]);
+      for (int j = 0; j < kVectors; ++j)
+        o[r][j] = _mm512_mul_ps(kv, _mm512_loadu_ps(acc + (m0 + r) * dim_padded + d0 + j * kLanes));
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      __m512 value[kVectors];
+      for (int j = 0; j < kVectors; ++j) value[j] = _mm512_maskz_loadu_ps(masks[j], values[t] + d0 + j * kLanes);
+      for (int r = 0; r < kValueRows; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[t * rows + m0 + r]);
+        for (int j = 0; j < kVectors; ++j) o[r][j] = _mm512_fmadd_ps(w, value[j], o[r][j]);
+      }
+    }
+    for (int r = 0; r < kValueRows; ++r)
+      for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(acc + (m0 + r) * dim_padded + d0 + j * kLanes, o[r][j]);
+  }
+
+  void Task(int64_t task) {
+    const Block& block = blocks[task / kv_heads];
+    const int64_t head = task % kv_heads, s = block.s, g = group();
+    const int64_t queries = block.last - block.first;
+    const int64_t rows = kQueryBlock * g;  // row m = h * kQueryBlock + i: query head h, query i
+    const int64_t row_vectors = rows / kLanes;
+    const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
+    const int64_t first_pos = Position(s, block.first), last_pos = Position(s, block.last - 1);
+    // The keys any of the block's queries sees: [key_first, key_last).
+    const int64_t key_last = std::min<int64_t>(last_pos + 1, seq_lens[s]);
+    const int64_t key_first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+
+    std::vector<float> qt(dim * rows, 0.f), acc(rows * dim_padded, 0.f), scores(kKeyBlock * rows);
+    std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), keep(rows);
+    std::vector<int32_t> positions(rows);
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t i = 0; i < kQueryBlock; ++i) {
+        const int64_t m = h * kQueryBlock + i;
+        // Rows past the block's queries: a position no key reaches (they see nothing).
+        positions[m] = i < queries ? static_cast<int32_t>(first_pos + i) : std::numeric_limits<int32_t>::min();
+        if (i >= queries) continue;
+        const float* query = q + ((block.first + i) * q_heads + head * g + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) qt[d * rows + m] = query[d] * scale;
+      }
+
+    const float* key_ptrs[kKeyBlock];
+    const float* value_ptrs[kKeyBlock];
+    const __m512i window_v = _mm512_set1_epi32(window > 0 ? window : std::numeric_limits<int32_t>::max());
+    for (int64_t start = key_first; start < key_last; start += kKeyBlock) {
+      const int64_t count = std::min<int64_t>(kKeyBlock, key_last - start);
+      const int64_t padded = (count + kKeyTile - 1) / kKeyTile * kKeyTile;
+      for (int64_t t = 0; t < padded; ++t) {
+        key_ptrs[t] = t < count ? Key(k, s, start + t, head) : zeros.data();
+        value_ptrs[t] = t < count ? Key(v, s, start + t, head) : zeros.data();
+      }
+      // Scores [padded][rows].
+      for (int64_t t = 0; t < padded; t += kKeyTile) {
+        int64_t m = 0;
+        for (; m + kRowVectors <= row_vectors; m += kRowVectors)
+          ScoreTile<kRowVectors>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
+        for (; m + 2 <= row_vectors; m += 2) ScoreTile<2>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
+        for (; m < row_vectors; ++m) ScoreTile<1>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
+      }
+      // Online softmax down the lanes: the weights replace the scores, keep[m] rescales the sums.
+      for (int64_t m = 0; m < rows; m += kLanes) {
+        const __m512i pos = _mm512_loadu_si512(positions.data() + m);
+        __mmask16 visible[kKeyBlock];
+        __m512 top = _mm512_loadu_ps(row_max.data() + m);
+        const __m512 old_max = top;
+        for (int64_t t = 0; t < count; ++t) {
+          const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(start + t));
+          // key_pos <= pos and pos - key_pos < window (pos INT32_MIN for rows with no query: never).
+          visible[t] = _mm512_cmple_epi32_mask(key_pos, pos) &
+                       _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, key_pos), window_v);
+          float* sc = scores.data() + t * rows + m;
+          __m512 score = _mm512_loadu_ps(sc);
+          if (soft_cap > 0.f) {
+            alignas(64) float lanes[kLanes];
+            _mm512_store_ps(lanes, score);
+            for (float& x : lanes) x = soft_cap * std::tanh(x / soft_cap);
+            score = _mm512_load_ps(lanes);
+          }
+          score = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible[t], score);
+          _mm512_storeu_ps(sc, score);
+          top = _mm512_max_ps(top, score);
+        }
+        // Lanes that have seen no key keep -inf; they subtract 0 instead (their weights are 0).
+        const __mmask16 finite = _mm512_cmp_ps_mask(top, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+        const __m512 safe = _mm512_maskz_mov_ps(finite, top);
+        const __mmask16 had = _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+        const __m512 rescale = _mm512_maskz_mov_ps(had, Exp(_mm512_sub_ps(old_max, safe)));
+        __m512 total = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + m), rescale);
+        for (int64_t t = 0; t < count; ++t) {
+          float* sc = scores.data() + t * rows + m;
+          const __m512 weight = _mm512_maskz_mov_ps(visible[t], Exp(_mm512_sub_ps(_mm512_loadu_ps(sc), safe)));
+          _mm512_storeu_ps(sc, weight);
+          total = _mm512_add_ps(total, weight);
+        }
+        _mm512_storeu_ps(row_sum.data() + m, total);
+        _mm512_storeu_ps(row_max.data() + m, top);
+        _mm512_storeu_ps(keep.data() + m, rescale);
+      }
+      // acc = acc * keep + weights . values
+      for (int64_t m = 0; m < rows; m += kValueRows) {
+        int64_t d0 = 0;
+        for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
+          ValueTile<kValueVectors>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
+        const int64_t left = (dim_padded - d0) / kLanes;
+        if (left == 3) ValueTile<3>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
+        if (left == 2) ValueTile<2>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
+        if (left == 1) ValueTile<1>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
+      }
+    }
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t i = 0; i < queries; ++i) {
+        const int64_t m = h * kQueryBlock + i;
+        float* o = out + ((block.first + i) * q_heads + head * g + h) * dim;
+        const float inverse = row_sum[m] > 0.f ? 1.f / row_sum[m] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[m * dim_padded + d] * inverse;
+      }
+  }
+};
+
+ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
+                                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                  ffi::Buffer<ffi::S32> window, ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
+                                  float soft_cap) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || k_pages.element_count() != v_pages.element_count() ||
+      seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 || kd[3] != qd[2] ||
+      qd[1] % kd[2] != 0 || window.element_count() != 1)
+    return ffi::Error::InvalidArgument("ragged_prefill_attention: inconsistent shapes");
+  if (qd[2] < 1 || qd[2] > kMaxDim)
+    return ffi::Error::InvalidArgument("ragged_prefill_attention: head_dim must be 1 to 256");
+  Problem p;
+  p.q = q.typed_data();
+  p.k = k_pages.typed_data();
+  p.v = v_pages.typed_data();
+  p.block_table = block_table.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.query_start_loc = query_start_loc.typed_data();
+  p.out = out->typed_data();
+  p.tokens = qd[0];
+  p.q_heads = qd[1];
+  p.dim = qd[2];
+  p.page_size = kd[1];
+  p.kv_heads = kd[2];
+  p.table_width = td[1];
+  p.window = window.typed_data()[0];
+  p.scale = scale;
+  p.soft_cap = soft_cap;
+  p.zeros.assign(kMaxDim, 0.f);
+  std::fill(p.out, p.out + out->element_count(), 0.f);
+  const int64_t seqs = td[0];
+  for (int64_t s = 0; s < seqs; ++s)
+    if (p.query_start_loc[s + 1] < p.query_start_loc[s])
+      return ffi::Error::InvalidArgument("ragged_prefill_attention: query_start_loc decreases");
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t first = p.query_start_loc[s], last = p.query_start_loc[s + 1], len = p.seq_lens[s];
+    if (len <= 0 || last <= first) continue;  // a padding row, or no queries
+    if (first < 0 || last > p.tokens)
+      return ffi::Error::InvalidArgument("ragged_prefill_attention: query_start_loc outside the tokens");
+    if (len > p.table_width * p.page_size)
+      return ffi::Error::InvalidArgument("ragged_prefill_attention: a sequence length exceeds its block table");
+    for (int64_t i = 0; i * p.page_size < len; ++i) {  // the pages read: no read outside the cache
+      const int64_t page = p.block_table[s * p.table_width + i];
+      if (page < 0 || page >= kd[0])
+        return ffi::Error::InvalidArgument("ragged_prefill_attention: a block table names a page outside the cache");
+    }
+    // The last blocks first: they see the most keys, so the long tasks start early.
+    for (int64_t end = last; end > first; end -= kQueryBlock)
+      p.blocks.push_back({s, std::max(first, end - kQueryBlock), end});
+  }
+  const int64_t tasks = static_cast<int64_t>(p.blocks.size()) * p.kv_heads;
+  jaxserve::ParallelFor(pool, pool.num_threads(), tasks, [&p](int64_t t) { p.Task(t); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttention, RaggedPrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
