@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--max_num_batched_tokens", type=int, default=2048)
     parser.add_argument("--max_num_prefill_seqs", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="jaxserve's --dtype (bfloat16 on the CPU: bfloat16 weights and prompt matmuls)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from checkpoints.default_model import resolve_model
@@ -102,7 +104,7 @@ def main() -> None:
     inputs = np.random.default_rng(SEED).integers(100, 40000, (NUM_INPUTS, INPUT_TOKENS))
     config = EngineConfig(runner="pooling", pooler_config={"pooling_type": "LAST", "normalize": True},
                           max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_prefill_seqs=args.max_num_prefill_seqs, max_model_len=128)
+                          max_num_prefill_seqs=args.max_num_prefill_seqs, max_model_len=128, dtype=args.dtype)
     start = time.perf_counter()
     engine = Engine.from_model(model_dir, config)
     load_s = time.perf_counter() - start
@@ -127,7 +129,7 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in seconds.items()}
     result = {"machine": common.machine_line(common.machine_info(with_jax=True)), "load_average": common.load_average(),
               "inputs": NUM_INPUTS, "input_tokens": INPUT_TOKENS, "hf_batch": HF_BATCH,
-              "engine": {"max_num_batched_tokens": args.max_num_batched_tokens,
+              "engine": {"dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "max_num_prefill_seqs": args.max_num_prefill_seqs, "load_and_warmup_s": round(load_s, 1)},
               "seconds": {name: [round(v, 2) for v in values] for name, values in seconds.items()},
               "median_s": {name: round(v, 2) for name, v in median.items()},

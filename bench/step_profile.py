@@ -192,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max_model_len", type=int, default=1024, help="block table width in tokens")
     parser.add_argument("--backends", default="xla,reference")
     parser.add_argument("--quantization", default=None, help="int8, int4, ...: quantized linear weights")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the weights' float dtype (bfloat16: the CPU step's bfloat16 layout)")
     parser.add_argument("--quantize_embedding", action="store_true",
                         help="the embedding and tied lm_head in int8 too (quantization.quantize_embedding)")
     parser.add_argument("--row_sweep", default="",
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
 
     model_dir = default_model.resolve_model(args.model) if args.model == "smollm2" else args.model
     config = load.load_config(model_dir)
-    stacked = load.load_params(model_dir, jnp.float32)
+    stacked = load.load_params(model_dir, args.dtype)
     if args.quantization:
         stacked = quantization.quantize_params(stacked, args.quantization, config)
     baseline_params = stacked

@@ -144,14 +144,19 @@ class EngineConfig:
         "lm_head (an untied one per output channel); one device per replica (no tensor parallelism)")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the weights' float dtype), int8 "
                                   "(per-token-per-head scales) or fp8 (e4m3fn)", choices=("auto", "int8", "fp8"))
-    # Steps of up to 64 rows (cpu_kernels, as llama.cpp does), prompt chunks through XLA
-    # (jaxserve.models.prompt_matmul); False: XLA dequantizes the weights to float32, as on
+    # Steps of up to 64 rows (cpu_kernels, as llama.cpp does), prompt chunks as cpu_prompt_dtype
+    # says (jaxserve.models.prompt_matmul); False: XLA dequantizes the weights to float32, as on
     # every other device.
     cpu_int8_activations: bool = setting(
         True, "quantized weights on the CPU: steps of up to 64 rows multiply int8-quantized activations with the "
         "weight codes in integer dot products (faster decoding; about 0.5% noise on the logits), and prompt chunks "
-        "multiply in int8 (per-channel int8 weights) or bfloat16 (other formats, on CPUs with bfloat16 "
-        "instructions): prompts several times faster; false: float32 activations, the weights dequantized by XLA")
+        "multiply as --cpu_prompt_dtype says; false: float32 activations, the weights dequantized by XLA")
+    # Prompt chunks' matmuls on quantized or bfloat16 weights (jaxserve.models.prompt_matmul).
+    cpu_prompt_dtype: str = setting(
+        "auto", "the CPU's matmuls of prompt chunks (more than 64 rows) on quantized or bfloat16 weights: auto "
+        "(bfloat16 where the CPU has bfloat16 instructions, else float32), bfloat16, float32, or int8 (per-channel "
+        "int8 weights multiply activations quantized to int8 per row: faster, less accurate; see docs/quantization.md)",
+        choices=("auto", "float32", "bfloat16", "int8"))
     # Speculative decoding (jaxserve.speculative.verification).
     speculative_method: str | None = setting(
         None, "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier in the "

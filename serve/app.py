@@ -295,15 +295,15 @@ async def handle_model(request: web.Request) -> web.Response:
 
 async def handle_load_lora_adapter(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    name, path = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name", "lora_path"),
-                                         allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    lora_routes.check_route(allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    name, path = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name", "lora_path"))
     return web.Response(text=await lora_routes.load_adapter(state.engine, state.model_names, name, path))
 
 
 async def handle_unload_lora_adapter(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    (name,) = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name",),
-                                      allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    lora_routes.check_route(allowed=state.config.allow_runtime_lora_updating, enabled=state.lora_enabled)
+    (name,) = lora_routes.lora_fields(_parse_json(await _read_body(request)), ("lora_name",))
     return web.Response(text=await lora_routes.unload_adapter(state.engine, name))
 
 

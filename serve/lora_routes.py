@@ -18,14 +18,19 @@ from serve.protocol import ProtocolError
 MAX_FIELD_CHARS = 4096
 
 
-def lora_fields(body: Any, names: tuple[str, ...], *, allowed: bool, enabled: bool) -> tuple[str, ...]:
-    """The string fields `names` of a LoRA route's JSON body; ProtocolError 404 while run-time
-    updates are off (`allowed`), 400 when LoRA is off (`enabled`) or a field is not a string."""
+def check_route(*, allowed: bool, enabled: bool) -> None:
+    """Before the body is read: ProtocolError 404 while run-time updates are off (`allowed`),
+    400 when LoRA is off (`enabled`)."""
     if not allowed:
         raise ProtocolError("run-time LoRA loading is off: set VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the server's "
                             "environment (or pass --allow_runtime_lora_updating)", status=404, code="not_found")
     if not enabled:
         raise ProtocolError("LoRA is not enabled: start the server with --enable_lora")
+
+
+def lora_fields(body: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The string fields `names` of a LoRA route's JSON body; ProtocolError 400 when one is not a
+    non-empty string."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     values = []

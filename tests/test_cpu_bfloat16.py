@@ -2,6 +2,7 @@
 (cpu_layout.bfloat16_views), the matmuls of decode rows (the C++ kernel: float32 products of the
 exact weights) and of prompt chunks (bfloat16 products, float32 sums), and an engine that serves
 it with float32 activations and KV cache, against the float32 model with the same rounded weights."""
+import dataclasses
 import os
 
 import jax
@@ -16,7 +17,7 @@ from checkpoints.load import load_config, load_params
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.executor import device_setup
-from jaxserve.models import cpu_layout, prompt_matmul
+from jaxserve.models import cpu_layout
 from jaxserve.models import quantization as qz
 from tests.tiny_models import make_tiny_hf_model
 
@@ -46,11 +47,12 @@ def make_engine(config, params, **overrides):
 
 def test_views_keep_activations_in_float32(tiny):
     config, params = tiny
-    views = cpu_layout.layer_views(params)
+    views = cpu_layout.layer_views(params, prompt_dtype="bfloat16")
     for name, w in params["layers"].items():
         view = views["layers"][name]
         if w.ndim == 3:
             assert isinstance(view, qz.BFloat16Matrix) and view.w is w and view.shape == w.shape, name
+            assert view.kernel.prompt_dtype == "bfloat16", name
             np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_bf16(view.kernel.packed, w.shape[-1])),
                                           np.asarray(w))
         else:
@@ -72,14 +74,14 @@ def test_bfloat16_matrix_linear(rows):
     rng = np.random.default_rng([SEED, rows])
     w = jnp.asarray(rng.standard_normal((3, 96, 80)) / 10, jnp.bfloat16)  # [L, in, out]
     matrix = cpu_layout._bfloat16_matrix_jit(w)
+    matrix = qz.BFloat16Matrix(w, dataclasses.replace(matrix.kernel, prompt_dtype="bfloat16"), 80)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     exact = x.astype(np.float64) @ np.asarray(w[1], np.float64)
     rounded = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) @ np.asarray(w[1], np.float64)
-    expected = exact if rows <= cpu_kernels.MAX_ROWS or not prompt_matmul.cpu_has_bfloat16() else rounded
+    expected = exact if rows <= cpu_kernels.MAX_ROWS else rounded
     for weight in (matrix, qz.BFloat16Matrix(None, matrix.kernel, 80)):
         at_layer = jax.jit(lambda x, m, layer: qz.linear(
-            x, qz.BFloat16Matrix(m.w if m.w is None else m.w[layer], m.kernel.__class__(m.kernel.packed, None,
-                                                                                         layer=layer), 80)))
+            x, qz.BFloat16Matrix(m.w if m.w is None else m.w[layer], dataclasses.replace(m.kernel, layer=layer), 80)))
         got = np.asarray(at_layer(jnp.asarray(x), weight, jnp.int32(1)))
         assert got.dtype == np.float32
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"

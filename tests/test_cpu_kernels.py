@@ -75,17 +75,20 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
         np.asarray(at_layer(x, stacked, jnp.int32(3)))
 
 
+@pytest.mark.parametrize("prompt_dtype", ["int8", "bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int8_g64"])
-def test_prompt_chunks_multiply_in_int8_or_bfloat16(name):
-    """More rows than the kernel takes (a prompt chunk) stay out of the C++ kernel: a per-channel
-    int8 weight multiplies the rows quantized to int8 per row (prompt_matmul.int8_linear: exactly
-    the int8 rows times the codes, then both scales), other formats the rows and the weight
-    rounded to bfloat16 (on a CPU with bfloat16 instructions; float32 elsewhere)."""
-    from jaxserve.models import prompt_matmul
+def test_prompt_chunks_multiply_in_the_prompt_dtype(name, prompt_dtype):
+    """More rows than the kernel takes (a prompt chunk) stay out of the C++ kernel and multiply
+    in the kernel layout's prompt_dtype (EngineConfig.cpu_prompt_dtype): int8 for a per-channel
+    int8 weight, the rows quantized to int8 per row (prompt_matmul.int8_linear: exactly the int8
+    rows times the codes, then both scales); bfloat16 (and int8 for other formats): the rows and
+    the weight rounded to bfloat16; float32: the dequantized weight, as without the layout."""
     rng = np.random.default_rng([SEED, 1, len(name)])
     w = (rng.standard_normal((128, 96)) / np.sqrt(128)).astype(np.float32)
     weight = qz.quantize(w, qz.parse_format(name))
     kernel_weight = cpu_layout.with_kernel_layout(weight)
+    kernel_weight = dataclasses.replace(kernel_weight, kernel=dataclasses.replace(kernel_weight.kernel,
+                                                                                  prompt_dtype=prompt_dtype))
     x = rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 128)).astype(np.float32)
     x[3] = 0.0  # a zero row: scale 1, no division by zero
     hlo = jax.jit(qz.linear).lower(jnp.asarray(x), kernel_weight).as_text()
@@ -93,14 +96,14 @@ def test_prompt_chunks_multiply_in_int8_or_bfloat16(name):
     got = np.asarray(jax.jit(qz.linear)(jnp.asarray(x), kernel_weight))
     dequantized = np.asarray(qz.dequantize(weight), np.float64)
     exact = x.astype(np.float64) @ dequantized
-    if name == "int8":
+    if name == "int8" and prompt_dtype == "int8":
         top = np.abs(x).max(-1, keepdims=True)
         row_scale = np.where(top > 0, top / np.float32(127), 1).astype(np.float32)
         codes = np.clip(np.round(x / row_scale), -127, 127)
         expected = (codes @ np.asarray(weight.q, np.float64)) * row_scale * np.asarray(weight.scale, np.float64)[0]
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"
         assert "xi8>" in hlo and "x96xi32>" in hlo  # an int8 dot summed in int32
-    elif prompt_matmul.cpu_has_bfloat16():
+    elif prompt_dtype != "float32":
         rounded = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
         expected = rounded(x) @ rounded(dequantized)
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"

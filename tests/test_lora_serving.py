@@ -193,6 +193,9 @@ def test_runtime_loading_is_off_unless_turned_on(models):
         response = requests.post(live.url + "/v1/load_lora_adapter",
                                  json={"lora_name": "a", "lora_path": paths["attn8"]}, timeout=10)
         assert response.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in response.text
+        for route in ("load", "unload"):  # the route is off whatever the body: not parsed first
+            response = requests.post(f"{live.url}/v1/{route}_lora_adapter", data=b"{not json", timeout=10)
+            assert response.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in response.text, route
     finally:
         live.close()
 

@@ -106,6 +106,7 @@ class ModelRunner:
         self.max_logprobs = engine_config.max_logprobs
         self.num_scheduler_steps = engine_config.num_scheduler_steps  # > 1: n decode steps in one call
         self.cpu_int8_activations = engine_config.cpu_int8_activations
+        self.cpu_prompt_dtype = engine_config.cpu_prompt_dtype
         self.eos_token_ids = tuple(sorted(config.eos_token_ids if eos_token_ids is None else eos_token_ids))
         self.backend = device_setup.attention_backend(engine_config.attention_backend)
         self.buckets = step_functions.bucket_set(engine_config, self.backend, max_model_len)
@@ -122,7 +123,8 @@ class ModelRunner:
         step_config = config if shardings is None else shardings.model_config
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
-        self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations)
+        self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations,
+                                                   prompt_dtype=self.cpu_prompt_dtype)
         # LoRA: the adapter slab travels with the weights (the step's params["lora"]); a slot's
         # write replaces it in place and never recompiles (jaxserve.models.lora).
         self.lora = None

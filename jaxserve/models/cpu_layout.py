@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
+from jaxserve.models import prompt_matmul
 from jaxserve.models.quantization import (BFloat16Matrix, KernelLayout, QuantArray, QuantEmbedding, TransposedLayout,
                                           tree_bytes)
 
@@ -118,7 +119,26 @@ _embedding_kernel_layout_jit = jax.jit(embedding_kernel_layout)
 
 # ---- the layers as the CPU step reads them ------------------------------------------------------
 
-def layer_views(params: Params, int8_activations: bool = True) -> Params:
+def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str = "auto") -> Params:
+    """`_layer_views`, every kernel layout in it marked with what prompt chunks multiply in
+    (EngineConfig.cpu_prompt_dtype, "auto" decided for this CPU: jaxserve.models.prompt_matmul)."""
+    views = _layer_views(params, int8_activations)
+    if views is params:
+        return params
+    prompt_dtype = prompt_matmul.resolve(prompt_dtype)
+
+    def mark(weight):
+        if isinstance(weight, (QuantArray, BFloat16Matrix)) and weight.kernel is not None:
+            return dataclasses.replace(weight, kernel=dataclasses.replace(weight.kernel, prompt_dtype=prompt_dtype))
+        return weight
+
+    mark_all = lambda layers: {name: mark(w) for name, w in layers.items()}  # noqa: E731
+    layers = views["layers"]
+    layers = tuple(map(mark_all, layers)) if isinstance(layers, tuple) else mark_all(layers)
+    return {**views, "layers": layers, **({"lm_head": mark(views["lm_head"])} if "lm_head" in views else {})}
+
+
+def _layer_views(params: Params, int8_activations: bool) -> Params:
     """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
 
     Two ways around the scan's slice copies, on one CPU device:

@@ -7,17 +7,19 @@ float32 dot, to the CPU's integer and bfloat16 units (AMX, AVX-512 VNNI / BF16):
 ~1 TFLOP/s there, 512 rows ([576, 1536] and [1536, 576]). So with int8 activations
 (EngineConfig.cpu_int8_activations) a quantized weight multiplies a prompt chunk:
 
-* int8 per output channel (`--quantization=int8`, symmetric): `int8_linear`, the rows of x
-  quantized to int8 (one scale per row, symmetric, dynamic: max |x| / 127), an int8 dot
-  accumulated in int32, both scales applied to the result in float32 (W8A8, as SmoothQuant's
-  per-token dynamic quantization without its smoothing);
-* any other format (groups along the input, int4, zero points): `bfloat16_linear` on the weight
-  dequantized to bfloat16 (XLA:CPU has no fast dot over groups of 32 integers: one int8 dot per
-  group measured 160 ms where the bfloat16 dot takes 3.3);
+* `--cpu_prompt_dtype=bfloat16` (the default, "auto", where the CPU has bfloat16 instructions:
+  `cpu_has_bfloat16`; elsewhere XLA converts bfloat16 element by element and float32 is faster):
+  `bfloat16_linear` on the weight dequantized to bfloat16;
+* `--cpu_prompt_dtype=int8`: a per-channel int8 weight (`--quantization=int8`, symmetric) in
+  `int8_linear`, the rows of x quantized to int8 (one scale per row, symmetric, dynamic: max |x|
+  / 127), an int8 dot accumulated in int32, both scales applied to the result in float32 (W8A8,
+  as SmoothQuant's per-token dynamic quantization without its smoothing); any other format in
+  bfloat16 (XLA:CPU has no fast dot over groups of 32 integers: one int8 dot per group measured
+  160 ms where the bfloat16 dot takes 3.3);
+* `--cpu_prompt_dtype=float32`: XLA's float32 dot on the weight dequantized to float32;
 
-and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too.
-Only where the CPU has bfloat16 instructions (`cpu_has_bfloat16`): elsewhere XLA converts
-bfloat16 to float32 element by element and the float32 path is faster.
+and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too
+(float32: converted). `cpu_layout.layer_views` writes the choice into each weight's kernel layout.
 
 What each costs in accuracy is in docs/quantization.md, measured (bench/prompt_compute.py).
 """
@@ -42,6 +44,13 @@ def cpu_has_bfloat16() -> bool:
     except OSError:
         return False
     return any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
+
+
+def resolve(prompt_dtype: str) -> str:
+    """EngineConfig.cpu_prompt_dtype with "auto" decided for this CPU."""
+    if prompt_dtype == "auto":
+        return "bfloat16" if cpu_has_bfloat16() else "float32"
+    return prompt_dtype
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -137,6 +137,9 @@ class KernelLayout:
     scale: Any  # float16 [..., S, groups, STRIP]
     zero: Any = None  # float16 [..., S, groups, STRIP]
     layer: Any = None  # int32 scalar: the layer of a stacked layout the kernel reads (set in the step)
+    # What a prompt chunk (more rows than the kernel's) multiplies in: float32, bfloat16 or int8
+    # (EngineConfig.cpu_prompt_dtype, decided by cpu_layout.layer_views; see prompt_matmul).
+    prompt_dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -358,22 +361,23 @@ def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
     return y if out_dtype is None else y.astype(out_dtype)
 
 
-def prompt_compute_dtype(weight_dtype: str, int8_activations: bool) -> str:
+def prompt_compute_dtype(weight_dtype: str, int8_activations: bool, prompt_dtype: str = "auto") -> str:
     """What a prompt chunk's matmuls multiply in on this CPU (`linear`, jaxserve.models.prompt_matmul)
-    for linear layers stored as `weight_dtype` (a float dtype or a format name): "int8" (per-channel
-    int8 with int8 activations), "bfloat16" (other formats with int8 activations, and bfloat16
-    weights, where the CPU has bfloat16 instructions) or "float32"."""
+    for linear layers stored as `weight_dtype` (a float dtype or a format name), with
+    EngineConfig.cpu_int8_activations and cpu_prompt_dtype: "int8", "bfloat16" or "float32"."""
     if weight_dtype in ("float32", "float16"):
         return "float32"
-    bfloat16 = "bfloat16" if prompt_matmul.cpu_has_bfloat16() else "float32"
+    chosen = prompt_matmul.resolve(prompt_dtype)
     if weight_dtype == "bfloat16":
-        return bfloat16
+        return "float32" if chosen == "float32" else "bfloat16"
     fmt = parse_format(weight_dtype, stored=True)
     kernel_takes = not (fmt.float8 or fmt.act_order or fmt.integer_zero or fmt.scale_dtype != "float16"
                         or (fmt.group_size or cpu_kernels.BLOCK) % cpu_kernels.BLOCK)  # cpu_layout.kernel_takes
     if not (int8_activations and kernel_takes and cpu_kernels.available()):
         return "float32"
-    return "int8" if (fmt.bits, fmt.group_size, fmt.zero_point) == (8, None, False) else bfloat16
+    if chosen == "int8" and (fmt.bits, fmt.group_size, fmt.zero_point) != (8, None, False):
+        return "bfloat16"
+    return chosen
 
 
 def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
@@ -384,11 +388,11 @@ def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
         offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
         return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
                                             weight.q.shape[-1], layer=kernel.layer)
-    if weight.kernel is not None:  # a prompt chunk on the CPU, with int8 activations: see prompt_matmul
-        if weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1:
-            return prompt_matmul.int8_linear(x, weight.q, weight.scale)
-        if prompt_matmul.cpu_has_bfloat16():
-            return prompt_matmul.bfloat16_linear(x, dequantize(weight, jnp.bfloat16))
+    prompt_dtype = "float32" if weight.kernel is None else weight.kernel.prompt_dtype  # a prompt chunk on the CPU
+    if prompt_dtype == "int8" and weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1:
+        return prompt_matmul.int8_linear(x, weight.q, weight.scale)
+    if prompt_dtype in ("int8", "bfloat16"):
+        return prompt_matmul.bfloat16_linear(x, dequantize(weight, jnp.bfloat16))
     if weight.perm is not None:  # act-order: the rows are stored in this order of the inputs
         x = jnp.take(x, weight.perm, axis=-1)
     if weight.transposed is not None and rows == 1:  # one row: see cpu_layout.transposed
@@ -415,9 +419,9 @@ def _bfloat16_linear(x: jax.Array, weight: BFloat16Matrix) -> jax.Array:
         if weight.kernel.layer is not None:
             packed = jax.lax.dynamic_index_in_dim(packed, weight.kernel.layer, keepdims=False)
         w = cpu_kernels.unpack_bf16(packed, weight.out_features)
-    if prompt_matmul.cpu_has_bfloat16():
-        return prompt_matmul.bfloat16_linear(x, w)
-    return x @ w.astype(x.dtype)
+    if weight.kernel.prompt_dtype == "float32":
+        return x @ w.astype(x.dtype)
+    return prompt_matmul.bfloat16_linear(x, w)
 
 
 def _linear_transposed(x: jax.Array, layout: TransposedLayout) -> jax.Array:

@@ -370,9 +370,9 @@ def estimated_backend(cfg: EngineConfig) -> str:
 
 
 def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: int,
-                    runtime_reserve_fraction: float) -> tuple[str, str, str]:
+                    runtime_reserve_fraction: float, activations_dtype: str | None) -> tuple[str, str, str]:
     """plan_memory's input checks (MemoryPlanError on nonsense); the (weight, compute, KV cache)
-    dtypes it plans with."""
+    dtypes it plans with (compute: `activations_dtype` when given, else cfg.dtype)."""
     if cfg.dtype is None:
         raise MemoryPlanError("plan_memory needs the config's dtype (EngineConfig.for_platform fills it in)")
     _require_positive(device_memory_bytes=device_memory_bytes, page_size=cfg.page_size,
@@ -381,7 +381,7 @@ def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: 
     if not 0 <= runtime_reserve_fraction < 1:
         raise MemoryPlanError(f"runtime_reserve_fraction must be in [0, 1), got {runtime_reserve_fraction}")
     weight_dtype = normalize_dtype(cfg.quantization or cfg.dtype, WEIGHT_DTYPES)
-    compute_dtype = normalize_dtype(cfg.dtype, tuple(FLOAT_DTYPE_BYTES))
+    compute_dtype = normalize_dtype(activations_dtype or cfg.dtype, tuple(FLOAT_DTYPE_BYTES))
     kv_dtype = (compute_dtype if cfg.kv_cache_dtype.lower() == "auto"
                 else normalize_dtype(cfg.kv_cache_dtype, tuple(KV_DTYPE_BYTES)))
     kv_heads_per_device(model, cfg.tensor_parallel_size)  # validates the head split
@@ -410,17 +410,13 @@ def plan_memory(
     are still reported, the fit checks are skipped). `draft_model`: a speculative-decoding draft
     on this device: its weights (in the compute dtype) and a K/V cache of the same pages plus
     `draft_scratch_pages` come out of the same budget. `activations_dtype`: the activations' (and
-    the "auto" KV cache's) dtype when it is not cfg.dtype (a bfloat16 model on the CPU: float32).
+    "auto" KV cache's) dtype when not cfg.dtype (a bfloat16 model on the CPU: float32).
 
     Raises MemoryPlanError (a ValueError) on nonsense input, when the weights alone do not fit,
-    or when not even one sequence of max_model_len fits next to them.
-    """
+    or when not even one sequence of max_model_len fits next to them."""
     model = parallel_model(model, cfg)
-    weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(
-        model, cfg if activations_dtype is None else dataclasses.replace(cfg, dtype=activations_dtype),
-        device_memory_bytes, runtime_reserve_fraction)
-    if activations_dtype is not None and not cfg.quantization:
-        weight_dtype = normalize_dtype(cfg.dtype, WEIGHT_DTYPES)
+    weight_dtype, compute_dtype, kv_dtype = _checked_dtypes(model, cfg, device_memory_bytes, runtime_reserve_fraction,
+                                                            activations_dtype)
     max_model_len, page_size, num_pages = cfg.model_len(model), cfg.page_size, cfg.num_pages
     memory_utilization, tp = cfg.memory_utilization, cfg.tensor_parallel_size
 
