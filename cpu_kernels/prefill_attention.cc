@@ -16,8 +16,7 @@
 // Query heads h read KV head h / (Hq / Hkv).
 //
 // Work: each (sequence, KV head, block of kQueryBlock queries) is one task; its rows are the
-// block's queries times the group's query heads, M = kQueryBlock * group, 16 rows of one head to
-// a vector. The queries are kept transposed ([D][M], scaled), so that the scores of a key are
+// block's queries times the group's query heads (query-major), padded to vectors of 16 rows. The queries are kept transposed ([D][M], scaled), so that the scores of a key are
 // a broadcast of each key element times vectors of 16 rows (FMAs with no horizontal sums), and
 // the online softmax runs down the lanes (a running max, sum per row). Keys come kKeyBlock at a
 // time straight from their pages, each K and V element loaded once per task for all its rows;
@@ -46,7 +45,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kQueryBlock = 32;  // queries per task (a multiple of kLanes)
+constexpr int64_t kQueryBlock = 32;  // queries per task
 constexpr int64_t kKeyBlock = 32;    // keys per softmax step (a multiple of kKeyTile)
 constexpr int kKeyTile = 4;          // keys per register tile of the scores
 constexpr int kRowVectors = 4;       // row vectors per register tile of the scores
@@ -148,7 +147,9 @@ struct Problem {
     const Block& block = blocks[task / kv_heads];
     const int64_t head = task % kv_heads, s = block.s, g = group();
     const int64_t queries = block.last - block.first;
-    const int64_t rows = kQueryBlock * g;  // row m = h * kQueryBlock + i: query head h, query i
+    // Row m = i * g + h: query i, query head h; padded to whole vectors (a short chunk, as a
+    // 1-token query, fills only the vectors it needs).
+    const int64_t rows = (queries * g + kLanes - 1) / kLanes * kLanes;
     const int64_t row_vectors = rows / kLanes;
     const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
     const int64_t first_pos = Position(s, block.first), last_pos = Position(s, block.last - 1);
@@ -158,13 +159,12 @@ struct Problem {
 
     std::vector<float> qt(dim * rows, 0.f), acc(rows * dim_padded, 0.f), scores(kKeyBlock * rows);
     std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), keep(rows);
-    std::vector<int32_t> positions(rows);
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t i = 0; i < kQueryBlock; ++i) {
-        const int64_t m = h * kQueryBlock + i;
-        // Rows past the block's queries: a position no key reaches (they see nothing).
-        positions[m] = i < queries ? static_cast<int32_t>(first_pos + i) : std::numeric_limits<int32_t>::min();
-        if (i >= queries) continue;
+    // Rows past the block's queries: a position no key reaches (they see nothing).
+    std::vector<int32_t> positions(rows, std::numeric_limits<int32_t>::min());
+    for (int64_t i = 0; i < queries; ++i)
+      for (int64_t h = 0; h < g; ++h) {
+        const int64_t m = i * g + h;
+        positions[m] = static_cast<int32_t>(first_pos + i);
         const float* query = q + ((block.first + i) * q_heads + head * g + h) * dim;
         for (int64_t d = 0; d < dim; ++d) qt[d * rows + m] = query[d] * scale;
       }
@@ -237,9 +237,9 @@ struct Problem {
         if (left == 1) ValueTile<1>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
       }
     }
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t i = 0; i < queries; ++i) {
-        const int64_t m = h * kQueryBlock + i;
+    for (int64_t i = 0; i < queries; ++i)
+      for (int64_t h = 0; h < g; ++h) {
+        const int64_t m = i * g + h;
         float* o = out + ((block.first + i) * q_heads + head * g + h) * dim;
         const float inverse = row_sum[m] > 0.f ? 1.f / row_sum[m] : 0.f;
         for (int64_t d = 0; d < dim; ++d) o[d] = acc[m * dim_padded + d] * inverse;
