@@ -124,7 +124,8 @@ class ModelRunner:
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
         self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations,
-                                                   prompt_dtype=self.cpu_prompt_dtype)
+                                                   prompt_dtype=self.cpu_prompt_dtype,
+                                                   float32_attention=self.backend in cpu_layout.FLOAT32_ATTENTION_BACKENDS)
         # LoRA: the adapter slab travels with the weights (the step's params["lora"]); a slot's
         # write replaces it in place and never recompiles (jaxserve.models.lora).
         self.lora = None

@@ -28,6 +28,8 @@ from jaxserve.models.quantization import (BFloat16Matrix, KernelLayout, QuantArr
                                           tree_bytes)
 
 Params = dict[str, Any]
+# The attention backends whose CPU path takes float32 operands (`layer_views`' float32_attention).
+FLOAT32_ATTENTION_BACKENDS = ("xla", "reference")
 
 
 # ---- the layouts of one weight ------------------------------------------------------------------
@@ -119,10 +121,14 @@ _embedding_kernel_layout_jit = jax.jit(embedding_kernel_layout)
 
 # ---- the layers as the CPU step reads them ------------------------------------------------------
 
-def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str = "auto") -> Params:
+def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str = "auto",
+                float32_attention: bool = True) -> Params:
     """`_layer_views`, every kernel layout in it marked with what prompt chunks multiply in
-    (EngineConfig.cpu_prompt_dtype, "auto" decided for this CPU: jaxserve.models.prompt_matmul)."""
-    views = _layer_views(params, int8_activations)
+    (EngineConfig.cpu_prompt_dtype, "auto" decided for this CPU: jaxserve.models.prompt_matmul).
+    `float32_attention`: the step's attention takes float32 operands (the XLA path and the
+    reference), so a bfloat16 model may keep its activations in float32 (`bfloat16_views`); not
+    for the GPU kernels run on the CPU (interpret mode), which take 16-bit ones."""
+    views = _layer_views(params, int8_activations, float32_attention)
     if views is params:
         return params
     prompt_dtype = prompt_matmul.resolve(prompt_dtype)
@@ -138,7 +144,7 @@ def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str
     return {**views, "layers": layers, **({"lm_head": mark(views["lm_head"])} if "lm_head" in views else {})}
 
 
-def _layer_views(params: Params, int8_activations: bool) -> Params:
+def _layer_views(params: Params, int8_activations: bool, float32_attention: bool = True) -> Params:
     """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
 
     Two ways around the scan's slice copies, on one CPU device:
@@ -162,7 +168,7 @@ def _layer_views(params: Params, int8_activations: bool) -> Params:
 
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
-    if _bfloat16_matrices(params):
+    if float32_attention and _bfloat16_matrices(params):
         return bfloat16_views(params)
     if int8_activations and _kernel_takes_every_matrix(params["layers"]):
         layers = {name: with_kernel_layout(w) if isinstance(w, QuantArray) else w

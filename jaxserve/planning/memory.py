@@ -500,7 +500,8 @@ def plan_engine(model: ModelConfig, cfg: EngineConfig, *, device_memory_bytes: i
     if not on_gpu and cfg.page_size > 0:
         cap = cfg.max_num_seqs * math.ceil(cfg.model_len(model) / cfg.page_size) + 1  # + the null page
     # On one CPU a bfloat16 model's step keeps its activations in float32 (cpu_layout.bfloat16_views).
-    cpu_bfloat16 = not on_gpu and cfg.dtype == "bfloat16" and cfg.tensor_parallel_size == 1
+    cpu_bfloat16 = not on_gpu and cfg.dtype == "bfloat16" and cfg.tensor_parallel_size == 1 \
+        and cfg.attention_backend in ("xla", "reference")  # cpu_layout.FLOAT32_ATTENTION_BACKENDS
     return plan_memory(
         model, cfg, device_memory_bytes=device_memory_bytes, measured_weights_bytes=measured_weights_bytes,
         max_num_pages=cap, draft_model=draft_model if cfg.speculative_method == "draft" else None,
