@@ -29,15 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
-from pallas_kernels.pallas_common import MIN_DOT_ROWS, cdiv, next_power_of_2
-
-
-def _largest_dividing_block(size: int, limit: int) -> int:
-    """The largest power of two <= limit that divides `size` (>= MIN_DOT_ROWS when supported)."""
-    block = limit
-    while block > MIN_DOT_ROWS and size % block:
-        block //= 2
-    return block
+from pallas_kernels.pallas_common import MIN_DOT_ROWS, cdiv, largest_dividing_block, next_power_of_2
 
 
 def default_blocks(num_rows: int, k: int, n: int, dtype) -> tuple[int, int, int]:
@@ -46,7 +38,7 @@ def default_blocks(num_rows: int, k: int, n: int, dtype) -> tuple[int, int, int]
     whole call has fewer (a decode step), never under the 16 rows of a tensor-core dot."""
     wide = jnp.dtype(dtype).itemsize <= 2
     block_m = min(64, max(MIN_DOT_ROWS, next_power_of_2(num_rows)))
-    return block_m, _largest_dividing_block(k, 64 if wide else 32), _largest_dividing_block(n, 128 if wide else 64)
+    return block_m, largest_dividing_block(k, 64 if wide else 32), largest_dividing_block(n, 128 if wide else 64)
 
 
 def supports(lhs, rhs) -> bool:

@@ -22,18 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
-from pallas_kernels.pallas_common import MIN_DOT_ROWS
+from pallas_kernels.pallas_common import MIN_DOT_ROWS, largest_dividing_block
 
 MAX_BLOCK_K = 128
 MAX_BLOCK_N = 256
-
-
-def _largest_dividing_block(size: int, limit: int) -> int:
-    """The largest power of two <= limit that divides `size` (size a multiple of 16)."""
-    block = limit
-    while block > MIN_DOT_ROWS and size % block:
-        block //= 2
-    return block
 
 
 def supports(x, a, b) -> bool:
@@ -88,8 +80,8 @@ def lora_update(x, a, b, slots, *, interpret=False, block_k=None, block_n=None, 
     num_rows, k = x.shape
     num_slots, _, rank = a.shape
     n = b.shape[2]
-    block_k = block_k or _largest_dividing_block(k, MAX_BLOCK_K)
-    block_n = block_n or _largest_dividing_block(n, MAX_BLOCK_N)
+    block_k = block_k or largest_dividing_block(k, MAX_BLOCK_K)
+    block_n = block_n or largest_dividing_block(n, MAX_BLOCK_N)
     if k % block_k or n % block_n:
         raise ValueError(f"block_k={block_k} and block_n={block_n} must divide K={k} and N={n}")
     squeezed = compat.squeezed_block_dim()

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
-from pallas_kernels.pallas_common import MIN_DOT_ROWS, cdiv
+from pallas_kernels.pallas_common import cdiv, largest_dividing_block
 
 BLOCK_ROWS = 64  # M of one warpgroup matmul: the rows of a program
 MAX_BLOCK_K = 64  # 128 bytes of a 16-bit row: one swizzled tile across
@@ -55,14 +55,6 @@ MAX_BLOCK_N = 128
 MIN_RANK, MAX_RANK = 16, 128
 NUM_BUFFERS = 2  # x and A blocks in shared memory at once (one multiplied, one in flight)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _largest_dividing_block(size: int, limit: int) -> int:
-    """The largest power of two <= limit that divides `size` (size a multiple of 16)."""
-    block = limit
-    while block > MIN_DOT_ROWS and size % block:
-        block //= 2
-    return block
 
 
 def supports(x, a, b) -> bool:
@@ -191,8 +183,8 @@ def lora_update(x, a, b, slots, layer=None, *, interpret=False, block_k=None, bl
     num_layers, num_slots, _, rank = a.shape
     n = b.shape[3]
     tile = swizzle_columns(rank)
-    block_k = block_k or _largest_dividing_block(k, MAX_BLOCK_K)
-    block_n = block_n or _largest_dividing_block(n, MAX_BLOCK_N)
+    block_k = block_k or largest_dividing_block(k, MAX_BLOCK_K)
+    block_n = block_n or largest_dividing_block(n, MAX_BLOCK_N)
     if k % block_k or n % block_n or block_k % tile or block_n % tile:
         raise ValueError(f"block_k={block_k} and block_n={block_n} must divide K={k} and N={n} and be "
                          f"multiples of {tile}")

@@ -28,6 +28,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def largest_dividing_block(size: int, limit: int) -> int:
+    """The largest power of two <= limit that divides `size`, or MIN_DOT_ROWS (a tile size of
+    the kernels' dots; `size` a multiple of MIN_DOT_ROWS where they take it)."""
+    block = limit
+    while block > MIN_DOT_ROWS and size % block:
+        block //= 2
+    return block
+
+
 def online_softmax_step(q, k, v, valid, key_valid, carry, scale, logit_soft_cap=None):
     """One block of keys of an online softmax.
 
