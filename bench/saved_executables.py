@@ -126,9 +126,11 @@ def refused_check(directory: str, report: StepReport) -> None:
     try:
         engine, _ = _engine(params, dataclasses.replace(ENGINE, executables=directory))
     except executables.ExecutablesMismatch as e:
-        here = jax.devices()[0].platform
-        named = f"here {here}" in str(e)
-        report.check("refused_elsewhere", "ok" if named else "differ", reason=str(e)[:600])
+        here, text = jax.devices()[0].platform, str(e)
+        named = f"here {here}" in text
+        # The platform's difference first: the other differences (the step's params, its cache) can be long.
+        platform = [part.strip("()") for part in text.split("; ") if part.startswith("platform: ")]
+        report.check("refused_elsewhere", "ok" if named else "differ", reason="; ".join([*platform, text])[:600])
         return
     del engine
     gc.collect()
