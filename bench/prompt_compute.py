@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import torch
 
-    from bench.hf_baseline import load_hf_model
+    from bench.hf_baseline import load_hf_model, torch_generate
     from checkpoints import default_model, load
     from jaxserve.core.request import SamplingParams
     from jaxserve.engine import Engine, EngineConfig
@@ -190,7 +190,6 @@ def main(argv=None) -> int:
         outputs = [r.token_ids for r in engine.generate(chats, greedy)]
         hf_same = hf_model_with(hf_float, same_weights)
         hf_logprobs, hf_argmax = hf_prompt_scores(hf_same, text)
-        from bench.hf_baseline import torch_generate
         hf_outputs = [torch_generate(hf_same, [c], args.output_len, 0)[0] for c in chats]
         if mode == "float32":
             float_scores, float_greedy = (logprobs, argmax), outputs

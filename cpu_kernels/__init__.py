@@ -124,7 +124,7 @@ def _build() -> str:
     for source in _SOURCES + _HEADERS:
         with open(source, "rb") as file:
             key.update(file.read())
-    key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, _cpu_flags()]).encode())
+    key.update(" ".join([compiler, *_FLAGS, include, jax.__version__, cpu_flags()]).encode())
     cache = environment.cache
     path = os.path.join(cache, f"cpu_kernels-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
@@ -139,8 +139,9 @@ def _build() -> str:
     return path
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags (the library is compiled for them)."""
+def cpu_flags() -> str:
+    """This CPU's feature flags line of /proc/cpuinfo (the library is compiled for them), or the
+    processor's name where there is none."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             return next((line for line in cpuinfo if line.startswith("flags")), "")

@@ -30,20 +30,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import cpu_kernels
+
 # Flags in /proc/cpuinfo of CPUs that multiply bfloat16 in hardware (AVX-512 BF16, AMX).
 BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
 def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (read once from /proc/cpuinfo; False
-    where there is none, e.g. not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(flag in flags for flag in BFLOAT16_CPU_FLAGS)
+    """Whether this CPU multiplies bfloat16 in hardware (its /proc/cpuinfo flags, read once;
+    False where there are none, e.g. not Linux)."""
+    return any(flag in cpu_kernels.cpu_flags().split() for flag in BFLOAT16_CPU_FLAGS)
 
 
 def resolve(prompt_dtype: str) -> str:
