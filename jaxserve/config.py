@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.moe_config import ConfigError, moe_fields, moe_hf_fields
-from jaxserve.setting_checks import check_lora_settings, check_pooling_settings, check_speculation
+from jaxserve.setting_checks import (check_kv_offload_settings, check_lora_settings, check_pooling_settings,
+                                    check_speculation)
 from jaxserve.settings import SettingError, bound_problem, parse_bucket_sizes, setting
 
 # Hugging Face architecture -> model_type; every one runs through jaxserve.models.llama.forward.
@@ -92,6 +93,20 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "longest prompt + completion, in tokens", minimum=1,
                                         unset=f"min(the model's context, {DEFAULT_MAX_MODEL_LEN})")
     enable_prefix_caching: bool = setting(True, "share KV pages of common prompt prefixes")
+    # KV offload (jaxserve.core.kv_offload, jaxserve.executor.kv_transfer; docs/kv_offload.md): pages the
+    # prefix cache evicts are kept in host memory (and on disk) and copied back on a prefix hit.
+    kv_offloading_size: float | None = setting(
+        None, "KV offload: GiB of host memory that keeps the KV pages the prefix cache evicts, copied back "
+        "when a later request's prefix hits them (per model replica)", minimum=0.0, exclusive_minimum=True,
+        unset="no KV offload")
+    kv_offloading_backend: str = setting(
+        "native", "KV offload: what keeps the offloaded pages (native: jaxserve's host tier)",
+        choices=("native", "lmcache"))
+    kv_offloading_disk_path: str | None = setting(
+        None, "KV offload: a folder for a disk tier under the host tier (the host tier's evicted pages go there)",
+        unset="no disk tier")
+    kv_offloading_disk_size: float = setting(
+        10.0, "KV offload: GiB of the disk tier (--kv_offloading_disk_path)", minimum=0.0, exclusive_minimum=True)
     # The weights' float dtype; EngineConfig.for_platform fills in the platform's.
     dtype: str | None = setting(None, "weights, activations and KV cache dtype (bfloat16 on the CPU: the weights "
                                 "and the prompts' matmuls; activations and the KV cache stay float32)",
@@ -234,6 +249,7 @@ class EngineConfig:
         check_speculation(self)
         self.lora_modules = check_lora_settings(self)
         check_pooling_settings(self)
+        check_kv_offload_settings(self)
 
     @property
     def speculative_tokens(self) -> int:

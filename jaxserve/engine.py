@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestMetrics, RequestOutput, StepInputError,
                                    StepRecord, TokenLogprob)
+from jaxserve.core.kv_offload import KVTransfers, OffloadTiers
 from jaxserve.core.lora_registry import LoRANotFoundError, LoRAPlacementError, LoRARegistry
 from jaxserve.setting_checks import LoRAModule
 from jaxserve.core.page_allocator import PageAllocator
@@ -31,6 +32,7 @@ from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, 
                                    check_pooling_request, check_request)
 from jaxserve.core.scheduler import Scheduler, StepPlan
 from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.planning.memory import GiB
 from jaxserve.pooling.accumulate import PooledRequests
 from jaxserve.pooling.config import PoolerConfig
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
@@ -77,8 +79,6 @@ class Engine:
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes,
             draft_model=draft_model[0] if draft_model else None).num_pages
         self.pooler, self.pooled, prefix_caching = _pooling(cfg, pooler)
-        self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching)
-        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -88,6 +88,23 @@ class Engine:
                                              eos_token_ids=self.eos_token_ids, pooler=self.pooler,
                                              score_head=score_head)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
+        # KV offload: the host (and disk) tiers under the prefix cache; the runner holds their bytes.
+        self.offload: OffloadTiers | None = None
+        self.offload_page_bytes = 0
+        if cfg.kv_offloading_size is not None:
+            if not prefix_caching:
+                raise ValueError("--kv_offloading_size keeps evicted prefix-cache pages, and this engine caches "
+                                 "no prefixes (a pooling runner pools every token's row unless --pooler_config "
+                                 "pools the LAST token)")
+            if device_setup.process_count() > 1:
+                raise ValueError("--kv_offloading_size does not combine with a multi-host job yet (each process "
+                                 "would need the same host tier)")
+            num_host, num_disk, self.offload_page_bytes = self.runner.enable_kv_offload(
+                int(cfg.kv_offloading_size * GiB), cfg.kv_offloading_disk_path,
+                int(cfg.kv_offloading_disk_size * GiB) if cfg.kv_offloading_disk_path else 0)
+            self.offload = OffloadTiers(num_host, num_disk)
+        self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload)
+        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
         if cfg.enable_lora:
@@ -231,7 +248,22 @@ class Engine:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0,
             lora_running=_adapters(self.scheduler.running), lora_waiting=_adapters(self.scheduler.waiting),
-            max_lora=self.config.max_loras if self.loras is not None else 0)
+            max_lora=self.config.max_loras if self.loras is not None else 0, **self._offload_stats())
+
+    def _offload_stats(self) -> dict[str, int]:
+        """EngineStats' kv_offload_* fields."""
+        if self.offload is None:
+            return {}
+        tiers, counts, ps, page_bytes = self.offload, self.offload.counters, self.config.page_size, self.offload_page_bytes
+        return dict(
+            kv_offload_host_pages_used=tiers.host.num_used, kv_offload_host_pages_total=tiers.host.num_blocks,
+            kv_offload_disk_pages_used=tiers.disk.num_used if tiers.disk else 0,
+            kv_offload_disk_pages_total=tiers.disk.num_blocks if tiers.disk else 0,
+            kv_offload_queried_tokens=counts.queried_pages * ps, kv_offload_host_hit_tokens=counts.host_hit_pages * ps,
+            kv_offload_disk_hit_tokens=counts.disk_hit_pages * ps,
+            kv_offload_bytes_to_host=counts.saved_pages * page_bytes,
+            kv_offload_bytes_to_device=(counts.host_hit_pages + counts.disk_hit_pages) * page_bytes,
+            kv_offload_bytes_to_disk=counts.spilled_pages * page_bytes, kv_offload_dropped_pages=counts.dropped_pages)
 
     def warmup_status(self) -> dict | None:
         """The warm-up's progress ({"ready", "compiled", "total", "error"}: ModelRunner.warmup_state),
@@ -267,6 +299,20 @@ class Engine:
         host_gap = 0.0 if self._last_step_end is None else start - self._last_step_end
         self._last_step_end = None
         plan = self.scheduler.schedule()
+        transfers = self.offload.take_transfers() if self.offload is not None else None
+        if transfers:  # KV offload's copies, before the step: saves started, spills and restores done
+            try:
+                self.runner.start_kv_transfers(transfers)
+            except Exception as e:
+                return self._kv_transfers_failed(plan, transfers, e)
+            self.offload.transfers_done(transfers)
+        try:
+            return self._run(plan, start, host_gap)
+        finally:
+            if transfers and transfers.saves:
+                self._land_saves(transfers)
+
+    def _run(self, plan: StepPlan, start: float, host_gap: float) -> list[RequestOutput]:
         if plan.is_empty:
             return []
         if self.loras is not None:
@@ -487,6 +533,28 @@ class Engine:
             self.allocator.reset_prefix_cache()
             log.warning("the failed step consumed the KV cache: rebuilt it; %d running requests will "
                         "be recomputed", len(recomputed))
+        return outputs
+
+    def _land_saves(self, transfers: KVTransfers) -> None:
+        """The step's saves into host memory, once it has run (their copies overlapped it)."""
+        try:
+            self.runner.land_kv_saves()
+        except Exception:
+            log.exception("KV offload: copying %d evicted pages to host memory failed; they are not kept",
+                          len(transfers.saves))
+            self.runner.drop_kv_saves()
+            self.offload.transfers_failed(KVTransfers(saves=transfers.saves))
+            return
+        self.offload.saves_landed(transfers)
+
+    def _kv_transfers_failed(self, plan: StepPlan, transfers: KVTransfers, error: Exception) -> list[RequestOutput]:
+        """KV offload's copies before a step failed: as a failed step, its requests end with an
+        error (some of them wait for restored pages that may not be there); the pages restored
+        for them are forgotten by the prefix cache, and the copies' blocks go back to the tiers."""
+        self.runner.drop_kv_saves()
+        self.offload.transfers_failed(transfers)
+        outputs = self._recover_from_failed_step(plan, error) if not plan.is_empty else []
+        self.allocator.reset_prefix_cache()
         return outputs
 
     def _fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:

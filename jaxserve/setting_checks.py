@@ -2,7 +2,8 @@
 
 EngineConfig (jaxserve.config) declares each setting with its own bounds; `EngineConfig.check`
 calls the checks here for the settings that combine: speculative decoding's (jaxserve.speculative)
-LoRA's (jaxserve.core.lora_registry) and the pooling runner's (jaxserve.pooling). Each raises a SettingError naming the flags.
+LoRA's (jaxserve.core.lora_registry), the pooling runner's (jaxserve.pooling) and KV offload's
+(jaxserve.core.kv_offload). Each raises a SettingError naming the flags.
 """
 from __future__ import annotations
 
@@ -129,3 +130,22 @@ def check_pooling_settings(cfg) -> None:
             ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1, "the pooled step is not sharded yet")):
         if refused:
             raise SettingError(f"--runner=pooling does not combine with --{flag} yet ({why})")
+
+
+def check_kv_offload_settings(cfg) -> None:
+    """The KV offload settings of an EngineConfig together: SettingError naming the flags of a
+    combination that cannot work (EngineConfig.check calls this)."""
+    if cfg.kv_offloading_size is None:
+        if cfg.kv_offloading_disk_path is not None:
+            raise SettingError("--kv_offloading_disk_path is a tier under the host tier: it needs --kv_offloading_size")
+        return
+    if cfg.kv_offloading_backend != "native":
+        raise SettingError(f"--kv_offloading_backend={cfg.kv_offloading_backend} is not available: jaxserve keeps "
+                           "offloaded KV pages itself (--kv_offloading_backend=native)")
+    for flag, refused, why in (
+            ("enable_prefix_caching=false", not cfg.enable_prefix_caching,
+             "offload keeps the pages the prefix cache evicts"),
+            ("speculative_method=draft", cfg.speculative_method == "draft",
+             "the draft model's KV cache is not offloaded yet")):
+        if refused:
+            raise SettingError(f"--kv_offloading_size does not combine with --{flag} ({why})")

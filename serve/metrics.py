@@ -86,6 +86,8 @@ class _EngineStatsCollector:
         for position, count in enumerate(s.spec_accepted_per_position):
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
+        if s.kv_offload_host_pages_total:
+            yield from self._kv_offload_metrics(s, gauge, counter)
         if s.max_lora:  # vLLM's lora_requests_info: the adapters in the labels, the time as the value
             info = GaugeMetricFamily(
                 "jaxserve_lora_requests_info", "LoRA: the adapters of the running and the waiting requests "
@@ -94,6 +96,36 @@ class _EngineStatsCollector:
             info.add_metric([self.model_name, ",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_lora)],
                             time.time())
             yield info
+
+
+    def _kv_offload_metrics(self, s: EngineStats, gauge, counter) -> Iterator[Metric]:
+        """KV offload's tiers (docs/kv_offload.md): vLLM's external prefix cache counters, and per tier
+        or direction its hits, pages and bytes moved."""
+        yield counter("jaxserve_external_prefix_cache_queries", "KV offload: prompt tokens looked up in the host "
+                      "and disk tiers (past the device's prefix cache hits).", s.kv_offload_queried_tokens)
+        yield counter("jaxserve_external_prefix_cache_hits", "KV offload: prompt tokens restored from the host "
+                      "and disk tiers instead of computed.", s.kv_offload_host_hit_tokens + s.kv_offload_disk_hit_tokens)
+        tiers = (("host", s.kv_offload_host_hit_tokens, s.kv_offload_host_pages_used, s.kv_offload_host_pages_total),
+                 ("disk", s.kv_offload_disk_hit_tokens, s.kv_offload_disk_pages_used, s.kv_offload_disk_pages_total))
+        families = [(CounterMetricFamily, "jaxserve_kv_offload_hits", "KV offload: prompt tokens restored, by tier."),
+                    (GaugeMetricFamily, "jaxserve_kv_offload_pages_used", "KV offload: pages the tier holds "
+                     "(or is receiving)."),
+                    (GaugeMetricFamily, "jaxserve_kv_offload_pages_capacity", "KV offload: pages the tier can hold.")]
+        for column, (kind, name, documentation) in enumerate(families, start=1):
+            family = kind(name, documentation, labels=["model_name", "tier"])
+            for tier in tiers:
+                if tier[3]:
+                    family.add_metric([self.model_name, tier[0]], tier[column])
+            yield family
+        moved = CounterMetricFamily("jaxserve_kv_offload_bytes", "KV offload: bytes copied, by direction (to_host: "
+                                    "evicted pages saved; to_device: pages restored; to_disk: host pages spilled).",
+                                    labels=["model_name", "direction"])
+        for direction, value in (("to_host", s.kv_offload_bytes_to_host), ("to_device", s.kv_offload_bytes_to_device),
+                                 ("to_disk", s.kv_offload_bytes_to_disk)):
+            moved.add_metric([self.model_name, direction], value)
+        yield moved
+        yield counter("jaxserve_kv_offload_dropped_pages", "KV offload: evicted pages not kept (every host block "
+                      "was being written or read).", s.kv_offload_dropped_pages)
 
 
 def _metric(kind: type, model_name: str, name: str, documentation: str, value: float) -> Metric:

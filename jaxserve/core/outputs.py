@@ -116,6 +116,19 @@ class EngineStats:
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_lora: int = 0
+    # KV offload (--kv_offloading_size; 0s when off): the tiers' pages in use of their total, prompt
+    # tokens looked up past the device's prefix cache and those restored from each tier, and bytes moved.
+    kv_offload_host_pages_used: int = 0
+    kv_offload_host_pages_total: int = 0
+    kv_offload_disk_pages_used: int = 0
+    kv_offload_disk_pages_total: int = 0
+    kv_offload_queried_tokens: int = 0
+    kv_offload_host_hit_tokens: int = 0
+    kv_offload_disk_hit_tokens: int = 0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_bytes_to_disk: int = 0
+    kv_offload_dropped_pages: int = 0  # evicted while every host block was pending or pinned: not kept
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,16 +4,20 @@ Page 0 is the null page: padding slots point at it and it is never handed out. A
 K/V are computed can be registered under a hash of its whole token prefix (a chain: the hash of
 page i covers the hash of page i-1 and the tokens of page i), so requests sharing a prefix share
 the pages by refcount. A registered page whose refcount drops to 0 stays cached (evictable, LRU)
-until an allocation needs it.
+until an allocation needs it. With KV offload (`kv_offload.OffloadTiers`) an evicted page's bytes
+are kept in host memory under the same hash, and a prefix that continues there is restored into
+fresh pages (`find_prefix`, `acquire_offloaded`) instead of being computed again.
 """
 from __future__ import annotations
 
 import array
 import collections
 import hashlib
-from typing import TYPE_CHECKING, Sequence
+import itertools
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
+    from jaxserve.core.kv_offload import OffloadTiers
     from jaxserve.core.request import Request
 
 NULL_PAGE = 0
@@ -27,7 +31,10 @@ def hash_page_tokens(parent_hash: bytes, page_token_ids: Sequence[int]) -> bytes
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 offload: OffloadTiers | None = None) -> None:
+        """A pool of `num_pages` pages (the null page included) of `page_size` tokens; `offload`:
+        the tiers evicted prefix pages go to (needs prefix caching)."""
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -35,6 +42,9 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        if offload is not None and not enable_prefix_caching:
+            raise ValueError("KV offload keeps evicted prefix-cache pages: it needs prefix caching")
+        self.offload = offload
         self._refcounts = [0] * num_pages
         # Popped from the end: pages come out as 1, 2, 3, ... on a fresh allocator.
         self._free_pages: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))
@@ -89,8 +99,11 @@ class PageAllocator:
                 page = self._free_pages.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._hash_to_page[self._page_to_hash.pop(page)]
+                page_hash = self._page_to_hash.pop(page)
+                del self._hash_to_page[page_hash]
                 self.num_evictions += 1
+                if self.offload is not None:
+                    self.offload.offer(page, page_hash)
             self._refcounts[page] = 1
             pages.append(page)
         return pages
@@ -114,21 +127,36 @@ class PageAllocator:
         request.page_hashes = []
 
     # ---- prefix caching -----------------------------------------------------------------------
+    def _chain(self, token_ids: Sequence[int], salt: bytes) -> Iterator[bytes]:
+        """The hashes of the full pages of `token_ids`, first page first, rooted at `salt`."""
+        parent, ps = salt, self.page_size
+        for start in range(0, len(token_ids) - ps + 1, ps):
+            parent = hash_page_tokens(parent, token_ids[start:start + ps])
+            yield parent
+
     def find_cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
         """The longest chain of cached full pages covering a prefix of `token_ids`; no side effects.
         `salt` roots the chain (a request's `prefix_salt`: its LoRA adapter's pages are its own)."""
+        return self.find_prefix(token_ids, salt)[0]
+
+    def find_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> tuple[list[int], list[bytes]]:
+        """The device pages of `token_ids`' longest cached prefix (as find_cached_prefix), and the
+        hashes of the full pages after them that the offload tiers hold (to `acquire_offloaded`);
+        no side effects."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         pages: list[int] = []
-        parent = salt
-        ps = self.page_size
-        for start in range(0, len(token_ids) - ps + 1, ps):
-            parent = hash_page_tokens(parent, token_ids[start:start + ps])
-            page = self._hash_to_page.get(parent)
+        hashes = self._chain(token_ids, salt)
+        rest: list[bytes] = []
+        for page_hash in hashes:
+            page = self._hash_to_page.get(page_hash)
             if page is None:
+                rest.append(page_hash)
                 break
             pages.append(page)
-        return pages
+        if self.offload is None or not rest:
+            return pages, []
+        return pages, self.offload.find(itertools.chain(rest, hashes))
 
     def num_free_pages_after_acquiring(self, cached_pages: Sequence[int]) -> int:
         """`num_free_pages` once `cached_pages` (from find_cached_prefix) are held."""
@@ -145,6 +173,23 @@ class PageAllocator:
             self._refcounts[page] += 1
         self.num_prefix_queries_tokens += len(token_ids)
         self.num_prefix_hit_tokens += len(pages) * self.page_size
+        if self.offload is not None:
+            self.offload.counters.queried_pages += len(token_ids) // self.page_size - len(pages)
+        return pages
+
+    def acquire_offloaded(self, page_hashes: Sequence[bytes]) -> list[int]:
+        """Fresh pages (refcount 1) for the offloaded pages of `page_hashes` (find_prefix's, right
+        after the pages match_prefix acquired), registered under them and filled from the tiers
+        before the step (the offload's transfers). Their sources are pinned first, so that the
+        evictions this allocation causes cannot take them."""
+        if not page_hashes:
+            return []
+        sources = self.offload.pin(page_hashes)
+        pages = self.allocate(len(page_hashes))
+        for page, page_hash in zip(pages, page_hashes):
+            self._hash_to_page[page_hash] = page
+            self._page_to_hash[page] = page_hash
+        self.offload.restore(sources, pages)
         return pages
 
     def register_full_pages(self, request: Request) -> None:

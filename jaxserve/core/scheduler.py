@@ -324,8 +324,9 @@ class Scheduler:
             # The last token is always recomputed (its logits are needed), so match before it. A
             # request still owed prompt logprobs computes its whole prompt: cached pages have no logits.
             prefix_tokens = request.all_token_ids[:-1] if not request.num_prompt_logprobs_missing else []
-            cached_pages = allocator.find_cached_prefix(prefix_tokens, request.prefix_salt)
-            num_computed = len(cached_pages) * allocator.page_size
+            # Cached pages on the device, then those KV offload restores (fresh pages filled from host memory).
+            cached_pages, offloaded = allocator.find_prefix(prefix_tokens, request.prefix_salt)
+            num_computed = (len(cached_pages) + len(offloaded)) * allocator.page_size
             # (a request owed prompt logprobs starts from 0, what the cap counts from)
             num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
@@ -336,8 +337,9 @@ class Scheduler:
             else:
                 self._num_passed_over += 1
             self.waiting.remove(request)
-            request.page_ids = (allocator.match_prefix(prefix_tokens, request.prefix_salt)
-                                + allocator.allocate(num_needed))
+            request.page_ids = allocator.match_prefix(prefix_tokens, request.prefix_salt)
+            request.page_ids += allocator.acquire_offloaded(offloaded)
+            request.page_ids += allocator.allocate(num_needed - len(offloaded))
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING

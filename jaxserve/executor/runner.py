@@ -34,8 +34,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
 from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, prompt_logprobs, sampler,
-                               shape_choice, step_functions)
+from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, kv_transfer, prompt_logprobs,
+                               sampler, shape_choice, step_functions)
 from jaxserve.executor import warmup as warmup_lib
 from jaxserve.models import cpu_layout, llama
 from jaxserve.models import lora as lora_lib
@@ -152,6 +152,8 @@ class ModelRunner:
                 pooler.pooling_type, pooler.classifier.activation if pooler.classifier else ""))
         self._score_head = None if score_head is None else jnp.asarray(score_head, jnp.float32)  # [labels, hidden]
         self.transport = LocalTransport()
+        self.kv_store: kv_transfer.HostKVStore | None = None  # KV offload's bytes (enable_kv_offload)
+        self.warmup_enabled = engine_config.warmup
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
         # Every compiled executable of the step (filled by warmup(), asked by every step).
         self.executables = executable_cache.ExecutableCache(
@@ -453,6 +455,36 @@ class ModelRunner:
         return StepOutput(token_ids=kept["token_ids"], logprobs=kept.get("logprobs"), top_ids=kept.get("top_ids"),
                           top_logprobs=kept.get("top_logprobs"), bucket=bucket, device_seconds=device_seconds,
                           host_seconds=time.perf_counter() - start - device_seconds, prompt_logprobs=prompt)
+
+    # ---- KV offload ---------------------------------------------------------------------------
+    def enable_kv_offload(self, host_bytes: int, disk_path: str | None = None, disk_bytes: int = 0
+                          ) -> tuple[int, int, int]:
+        """Makes KV offload's store (kv_transfer.HostKVStore): `host_bytes` of host memory and
+        `disk_bytes` of a file under `disk_path`, in whole pages of the pool; compiles its copies
+        when the runner warms up. Returns (host blocks, disk slots, bytes per page). ValueError
+        when a tier holds no page or the disk tier cannot be made (kv_transfer.check_disk_tier)."""
+        per_page = kv_transfer.page_bytes(self.kv_cache, self.num_pages)
+        num_host, num_disk = host_bytes // per_page, disk_bytes // per_page
+        if num_host < 1:
+            raise ValueError(f"--kv_offloading_size holds no KV page: one page of this model takes {per_page:,} bytes")
+        if disk_path is not None and num_disk < 1:
+            raise ValueError(f"--kv_offloading_disk_size holds no KV page: one page takes {per_page:,} bytes")
+        if disk_path is not None:
+            kv_transfer.check_disk_tier(disk_path, num_disk * per_page)
+        self.kv_store = kv_transfer.HostKVStore(self.kv_cache, self.num_pages, num_host, disk_path, num_disk)
+        if self.warmup_enabled:
+            self.kv_store.compile(self.kv_cache)
+        return num_host, num_disk, per_page
+
+    def start_kv_transfers(self, transfers) -> None:
+        """Runs a step's KV offload copies (kv_offload.KVTransfers) before the step: see kv_transfer."""
+        self.kv_cache = self.kv_store.start(self.kv_cache, transfers)
+
+    def land_kv_saves(self) -> None:
+        self.kv_store.land_saves()
+
+    def drop_kv_saves(self) -> None:
+        self.kv_store.drop_saves()
 
     def recover(self) -> bool:
         """After a failed step: rebuilds the KV cache if the step consumed it (donated buffers

@@ -89,6 +89,12 @@ class MemoryPlan:
     draft_kv_bytes_per_page: int = 0
     draft_kv_cache_bytes: int = 0  # (num_pages + its scratch pages) * draft_kv_bytes_per_page
     lora_slab_bytes: int = 0  # --enable_lora: the adapters' device slab (lora_slab_bytes)
+    # KV offload (--kv_offloading_size): host memory (and disk) outside this budget, in pages of
+    # the whole model (every device's share of a page: what one host block holds).
+    kv_offload_host_bytes: int = 0
+    kv_offload_host_pages: int = 0
+    kv_offload_disk_bytes: int = 0
+    kv_offload_disk_pages: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -467,7 +473,20 @@ def plan_memory(
         runtime_reserve_bytes=reserve, kv_cache_bytes=num_pages * per_page, num_pages=num_pages,
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,
         draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page,
-        draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page, lora_slab_bytes=lora)
+        draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page, lora_slab_bytes=lora,
+        **kv_offload_tiers(model, cfg, kv_dtype))
+
+
+def kv_offload_tiers(model: ModelConfig, cfg: EngineConfig, kv_dtype: str) -> dict[str, int]:
+    """The KV offload tiers' sizes (MemoryPlan's kv_offload_* fields): --kv_offloading_size and
+    --kv_offloading_disk_size in bytes and in whole pages of every layer and device."""
+    if cfg.kv_offloading_size is None:
+        return {}
+    whole_page = kv_bytes_per_token(model, kv_dtype, 1) * cfg.page_size
+    host = int(cfg.kv_offloading_size * GiB)
+    disk = int(cfg.kv_offloading_disk_size * GiB) if cfg.kv_offloading_disk_path else 0
+    return {"kv_offload_host_bytes": host, "kv_offload_host_pages": host // whole_page,
+            "kv_offload_disk_bytes": disk, "kv_offload_disk_pages": disk // whole_page}
 
 
 def lora_slab_bytes(model: ModelConfig, cfg: EngineConfig) -> int:
