@@ -69,6 +69,7 @@ class HostKVStore:
         self._shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, kv_cache)
         self._gather = jax.jit(self._gather_pages)
         self._scatter = jax.jit(self._scatter_pages, donate_argnums=0, out_shardings=self._shardings)
+        self._compiled: dict[tuple[str, int], object] = {}  # ("gather" | "scatter", padded count): `compile`'s
         self._pending: list[tuple[list[jax.Array], list[int]]] = []  # saves on their way: (gathered, blocks)
 
     # ---- the device functions -------------------------------------------------------------
@@ -98,7 +99,7 @@ class HostKVStore:
                 disk[slot] = host[host_block]
         if transfers.saves:
             pages = _pad([page for page, _ in transfers.saves])
-            gathered = self._gather(kv_cache, pages)
+            gathered = self._compiled.get(("gather", len(pages)), self._gather)(kv_cache, pages)
             for array in gathered:
                 array.copy_to_host_async()
             self._pending.append((gathered, [block for _, block in transfers.saves]))
@@ -110,7 +111,8 @@ class HostKVStore:
                 for j, (tier, block, _) in enumerate(transfers.restores):
                     data[j] = (self.host if tier == HOST else self.disk)[i][block]
                 blocks.append(data)
-            kv_cache = self._scatter(kv_cache, _pad([page for _, _, page in transfers.restores]), blocks)
+            pages = _pad([page for _, _, page in transfers.restores])
+            kv_cache = self._compiled.get(("scatter", len(pages)), self._scatter)(kv_cache, pages, blocks)
         return kv_cache
 
     def land_saves(self) -> None:
@@ -127,10 +129,10 @@ class HostKVStore:
     def compile(self, kv_cache) -> None:
         """Compiles the gather and the scatter for every padded page count, ahead of use."""
         for count in sorted({_padded(c) for c in range(1, self.num_pages + 1)}):
-            pages = jnp.zeros(count, jnp.int32)
-            self._gather.lower(kv_cache, pages).compile()
+            pages = jax.ShapeDtypeStruct((count,), jnp.int32)
+            self._compiled["gather", count] = self._gather.lower(kv_cache, pages).compile()
             data = [jax.ShapeDtypeStruct((count, *leaf.block_shape), leaf.dtype) for leaf in self._leaves]
-            self._scatter.lower(kv_cache, pages, data).compile()
+            self._compiled["scatter", count] = self._scatter.lower(kv_cache, pages, data).compile()
 
     def host_bytes(self) -> int:
         return sum(host.nbytes for host in self.host)
