@@ -201,3 +201,31 @@ def test_failed_copies_return_everything():
     tiers.transfers_failed(transfers)
     assert tiers.host.num_used == 0 and allocator.find_prefix([3, 4, 5, 6, 7]) == ([], [])
     assert isinstance(transfers, KVTransfers) and len(transfers.saves) == 2
+
+
+def test_the_tiers_are_exported_as_metrics_only_when_offload_is_on():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.core.outputs import EngineStats
+    from serve.metrics import ServerMetrics
+
+    def samples(**offload):
+        stats = EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=10, num_preemptions=0,
+                            prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, **offload)
+        text = generate_latest(ServerMetrics(lambda: stats, "m").registry).decode()
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    assert not any("offload" in name or "external" in name for name, _ in samples())
+    got = samples(kv_offload_host_pages_used=3, kv_offload_host_pages_total=8, kv_offload_queried_tokens=64,
+                  kv_offload_host_hit_tokens=32, kv_offload_disk_hit_tokens=16, kv_offload_bytes_to_host=100,
+                  kv_offload_bytes_to_device=200, kv_offload_bytes_to_disk=0, kv_offload_dropped_pages=2)
+    assert got[("jaxserve_external_prefix_cache_queries_total", ())] == 64
+    assert got[("jaxserve_external_prefix_cache_hits_total", ())] == 48
+    assert got[("jaxserve_kv_offload_hits_total", (("tier", "host"),))] == 32
+    assert ("jaxserve_kv_offload_hits_total", (("tier", "disk"),)) not in got  # no disk tier
+    assert got[("jaxserve_kv_offload_pages_used", (("tier", "host"),))] == 3
+    assert got[("jaxserve_kv_offload_pages_capacity", (("tier", "host"),))] == 8
+    assert got[("jaxserve_kv_offload_bytes_total", (("direction", "to_device"),))] == 200
+    assert got[("jaxserve_kv_offload_dropped_pages_total", ())] == 2
