@@ -133,7 +133,7 @@ class OffloadingDevice(FakeDevice):
 def test_multi_turn_conversations_evicted_between_turns_get_the_same_tokens(num_host_blocks, num_disk_slots):
     seed = num_host_blocks * 100 + num_disk_slots
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_pages=24, page_size=4, max_num_seqs=3, budget=12, max_prefill=2)
+    scheduler = make_scheduler(num_pages=20, page_size=4, max_num_seqs=4, budget=12, max_prefill=2)
     tiers = OffloadTiers(num_host_blocks, num_disk_slots)
     scheduler.allocator.offload = tiers
     device = OffloadingDevice(scheduler.allocator, tiers)
@@ -153,6 +153,7 @@ def test_multi_turn_conversations_evicted_between_turns_get_the_same_tokens(num_
                 f"seed {seed}"
             histories[i] = histories[i] + request.output_token_ids + [rng.randrange(3, 1000) for _ in range(5)]
     counters = tiers.counters
+    assert scheduler.num_preemptions > 0, f"seed {seed}"  # preempted requests' pages are offloaded too
     assert scheduler.allocator.num_used_pages == 0
     assert tiers.host.num_pending == 0 and not tiers.host._pins
     if num_host_blocks >= 6:

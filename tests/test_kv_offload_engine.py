@@ -2,6 +2,8 @@
 the tokens recomputing them gives, for float and int8 caches; the faults (a full host tier, a
 disk path that cannot be used, failed copies, a request aborted after its pages were restored)
 leave no page or block behind."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -45,6 +47,7 @@ def assert_nothing_held(engine):
 @pytest.mark.parametrize("cache, extra", [
     ("auto", {}),
     ("int8", {}),
+    ("fp8", {}),
     ("auto", {"kv_offloading_size": 10 * PAGE_BYTES / 2**30, "kv_offloading_disk_size": 1e-3}),  # disk under 10 pages
 ])
 def test_conversations_evicted_between_turns_get_the_tokens_recomputing_gives(params, cache, extra, tmp_path):
@@ -163,3 +166,54 @@ def test_no_compilation_for_the_copies_after_warmup(params):
         run(engine)
     assert engine.stats().kv_offload_host_hit_tokens > 0
     assert events == []
+
+
+def test_through_the_server_a_client_gone_after_its_restore_leaves_nothing_held(params):
+    """The metrics say it: after a client disconnects from a turn whose history was restored, no
+    page is held, the host tier still holds the conversation, and the engine serves on."""
+    import requests
+
+    from checkpoints import default_model, load
+    from jaxserve.engine import Engine
+    from jaxserve.models import weights
+    from tests.test_server_engine import LiveServer
+
+    tokenizer = load.load_tokenizer(default_model.resolve_model("smollm2"))
+    config = dataclasses.replace(TINY, vocab_size=len(tokenizer), eos_token_ids=(tokenizer.eos_token_id,))
+    engine = Engine(config, weights.random_params(config, seed=3), tokenizer, EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=16, page_size=8, num_pages=30, max_model_len=256, warmup=False,
+        kv_offloading_size=0.01), model_name="tiny")
+    live = LiveServer(engine)
+    try:
+        rng = np.random.default_rng(10)
+        history = rng.integers(3, TINY.vocab_size, 100).tolist()
+
+        def complete(prompt, max_tokens=4):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+            return requests.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        first = complete(history)
+        assert first["usage"]["completion_tokens"] == 4
+        complete(rng.integers(3, TINY.vocab_size, 200).tolist())  # evicts the history's pages
+        body = {"model": "tiny", "prompt": history + [9] * 30, "max_tokens": 90, "stream": True,
+                "temperature": 0.0, "ignore_eos": True}
+        with requests.post(live.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line).startswith(b"data: ")
+        assert wait_for(lambda: live.metric("jaxserve_kv_pages_used") == 0)
+        # The history's 12 full pages: those the long prompt evicted come back from the host tier.
+        restored = live.metric("jaxserve_external_prefix_cache_hits_total")
+        assert restored >= 64 and restored + live.metric("jaxserve_prefix_cache_hits_total") >= 96
+        assert live.metric("jaxserve_kv_offload_pages_used") >= restored // 8
+        assert engine.offload.host.num_pending == 0 and not engine.offload.host._pins
+        assert complete(history + [9] * 30)["usage"]["completion_tokens"] == 4  # serves on
+    finally:
+        live.close()
+
+
+def wait_for(condition, timeout_s=20.0):
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
