@@ -32,6 +32,7 @@ from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, 
                                    check_pooling_request, check_request)
 from jaxserve.core.scheduler import Scheduler, StepPlan
 from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.planning import memory
 from jaxserve.planning.memory import GiB
 from jaxserve.pooling.accumulate import PooledRequests
 from jaxserve.pooling.config import PoolerConfig
@@ -99,8 +100,12 @@ class Engine:
             if device_setup.process_count() > 1:
                 raise ValueError("--kv_offloading_size does not combine with a multi-host job yet (each process "
                                  "would need the same host tier)")
+            host_bytes, available = int(cfg.kv_offloading_size * GiB), memory.host_memory_budget_bytes(1.0)
+            if host_bytes > available:
+                raise ValueError(f"--kv_offloading_size={cfg.kv_offloading_size:g} GiB is more host memory than is "
+                                 f"available now ({available / GiB:.1f} GiB)")
             num_host, num_disk, self.offload_page_bytes = self.runner.enable_kv_offload(
-                int(cfg.kv_offloading_size * GiB), cfg.kv_offloading_disk_path,
+                host_bytes, cfg.kv_offloading_disk_path,
                 int(cfg.kv_offloading_disk_size * GiB) if cfg.kv_offloading_disk_path else 0)
             self.offload = OffloadTiers(num_host, num_disk)
         self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload)

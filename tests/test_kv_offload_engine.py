@@ -145,6 +145,8 @@ def test_a_disk_tier_that_cannot_be_made_is_refused_naming_the_flag(params, tmp_
         make_engine(params, kv_offloading_size=0.01, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=1e6)
     with pytest.raises(ValueError, match="--kv_offloading_size holds no KV page"):
         make_engine(params, kv_offloading_size=1e-9)
+    with pytest.raises(ValueError, match="--kv_offloading_size=1e\\+06 GiB is more host memory than is available"):
+        make_engine(params, kv_offloading_size=1e6)
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -6,7 +6,10 @@ every chunk that carried text, the end time, the usage the server reported and t
 Nothing raises out of it: a refused connection, an HTTP error status, an error event, a `data:` line
 that is not JSON or a stream that ends without `data: [DONE]` all come back as a record with
 `error` set. `probe` asks `/v1/models` before a run, so that a server that is down is one clear
-message rather than a run of failures.
+message rather than a run of failures. A completions stream that carries each chunk's `token_ids`
+(vLLM's `return_token_ids`) also leaves the reply's token ids in the record, and `tokenize` asks a
+server's /tokenize (vLLM's, which jaxserve serves too): the `multiturn` dataset builds each
+conversation's history from them.
 
 A pooled keep-alive connection can be closed by the server just as the client reuses it (llama.cpp's
 server does this under load): the write fails ("Can not write request body") or the server
@@ -52,6 +55,8 @@ class RequestRecord:
     usage_completion_tokens: int | None = None  # from the final usage chunk, when sent
     error: str | None = None
     retries: int = 0  # sends again after the connection closed before any response (see the module docstring)
+    token_ids: list[int] | None = None  # the reply's token ids, when the stream carried them (vLLM's return_token_ids)
+    usage_cached_tokens: int | None = None  # the usage chunk's prompt_tokens_details.cached_tokens, when sent
 
     @property
     def ok(self) -> bool:
@@ -88,6 +93,17 @@ def chunk_text(endpoint: str, event: dict) -> str:
         elif isinstance(choice.get("text"), str):
             pieces.append(choice["text"])
     return "".join(pieces)
+
+
+def chunk_token_ids(event: dict) -> list[int] | None:
+    """The token ids one streamed completions event carries in its choices' `token_ids` (vLLM's
+    `return_token_ids`: each chunk's new tokens), else None (a server that does not send them)."""
+    found = None
+    for choice in event.get("choices") or []:
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            found = (found or []) + ids
+    return found
 
 
 def _error_message(status: int, body: str) -> str:
@@ -136,6 +152,9 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, record: 
         if (message := _event_error(event)) is not None:
             record.error = message
             return
+        ids = chunk_token_ids(event)
+        if ids is not None:
+            record.token_ids = (record.token_ids or []) + ids
         text = chunk_text(endpoint, event)
         if text:
             record.chunk_times.append(time.perf_counter())
@@ -143,6 +162,9 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, record: 
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             record.usage_completion_tokens = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                record.usage_cached_tokens = details["cached_tokens"]
     record.text = "".join(pieces)
     record.error = "malformed SSE: the stream ended without data: [DONE]"
 
@@ -199,3 +221,23 @@ async def probe(session: aiohttp.ClientSession, base_url: str) -> list[str]:
         raise ServerUnreachable(f"cannot reach {base_url}: {e or type(e).__name__} (is the server running?)") from None
     data = listing.get("data") if isinstance(listing, dict) else None
     return [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+async def tokenize(session: aiohttp.ClientSession, base_url: str, model: str, text: str) -> list[int]:
+    """The server's own token ids of `text` without special tokens added (vLLM's POST /tokenize,
+    which jaxserve serves too); ValueError when it does not answer with them."""
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    try:
+        async with session.post(base_url + "/tokenize", json=body) as response:
+            raw = await response.text(errors="replace")
+            status = response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ValueError(f"{base_url}/tokenize: {type(e).__name__}: {e}") from None
+    try:
+        tokens = json.loads(raw).get("tokens") if status == 200 else None
+    except (ValueError, AttributeError):
+        tokens = None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        problem = _error_message(status, raw) if status != 200 else "no 'tokens' list in the answer"
+        raise ValueError(f"{base_url}/tokenize: {problem}")
+    return tokens

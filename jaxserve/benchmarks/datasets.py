@@ -1,4 +1,5 @@
-"""The prompts a benchmark sends: `random` token prompts, ShareGPT conversations, a JSONL file.
+"""The prompts a benchmark sends: `random` token prompts, ShareGPT conversations, a JSONL file,
+and the random user turns of `multiturn` conversations.
 
 Every dataset yields `SampleRequest`s with the prompt (text, or token ids when no tokenizer is at
 hand), its length in tokens and the output length to ask for. Lengths are counted with the served
@@ -59,10 +60,10 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_
         raise DatasetError("random dataset: needs a tokenizer or a vocabulary size above "
                            f"{RANDOM_TOKEN_LOW}")
     rng = random.Random(seed)
-    prefix = [rng.randrange(RANDOM_TOKEN_LOW, vocab) for _ in range(prefix_len)]
+    prefix = random_ids(rng, prefix_len, vocab)
     requests = []
     for _ in range(num_prompts):
-        ids = prefix + [rng.randrange(RANDOM_TOKEN_LOW, vocab) for _ in range(rng.randint(*_range(input_len, range_ratio)))]
+        ids = prefix + random_ids(rng, rng.randint(*_range(input_len, range_ratio)), vocab)
         max_tokens = rng.randint(*_range(output_len, range_ratio))
         if tokenizer is None:
             requests.append(SampleRequest(ids, len(ids), max_tokens))
@@ -70,6 +71,44 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, range_
             text, length = text_of_length(tokenizer, ids, len(ids), rng, vocab)
             requests.append(SampleRequest(text, length, max_tokens))
     return requests
+
+
+def random_ids(rng: random.Random, count: int, vocab: int) -> list[int]:
+    """`count` token ids drawn uniformly from [RANDOM_TOKEN_LOW, vocab)."""
+    return [rng.randrange(RANDOM_TOKEN_LOW, vocab) for _ in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """The user's side of one `multiturn` conversation, drawn before the run: turn 1's prompt and
+    the new tokens each later turn appends after the history (the server's replies, the rest of
+    each history, come at run time: `next_turn_prompt`)."""
+
+    first_prompt: list[int]
+    turn_inputs: list[list[int]]  # [turns - 1]: the new user tokens of turns 2..T
+    output_len: int  # the max_tokens of every turn
+
+
+def multiturn_conversations(num_conversations: int, num_turns: int, input_len: int, turn_input_len: int,
+                            output_len: int, *, seed: int = 0, vocab_size: int, prefix_len: int = 0
+                            ) -> list[Conversation]:
+    """`num_conversations` conversations of `num_turns` turns. Turn 1 is `random_requests`' prompt
+    of the same seed (`input_len` random ids after a shared `prefix_len`), kept as token ids; each
+    later turn adds `turn_input_len` random ids, drawn from a stream of their own so that the
+    first turns do not depend on the number of turns."""
+    if num_turns < 1 or turn_input_len < 0:
+        raise DatasetError("multiturn dataset: num_turns must be >= 1 and turn_input_len >= 0")
+    firsts = random_requests(num_conversations, input_len, output_len, seed=seed, vocab_size=vocab_size,
+                             prefix_len=prefix_len)
+    rng = random.Random(f"multiturn:{seed}")  # a str seeds deterministically (random's version 2 seeding)
+    return [Conversation(list(first.prompt),
+                         [random_ids(rng, turn_input_len, vocab_size) for _ in range(num_turns - 1)], output_len)
+            for first in firsts]
+
+
+def next_turn_prompt(prompt: Sequence[int], reply: Sequence[int], new_input: Sequence[int]) -> list[int]:
+    """The next turn's prompt: this turn's prompt, the server's reply to it, the user's new tokens."""
+    return [*prompt, *reply, *new_input]
 
 
 TEXT_LENGTH_TRIES = 10  # rounds of trimming or topping up a random prompt's ids

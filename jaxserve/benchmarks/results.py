@@ -9,6 +9,9 @@ arithmetic is tested exactly:
   tokenizer's count of the text, else the number of chunks (`output_token_source` says which).
 - request goodput: requests per second that met every `--goodput` SLO (a request without a TPOT,
   one output token, meets the TPOT SLO; one without a first chunk misses the TTFT SLO).
+- multi-turn runs (`ttft_by_turn`): the TTFT statistics of each turn index over the conversations
+  (`ttft_by_turn_ms`), and the mean TTFT of every completed request of turns 2..T
+  (`mean_ttft_later_turns_ms`), the turns whose prompts repeat a history the server has seen.
 Latency statistics are in milliseconds; `None` (JSON null) when a run has no value for them.
 """
 from __future__ import annotations
@@ -167,6 +170,51 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, percentile_m
     return result, metrics
 
 
+def ttft_by_turn(turn_of: Sequence[int], records: Sequence[RequestRecord], num_turns: int,
+                 percentiles: Sequence[float] = (99.0,)) -> dict:
+    """{"ttft_by_turn_ms": [{"turn": 1-based, "count", "mean_ttft_ms", "median_ttft_ms",
+    "std_ttft_ms", "pNN_ttft_ms" (99 always, and each of `percentiles`), "mean_cached_tokens"},
+    ...one per turn], "mean_ttft_later_turns_ms": the mean over turns 2..T's requests};
+    `turn_of[i]` is record i's 0-based turn, and only successful requests with a first chunk
+    count. `mean_cached_tokens`: of the prompt tokens the server's usage says it found cached
+    (`prompt_tokens_details.cached_tokens`; None where the server does not say)."""
+    ttfts: list[list[float]] = [[] for _ in range(num_turns)]  # [turn][request] seconds
+    cached: list[list[int]] = [[] for _ in range(num_turns)]  # [turn][request] tokens
+    for turn, r in zip(turn_of, records, strict=True):
+        if r.ok and r.chunk_times:
+            ttfts[turn].append(r.chunk_times[0] - r.start)
+            if r.usage_cached_tokens is not None:
+                cached[turn].append(r.usage_cached_tokens)
+    shown = sorted({99.0, *percentiles})
+    rows = [{"turn": t + 1, "count": len(values), **_stats(values, shown, "ttft"),
+             "mean_cached_tokens": float(np.mean(cached[t])) if cached[t] else None} for t, values in enumerate(ttfts)]
+    later = [value for values in ttfts[1:] for value in values]
+    return {"ttft_by_turn_ms": rows, "mean_ttft_later_turns_ms": float(np.mean(later)) * 1e3 if later else None}
+
+
+def format_turns(result: dict) -> list[str]:
+    """The printed lines of `ttft_by_turn`'s figures in `result` (none when it has none)."""
+    rows = result.get("ttft_by_turn_ms")
+    if not rows:
+        return []
+    lines = ["{s:{c}^50}".format(s="TTFT by turn (ms)", c="-"),
+             f"{'Turn':<6}{'Count':>6}{'Mean':>10}{'Median':>10}{'P99':>10}{'Cached':>8}"]
+    lines += [f"{row['turn']:<6}{row['count']:>6}" + "".join(f"{_ms(row[key]):>10}" for key in
+                                                           ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"))
+              + f"{_tokens(row.get('mean_cached_tokens')):>8}" for row in rows]
+    if len(rows) > 1:
+        lines.append(_line(f"Mean TTFT of turns 2..{len(rows)} (ms):", result.get("mean_ttft_later_turns_ms")))
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _tokens(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def detailed(records: Sequence[RequestRecord], count_tokens: Callable[[str], int] | None = None) -> dict:
     """--save_detailed: per-request lists in send order, seconds as vLLM stores them (failed
     requests: TTFT/E2EL 0, output length 0, their message in `errors`; "" for the others)."""
@@ -215,6 +263,7 @@ def format_summary(result: dict, percentile_metrics: Sequence[str], percentiles:
         for p in percentiles:
             key = percentile_key(p)
             lines.append(_line(f"P{key[1:]} {upper} (ms):", result[f"{key}_{name}_ms"]))
+    lines += format_turns(result)
     bound = result.get("server_bound")
     if bound is not None:  # jaxserve's own step metrics over the run
         lines.append("{s:{c}^50}".format(s="Server steps", c="-"))

@@ -7,7 +7,9 @@ streamed and timed on the client (client), summarized with vLLM's field names (r
 runs one level per `--sweep_max_concurrency` / `--sweep_request_rate` value and names the largest
 that meets the `--goodput` SLOs (sweep), optionally with a PNG (plot) and the cost per million
 output tokens. When the server's /metrics has `jaxserve_step_*` metrics, their change over the run
-is kept as `server_step_metrics` (server_metrics).
+is kept as `server_step_metrics` (server_metrics). `--dataset_name=multiturn` holds conversations
+instead: each turn's prompt repeats the conversation so far, and the TTFT of each turn index is
+reported besides the run's figures (`_send_multiturn`).
 
 Exit codes: 0 when requests completed, 1 when every request of a run failed (the first error is
 printed), 2 for bad flags, a dataset that cannot be read, or a server that does not answer.
@@ -15,10 +17,12 @@ printed), 2 for bad flags, a dataset that cannot be read, or a server that does 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import math
 import os
+import random
 import sys
 import time
 import urllib.parse
@@ -60,9 +64,10 @@ def _define_target_flags(fv: flags.FlagValues) -> None:
 
 
 def _define_dataset_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_enum("dataset_name", "random", ["random", "sharegpt", "jsonl"], "Where prompts come from: random "
-                      "token ids, ShareGPT conversations or a JSONL file of {\"prompt\", \"output_tokens\"} lines "
-                      "(--dataset_path).", flag_values=fv)
+    flags.DEFINE_enum("dataset_name", "random", ["random", "sharegpt", "jsonl", "multiturn"], "Where prompts come "
+                      "from: random token ids, ShareGPT conversations, a JSONL file of {\"prompt\", "
+                      "\"output_tokens\"} lines (--dataset_path), or multi-turn conversations of random token ids "
+                      "(--multiturn_*).", flag_values=fv)
     flags.DEFINE_string("dataset_path", None, "The sharegpt or jsonl file.", flag_values=fv)
     flags.DEFINE_integer("num_prompts", 1000, "Requests per run (per level of a sweep).", lower_bound=1, flag_values=fv)
     flags.DEFINE_integer("random_input_len", 1024, "random: prompt tokens.", lower_bound=1, flag_values=fv)
@@ -76,7 +81,21 @@ def _define_dataset_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("sharegpt_output_len", None, "sharegpt/jsonl: output tokens for every prompt (default: "
                          "the reply's length for sharegpt; a jsonl line's output_tokens, else 128).",
                          lower_bound=1, flag_values=fv)
+    _define_multiturn_flags(fv)
     flags.DEFINE_integer("seed", 0, "Seeds the dataset sample and the arrival times (a sweep's level i draws with seed + i).", flag_values=fv)
+
+
+def _define_multiturn_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("multiturn_conversations", 12, "multiturn: conversations, sent round-robin (every "
+                         "conversation's turn 1, then every turn 2, ...), one request at a time unless "
+                         "--max_concurrency is given (a conversation's turn still waits for its previous one).",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("multiturn_turns", 4, "multiturn: turns per conversation. Turn 1 is --random_input_len "
+                         "random token ids (after --random_prefix_len shared ones); each later turn's prompt is the "
+                         "previous prompt, the server's reply to it (its token ids) and --multiturn_turn_input_len "
+                         "new random ids. Every turn asks --random_output_len tokens.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("multiturn_turn_input_len", 100, "multiturn: new random token ids of each turn after the "
+                         "first.", lower_bound=0, flag_values=fv)
 
 
 def _define_load_flags(fv: flags.FlagValues) -> None:
@@ -143,8 +162,9 @@ def settings_from_flags(fv: flags.FlagValues) -> Settings:
     url = urllib.parse.urlsplit(fv.base_url)
     if url.scheme not in ("http", "https") or not url.netloc:
         raise ValueError(f"--base_url={fv.base_url} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
-    if fv.dataset_name != "random" and not fv.dataset_path:
+    if fv.dataset_name in ("sharegpt", "jsonl") and not fv.dataset_path:
         raise ValueError(f"--dataset_name={fv.dataset_name} needs --dataset_path")
+    _check_multiturn(fv)
     if not 0 <= fv.random_range_ratio < 1:
         raise ValueError(f"--random_range_ratio must be in [0, 1), got {fv.random_range_ratio}")
     if not fv.request_rate > 0 or not fv.burstiness > 0:
@@ -157,9 +177,32 @@ def settings_from_flags(fv: flags.FlagValues) -> Settings:
     if fv.plot and kind is None:
         raise ValueError("--plot needs a sweep (--sweep_max_concurrency or --sweep_request_rate)")
     levels = _levels(fv[f"sweep_{kind}"].value, kind) if kind else []
-    ignore_eos = fv.ignore_eos if fv.ignore_eos is not None else fv.dataset_name == "random"
+    ignore_eos = fv.ignore_eos if fv.ignore_eos is not None else fv.dataset_name in ("random", "multiturn")
     return Settings(results.parse_goodput(fv.goodput), results.parse_metric_names(fv.percentile_metrics),
                     results.parse_percentiles(fv.metric_percentiles), kind, levels, ignore_eos)
+
+
+def _check_multiturn(fv: flags.FlagValues) -> None:
+    """The flags --dataset_name=multiturn does not go with (ValueError), and --multiturn_* without it."""
+    if fv.dataset_name != "multiturn":
+        given = [name for name in ("multiturn_conversations", "multiturn_turns", "multiturn_turn_input_len")
+                 if fv[name].present]
+        if given:
+            raise ValueError(f"--{given[0]} needs --dataset_name=multiturn")
+        return
+    if fv.endpoint != "completions":
+        raise ValueError("--dataset_name=multiturn sends token-id prompts, which only --endpoint=completions takes")
+    if fv.sweep_max_concurrency or fv.sweep_request_rate:
+        raise ValueError("--dataset_name=multiturn runs one level: no --sweep_max_concurrency or --sweep_request_rate")
+    if not math.isinf(fv.request_rate):
+        raise ValueError("--request_rate does not apply to --dataset_name=multiturn: each turn is sent as soon as "
+                         "its previous turn has ended and fewer than --max_concurrency (default 1) are in flight")
+    if fv["num_prompts"].present:
+        raise ValueError("--num_prompts does not apply to --dataset_name=multiturn: it sends "
+                         "--multiturn_conversations x --multiturn_turns requests")
+    if fv.random_range_ratio:
+        raise ValueError("--random_range_ratio does not apply to --dataset_name=multiturn: every turn has the "
+                         "lengths its flags give")
 
 
 def _hf_tokenizer(path: str):
@@ -251,9 +294,22 @@ async def _warm_up(fv: flags.FlagValues, target: Target, bodies: list[dict], max
                               [0.0] * len(warm), max_concurrency)
 
 
-async def run_level(fv: flags.FlagValues, target: Target, settings: Settings, max_concurrency: int | None,
-                    request_rate: float, level_index: int = 0) -> tuple[dict, list[results.RequestMetrics]]:
-    """One timed run (the `level_index`-th of a sweep): (its result dict, the successful requests' metrics)."""
+@dataclasses.dataclass
+class _Sent:
+    """What one timed run sent: the records in send order, its duration, /metrics around it."""
+
+    records: list
+    duration: float
+    before: str | None
+    after: str | None
+    max_concurrency: int | None
+    fields: dict = dataclasses.field(default_factory=dict)  # the dataset's own result fields
+    detail: dict = dataclasses.field(default_factory=dict)  # and its own --save_detailed lists
+
+
+async def _send_samples(fv: flags.FlagValues, target: Target, settings: Settings, max_concurrency: int | None,
+                        request_rate: float, level_index: int) -> _Sent:
+    """The single-request datasets: the samples sent at their arrival times."""
     samples = build_samples(fv, target.tokenizer, fv.endpoint, level_index)
     bodies = _bodies(fv, target, settings, samples)
     await _warm_up(fv, target, bodies, max_concurrency)
@@ -264,29 +320,92 @@ async def run_level(fv: flags.FlagValues, target: Target, settings: Settings, ma
                                                   [s.prompt_len for s in samples], offsets, max_concurrency,
                                                   on_done=bar.update)
     after = await server_metrics.scrape(target.session, target.base_url) if before is not None else None
+    return _Sent(records, duration, before, after, max_concurrency)
+
+
+def _turn_body(fv: flags.FlagValues, target: Target, settings: Settings, prompt: list[int], max_tokens: int) -> dict:
+    body = request_body("completions", target.model, RequestSpec(prompt, len(prompt), max_tokens),
+                        temperature=fv.temperature, ignore_eos=settings.ignore_eos)
+    body["skip_special_tokens"] = False  # generated special tokens stay in the text (runner.ReplyTokens)
+    return body
+
+
+async def _send_multiturn(fv: flags.FlagValues, target: Target, settings: Settings, concurrency: int) -> _Sent:
+    """--dataset_name=multiturn: the conversations, round-robin (runner.send_conversations).
+
+    A reply enters the history as the token ids the server generated, so that the next turn's
+    prompt starts with exactly the tokens whose KV the server computed (its prefix cache, or the
+    host copy of evicted pages, can serve all of them). Token-id prompts go to the completions
+    endpoint, and the ids come back where the server sends them: vLLM's `return_token_ids`
+    (runner.TurnSender asks for it). jaxserve's server refuses that field (it returns text and
+    logprobs whose tokens are text, not ids), so there the reply's text is tokenized again, by the
+    local tokenizer or the server's /tokenize, with special tokens kept in the text
+    (runner.ReplyTokens); `multiturn_history_source` counts which way each reply came, and
+    `multiturn_retokenized_length_mismatches` the replies whose tokens again differ in number
+    from those the server generated (their history then departs from the server's tokens)."""
+    vocab = len(target.tokenizer) if target.tokenizer is not None else fv.random_vocab_size
+    conversations = datasets.multiturn_conversations(
+        fv.multiturn_conversations, fv.multiturn_turns, fv.random_input_len, fv.multiturn_turn_input_len,
+        fv.random_output_len, seed=fv.seed, vocab_size=vocab, prefix_len=fv.random_prefix_len)
+    send_turn = runner.TurnSender(target.session, target.url,
+                                  lambda prompt, max_tokens: _turn_body(fv, target, settings, prompt, max_tokens))
+    warm_rng = random.Random(f"multiturn-warmup:{fv.seed}")  # prompts of their own: none of the run's is cached
+    for _ in range(fv.num_warmups):
+        await send_turn(datasets.random_ids(warm_rng, fv.random_input_len, vocab), fv.random_output_len)
+    before = await server_metrics.scrape(target.session, target.base_url)
+    with tqdm(total=len(conversations) * fv.multiturn_turns, disable=fv.disable_tqdm, file=sys.stderr,
+              desc="turns") as bar:
+        turns, duration = await runner.send_conversations(
+            conversations, send_turn, runner.ReplyTokens(target.session, target.base_url, target.model,
+                                                         target.tokenizer), concurrency, on_done=bar.update)
+    after = await server_metrics.scrape(target.session, target.base_url) if before is not None else None
+    records = [turn.record for turn in turns]
+    retokenized = [t for t in turns if t.history_source not in (None, "token_ids")]
+    mismatches = sum(t.record.usage_completion_tokens not in (None, t.reply_len) for t in retokenized)
+    if mismatches:
+        print(f"{PROG}: {mismatches} of {len(retokenized)} replies tokenized again to another number of tokens "
+              "than the server generated: those histories depart from the server's tokens", file=sys.stderr)
+    fields = {"multiturn_conversations": len(conversations), "multiturn_turns": fv.multiturn_turns,
+              "multiturn_turn_input_len": fv.multiturn_turn_input_len,
+              **results.ttft_by_turn([t.turn for t in turns], records, fv.multiturn_turns, settings.percentiles),
+              "multiturn_history_source": dict(collections.Counter(t.history_source for t in turns
+                                                                   if t.history_source is not None)),
+              "multiturn_retokenized_length_mismatches": mismatches}
+    detail = {"conversations": [t.conversation for t in turns], "turns": [t.turn + 1 for t in turns]}
+    return _Sent(records, duration, before, after, concurrency, fields, detail)
+
+
+async def run_level(fv: flags.FlagValues, target: Target, settings: Settings, max_concurrency: int | None,
+                    request_rate: float, level_index: int = 0) -> tuple[dict, list[results.RequestMetrics]]:
+    """One timed run (the `level_index`-th of a sweep): (its result dict, the successful requests' metrics)."""
+    if fv.dataset_name == "multiturn":
+        sent = await _send_multiturn(fv, target, settings, max_concurrency or 1)
+    else:
+        sent = await _send_samples(fv, target, settings, max_concurrency, request_rate, level_index)
     count_tokens = _count_tokens(target.tokenizer)
-    result, metrics = results.summarize(records, duration, percentile_metrics=settings.metric_names,
+    result, metrics = results.summarize(sent.records, sent.duration, percentile_metrics=settings.metric_names,
                                         percentiles=settings.percentiles, slos=settings.slos,
                                         count_tokens=count_tokens)
-    input_source = ("tokenizer" if target.tokenizer is not None else
-                    "token_ids" if fv.dataset_name == "random" else "words")
+    input_source = ("token_ids" if fv.dataset_name == "multiturn" else "tokenizer" if target.tokenizer is not None
+                    else "token_ids" if fv.dataset_name == "random" else "words")
     result.update(date=time.strftime("%Y%m%d-%H%M%S"), base_url=target.base_url, endpoint=fv.endpoint,
                   model_id=target.model, tokenizer_id=target.tokenizer_id, dataset_name=fv.dataset_name,
-                  num_prompts=len(bodies), request_rate="inf" if math.isinf(request_rate) else request_rate,
-                  burstiness=fv.burstiness, max_concurrency=max_concurrency, input_token_source=input_source)
+                  num_prompts=len(sent.records), request_rate="inf" if math.isinf(request_rate) else request_rate,
+                  burstiness=fv.burstiness, max_concurrency=sent.max_concurrency, input_token_source=input_source)
+    result.update(sent.fields)
     if fv.hour_usd is not None:
         result["cost_per_million_output_tokens_usd"] = sweep.cost_per_million_output_tokens(
             fv.hour_usd, result["output_throughput"])
     if settings.slos:
         result["goodput_slos_ms"] = dict(settings.slos)
-    steps = server_metrics.step_metrics_delta(before, after)
+    steps = server_metrics.step_metrics_delta(sent.before, sent.after)
     if steps is not None:
         result["server_step_metrics"] = steps
         bound = server_metrics.run_bound(steps)
         if bound is not None:
             result["server_bound"] = bound.to_dict()
     if fv.save_detailed:
-        result.update(results.detailed(records, count_tokens))
+        result.update(results.detailed(sent.records, count_tokens), **sent.detail)
     return result, metrics
 
 
