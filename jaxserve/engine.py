@@ -22,20 +22,18 @@ from checkpoints import load  # Engine.from_model and the draft model open what 
 from checkpoints import lora_adapter, pooling_checkpoint
 from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
-from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestMetrics, RequestOutput, StepInputError,
-                                   StepRecord, TokenLogprob)
-from jaxserve.core.kv_offload import KVTransfers, OffloadTiers
+from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestOutput, StepInputError, StepRecord,
+                                   merge_deltas, prompt_logprob_entries, with_metrics)
+from jaxserve.core.kv_offload import KVOffload
 from jaxserve.core.lora_registry import LoRANotFoundError, LoRAPlacementError, LoRARegistry
 from jaxserve.setting_checks import LoRAModule
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams,
                                    check_pooling_request, check_request)
 from jaxserve.core.scheduler import Scheduler, StepPlan
-from jaxserve.core.step import PromptLogprobRows, ScheduledBatch
+from jaxserve.core.step import ScheduledBatch
 from jaxserve.planning import memory
-from jaxserve.planning.memory import GiB
-from jaxserve.pooling.accumulate import PooledRequests
-from jaxserve.pooling.config import PoolerConfig
+from jaxserve.pooling.accumulate import engine_pooling
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
 from jaxserve.speculative import ngram
 
@@ -79,36 +77,17 @@ class Engine:
         num_pages = cfg.num_pages or device_setup.plan_engine(
             model_config, cfg, params, shardings=shardings, device_memory_bytes=device_memory_bytes,
             draft_model=draft_model[0] if draft_model else None).num_pages
-        self.pooler, self.pooled, prefix_caching = _pooling(cfg, pooler)
-        eos = set(model_config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.pooler, self.pooled, prefix_caching = engine_pooling(cfg, pooler)
+        self.eos_token_ids = _eos_token_ids(model_config, tokenizer)
         self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
                                              max_model_len=self.max_model_len, shardings=shardings,
                                              eos_token_ids=self.eos_token_ids, pooler=self.pooler,
                                              score_head=score_head)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         # KV offload: the host (and disk) tiers under the prefix cache; the runner holds their bytes.
-        self.offload: OffloadTiers | None = None
-        self.offload_page_bytes = 0
-        if cfg.kv_offloading_size is not None:
-            if not prefix_caching:
-                raise ValueError("--kv_offloading_size keeps evicted prefix-cache pages, and this engine caches "
-                                 "no prefixes (a pooling runner pools every token's row unless --pooler_config "
-                                 "pools the LAST token)")
-            if device_setup.process_count() > 1:
-                raise ValueError("--kv_offloading_size does not combine with a multi-host job yet (each process "
-                                 "would need the same host tier)")
-            host_bytes, available = int(cfg.kv_offloading_size * GiB), memory.host_memory_budget_bytes(1.0)
-            if host_bytes > available:
-                raise ValueError(f"--kv_offloading_size={cfg.kv_offloading_size:g} GiB is more host memory than is "
-                                 f"available now ({available / GiB:.1f} GiB)")
-            num_host, num_disk, self.offload_page_bytes = self.runner.enable_kv_offload(
-                host_bytes, cfg.kv_offloading_disk_path,
-                int(cfg.kv_offloading_disk_size * GiB) if cfg.kv_offloading_disk_path else 0)
-            self.offload = OffloadTiers(num_host, num_disk)
-        self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload)
+        self.offload = KVOffload.build(cfg, self.runner, prefix_caching, device_setup.process_count() > 1,
+                                       memory.host_memory_budget_bytes(1.0))
+        self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload and self.offload.tiers)
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
@@ -130,16 +109,7 @@ class Engine:
         self.time_in_steps = 0.0
         self.num_step_failures = 0
         self.last_step_error: str | None = None
-        # Speculative decoding: what proposes the tokens a verification step checks.
-        self.proposer = None
-        if cfg.speculative_method == "ngram":
-            self.proposer = ngram.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        elif cfg.speculative_method == "draft":
-            from jaxserve.speculative.draft_proposer import DraftProposer  # device code, as the runner's above
-            draft_config, draft_params = draft_model
-            self.proposer = self.runner.draft = DraftProposer(
-                draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
-                num_speculative_tokens=cfg.num_speculative_tokens, eos_token_ids=self.eos_token_ids)
+        self.proposer = self._proposer(draft_model)  # speculative decoding's
         if cfg.warmup:
             # In the background only for one process without a draft model (a multi-host job's
             # processes, and the draft's shapes, warm up before the first step).
@@ -147,6 +117,20 @@ class Engine:
             self.runner.warmup(background=background, is_serving=self.has_unfinished)
             if self.runner.draft is not None:
                 self.runner.draft.warmup(self.runner.all_buckets())
+
+    def _proposer(self, draft_model):
+        """What proposes the tokens a verification step checks (speculative decoding), or None."""
+        cfg = self.config
+        if cfg.speculative_method == "ngram":
+            return ngram.NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.speculative_method != "draft":
+            return None
+        from jaxserve.speculative.draft_proposer import DraftProposer  # device code, as the runner's
+        draft_config, draft_params = draft_model
+        self.runner.draft = DraftProposer(
+            draft_config, draft_params, self.runner, max_rows=self.scheduler.max_verify_rows,
+            num_speculative_tokens=cfg.num_speculative_tokens, eos_token_ids=self.eos_token_ids)
+        return self.runner.draft
 
     @classmethod
     def from_model(cls, model: str, engine_config: EngineConfig | None = None):
@@ -253,22 +237,7 @@ class Engine:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0,
             lora_running=_adapters(self.scheduler.running), lora_waiting=_adapters(self.scheduler.waiting),
-            max_lora=self.config.max_loras if self.loras is not None else 0, **self._offload_stats())
-
-    def _offload_stats(self) -> dict[str, int]:
-        """EngineStats' kv_offload_* fields."""
-        if self.offload is None:
-            return {}
-        tiers, counts, ps, page_bytes = self.offload, self.offload.counters, self.config.page_size, self.offload_page_bytes
-        return dict(
-            kv_offload_host_pages_used=tiers.host.num_used, kv_offload_host_pages_total=tiers.host.num_blocks,
-            kv_offload_disk_pages_used=tiers.disk.num_used if tiers.disk else 0,
-            kv_offload_disk_pages_total=tiers.disk.num_blocks if tiers.disk else 0,
-            kv_offload_queried_tokens=counts.queried_pages * ps, kv_offload_host_hit_tokens=counts.host_hit_pages * ps,
-            kv_offload_disk_hit_tokens=counts.disk_hit_pages * ps,
-            kv_offload_bytes_to_host=counts.saved_pages * page_bytes,
-            kv_offload_bytes_to_device=(counts.host_hit_pages + counts.disk_hit_pages) * page_bytes,
-            kv_offload_bytes_to_disk=counts.spilled_pages * page_bytes, kv_offload_dropped_pages=counts.dropped_pages)
+            max_lora=self.config.max_loras if self.loras is not None else 0, **(self.offload.stats() if self.offload else {}))
 
     def warmup_status(self) -> dict | None:
         """The warm-up's progress ({"ready", "compiled", "total", "error"}: ModelRunner.warmup_state),
@@ -304,18 +273,17 @@ class Engine:
         host_gap = 0.0 if self._last_step_end is None else start - self._last_step_end
         self._last_step_end = None
         plan = self.scheduler.schedule()
-        transfers = self.offload.take_transfers() if self.offload is not None else None
-        if transfers:  # KV offload's copies, before the step: saves started, spills and restores done
+        transfers = None
+        if self.offload is not None:  # KV offload's copies, before the step: saves started, spills and restores done
             try:
-                self.runner.start_kv_transfers(transfers)
+                transfers = self.offload.start_copies()
             except Exception as e:
-                return self._kv_transfers_failed(plan, transfers, e)
-            self.offload.transfers_done(transfers)
+                return self._kv_copies_failed(plan, e)
         try:
             return self._run(plan, start, host_gap)
         finally:
-            if transfers and transfers.saves:
-                self._land_saves(transfers)
+            if transfers:
+                self.offload.finish_copies(transfers)
 
     def _run(self, plan: StepPlan, start: float, host_gap: float) -> list[RequestOutput]:
         if plan.is_empty:
@@ -344,7 +312,7 @@ class Engine:
         if result.prompt_logprobs is not None:  # before update: a request may finish in it (max_tokens 0)
             for row, (request, _), out in zip(batch.rows, plan.scheduled, result.prompt_logprobs):
                 if out is not None and request.status == RequestStatus.RUNNING:
-                    request.prompt_logprobs.extend(_prompt_logprob_entries(row.prompt_logprobs, out))
+                    request.prompt_logprobs.extend(prompt_logprob_entries(row.prompt_logprobs, out))
         num_outputs_before = {request.request_id: request.num_output_tokens for request, _ in plan.scheduled}
         appended = self.scheduler.update(plan, result.token_ids.tolist())
         outputs, failed = [], []
@@ -449,7 +417,7 @@ class Engine:
                 break
             if last:
                 break
-        return _with_metrics(request, deltas[0] if len(deltas) == 1 else _merge_deltas(deltas))
+        return with_metrics(request, deltas[0] if len(deltas) == 1 else merge_deltas(deltas))
 
     def _propose(self) -> None:
         """Sets the proposed tokens of every decoding request for the next step, when that step
@@ -496,7 +464,7 @@ class Engine:
             pooled = self.pooled.pop(request.request_id)
             if pooled is not None and request.error_message is None:
                 outputs[0] = dataclasses.replace(outputs[0], pooled=pooled)
-        return _with_metrics(request, outputs[0])
+        return with_metrics(request, outputs[0])
 
     def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int,
                      host_gap: float = 0.0) -> None:
@@ -540,24 +508,10 @@ class Engine:
                         "be recomputed", len(recomputed))
         return outputs
 
-    def _land_saves(self, transfers: KVTransfers) -> None:
-        """The step's saves into host memory, once it has run (their copies overlapped it)."""
-        try:
-            self.runner.land_kv_saves()
-        except Exception:
-            log.exception("KV offload: copying %d evicted pages to host memory failed; they are not kept",
-                          len(transfers.saves))
-            self.runner.drop_kv_saves()
-            self.offload.transfers_failed(KVTransfers(saves=transfers.saves))
-            return
-        self.offload.saves_landed(transfers)
-
-    def _kv_transfers_failed(self, plan: StepPlan, transfers: KVTransfers, error: Exception) -> list[RequestOutput]:
-        """KV offload's copies before a step failed: as a failed step, its requests end with an
-        error (some of them wait for restored pages that may not be there); the pages restored
-        for them are forgotten by the prefix cache, and the copies' blocks go back to the tiers."""
-        self.runner.drop_kv_saves()
-        self.offload.transfers_failed(transfers)
+    def _kv_copies_failed(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+        """KV offload's copies before a step failed (their blocks are back in the tiers): as a failed
+        step, its requests end with an error (some wait for restored pages that may not be there),
+        and the pages restored for them are forgotten by the prefix cache."""
         outputs = self._recover_from_failed_step(plan, error) if not plan.is_empty else []
         self.allocator.reset_prefix_cache()
         return outputs
@@ -625,46 +579,15 @@ def _adapters(requests) -> tuple[str, ...]:
     return tuple(sorted({r.params.lora_name for r in requests} - {None}))
 
 
-def _pooling(cfg: EngineConfig, pooler: PoolerConfig | None) -> tuple:
-    """(pooler, PooledRequests, prefix caching) of an engine: with --runner=pooling its pooler
-    (default: last token, normalized) and the prompts it pools chunk by chunk, where only LAST
-    pooling may take cached prefix pages (the others pool every token's row); else (None, None, as set)."""
-    if cfg.runner != "pooling":
-        return None, None, cfg.enable_prefix_caching
-    pooler = pooler or PoolerConfig("LAST", True)
-    return (pooler, PooledRequests(pooler.pooling_type),
-            cfg.enable_prefix_caching and pooler.pooling_type == "LAST")
+def _eos_token_ids(model_config, tokenizer) -> frozenset[int]:
+    """The model's end-of-sequence ids and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
 
 
 def _load_draft(cfg: EngineConfig):
     """The draft model of `cfg.speculative_model` (anything --model takes): (ModelConfig, params)."""
     source = load.open_model(cfg.speculative_model)
     return source.config, source.load_params(cfg.dtype or "float32", None)
-
-
-def _prompt_logprob_entries(rows: PromptLogprobRows, out: dict) -> list[TokenLogprob]:
-    """The step's prompt-logprob rows of one chunk as TokenLogprobs (the target token, its logprob,
-    the top-k alternatives and its rank)."""
-    k = rows.num_logprobs
-    return [TokenLogprob(token_id, float(logprob), [(int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k])],
-                         int(rank))
-            for token_id, logprob, rank, top_ids, top_lps in zip(
-                rows.targets, out["logprobs"], out["ranks"], out["top_ids"], out["top_logprobs"])]
-
-
-def _with_metrics(request: Request, output: RequestOutput) -> RequestOutput:
-    """A finished delta with the request's phase times (`RequestMetrics`); others as they are."""
-    if not output.finished:
-        return output
-    finished_time = request.finish_time if request.finish_time is not None else time.monotonic()
-    return dataclasses.replace(output, metrics=RequestMetrics(
-        request.arrival_time, request.first_scheduled_time, request.first_token_time, finished_time))
-
-
-def _merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
-    """One delta for several tokens of a request in one step (a verification step)."""
-    last = deltas[-1]
-    logprobs = [lp for d in deltas for lp in d.new_logprobs or ()] if deltas[0].new_logprobs is not None else None
-    return dataclasses.replace(last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
-                               new_text="".join(d.new_text for d in deltas), new_logprobs=logprobs,
-                               prompt_logprobs=deltas[0].prompt_logprobs)

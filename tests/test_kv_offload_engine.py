@@ -40,7 +40,7 @@ def conversations(seed, num=6, turns=3, first=60, later=20):
 
 def assert_nothing_held(engine):
     assert engine.allocator.num_used_pages == 0 and not engine.has_unfinished()
-    assert engine.offload.host.num_pending == 0 and not engine.offload.host._pins
+    assert engine.offload.tiers.host.num_pending == 0 and not engine.offload.tiers.host._pins
     assert not engine.runner.kv_store._pending
 
 
@@ -65,9 +65,9 @@ def test_conversations_evicted_between_turns_get_the_tokens_recomputing_gives(pa
     restored = stats.kv_offload_host_hit_tokens + stats.kv_offload_disk_hit_tokens
     assert restored > 0 and stats.prefix_cache_hit_tokens < restored, f"seed {seed}"
     assert offloading.num_computed_tokens < baseline.num_computed_tokens - restored // 2
-    page_bytes = offloading.offload_page_bytes
+    page_bytes = offloading.offload.page_bytes
     assert stats.kv_offload_bytes_to_device == restored // 8 * page_bytes
-    assert stats.kv_offload_bytes_to_host == offloading.offload.counters.saved_pages * page_bytes > 0
+    assert stats.kv_offload_bytes_to_host == offloading.offload.tiers.counters.saved_pages * page_bytes > 0
     if "kv_offloading_disk_path" in settings:
         assert stats.kv_offload_disk_hit_tokens > 0 and stats.kv_offload_bytes_to_disk > 0
         assert stats.kv_offload_disk_pages_total == int(1e-3 * 2**30) // page_bytes
@@ -91,7 +91,7 @@ def test_a_host_tier_too_small_to_keep_up_drops_pages_and_changes_no_token(param
     # Two blocks: a step that evicts more pages finds them pending and drops the rest.
     offloading = make_engine(params, num_pages=30, kv_offloading_size=2 * PAGE_BYTES / 2**30)
     assert run(offloading) == run(baseline), f"seed {seed}"
-    assert offloading.stats().kv_offload_dropped_pages > 0 and offloading.offload.host.num_used == 2
+    assert offloading.stats().kv_offload_dropped_pages > 0 and offloading.offload.tiers.host.num_used == 2
     assert_nothing_held(offloading)
 
 
@@ -131,7 +131,7 @@ def test_a_request_aborted_after_its_pages_were_restored_leaves_nothing_held(par
     engine.generate([rng.integers(3, TINY.vocab_size, 200).tolist()], GREEDY)  # evicts the first prompt
     engine.add_request("again", prompt + [7] * 40, GREEDY)
     engine.step()  # restores the prompt's pages and computes one chunk of the rest
-    assert engine.offload.counters.host_hit_pages >= 10
+    assert engine.offload.tiers.counters.host_hit_pages >= 10
     engine.abort("again")
     assert_nothing_held(engine)
 
@@ -205,7 +205,7 @@ def test_through_the_server_a_client_gone_after_its_restore_leaves_nothing_held(
         restored = live.metric("jaxserve_external_prefix_cache_hits_total")
         assert restored >= 64 and restored + live.metric("jaxserve_prefix_cache_hits_total") >= 96
         assert live.metric("jaxserve_kv_offload_pages_used") >= restored // 8
-        assert engine.offload.host.num_pending == 0 and not engine.offload.host._pins
+        assert engine.offload.tiers.host.num_pending == 0 and not engine.offload.tiers.host._pins
         assert complete(history + [9] * 30)["usage"]["completion_tokens"] == 4  # serves on
     finally:
         live.close()

@@ -205,7 +205,7 @@ def test_no_script_shadows_an_installed_module():
 # still marks, in these, each test that uses a server or engine fixture. Every other module says
 # `pytestmark = pytest.mark.slow` itself; a new module goes in one group or the other.
 QUICK_TEST_MODULES = {
-    "test_bench_datasets", "test_bench_multiturn", "test_bench_serve", "test_buckets", "test_engine_client",
+    "test_bench_datasets", "test_bench_multiturn", "test_kv_offload", "test_bench_serve", "test_buckets", "test_engine_client",
     "test_environment", "test_pooling_config", "test_pooling_protocol",
     "test_grammar_sandbox", "test_kernel_lowering", "test_layout", "test_lora_registry", "test_lora_adapters",
     "test_memory", "test_metrics_names",

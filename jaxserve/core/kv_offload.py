@@ -7,9 +7,10 @@ into blocks held here gets fresh device pages filled from them before its step (
 instead of computing them again. When the host tier is full its least recently used block goes
 to the disk tier if there is one (a *spill*), else it is dropped.
 
-This module only decides: which block or slot holds which hash, and what must be copied where,
+`OffloadTiers` only decides: which block or slot holds which hash, and what must be copied where,
 as one `KVTransfers` per step. The runner's `HostKVStore` (jaxserve.executor.kv_transfer) holds
-the bytes and carries the transfers out; the engine reports back when they are done:
+the bytes and carries the transfers out; `KVOffload`, the engine's, runs them around each step
+and reports back when they are done:
 
 - spills and restores run before the step (`transfers_done` then releases what they pinned);
 - saves are gathered on the device before the step and land in host memory after it
@@ -21,9 +22,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import Iterable
 
+log = logging.getLogger(__name__)
+
 HOST, DISK = "host", "disk"
+GIB = 1 << 30
 
 
 @dataclasses.dataclass
@@ -221,3 +226,77 @@ class OffloadTiers:
             (self.host if tier == HOST else self.disk).unpin(block)
         for _, block in transfers.saves:
             self.host.release(block)
+
+
+class KVOffload:
+    """The engine's KV offload: the tiers (given to the PageAllocator, which offers and restores
+    pages) and the runner that holds their bytes, and each step's copies run around the step."""
+
+    def __init__(self, tiers: OffloadTiers, runner, page_bytes: int, page_size: int) -> None:
+        self.tiers, self.runner, self.page_bytes, self.page_size = tiers, runner, page_bytes, page_size
+
+    @classmethod
+    def build(cls, cfg, runner, prefix_caching: bool, multi_process: bool, host_memory_bytes: int) -> KVOffload | None:
+        """The offload `cfg` asks for (None without --kv_offloading_size) over the runner's KV cache:
+        ValueError naming the flags when it cannot be had (an engine caching no prefixes, a
+        multi-host job, more than `host_memory_bytes`, a tier too small or a disk tier that cannot
+        be made: ModelRunner.enable_kv_offload)."""
+        if cfg.kv_offloading_size is None:
+            return None
+        if not prefix_caching:
+            raise ValueError("--kv_offloading_size keeps evicted prefix-cache pages, and this engine caches no "
+                             "prefixes (a pooling runner pools every token's row unless --pooler_config pools the "
+                             "LAST token)")
+        if multi_process:
+            raise ValueError("--kv_offloading_size does not combine with a multi-host job yet (each process would "
+                             "need the same host tier)")
+        host_bytes = int(cfg.kv_offloading_size * GIB)
+        if host_bytes > host_memory_bytes:
+            raise ValueError(f"--kv_offloading_size={cfg.kv_offloading_size:g} GiB is more host memory than is "
+                             f"available now ({host_memory_bytes / GIB:.1f} GiB)")
+        disk_bytes = int(cfg.kv_offloading_disk_size * GIB) if cfg.kv_offloading_disk_path else 0
+        num_host, num_disk, page_bytes = runner.enable_kv_offload(host_bytes, cfg.kv_offloading_disk_path, disk_bytes)
+        return cls(OffloadTiers(num_host, num_disk), runner, page_bytes, cfg.page_size)
+
+    def start_copies(self) -> KVTransfers:
+        """Runs the copies the last schedule asked for, before its step: spills and restores done,
+        saves started (`finish_copies` after the step). On an exception every block and pin of
+        them is given back, and it is raised again."""
+        transfers = self.tiers.take_transfers()
+        if not transfers:
+            return transfers
+        try:
+            self.runner.start_kv_transfers(transfers)
+        except Exception:
+            self.runner.drop_kv_saves()
+            self.tiers.transfers_failed(transfers)
+            raise
+        self.tiers.transfers_done(transfers)
+        return transfers
+
+    def finish_copies(self, transfers: KVTransfers) -> None:
+        """After the step: its saves land in host memory (a failure only loses them, logged)."""
+        if not transfers.saves:
+            return
+        try:
+            self.runner.land_kv_saves()
+        except Exception:
+            log.exception("KV offload: copying %d evicted pages to host memory failed; they are not kept",
+                          len(transfers.saves))
+            self.runner.drop_kv_saves()
+            self.tiers.transfers_failed(KVTransfers(saves=transfers.saves))
+            return
+        self.tiers.saves_landed(transfers)
+
+    def stats(self) -> dict[str, int]:
+        """EngineStats' kv_offload_* fields."""
+        host, disk, counts, ps = self.tiers.host, self.tiers.disk, self.tiers.counters, self.page_size
+        restored = counts.host_hit_pages + counts.disk_hit_pages
+        return dict(
+            kv_offload_host_pages_used=host.num_used, kv_offload_host_pages_total=host.num_blocks,
+            kv_offload_disk_pages_used=disk.num_used if disk else 0,
+            kv_offload_disk_pages_total=disk.num_blocks if disk else 0,
+            kv_offload_queried_tokens=counts.queried_pages * ps, kv_offload_host_hit_tokens=counts.host_hit_pages * ps,
+            kv_offload_disk_hit_tokens=counts.disk_hit_pages * ps, kv_offload_bytes_to_host=counts.saved_pages * self.page_bytes,
+            kv_offload_bytes_to_device=restored * self.page_bytes,
+            kv_offload_bytes_to_disk=counts.spilled_pages * self.page_bytes, kv_offload_dropped_pages=counts.dropped_pages)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 
@@ -202,3 +203,31 @@ class FinishedRequest:
         if self.ttft is None or len(self.token_ids) < 2:
             return None
         return (self.e2e - self.ttft) / (len(self.token_ids) - 1)
+
+
+def prompt_logprob_entries(rows, out: dict) -> list[TokenLogprob]:
+    """The step's prompt-logprob rows of one chunk (`rows`: its core.step.PromptLogprobRows) as TokenLogprobs (the target token, its logprob,
+    the top-k alternatives and its rank)."""
+    k = rows.num_logprobs
+    return [TokenLogprob(token_id, float(logprob), [(int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k])],
+                         int(rank))
+            for token_id, logprob, rank, top_ids, top_lps in zip(
+                rows.targets, out["logprobs"], out["ranks"], out["top_ids"], out["top_logprobs"])]
+
+
+def with_metrics(request, output: RequestOutput) -> RequestOutput:
+    """A finished delta with the phase times of `request` (a core.request.Request) (`RequestMetrics`); others as they are."""
+    if not output.finished:
+        return output
+    finished_time = request.finish_time if request.finish_time is not None else time.monotonic()
+    return dataclasses.replace(output, metrics=RequestMetrics(
+        request.arrival_time, request.first_scheduled_time, request.first_token_time, finished_time))
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """One delta for several tokens of a request in one step (a verification step)."""
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in d.new_logprobs or ()] if deltas[0].new_logprobs is not None else None
+    return dataclasses.replace(last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
+                               new_text="".join(d.new_text for d in deltas), new_logprobs=logprobs,
+                               prompt_logprobs=deltas[0].prompt_logprobs)

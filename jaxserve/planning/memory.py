@@ -395,9 +395,7 @@ def _checked_dtypes(model: ModelConfig, cfg: EngineConfig, device_memory_bytes: 
 
 
 def plan_memory(
-    model: ModelConfig,
-    cfg: EngineConfig,
-    *,
+    model: ModelConfig, cfg: EngineConfig, *,
     device_memory_bytes: int,
     measured_weights_bytes: int | None = None,
     max_num_pages: int | None = None,

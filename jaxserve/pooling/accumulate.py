@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.pooling.config import PoolerConfig
+
 
 class PooledPrompt:
     """The chunks of one prompt of `prompt_len` tokens, pooled as `pooling_type` (LAST, MEAN, CLS)."""
@@ -104,3 +106,15 @@ def cosine_scores(queries: np.ndarray, documents: np.ndarray) -> np.ndarray:
     d = np.asarray(documents, np.float64)
     norms = np.maximum(np.linalg.norm(q, axis=-1) * np.linalg.norm(d, axis=-1), 1e-12)
     return (np.sum(q * d, axis=-1) / norms).astype(np.float32)
+
+
+def engine_pooling(cfg, pooler: PoolerConfig | None) -> tuple:
+    """(pooler, PooledRequests, prefix caching) of an engine of EngineConfig `cfg`: with
+    --runner=pooling its pooler (default: last token, normalized) and the prompts it pools chunk by
+    chunk, where only LAST pooling may take cached prefix pages (the others pool every token's
+    row); else (None, None, as set)."""
+    if cfg.runner != "pooling":
+        return None, None, cfg.enable_prefix_caching
+    pooler = pooler or PoolerConfig("LAST", True)
+    return (pooler, PooledRequests(pooler.pooling_type),
+            cfg.enable_prefix_caching and pooler.pooling_type == "LAST")
