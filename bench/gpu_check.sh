@@ -9,10 +9,10 @@
 # run on the CPU. Its first step stops the check within seconds when jax sees no GPU ("no GPU found"
 # and jax's reason in the summary, exit 2). Before the call, on the CPU machine: `make gpu-executables`,
 # and carry bench/out/gpu_executables.
-# It writes 7 files under $OUT, none in a folder: summary.json (every step from the start, with its status,
+# It writes 8 files under $OUT, none in a folder: summary.json (every step from the start, with its status,
 # seconds, limit, checks, key figures and the step's whole JSON report; rewritten as each step starts
 # and ends and after every figure a step measures, so a call killed at any moment leaves what finished)
-# and one log per step that runs a program (kernel_tests, kernels, agreement, e2e, executables,
+# and one log per step that runs a program (kernel_tests, kernels, agreement, e2e, kv_offload, executables,
 # gpu_compile). A short table comes last. $PYTHON picks the interpreter (default: python3).
 # Exit status: 0 every step ok (the dry run: nothing failed), 1 a step failed or timed out, 2 no GPU
 # found (or jax did not start), 3 nothing failed but something was not compared.
@@ -53,7 +53,7 @@ SUMMARY="$OUT/summary.json"
 export GPU_CHECK_SUMMARY="$SUMMARY" GPU_CHECK_MODE="$MODE"  # every step's process asserts the GPU on the GPU run
 rm -f "$SUMMARY"
 # Every step, in the order it runs: name:limit on the GPU (s):limit in the dry run on a shared 2-core CPU (s).
-PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:120:480,executables:20:600,gpu_compile:20:400"
+PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:100:480,kv_offload:20:120,executables:20:600,gpu_compile:20:400"
 "$PY" bench/gpu_check_summary.py start "$SUMMARY" --mode="$MODE" --plan="$PLAN" || exit 2
 declare -A GPU_LIMIT LIMIT
 for item in ${PLAN//,/ }; do
@@ -138,7 +138,13 @@ else
   step e2e "$WORK/e2e.json" "$PY" bench/e2e_gpu.py --out "$WORK/e2e.json"
 fi
 
-# 5. executables compiled for an H200 on the CPU machine (`make gpu-executables` there, with this source and
+# 5. KV offload's copies against the host link (bench/kv_offload_bandwidth.py): restores (host -> device, 64
+#    and 256 pages of Llama-3-8B's 2 MiB) and saves (device -> host) through HostKVStore, GB/s and their ratio
+#    to jax.device_put / np.asarray of as many bytes; the restored pages checked against the saved bytes.
+step kv_offload "$WORK/kv_offload.json" "$PY" bench/kv_offload_bandwidth.py --out "$WORK/kv_offload.json" \
+  $([ "$DRY_RUN" = 1 ] && echo --small)
+
+# 6. executables compiled for an H200 on the CPU machine (`make gpu-executables` there, with this source and
 #    the lent machine's jax; carry bench/out/gpu_executables), loaded by a tiny engine and compared with one
 #    that compiles its own; skipped (never ok) without the folder. The dry run saves a folder for an H200
 #    (needs ptxas), which the CPU engine must refuse, and one by an engine here, loaded and compared.
@@ -154,7 +160,7 @@ else
     "$PY" "$WORK/executables" "$WORK/executables.json"
 fi
 
-# 6. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), its corner buckets
+# 7. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), its corner buckets
 #    under small engine limits (9 shapes) and ptxas's report of the kernels.
 if [ -z "$PTXAS_DIR" ]; then
   skip gpu_compile "$NO_PTXAS: the deviceless compile runs ptxas"

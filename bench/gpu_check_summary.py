@@ -215,6 +215,15 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
                                 for k, c in report.get("checks", {}).items()}}
     if name == "e2e":
         return e2e_figures(report)
+    if name == "kv_offload":
+        link, rows = report.get("host_link", {}), ("pages", "gb_per_s", "ratio_to_host_link")
+        pinned = link.get("pinned", {})
+        return {"machine": report.get("machine"), "page_bytes": report.get("page_bytes"),
+                "host_to_device_gb_per_s": link.get("host_to_device_gb_per_s"),
+                "device_to_host_gb_per_s": link.get("device_to_host_gb_per_s"),
+                "pinned": {k: pinned[k] for k in ("host_to_device_gb_per_s", "device_to_host_gb_per_s", "error",
+                                                  "reason") if k in pinned},
+                "restore": _rows(report, "restore", rows), "save": _rows(report, "save", rows)}
     if name == "executables":
         return {k: report.get(k) for k in ("status", "reason", "shapes_loaded", "startup_loaded_s",
                                             "startup_compiled_s")}
@@ -341,6 +350,12 @@ def figures_line(name: str, fig: dict, step: dict) -> str:
                 f"{fig.get('offline_output_tokens_per_s') or 0:.0f} tok/s, "
                 f"decode {fig.get('decode_step_ms') or 0:.2f} ms "
                 f"vs roofline {fig.get('roofline_ms') or 0:.2f} ms; serving tok/s {serving}")
+    if name == "kv_offload":
+        copies = "; ".join(f"{kind} " + " ".join(f"{r['pages']}p:{r['gb_per_s'] or 0:.1f}"
+                                                f"({_pct(r['ratio_to_host_link'])})" for r in fig.get(kind, []))
+                           for kind in ("restore", "save") if fig.get(kind))
+        return (f"link h2d {fig.get('host_to_device_gb_per_s') or 0:.1f} "
+                f"d2h {fig.get('device_to_host_gb_per_s') or 0:.1f} GB/s; GB/s (% of link) {copies}")
     if name == "gpu_compile":
         return "; ".join(f"{r['model']} {r['target']}: {(r['num_shapes'] or 0) - (r['num_failed'] or 0)}/"
                          f"{r['num_shapes']} shapes in {r['seconds']} s" for r in fig.get("runs", []))

@@ -40,7 +40,7 @@ from gpu_check_report import StepReport, compare_greedy  # noqa: E402
 LENT_JAX = "0.11.2"
 # The step limits of the real run: the whole check in 7 minutes, leaving a rerun inside the 15-minute budget.
 MAX_TOTAL_LIMIT_S = 420
-STEPS = ("machine", "kernel_tests", "kernels", "agreement", "e2e", "executables", "gpu_compile")
+STEPS = ("machine", "kernel_tests", "kernels", "agreement", "e2e", "kv_offload", "executables", "gpu_compile")
 # The checks the dry run cannot make, and why: the CPU keeps no device memory statistics; jax 0.11's
 # deviceless compile leaves no PTX of the Triton kernels for ptxas to report spills of; without torch
 # (the rehearsal environment has none, the lent machine has) there is no transformers reference.
@@ -268,7 +268,7 @@ def dry_run(tmp_path_factory):
     env = {**python3_only_env(tmp_path_factory.mktemp("bin")), "OUT": str(out)}
     start = time.perf_counter()
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=3000)  # the dry-run limits add up to 2600 s
+                            text=True, timeout=3000)  # the dry-run limits add up to 2720 s
     return result, out, time.perf_counter() - start
 
 
@@ -291,6 +291,8 @@ def test_dry_run_passes_every_step(dry_run):
     tail = result.stdout.strip().splitlines()[-len(STEPS) - 2:]  # the table comes last: a row per step, a total
     assert tail[0].split()[:2] == ["step", "status"] and [line.split()[0] for line in tail[1:]] == [*STEPS, "total"]
     assert "incomplete" in tail[-1] and "(dry-run)" in tail[-1]
+    kv_offload_row = tail[1 + STEPS.index("kv_offload")]
+    assert all(f in kv_offload_row for f in ("link h2d", "restore 4p:", "save 4p:", " 16p:")), kv_offload_row
 
 
 @rehearsal
@@ -336,6 +338,15 @@ def test_the_summary_holds_each_steps_figures(dry_run):
     assert e2e["num_step_shapes"] > 0 and e2e["startup_s"] > 0 and e2e["offline_output_tokens_per_s"] > 0
     assert e2e["decode_step_ms"] > 0 and e2e["roofline_ms"] > 0
     assert [s["concurrency"] for s in e2e["serving"]] == [1, 8, 32]
+    kv = steps["kv_offload"]["figures"]  # restores and saves through HostKVStore against the host link
+    assert kv["machine"] == f"cpu, jax {LENT_JAX} (cpu)" and kv["page_bytes"] == 2 * 2 * 4 * 2 * 16 * 2
+    assert kv["host_to_device_gb_per_s"] > 0 and kv["device_to_host_gb_per_s"] > 0
+    for kind in ("restore", "save"):
+        assert [r["pages"] for r in kv[kind]] == [4, 16]
+        assert all(r["gb_per_s"] > 0 and r["ratio_to_host_link"] > 0 for r in kv[kind]), kv[kind]
+    trip = steps["kv_offload"]["checks"]["round_trip"]
+    assert trip["status"] == "ok" and trip["saved_pages_equal"] == trip["restored_pages_equal"] == 16
+    assert steps["kv_offload"]["wall_s"] < 30  # CI runs the dry run: the step stays a few seconds
     saved = steps["executables"]["report"]
     assert saved["status"] == "loaded" and saved["shapes_loaded"] > 0
     assert saved["checks"]["greedy_vs_compiled"]["compared_positions"] > 0
