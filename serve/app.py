@@ -413,8 +413,10 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
             params = dataclasses.replace(params, logprobs=0)  # best_of ranks by the sampled tokens' logprobs
         sequences += [(prompt_ids, dataclasses.replace(params, seed=(params.seed + j) % _SEED_LIMIT)
                        if params.seed is not None and j else params) for j in range(req.best_of)]
-    echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids)
-              for p, (ids, _) in zip(req.prompts, prepared)] if req.echo else None
+    echoed = None  # each prompt's (text, token ids): for echo, and for return_token_ids (the ids alone)
+    if req.echo or req.return_token_ids:
+        echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids) if req.echo else ("", ids)
+                  for p, (ids, _) in zip(req.prompts or [None], prepared)]
     if isinstance(req, ResponsesRequest):
         shaper = ResponsesShaper(req, prepared[0][1], functools.partial(
             ToolCallParser.for_request, req.tools, state.tool_format, responses_call_ids(state.new_call_id)))
@@ -424,6 +426,7 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
                                 continuous_usage=req.continuous_usage,
                                 prompts=echoed, choices_per_prompt=req.n, echo=req.echo,
                                 want_prompt_logprobs=req.prompt_logprobs is not None,
+                                want_token_ids=req.return_token_ids,
                                 output_parser=choice_output_factory(req, tool_format=state.tool_format,
                                                                     new_call_id=state.new_call_id,
                                                                     reasoning=state.reasoning))

@@ -49,7 +49,7 @@ _UNSUPPORTED_COMMON = {
     "use_beam_search": is_false, "length_penalty": lambda v: v == 1 and not isinstance(v, bool),
     "spaces_between_special_tokens": lambda v: v is True, "truncate_prompt_tokens": only_null,
     "allowed_token_ids": only_null, "bad_words": is_empty, "priority": lambda v: v == 0 and v is not False,
-    "logits_processors": is_empty, "return_tokens_as_token_ids": is_false, "return_token_ids": is_false,
+    "logits_processors": is_empty, "return_tokens_as_token_ids": is_false,
     "prompt_embeds": only_null, "cache_salt": only_null, "kv_transfer_params": only_null,
     "vllm_xargs": only_null, "mm_processor_kwargs": is_empty, "request_id": only_null,
     "service_tier": lambda v: v in ("auto", "default"),
@@ -67,7 +67,7 @@ _SERVED_COMMON = {
     "model", "n", "best_of", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "logprobs", "logit_bias", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-    "add_special_tokens", "user", "metadata", "prompt_cache_key", "safety_identifier",
+    "add_special_tokens", "user", "metadata", "prompt_cache_key", "safety_identifier", "return_token_ids",
     # structured output, tools, echo and prompt logprobs (their own code paths)
     "echo", "prompt_logprobs", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
@@ -138,6 +138,7 @@ class GenerationRequest:
     tools: ToolsRequest | None = None  # chat: tools and tool_choice
     chat_template_kwargs: dict[str, Any] | None = None  # chat: extra variables for the template (enable_thinking)
     include_reasoning: bool = True  # chat, with a reasoning parser: false leaves the reasoning out
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
 
     @property
     def num_prompts(self) -> int:
@@ -375,6 +376,7 @@ def _build(fields: _Fields, served_models: str | tuple[str, ...], *, is_chat: bo
         best_of=best_of,
         add_special_tokens=fields.boolean("add_special_tokens", default=not is_chat),
         add_generation_prompt=fields.boolean("add_generation_prompt", default=True),
+        return_token_ids=fields.boolean("return_token_ids"),
     )
 
 

@@ -39,6 +39,7 @@ class ChoiceState:
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -53,6 +54,7 @@ class ChoiceState:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         self.text_parts.append(output.new_text)
+        self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs or [])
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
@@ -160,13 +162,15 @@ class ResponseShaper:
                  include_usage: bool = False, prompts: list[tuple[str, list[int]]] | None = None,
                  choices_per_prompt: int = 1, echo: bool = False, want_prompt_logprobs: bool = False,
                  output_parser: Callable[[], ChoiceOutput | None] | None = None,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, want_token_ids: bool = False) -> None:
         """`prompts`: (text, token ids) of each prompt, choice i's being prompt i //
         `choices_per_prompt`; `echo` puts a completion's prompt (and its logprobs) before its
         text; `want_prompt_logprobs` adds vLLM's prompt_logprobs; `output_parser()` gives each chat
         choice its parser of reasoning and tool calls (serve/chat_output.py; None: plain content);
         `continuous_usage` puts each choice's usage so far in each of its chunks (vLLM's
-        continuous_usage_stats)."""
+        continuous_usage_stats); `want_token_ids` adds vLLM's return_token_ids fields: each
+        choice's (or chunk's) generated `token_ids`, and the `prompt_token_ids` (a completion
+        choice's; a chat response's own), in the first chunk when streaming."""
         self.is_chat = is_chat
         self.model = model
         self.token_text = token_text
@@ -180,6 +184,7 @@ class ResponseShaper:
         self.choices_per_prompt = choices_per_prompt
         self.echo = echo and not is_chat
         self.want_prompt_logprobs = want_prompt_logprobs
+        self.want_token_ids = want_token_ids
         self.output_parser = output_parser or (lambda: None)
         self._output_parsers: dict[int, ChoiceOutput | None] = {}  # streaming: per choice
         self._started: set[int] = set()  # streaming: choices whose first chunk was built
@@ -198,6 +203,10 @@ class ResponseShaper:
                                                  completion_logprobs(choice.logprobs, self.token_text, len(text)))
         if self.want_prompt_logprobs and not self.is_chat:
             item["prompt_logprobs"] = prompt_logprobs_field(choice.prompt_logprobs, self.token_text)
+        if self.want_token_ids:
+            item["token_ids"] = list(choice.token_ids)
+            if not self.is_chat:
+                item["prompt_token_ids"] = list(prompt_ids)
         parser = self.output_parser() if self.is_chat else None
         if parser is not None:
             fields, item["finish_reason"] = parser.parse(choice.text, choice.finish_reason)
@@ -252,6 +261,8 @@ class ResponseShaper:
         response = self._envelope("chat.completion" if self.is_chat else "text_completion", shaped)
         if self.want_prompt_logprobs and self.is_chat and choices:  # vLLM: chat's is the response's
             response["prompt_logprobs"] = prompt_logprobs_field(choices[0].prompt_logprobs, self.token_text)
+        if self.want_token_ids and self.is_chat:  # vLLM: chat's prompt ids are the response's
+            response["prompt_token_ids"] = list(self._prompt(0)[1])
         response["usage"] = usage if usage is not None else total_usage(choices)
         return response
 
@@ -262,12 +273,22 @@ class ResponseShaper:
         return chunk
 
     def role_chunk(self, index: int) -> dict[str, Any]:
-        """The first chat chunk of a choice: the assistant role and no content."""
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        """The first chat chunk of a choice: the assistant role and no content (with
+        return_token_ids, the prompt's token ids)."""
+        chunk = self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+        if self.want_token_ids:
+            chunk["choices"][0]["token_ids"] = []
+            chunk["prompt_token_ids"] = list(self._prompt(index)[1])
+        return chunk
 
     def delta_chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
+        first = index not in self._started
         chunk = self._delta_chunk(index, output)
+        if self.want_token_ids:
+            chunk["choices"][0]["token_ids"] = list(output.new_token_ids)
+            if first and not self.is_chat:
+                chunk["choices"][0]["prompt_token_ids"] = list(self._prompt(index)[1])
         if self.continuous_usage:
             chunk["usage"] = usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
         return chunk

@@ -359,8 +359,9 @@ def test_no_token_ids_and_no_tokenize_is_exit_2(fake_vllm, capsys):
 
 
 def test_against_jaxserves_own_server(tmp_path):
-    """jaxserve's HTTP server on the tests' FakeEngine: its real refusal of return_token_ids, its
-    /tokenize, and the prompts the engine got, each later one repeating the tokens it generated."""
+    """jaxserve's HTTP server on the tests' FakeEngine: the token ids it returns (vLLM's
+    return_token_ids) make each history, and the prompts the engine got repeat, each later one,
+    the tokens it generated."""
     from serve.app import ServerConfig  # the server's modules load in seconds: only this test needs them
     from tests.test_server import FakeEngine, LiveServer, fake_token_ids  # the same reason
     server = LiveServer(FakeEngine(token_delay_s=0.001), ServerConfig(drain_timeout_s=5.0))
@@ -370,8 +371,7 @@ def test_against_jaxserves_own_server(tmp_path):
                      f"--result_json={out}") == 0
         result = json.loads(out.read_text())
         assert (result["completed"], result["failed"], result["model_id"]) == (9, 0, "fake-model")
-        assert result["multiturn_history_source"] == {"server_tokenize": 6}
-        assert result["multiturn_retokenized_length_mismatches"] == 0
+        assert result["multiturn_history_source"] == {"token_ids": 6}
         assert all(p.ignore_eos and p.max_tokens == 4 for p in server.engine.params)
         conversations = multiturn_conversations(3, 3, 12, 5, 4, seed=11, vocab_size=258)
         expected = expected_prompts(conversations, lambda prompt, count: fake_token_ids(prompt, count, None))

@@ -383,7 +383,7 @@ def test_stream_chunks():
 NOT_NEUTRAL = {
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 5, "allowed_token_ids": [1], "bad_words": ["x"], "priority": 1,
-    "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "logits_processors": ["x"], "return_tokens_as_token_ids": True,
     "prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1}, "request_id": "mine", "service_tier": "flex", "function_call": "auto",
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},

@@ -362,6 +362,45 @@ def test_completion_stream_with_usage(server):
 
 
 @pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompt_and_each_choices_ids_as_vllm_does(server, chat, stream):
+    """vLLM's return_token_ids: each choice's generated ids (streamed: each chunk's), and the
+    prompt's ids (a completion choice's; a chat response's own, in the first chunk when streamed)."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "max_tokens": 5, "n": 2, "seed": 3, "return_token_ids": True, "stream": stream,
+            **({"messages": messages} if chat else {"prompt": "Hello"})}
+    prompt_ids = chat_prompt_ids(messages) if chat else encode("Hello")
+    expected = [fake_token_ids(prompt_ids, 5, 3 + j) for j in range(2)]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not stream:
+        status, _, data = server.request("POST", path, body)
+        assert status == 200, data
+        assert [c["token_ids"] for c in data["choices"]] == expected
+        if chat:
+            assert data["prompt_token_ids"] == prompt_ids
+        else:
+            assert [c["prompt_token_ids"] for c in data["choices"]] == [prompt_ids, prompt_ids]
+        return
+    conn, response = server.open_stream(path, body)
+    chunks = [json.loads(e) for e in read_events(response) if e != "[DONE]"]
+    conn.close()
+    for j in range(2):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == j]
+        assert [t for c in mine for t in c["choices"][0]["token_ids"]] == expected[j]
+        first = mine[0] if chat else mine[0]["choices"][0]
+        assert first["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in c and "prompt_token_ids" not in c["choices"][0] for c in mine[1:])
+
+
+def test_without_return_token_ids_no_ids_are_sent(server):
+    status, _, data = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert status == 200 and "token_ids" not in data["choices"][0] and "prompt_token_ids" not in data["choices"][0]
+    status, _, data = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello",
+                                                                 "return_token_ids": "yes"})
+    assert status == 400 and data["error"]["param"] == "return_token_ids"
+
+
+@pytest.mark.parametrize("chat", [False, True])
 def test_stream_with_continuous_usage_stats_as_guidellm_sends_it(server, chat):
     """vLLM's stream_options.continuous_usage_stats: every content chunk carries the choice's usage
     so far; the last chunk the whole response's."""

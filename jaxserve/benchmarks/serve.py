@@ -337,9 +337,8 @@ async def _send_multiturn(fv: flags.FlagValues, target: Target, settings: Settin
     prompt starts with exactly the tokens whose KV the server computed (its prefix cache, or the
     host copy of evicted pages, can serve all of them). Token-id prompts go to the completions
     endpoint, and the ids come back where the server sends them: vLLM's `return_token_ids`
-    (runner.TurnSender asks for it). jaxserve's server refuses that field (it returns text and
-    logprobs whose tokens are text, not ids), so there the reply's text is tokenized again, by the
-    local tokenizer or the server's /tokenize, with special tokens kept in the text
+    (runner.TurnSender asks for it; jaxserve's server sends them). A server that refuses that field
+    gets the reply's text tokenized again, by the local tokenizer or the server's /tokenize, with special tokens kept in the text
     (runner.ReplyTokens); `multiturn_history_source` counts which way each reply came, and
     `multiturn_retokenized_length_mismatches` the replies whose tokens again differ in number
     from those the server generated (their history then departs from the server's tokens)."""
