@@ -219,3 +219,17 @@ def wait_for(condition, timeout_s=20.0):
             return False
         time.sleep(0.05)
     return True
+
+
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_the_planner_counts_the_tiers_pages_as_the_engine_makes_them(params, cache, tmp_path):
+    from jaxserve.planning import memory
+
+    cfg = EngineConfig(page_size=8, num_pages=30, max_model_len=256, kv_cache_dtype=cache, warmup=False,
+                       kv_offloading_size=0.003, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=0.002)
+    plan = memory.plan_engine(TINY, cfg, device_memory_bytes=8 << 30, on_gpu=False)
+    engine = make_engine(params, num_pages=30, kv_cache_dtype=cache, kv_offloading_size=0.003,
+                         kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=0.002)
+    assert plan.kv_offload_host_pages == engine.offload.tiers.host.num_blocks > 0
+    assert plan.kv_offload_disk_pages == engine.offload.tiers.disk.num_blocks > 0
+    assert plan.kv_offload_host_bytes == int(0.003 * 2**30)
