@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call to the lent machine (one H200; ../shared/GPU.md), within
-# 7 minutes (the step limits add up to 420 s), most valuable first. Run from the tree, on the GPU machine:
+# 8 minutes (the step limits add up to 460 s), most valuable first. Run from the tree, on the GPU machine:
 #   OUT=$OUT bash bench/gpu_check.sh                    # default OUT: bench/out/gpu
 #   OUT=$OUT bash bench/gpu_check.sh --only=kernels,e2e # a rerun of some steps (the machine step always runs)
 # and to rehearse it on a CPU, every step at small sizes (tests/test_gpu_check.py, in .venv-gpu-rehearsal):
@@ -13,7 +13,8 @@
 # seconds, limit, checks, key figures and the step's whole JSON report; rewritten as each step starts
 # and ends and after every figure a step measures, so a call killed at any moment leaves what finished)
 # and one log per step that runs a program (kernel_tests, kernels, agreement, e2e, kv_offload, executables,
-# gpu_compile). A short table comes last. $PYTHON picks the interpreter (default: python3).
+# gpu_compile; at most 8 files come back, so lora_pooling's log comes back inside summary.json, as the step's
+# log_text). A short table comes last. $PYTHON picks the interpreter (default: python3).
 # Exit status: 0 every step ok (the dry run: nothing failed), 1 a step failed or timed out, 2 no GPU
 # found (or jax did not start), 3 nothing failed but something was not compared.
 set -uo pipefail
@@ -53,7 +54,9 @@ SUMMARY="$OUT/summary.json"
 export GPU_CHECK_SUMMARY="$SUMMARY" GPU_CHECK_MODE="$MODE"  # every step's process asserts the GPU on the GPU run
 rm -f "$SUMMARY"
 # Every step, in the order it runs: name:limit on the GPU (s):limit in the dry run on a shared 2-core CPU (s).
-PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:100:480,kv_offload:20:120,executables:20:600,gpu_compile:20:400"
+PLAN="machine:20:120,kernel_tests:110:300,kernels:60:300,agreement:70:400,e2e:100:480,kv_offload:20:120,lora_pooling:40:240,executables:20:600,gpu_compile:20:400"
+# The steps whose log comes back inside summary.json (the step's log_text), not as a file of its own.
+LOG_IN_SUMMARY=" lora_pooling "
 "$PY" bench/gpu_check_summary.py start "$SUMMARY" --mode="$MODE" --plan="$PLAN" || exit 2
 declare -A GPU_LIMIT LIMIT
 for item in ${PLAN//,/ }; do
@@ -74,15 +77,17 @@ skip() {  # skip NAME REASON [not_run]
 }
 
 # step NAME REPORT|- COMMAND...: runs COMMAND under the step's limit, its output in $OUT/NAME.log (the
-# machine step's in $WORK), then folds its exit status, seconds, log and REPORT into summary.json.
+# machine step's in $WORK; those of $LOG_IN_SUMMARY in $WORK and then in summary.json), then folds its exit
+# status, seconds, log and REPORT into summary.json.
 step() {
   local name="$1" report="$2"; shift 2
   if [ -n "$ONLY" ] && [ "$name" != machine ] && [[ "$ONLY" != *",$name,"* ]]; then
     skip "$name" "not asked for (--only=${ONLY:1:-1})" not_run
     return
   fi
-  local log="$OUT/$name.log" start rc
+  local log="$OUT/$name.log" start rc in_summary=""
   [ "$name" = machine ] && log="$WORK/machine.log"
+  [[ "$LOG_IN_SUMMARY" == *" $name "* ]] && log="$WORK/$name.log" in_summary=--log-in-summary
   echo "== $name (limit ${LIMIT[$name]} s)"
   "$PY" bench/gpu_check_summary.py begin "$SUMMARY" "$name"
   start=$EPOCHREALTIME
@@ -90,7 +95,7 @@ step() {
   rc=$?
   "$PY" bench/gpu_check_summary.py add "$SUMMARY" --name="$name" --rc="$rc" --timeout="${LIMIT[$name]}" \
     --gpu-limit="${GPU_LIMIT[$name]}" --start="$start" --end="$EPOCHREALTIME" \
-    $([ "$name" = machine ] || echo --log="$log") $([ "$report" = - ] || echo --report="$report")
+    $([ "$name" = machine ] || echo --log="$log") $in_summary $([ "$report" = - ] || echo --report="$report")
   tail -n 4 "$log"
 }
 
@@ -144,7 +149,14 @@ fi
 step kv_offload "$WORK/kv_offload.json" "$PY" bench/kv_offload_bandwidth.py --out "$WORK/kv_offload.json" \
   $([ "$DRY_RUN" = 1 ] && echo --small)
 
-# 6. executables compiled for an H200 on the CPU machine (`make gpu-executables` there, with this source and
+# 6. multi-LoRA and embeddings (bench/lora_pooling_gpu.py; issues 50 and 51): on a random-weight Llama-3-8B-shaped
+#    model the decode step of 32 rows with 4 adapters of rank 16 against the base step (Triton and Mosaic
+#    kernels), and an adapter loaded at run time to its first token; on a SmolLM2-shaped one, 256 inputs of 64
+#    tokens embedded by the pooling engine against transformers (torch) in the same process.
+step lora_pooling "$WORK/lora_pooling.json" "$PY" bench/lora_pooling_gpu.py --out "$WORK/lora_pooling.json" \
+  $([ "$DRY_RUN" = 1 ] && echo --small)
+
+# 7. executables compiled for an H200 on the CPU machine (`make gpu-executables` there, with this source and
 #    the lent machine's jax; carry bench/out/gpu_executables), loaded by a tiny engine and compared with one
 #    that compiles its own; skipped (never ok) without the folder. The dry run saves a folder for an H200
 #    (needs ptxas), which the CPU engine must refuse, and one by an engine here, loaded and compared.
@@ -160,7 +172,7 @@ else
     "$PY" "$WORK/executables" "$WORK/executables.json"
 fi
 
-# 7. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), its corner buckets
+# 8. the same GPU build compiled deviceless for an H200 (as CI does on the CPU machine), its corner buckets
 #    under small engine limits (9 shapes) and ptxas's report of the kernels.
 if [ -z "$PTXAS_DIR" ]; then
   skip gpu_compile "$NO_PTXAS: the deviceless compile runs ptxas"

@@ -3,13 +3,15 @@
     python3 bench/gpu_check_summary.py start SUMMARY --mode=gpu --plan=machine:20:120,kernel_tests:110:400,...
     python3 bench/gpu_check_summary.py begin SUMMARY NAME                # the step is running
     python3 bench/gpu_check_summary.py add SUMMARY --name=NAME --rc=RC --start=T --end=T --timeout=S \
-        --gpu-limit=S [--log=LOG] [--report=J]
+        --gpu-limit=S [--log=LOG [--log-in-summary]] [--report=J]
     python3 bench/gpu_check_summary.py skip SUMMARY NAME --reason=WHY [--status=not_run]
     python3 bench/gpu_check_summary.py status SUMMARY NAME               # a step's status
     python3 bench/gpu_check_summary.py table SUMMARY                     # the short table printed last
 
 The summary: {"check", "mode", "started", "result", "ok", "steps": [{"name", "status", "rc", "wall_s",
-"timeout_s", "gpu_limit_s", "timed_out", "log", "reason", "checks", "figures", "report"}]}. Every planned
+"timeout_s", "gpu_limit_s", "timed_out", "log", "log_text", "reason", "checks", "figures", "report"}]}: "log" names
+the step's log file among those that come back, or with --log-in-summary (at most 8 files come back) the
+log's text is "log_text" (at most MAX_SUMMARY_LOG_BYTES, its head and tail). Every planned
 step is listed from the start ("pending"); a step is "running" from its start, with what its script has
 measured so far (bench/gpu_check_report.py calls `running` after each figure), so that a call killed at
 any moment leaves every finished step and the figures of the one it was in. A finished step is "ok"
@@ -29,6 +31,7 @@ import sys
 import time
 
 MAX_LOG_BYTES = 4 << 20  # a log longer than this keeps its head and tail (16 MiB come back per file)
+MAX_SUMMARY_LOG_BYTES = 256 << 10  # the same for a log kept in the summary (--log-in-summary)
 FINISHED = ("ok", "unknown", "failed", "timed_out", "skipped", "not_run")
 BAD_CHECKS = ("differ", "failed")
 
@@ -224,6 +227,8 @@ def figures(name: str, report: dict | None, log_text: str) -> dict:
                 "pinned": {k: pinned[k] for k in ("host_to_device_gb_per_s", "device_to_host_gb_per_s", "error",
                                                   "reason") if k in pinned},
                 "restore": _rows(report, "restore", rows), "save": _rows(report, "save", rows)}
+    if name == "lora_pooling":
+        return lora_pooling_figures(report)
     if name == "executables":
         return {k: report.get(k) for k in ("status", "reason", "shapes_loaded", "startup_loaded_s",
                                             "startup_compiled_s")}
@@ -250,6 +255,21 @@ def e2e_figures(report: dict) -> dict:
             "memory": report.get("memory")}
 
 
+def lora_pooling_figures(report: dict) -> dict:
+    embed, load = report.get("embeddings", {}), report.get("lora_load_summary", {})
+    return {"machine": report.get("machine"), "targets": report.get("targets"),
+            "lora_decode": _rows(report, "lora_decode", ("family", "backend", "base_ms", "lora_ms", "lora_over_base",
+                                                         "lora_base_rows_over_base", "within_target")),
+            "embeddings": {k: embed.get(k) for k in ("inputs", "input_tokens", "jaxserve_s", "tokens_per_s",
+                                                     "roofline_s", "fraction_of_roofline", "transformers_s",
+                                                     "over_transformers", "lowest_cosine", "within_target")},
+            "lora_load": {"load_s": load.get("load_s", {}).get("median"),
+                          "first_token_s": load.get("first_token_s", {}).get("median"),
+                          "first_token_max_s": load.get("first_token_s", {}).get("max"),
+                          "base_first_token_s": load.get("base_first_token_s", {}).get("median"),
+                          "repeats": len(report.get("lora_load", [])), "within_target": load.get("within_target")}}
+
+
 def safe_figures(name: str, report: dict | None, log_text: str) -> dict:
     try:
         return figures(name, report, log_text)
@@ -257,12 +277,12 @@ def safe_figures(name: str, report: dict | None, log_text: str) -> dict:
         return {"error": f"figures: {type(e).__name__}: {e}"}
 
 
-def trim_log(path: str) -> None:
-    if os.path.getsize(path) <= MAX_LOG_BYTES:
+def trim_log(path: str, limit: int = MAX_LOG_BYTES) -> None:
+    if os.path.getsize(path) <= limit:
         return
     with open(path, "rb") as f:
         data = f.read()
-    half = MAX_LOG_BYTES // 2
+    half = limit // 2
     with open(path, "wb") as f:
         f.write(data[:half] + b"\n[... %d bytes cut by gpu_check_summary.py ...]\n" % (len(data) - 2 * half)
                 + data[-half:])
@@ -283,7 +303,7 @@ def add(args) -> int:
     summary = load(args.summary)
     log_text = ""
     if args.log and os.path.exists(args.log):
-        trim_log(args.log)
+        trim_log(args.log, MAX_SUMMARY_LOG_BYTES if args.log_in_summary else MAX_LOG_BYTES)
         with open(args.log, errors="replace") as f:
             log_text = f.read()
     report, error = read_report(args.report)
@@ -291,7 +311,9 @@ def add(args) -> int:
     step.pop("started_at", None)
     step.update(rc=args.rc, wall_s=round(args.end - args.start, 1), timeout_s=args.timeout,
                 gpu_limit_s=args.gpu_limit, timed_out=args.rc in (124, 137),
-                log=os.path.basename(args.log) if args.log else None)
+                log=os.path.basename(args.log) if args.log and not args.log_in_summary else None)
+    if args.log_in_summary:
+        step["log_text"] = log_text
     step["figures"] = safe_figures(args.name, report, log_text)
     checks = dict((report or {}).get("checks", {}))
     if args.name == "kernel_tests":
@@ -356,6 +378,14 @@ def figures_line(name: str, fig: dict, step: dict) -> str:
                            for kind in ("restore", "save") if fig.get(kind))
         return (f"link h2d {fig.get('host_to_device_gb_per_s') or 0:.1f} "
                 f"d2h {fig.get('device_to_host_gb_per_s') or 0:.1f} GB/s; GB/s (% of link) {copies}")
+    if name == "lora_pooling":
+        decode = " ".join(f"{r['family']} {r['lora_over_base'] or 0:.2f}x" for r in fig.get("lora_decode", []))
+        embed, load = fig.get("embeddings", {}), fig.get("lora_load", {})
+        theirs = f", {embed['over_transformers']:.2f}x transformers" if embed.get("over_transformers") else ""
+        return (f"lora/base {decode or '?'}; embed {embed.get('tokens_per_s') or 0:.0f} tok/s "
+                f"({_pct(embed.get('fraction_of_roofline'))} of roofline){theirs}; "
+                f"load to 1st token {load.get('first_token_s') or 0:.3f} s "
+                f"(max {load.get('first_token_max_s') or 0:.3f})")
     if name == "gpu_compile":
         return "; ".join(f"{r['model']} {r['target']}: {(r['num_shapes'] or 0) - (r['num_failed'] or 0)}/"
                          f"{r['num_shapes']} shapes in {r['seconds']} s" for r in fig.get("runs", []))
@@ -411,6 +441,8 @@ def main(argv=None) -> int:
     adding.add_argument("--timeout", type=int, required=True)
     adding.add_argument("--gpu-limit", type=int, required=True, help="the step's limit on the GPU")
     adding.add_argument("--log")
+    adding.add_argument("--log-in-summary", action="store_true",
+                        help="keep the log's text in the summary (log_text): its file does not come back")
     adding.add_argument("--report")
     skipping = sub.add_parser("skip")
     skipping.add_argument("summary")

@@ -11,7 +11,8 @@ with the CUDA 13 plugin, not gguf or llguidance, the project installed with --no
 install-gpu-rehearsal`), with only `python3` on PATH: the dry run (bench/gpu_check.sh --dry-run,
 every step on the CPU at small sizes, caches empty) passes, its summary lists every step with its
 status and seconds, what comes back fits the lent machine's limits (at most 8 files, at most two
-folders down, 16 MiB each), and a dry run killed in the middle of a step has left what finished.
+folders down, 16 MiB each: the `lora_pooling` step's log comes back inside summary.json), and a dry
+run killed in the middle of a step has left what finished.
 `make test` runs this file there (`make test-gpu-rehearsal`; the dry run takes about 10 minutes on
 the 2-core machine).
 """
@@ -38,15 +39,18 @@ import gpu_check_summary as summary_lib  # noqa: E402
 from gpu_check_report import StepReport, compare_greedy  # noqa: E402
 
 LENT_JAX = "0.11.2"
-# The step limits of the real run: the whole check in 7 minutes, leaving a rerun inside the 15-minute budget.
-MAX_TOTAL_LIMIT_S = 420
-STEPS = ("machine", "kernel_tests", "kernels", "agreement", "e2e", "kv_offload", "executables", "gpu_compile")
+# The step limits of the real run: the whole check in under 8 minutes, leaving a rerun inside the 15-minute budget.
+MAX_TOTAL_LIMIT_S = 460
+STEPS = ("machine", "kernel_tests", "kernels", "agreement", "e2e", "kv_offload", "lora_pooling", "executables",
+         "gpu_compile")
+LOG_IN_SUMMARY = ("lora_pooling",)  # at most 8 files come back: this step's log comes back inside summary.json
 # The checks the dry run cannot make, and why: the CPU keeps no device memory statistics; jax 0.11's
 # deviceless compile leaves no PTX of the Triton kernels for ptxas to report spills of; without torch
 # (the rehearsal environment has none, the lent machine has) there is no transformers reference.
 UNKNOWN_IN_THE_DRY_RUN = {"e2e": {"plan_covers_peak"}, "gpu_compile": {"no_spills"}}
 if importlib.util.find_spec("torch") is None:
     UNKNOWN_IN_THE_DRY_RUN["agreement"] = {"xla_vs_transformers", "triton_vs_transformers", "mosaic_vs_transformers"}
+    UNKNOWN_IN_THE_DRY_RUN["lora_pooling"] = {"embeddings_vs_transformers"}
 
 
 def rehearsal_environment() -> str | None:
@@ -166,6 +170,19 @@ def test_spills_that_ptxas_did_not_report_are_unknown():
     assert summary_lib.gpu_compile_checks({"runs": []})["shapes_compiled"]["status"] == "unknown"
 
 
+def test_a_lora_pooling_step_that_measured_nothing_is_not_ok():
+    """bench/lora_pooling_gpu.py's report with no figure: its every_figure check is unknown, so the
+    step is, and the summary's figures and table line still read it."""
+    import lora_pooling_gpu
+
+    report = {"checks": {"every_figure": lora_pooling_gpu.every_figure({"checks": {}}, {"triton": "pallas"})}}
+    assert report["checks"]["every_figure"]["status"] == "unknown"
+    assert summary_lib.step_status(0, report["checks"], report) == "unknown"
+    figures = summary_lib.figures("lora_pooling", report, "")
+    assert figures["lora_decode"] == [] and figures["lora_load"]["first_token_s"] is None
+    assert "lora/base ?" in summary_lib.figures_line("lora_pooling", figures, {})
+
+
 def test_greedy_tokens_are_compared_up_to_the_references_first_near_tie():
     reference, wide, tie_at_2 = [[5, 6, 7, 8]], [[1.0, 1.0, 1.0, 1.0]], [[1.0, 1.0, 0.01, 1.0]]
     same = compare_greedy([[5, 6, 7, 8]], reference, wide)
@@ -268,7 +285,7 @@ def dry_run(tmp_path_factory):
     env = {**python3_only_env(tmp_path_factory.mktemp("bin")), "OUT": str(out)}
     start = time.perf_counter()
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=3000)  # the dry-run limits add up to 2720 s
+                            text=True, timeout=3300)  # the dry-run limits add up to 2960 s
     return result, out, time.perf_counter() - start
 
 
@@ -293,6 +310,9 @@ def test_dry_run_passes_every_step(dry_run):
     assert "incomplete" in tail[-1] and "(dry-run)" in tail[-1]
     kv_offload_row = tail[1 + STEPS.index("kv_offload")]
     assert all(f in kv_offload_row for f in ("link h2d", "restore 4p:", "save 4p:", " 16p:")), kv_offload_row
+    lora_pooling_row = tail[1 + STEPS.index("lora_pooling")]
+    assert all(f in lora_pooling_row for f in ("lora/base triton ", " mosaic ", "tok/s", "of roofline",
+                                               "load to 1st token")), lora_pooling_row
 
 
 @rehearsal
@@ -304,7 +324,10 @@ def test_what_comes_back_fits_the_lent_machine(dry_run):
         assert os.path.relpath(path, out).count(os.sep) <= 2, path
         assert os.path.getsize(path) <= 16 << 20, path
     assert sorted(os.path.basename(p) for p in files) == sorted(
-        ["summary.json"] + [f"{s}.log" for s in STEPS if s != "machine"])
+        ["summary.json"] + [f"{s}.log" for s in STEPS if s != "machine" and s not in LOG_IN_SUMMARY])
+    steps = {s["name"]: s for s in read_summary(out)["steps"]}
+    for name in LOG_IN_SUMMARY:  # its log inside the summary instead
+        assert steps[name]["log"] is None and "every_figure: ok" in steps[name]["log_text"], steps[name]
 
 
 @rehearsal
@@ -347,6 +370,19 @@ def test_the_summary_holds_each_steps_figures(dry_run):
     trip = steps["kv_offload"]["checks"]["round_trip"]
     assert trip["status"] == "ok" and trip["saved_pages_equal"] == trip["restored_pages_equal"] == 16
     assert steps["kv_offload"]["wall_s"] < 30  # CI runs the dry run: the step stays a few seconds
+    lp = steps["lora_pooling"]["figures"]  # multi-LoRA's decode step and load, embeddings (issues 50 and 51)
+    assert lp["machine"] == f"cpu, jax {LENT_JAX} (cpu)"
+    assert [(r["family"], r["backend"]) for r in lp["lora_decode"]] == [("triton", "interpret"),
+                                                                         ("mosaic", "mosaic_interpret")]
+    for row in lp["lora_decode"]:
+        assert row["base_ms"] > 0 and row["lora_ms"] > 0 and row["lora_over_base"] > 0, row
+    lp_checks = steps["lora_pooling"]["checks"]
+    assert all(lp_checks[f"adapters_applied/{f}"]["status"] == "ok" for f in ("triton", "mosaic")), lp_checks
+    embed = lp["embeddings"]
+    assert embed["jaxserve_s"] > 0 and embed["tokens_per_s"] > 0 and embed["fraction_of_roofline"] > 0
+    assert lp["lora_load"]["repeats"] == 3 and lp["lora_load"]["first_token_s"] > 0 and lp["lora_load"]["load_s"] > 0
+    assert lp_checks["lora_load"]["status"] == lp_checks["every_figure"]["status"] == "ok"
+    assert steps["lora_pooling"]["wall_s"] < 90  # CI runs the dry run: about 20 s here
     saved = steps["executables"]["report"]
     assert saved["status"] == "loaded" and saved["shapes_loaded"] > 0
     assert saved["checks"]["greedy_vs_compiled"]["compared_positions"] > 0
