@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                 runs[name] = {"start_seconds": server.start_seconds, "server_counters": scrape(server.url),
                               "ttft_by_turn_ms": result["ttft_by_turn_ms"],
                               "mean_ttft_later_turns_ms": result["mean_ttft_later_turns_ms"],
-                              "completed": result.get("completed"), "history_source": result.get("multiturn_history_source")}
+                              "completed": result.get("completed"),
+                              "history_source": result.get("multiturn_history_source")}
     ratio = runs["offload"]["mean_ttft_later_turns_ms"] / runs["none"]["mean_ttft_later_turns_ms"]
     rows = [{"turn": none["turn"], "none": none["mean_ttft_ms"], "offload": off["mean_ttft_ms"],
              "ratio": off["mean_ttft_ms"] / none["mean_ttft_ms"], "none_p99": none["p99_ttft_ms"],
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     print(f"mean TTFT of turns 2..{args.turns}: none {runs['none']['mean_ttft_later_turns_ms']:.1f} ms, offload "
           f"{runs['offload']['mean_ttft_later_turns_ms']:.1f} ms, ratio {ratio:.2f}")
     for name in runs:
-        print(f"{name}: {json.dumps(runs[name]['server_counters'])}; server ready in {runs[name]['start_seconds']:.1f} s")
+        print(f"{name}: {json.dumps(runs[name]['server_counters'])}; "
+              f"server ready in {runs[name]['start_seconds']:.1f} s")
     machine = common.machine_info()
     print(common.machine_line(machine))
     common.write_json(args.out, {"machine": machine, "args": vars(args), "runs": runs, "by_turn": rows,

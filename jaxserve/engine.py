@@ -237,7 +237,8 @@ class Engine:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             warmup_shapes_compiled=warmup.compiled if warmup else 0, warmup_shapes_total=warmup.total if warmup else 0,
             lora_running=_adapters(self.scheduler.running), lora_waiting=_adapters(self.scheduler.waiting),
-            max_lora=self.config.max_loras if self.loras is not None else 0, **(self.offload.stats() if self.offload else {}))
+            max_lora=self.config.max_loras if self.loras is not None else 0,
+            **(self.offload.stats() if self.offload else {}))
 
     def warmup_status(self) -> dict | None:
         """The warm-up's progress ({"ready", "compiled", "total", "error"}: ModelRunner.warmup_state),

@@ -103,8 +103,9 @@ class _EngineStatsCollector:
         or direction its hits, pages and bytes moved."""
         yield counter("jaxserve_external_prefix_cache_queries", "KV offload: prompt tokens looked up in the host "
                       "and disk tiers (past the device's prefix cache hits).", s.kv_offload_queried_tokens)
+        restored = s.kv_offload_host_hit_tokens + s.kv_offload_disk_hit_tokens
         yield counter("jaxserve_external_prefix_cache_hits", "KV offload: prompt tokens restored from the host "
-                      "and disk tiers instead of computed.", s.kv_offload_host_hit_tokens + s.kv_offload_disk_hit_tokens)
+                      "and disk tiers instead of computed.", restored)
         tiers = (("host", s.kv_offload_host_hit_tokens, s.kv_offload_host_pages_used, s.kv_offload_host_pages_total),
                  ("disk", s.kv_offload_disk_hit_tokens, s.kv_offload_disk_pages_used, s.kv_offload_disk_pages_total))
         families = [(CounterMetricFamily, "jaxserve_kv_offload_hits", "KV offload: prompt tokens restored, by tier."),

@@ -83,7 +83,8 @@ class TurnSender:
     """Sends one turn's token-id prompt with a body from `make_body(prompt_ids, max_tokens)`, asking
     for the reply's token ids as vLLM allows (`return_token_ids`: each streamed chunk carries its
     `token_ids`, as jaxserve's server sends them too) until a server refuses that field with a 400
-    naming it; the refused request is sent again without it, once, and so is every later one. It never reached the engine, so nothing of it is timed or cached."""
+    naming it; the refused request is sent again without it, once, and so is every later one. It
+    never reached the engine, so nothing of it is timed or cached."""
 
     FIELD = "return_token_ids"
 

@@ -338,9 +338,9 @@ async def _send_multiturn(fv: flags.FlagValues, target: Target, settings: Settin
     host copy of evicted pages, can serve all of them). Token-id prompts go to the completions
     endpoint, and the ids come back where the server sends them: vLLM's `return_token_ids`
     (runner.TurnSender asks for it; jaxserve's server sends them). A server that refuses that field
-    gets the reply's text tokenized again, by the local tokenizer or the server's /tokenize, with special tokens kept in the text
-    (runner.ReplyTokens); `multiturn_history_source` counts which way each reply came, and
-    `multiturn_retokenized_length_mismatches` the replies whose tokens again differ in number
+    gets the reply's text tokenized again, by the local tokenizer or the server's /tokenize, with
+    special tokens kept in the text (runner.ReplyTokens); `multiturn_history_source` counts which
+    way each reply came, and `multiturn_retokenized_length_mismatches` the replies whose tokens again differ in number
     from those the server generated (their history then departs from the server's tokens)."""
     vocab = len(target.tokenizer) if target.tokenizer is not None else fv.random_vocab_size
     conversations = datasets.multiturn_conversations(

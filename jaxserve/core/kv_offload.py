@@ -291,12 +291,12 @@ class KVOffload:
     def stats(self) -> dict[str, int]:
         """EngineStats' kv_offload_* fields."""
         host, disk, counts, ps = self.tiers.host, self.tiers.disk, self.tiers.counters, self.page_size
-        restored = counts.host_hit_pages + counts.disk_hit_pages
+        restored, page_bytes = counts.host_hit_pages + counts.disk_hit_pages, self.page_bytes
         return dict(
             kv_offload_host_pages_used=host.num_used, kv_offload_host_pages_total=host.num_blocks,
             kv_offload_disk_pages_used=disk.num_used if disk else 0,
             kv_offload_disk_pages_total=disk.num_blocks if disk else 0,
             kv_offload_queried_tokens=counts.queried_pages * ps, kv_offload_host_hit_tokens=counts.host_hit_pages * ps,
-            kv_offload_disk_hit_tokens=counts.disk_hit_pages * ps, kv_offload_bytes_to_host=counts.saved_pages * self.page_bytes,
-            kv_offload_bytes_to_device=restored * self.page_bytes,
-            kv_offload_bytes_to_disk=counts.spilled_pages * self.page_bytes, kv_offload_dropped_pages=counts.dropped_pages)
+            kv_offload_disk_hit_tokens=counts.disk_hit_pages * ps,
+            kv_offload_bytes_to_host=counts.saved_pages * page_bytes, kv_offload_bytes_to_device=restored * page_bytes,
+            kv_offload_bytes_to_disk=counts.spilled_pages * page_bytes, kv_offload_dropped_pages=counts.dropped_pages)
