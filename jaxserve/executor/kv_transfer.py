@@ -134,9 +134,6 @@ class HostKVStore:
             data = [jax.ShapeDtypeStruct((count, *leaf.block_shape), leaf.dtype) for leaf in self._leaves]
             self._compiled["scatter", count] = self._scatter.lower(kv_cache, pages, data).compile()
 
-    def host_bytes(self) -> int:
-        return sum(host.nbytes for host in self.host)
-
 
 def _pad(pages: list[int]) -> np.ndarray:
     padded = np.full(_padded(len(pages)), NULL_PAGE, np.int32)
