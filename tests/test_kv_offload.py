@@ -230,3 +230,34 @@ def test_the_tiers_are_exported_as_metrics_only_when_offload_is_on():
     assert got[("jaxserve_kv_offload_pages_capacity", (("tier", "host"),))] == 8
     assert got[("jaxserve_kv_offload_bytes_total", (("direction", "to_device"),))] == 200
     assert got[("jaxserve_kv_offload_dropped_pages_total", ())] == 2
+
+
+class RecordingRunner:
+    """What KVOffload.build asks of a runner, recorded: (host bytes, disk path, disk bytes)."""
+
+    def __init__(self):
+        self.asked = None
+
+    def enable_kv_offload(self, host_bytes, disk_path, disk_bytes):
+        self.asked = (host_bytes, disk_path, disk_bytes)
+        return host_bytes // 4096, disk_bytes // 4096, 4096
+
+
+def test_kv_offload_is_built_only_where_it_can_work():
+    from jaxserve.config import EngineConfig
+    from jaxserve.core.kv_offload import GIB, KVOffload
+
+    runner = RecordingRunner()
+    assert KVOffload.build(EngineConfig(), runner, True, False, GIB) is None and runner.asked is None
+    cfg = EngineConfig(kv_offloading_size=0.5, kv_offloading_disk_path="/d", kv_offloading_disk_size=1.0)
+    offload = KVOffload.build(cfg, runner, True, False, GIB)
+    assert runner.asked == (GIB // 2, "/d", GIB)
+    assert (offload.tiers.host.num_blocks, offload.tiers.disk.num_blocks, offload.page_bytes) == (GIB // 8192,
+                                                                                                GIB // 4096, 4096)
+    for args, message in [((cfg, runner, False, False, GIB), "caches no prefixes"),
+                          ((cfg, runner, True, True, GIB), "multi-host"),
+                          ((cfg, runner, True, False, GIB // 4), "more host memory than is available"),
+                          ((EngineConfig(kv_offloading_size=0.5, data_parallel_size=3), runner, True, False, GIB),
+                           "for each of 3 replicas")]:
+        with pytest.raises(ValueError, match=message):
+            KVOffload.build(*args)

@@ -239,8 +239,8 @@ class KVOffload:
     def build(cls, cfg, runner, prefix_caching: bool, multi_process: bool, host_memory_bytes: int) -> KVOffload | None:
         """The offload `cfg` asks for (None without --kv_offloading_size) over the runner's KV cache:
         ValueError naming the flags when it cannot be had (an engine caching no prefixes, a
-        multi-host job, more than `host_memory_bytes`, a tier too small or a disk tier that cannot
-        be made: ModelRunner.enable_kv_offload)."""
+        multi-host job, more than `host_memory_bytes` for all the data-parallel replicas, a tier too
+        small or a disk tier that cannot be made: ModelRunner.enable_kv_offload)."""
         if cfg.kv_offloading_size is None:
             return None
         if not prefix_caching:
@@ -251,8 +251,10 @@ class KVOffload:
             raise ValueError("--kv_offloading_size does not combine with a multi-host job yet (each process would "
                              "need the same host tier)")
         host_bytes = int(cfg.kv_offloading_size * GIB)
-        if host_bytes > host_memory_bytes:
-            raise ValueError(f"--kv_offloading_size={cfg.kv_offloading_size:g} GiB is more host memory than is "
+        replicas = cfg.data_parallel_size  # each replica keeps a host tier of this size
+        if host_bytes * replicas > host_memory_bytes:
+            each = f" for each of {replicas} replicas (--data_parallel_size)" if replicas > 1 else ""
+            raise ValueError(f"--kv_offloading_size={cfg.kv_offloading_size:g} GiB{each} is more host memory than is "
                              f"available now ({host_memory_bytes / GIB:.1f} GiB)")
         disk_bytes = int(cfg.kv_offloading_disk_size * GIB) if cfg.kv_offloading_disk_path else 0
         num_host, num_disk, page_bytes = runner.enable_kv_offload(host_bytes, cfg.kv_offloading_disk_path, disk_bytes)
