@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +78,16 @@ class StepReport(dict):
             lines = traceback.format_exception(type(error), error, error.__traceback__)
             print("".join(lines), file=sys.stderr, flush=True)
             self.check(name, "failed", error=f"{type(error).__name__}: {str(error)[:1500]}")
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Records one part's wall seconds in self["phase_s"][name], even when it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.setdefault("phase_s", {})[name] = round(time.perf_counter() - start, 3)
+            self.write()
 
     def write(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))

@@ -29,7 +29,6 @@ same code path, for the CPU dry run. Exit 1 when a check failed or differed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
@@ -242,16 +241,6 @@ def print_table(report: dict) -> None:
         print(f"{name}: {check['status']} " + ", ".join(f"{k}={v}" for k, v in check.items() if k != "status"))
 
 
-@contextlib.contextmanager
-def phase(report: StepReport, name: str):
-    """Records the part's wall seconds in report["phase_s"] (warm-up and checks included), even when it raises."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        report.setdefault("phase_s", {})[name] = round(time.perf_counter() - start, 3)
-        report.write()
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,24 +261,24 @@ def main(argv=None) -> int:
     kv_cache = llama.init_kv_cache(config, llama.KVCacheSpec(num_pages, page_size), DTYPE)
     page_bytes = report.put("page_bytes", kv_transfer.page_bytes(kv_cache, num_pages))
     store = HostKVStore(kv_cache, num_pages, num_host_blocks=max(counts))
-    with phase(report, "compile"):
+    with report.phase("compile"):
         store.compile(kv_cache)
-    with report.guard("host_link"), phase(report, "host_link"):
+    with report.guard("host_link"), report.phase("host_link"):
         report.put("host_link", host_link(max(counts) * page_bytes, repeats))
     state = {"kv": kv_cache}
-    with report.guard("round_trip"), phase(report, "round_trip"):
+    with report.guard("round_trip"), report.phase("round_trip"):
         state["kv"], check = round_trip(store, state["kv"], num_pages, max(counts))
         report.check("round_trip", **check)
     link = report.get("host_link", {})
     for count in counts:
-        with report.guard(f"restore/{count}"), phase(report, f"restore/{count}"):
+        with report.guard(f"restore/{count}"), report.phase(f"restore/{count}"):
             report.append("restore", measure_restores(store, state, count, page_bytes, repeats, link))
     for count in counts:
-        with report.guard(f"save/{count}"), phase(report, f"save/{count}"):
+        with report.guard(f"save/{count}"), report.phase(f"save/{count}"):
             report.append("save", measure_saves(store, state, count, page_bytes, repeats, link))
     report.check("every_figure", **every_figure(report, counts))
     if "host_link" in report:  # last, a comparison only: its failure is a figure's error, not the step's
-        with phase(report, "pinned_host_link"):
+        with report.phase("pinned_host_link"):
             try:
                 pinned = pinned_host_link(max(counts) * page_bytes, repeats)
             except Exception as error:  # noqa: BLE001  (e.g. a runtime without pinned transfers)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import gc
 import importlib.util
@@ -116,16 +115,6 @@ ADAPTER_MARGIN = 4.0
 MIN_COSINE = 0.99
 SEED = 51
 
-
-@contextlib.contextmanager
-def phase(report: StepReport, name: str):
-    """The part's wall seconds in report["phase_s"], even when it raises."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        report.setdefault("phase_s", {})[name] = round(time.perf_counter() - start, 3)
-        report.write()
 
 
 def kernel_families(on_gpu: bool) -> dict[str, str]:
@@ -234,7 +223,7 @@ def lora_decode(report, size: dict, config: ModelConfig, params, families: dict[
         "rank": RANK, "slab_dtype": jnp.dtype(DTYPE).name, "families": families,
         "slab_bytes": lora.slab_bytes(config, MAX_LORAS, RANK, DTYPE),
         "kernel_takes": {family: kernel_takes(family, config, rows) for family in families}})
-    with phase(report, "lora_decode/compile"):
+    with report.phase("lora_decode/compile"):
         compiled = compile_steps(config, params, slab, batch, lora_batches["lora"], families, report)
     caches = {key: cache for key, (_, cache) in compiled.items()}
     runs, logits = {}, {}
@@ -262,7 +251,7 @@ def lora_decode(report, size: dict, config: ModelConfig, params, families: dict[
             runs.update({(family, kind): run for kind, run in family_runs.items()})
     if not runs:
         return
-    with phase(report, "lora_decode/timed"):
+    with report.phase("lora_decode/timed"):
         samples = timed_in_turns(runs, size["repeats"], size["rounds"])
     for family in families:
         if (family, "base") not in runs:
@@ -387,7 +376,7 @@ def embeddings(report, size: dict) -> None:
             model, device = transformers_model(config, params)
             row["transformers_device"] = device
             sides["transformers"] = lambda ids: transformers_embeddings(model, device, ids, size["hf_batch"])
-    with phase(report, "embeddings/warm"):  # an untimed pass each: every shape jaxserve's steps use compiled
+    with report.phase("embeddings/warm"):  # an untimed pass each: every shape jaxserve's steps use compiled
         for name, side in list(sides.items()):
             with report.guard(f"embeddings/{name}"):
                 side(inputs(size["embed_rounds"]))  # inputs no timed round uses
@@ -396,7 +385,7 @@ def embeddings(report, size: dict) -> None:
     if "jaxserve" not in sides:
         return
     seconds, vectors = {name: [] for name in sides}, {}
-    with phase(report, "embeddings/timed"):
+    with report.phase("embeddings/timed"):
         for r in range(size["embed_rounds"]):  # fresh inputs each round: no prefix-cache hit on an earlier one
             names = list(sides)[r % len(sides):] + list(sides)[:r % len(sides)]
             ids = inputs(r)
@@ -592,15 +581,15 @@ def main(argv=None) -> int:
                         lora_model=f"{'tiny' if args.small else 'llama-3-8b-shaped'} random bf16",
                         embed_model=f"{'tiny' if args.small else 'smollm2-135m-shaped'} random bf16")
     config = size["lora_model"]
-    with report.guard("lora_weights"), phase(report, "lora_weights"):
+    with report.guard("lora_weights"), report.phase("lora_weights"):
         params = jax.block_until_ready(weights.random_params(config, dtype=DTYPE))
     if "lora_weights" not in report["checks"]:
-        with report.guard("lora_decode"), phase(report, "lora_decode"):
+        with report.guard("lora_decode"), report.phase("lora_decode"):
             lora_decode(report, size, config, params, families)
-    with report.guard("embeddings"), phase(report, "embeddings"):
+    with report.guard("embeddings"), report.phase("embeddings"):
         embeddings(report, size)
     if "lora_weights" not in report["checks"]:
-        with report.guard("lora_load"), phase(report, "lora_load"):
+        with report.guard("lora_load"), report.phase("lora_load"):
             lora_load(report, size, config, params)
     report.check("every_figure", **every_figure(report, families))
     print_table(report)
