@@ -33,10 +33,9 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def write_adapter(folder: str, config, rank: int, seed: int) -> None:
-    """A random PEFT LoRA adapter of `rank` on every projection of every layer of `config`'s model."""
-    from safetensors.numpy import save_file
-
+def adapter_tensors(config, rank: int, seed: int) -> dict[str, np.ndarray]:
+    """A random PEFT LoRA adapter of `rank` on every projection of every layer of `config`'s model,
+    as peft names its tensors (float32, drawn as such: 42 M values at Llama-3-8B's shape)."""
     from checkpoints import lora_adapter
     shapes = lora_adapter.weight_shapes(config)
     rng = np.random.default_rng(seed)
@@ -45,13 +44,27 @@ def write_adapter(folder: str, config, rank: int, seed: int) -> None:
         for module, parent in MODULES.items():
             d_in, d_out = shapes[lora_adapter.PROJECTIONS[module][0]]
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (0.01 * rng.standard_normal((rank, d_in))).astype(np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = (0.01 * rng.standard_normal((d_out, rank))).astype(np.float32)
+            tensors[f"{prefix}.lora_A.weight"] = 0.01 * rng.standard_normal((rank, d_in), np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = 0.01 * rng.standard_normal((d_out, rank), np.float32)
+    return tensors
+
+
+def save_adapter(folder: str, tensors: dict[str, np.ndarray], rank: int) -> int:
+    """The adapter's folder as peft saves one; returns its weights' bytes."""
+    from safetensors.numpy import save_file
+
+    from checkpoints import lora_adapter
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, lora_adapter.WEIGHTS_FILE))
     with open(os.path.join(folder, lora_adapter.CONFIG_FILE), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
                    "bias": "none"}, f)
+    return os.path.getsize(os.path.join(folder, lora_adapter.WEIGHTS_FILE))
+
+
+def write_adapter(folder: str, config, rank: int, seed: int) -> None:
+    """A random adapter (adapter_tensors) saved in `folder`."""
+    save_adapter(folder, adapter_tensors(config, rank, seed), rank)
 
 
 def first_token_seconds(url: str, model: str | None, start: float) -> tuple[float, float]:

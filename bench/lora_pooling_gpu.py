@@ -58,7 +58,6 @@ import concurrent.futures
 import functools
 import gc
 import importlib.util
-import json
 import math
 import os
 import statistics
@@ -79,9 +78,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.gpu_check_report import StepReport, require_gpu  # noqa: E402
 from bench.lora_decode import smollm2_config  # noqa: E402
-from bench.lora_load import MODULES  # noqa: E402
+from bench.lora_load import adapter_tensors, save_adapter  # noqa: E402
 from bench.step_profile import decode_batch  # noqa: E402
-from checkpoints import lora_adapter  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.request import SamplingParams, pooling_params  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
@@ -418,32 +416,6 @@ def embeddings(report, size: dict) -> None:
 
 # ---- 3. an adapter loaded at run time: from the load call to its first token ------------------------
 
-def adapter_tensors(config: ModelConfig, rank: int, seed: int) -> dict[str, np.ndarray]:
-    """A random PEFT LoRA adapter of `rank` on every projection of every layer (bench/lora_load.py's,
-    drawn in float32 at once: 42 M values at Llama-3-8B's shape)."""
-    shapes = lora_adapter.weight_shapes(config)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module, parent in MODULES.items():
-            d_in, d_out = shapes[lora_adapter.PROJECTIONS[module][0]]
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = 0.01 * rng.standard_normal((rank, d_in), np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = 0.01 * rng.standard_normal((d_out, rank), np.float32)
-    return tensors
-
-
-def write_adapter(folder: str, tensors: dict[str, np.ndarray], rank: int) -> int:
-    """The adapter's folder as peft saves one; returns its weights' bytes."""
-    from safetensors.numpy import save_file
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, lora_adapter.WEIGHTS_FILE))
-    with open(os.path.join(folder, lora_adapter.CONFIG_FILE), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
-                   "bias": "none"}, f)
-    return os.path.getsize(os.path.join(folder, lora_adapter.WEIGHTS_FILE))
-
-
 async def first_token(engine, request_id: str, prompt: list[int], params: SamplingParams,
                       start: float) -> tuple[float | None, int]:
     """(seconds from `start` to the first token, tokens) of one streamed request."""
@@ -494,7 +466,7 @@ def lora_load(report, size: dict, config: ModelConfig, params) -> None:
             tensors = adapter_tensors(config, RANK, seed=0)
             for i in range(size["load_repeats"] + 1):
                 path = os.path.join(folder, f"adapter{i}")
-                setup["adapter_bytes"] = write_adapter(path, tensors, RANK)
+                setup["adapter_bytes"] = save_adapter(path, tensors, RANK)
                 start = time.perf_counter()
                 await client.load_lora_adapter(f"a{i}", path)
                 loaded = time.perf_counter() - start
