@@ -79,7 +79,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench.gpu_check_report import StepReport, require_gpu  # noqa: E402
 from bench.lora_decode import smollm2_config  # noqa: E402
 from bench.lora_load import adapter_tensors, save_adapter  # noqa: E402
-from bench.step_profile import decode_batch  # noqa: E402
+from bench.step_profile import decode_batch, timed_in_turns  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.request import SamplingParams, pooling_params  # noqa: E402
 from jaxserve.engine import Engine, EngineConfig  # noqa: E402
@@ -174,20 +174,6 @@ def compile_steps(config, params, slab, batch, lora_batch, families: dict[str, s
             with report.guard(f"adapters_applied/{family}"):
                 compiled[family, kind] = future.result()
     return compiled
-
-
-def timed_in_turns(runs: dict, repeats: int, rounds: int) -> dict:
-    """{name: seconds of each call} of steps already called once, `repeats` calls of each in turn in
-    each of `rounds` rounds (bench/step_profile.interleaved_seconds without its warm-up call), so that
-    anything else the machine does falls on all of them alike."""
-    samples = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run()
-                samples[name].append(time.perf_counter() - start)
-    return samples
 
 
 def relative_row_differences(logits: np.ndarray, base: np.ndarray) -> np.ndarray:

@@ -88,11 +88,9 @@ def median_seconds(run, repeats):
     return float(np.median(times))
 
 
-def interleaved_seconds(runs: dict, repeats: int, rounds: int, reduce=lambda times: float(np.median(times))) -> dict:
-    """{name: median seconds} (or `reduce` of the samples) of several step functions timed in turns
-    (rounds of `repeats` calls each), so that load from other processes falls on all of them alike."""
-    for run in runs.values():
-        run()  # compiled and warm
+def timed_in_turns(runs: dict, repeats: int, rounds: int) -> dict:
+    """{name: seconds of each call} of step functions already called once, timed in turns (rounds of
+    `repeats` calls each), so that load from other processes falls on all of them alike."""
     samples = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
@@ -100,7 +98,15 @@ def interleaved_seconds(runs: dict, repeats: int, rounds: int, reduce=lambda tim
                 start = time.perf_counter()
                 run()
                 samples[name].append(time.perf_counter() - start)
-    return {name: reduce(times) for name, times in samples.items()}
+    return samples
+
+
+def interleaved_seconds(runs: dict, repeats: int, rounds: int, reduce=lambda times: float(np.median(times))) -> dict:
+    """{name: median seconds} (or `reduce` of the samples) of several step functions, each called
+    once first (compiled and warm), then timed in turns (timed_in_turns)."""
+    for run in runs.values():
+        run()  # compiled and warm
+    return {name: reduce(times) for name, times in timed_in_turns(runs, repeats, rounds).items()}
 
 
 def copy_bandwidth(num_bytes=256 * 2**20, repeats=5):
