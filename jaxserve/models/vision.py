@@ -1,0 +1,146 @@
+"""What the vision towers share: their weight declarations, the Hugging Face state-dict mapping,
+and the small layers both use.
+
+The towers themselves are `jaxserve.models.qwen_vision` (Qwen2.5-VL's windowed ViT and patch
+merger) and `jaxserve.models.siglip` (Gemma 3's SigLIP encoder and multimodal projector).
+
+A tower's weights are declared once, as a list of `VisionWeight`s: the path in the params pytree,
+the shape, the Hugging Face tensor name (per-layer: with "{layer}" where the block index goes)
+and how the file's tensor becomes ours (`layout`). Per-layer weights are stacked on a leading
+layer axis under "layers/" (the towers run their blocks under `jax.lax.scan`, so compile time
+stays flat in the depth). From the declaration come the shapes (`param_shapes`), random weights
+(`random_params`) and the conversion (`params_from_state_dict`).
+
+Layouts:
+  "linear"  a torch Linear's [out, in], stored transposed as [in, out] for `x @ W`
+  "conv"    a Conv2d/Conv3d weight with stride == kernel [D, C, (T,) P, P], stored as the matrix
+            [C*(T*)P*P, D] that multiplies a patch flattened in (C, (T,) P, P) order
+  "as_is"   stored as the file has it (norm weights, biases, position tables, Gemma 3's
+            `mm_input_projection_weight`, which is already [in, out])
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = dict
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionWeight:
+    """One declared vision weight (see the module docstring)."""
+
+    path: str  # "patch_embed" or "layers/<name>"
+    shape: tuple[int, ...]  # ours; per-layer weights: (depth, ...)
+    hf: str  # the tensor name after the tower's prefix; per-layer: with "{layer}"
+    layout: str = "as_is"  # "linear", "conv" or "as_is"
+    init: str = "normal"  # random_params: "normal", "ones" or "zeros"
+
+    @property
+    def per_layer(self) -> bool:
+        return self.path.startswith("layers/")
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def param_shapes(decls: Sequence[VisionWeight]) -> Params:
+    """The params pytree of shapes (tuples) of a tower's declaration."""
+    return _tree(decls, lambda d: d.shape)
+
+
+def random_params(decls: Sequence[VisionWeight], dtype=jnp.float32, seed: int = 0) -> Params:
+    """Random weights of a declaration (tests and benchmarks)."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(decls)))
+
+    def leaf(d: VisionWeight):
+        key = next(keys)
+        if d.init == "ones":
+            return jnp.ones(d.shape, dtype)
+        if d.init == "zeros":
+            return jnp.zeros(d.shape, dtype)
+        fan_in = d.shape[-2] if d.layout in ("linear", "conv") else d.shape[-1]
+        return (jax.random.normal(key, d.shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    return _tree(decls, leaf)
+
+
+def params_from_state_dict(decls: Sequence[VisionWeight], state_dict: Mapping[str, np.ndarray],
+                           prefixes: Sequence[str], dtype=np.float32) -> Params:
+    """The params pytree of numpy arrays in `dtype` (np.float32 or ml_dtypes.bfloat16) from a
+    Hugging Face state dict {name: array-like}. A declared tensor is looked up under each of
+    `prefixes` in turn (transformers 5 names it "model.visual.blocks.0...", the published
+    checkpoints "visual.blocks.0..."); tensors the declaration does not name are ignored. Raises
+    KeyError naming a missing tensor, ValueError naming one of the wrong shape."""
+
+    def find(name: str) -> np.ndarray:
+        for prefix in prefixes:
+            if prefix + name in state_dict:
+                return np.asarray(state_dict[prefix + name])
+        raise KeyError(f"no tensor {name!r} under any of the prefixes {list(prefixes)}")
+
+    def ours(d: VisionWeight, array: np.ndarray, hf_name: str) -> np.ndarray:
+        expected = d.shape[1:] if d.per_layer else d.shape
+        if d.layout == "linear":
+            array = array.T
+        elif d.layout == "conv":
+            array = array.reshape(array.shape[0], -1).T
+        if tuple(array.shape) != tuple(expected):
+            raise ValueError(f"{hf_name}: shape {tuple(array.shape)} after its layout {d.layout!r}, "
+                             f"declared {tuple(expected)}")
+        return array.astype(np.float32).astype(dtype)
+
+    def leaf(d: VisionWeight):
+        if not d.per_layer:
+            return ours(d, find(d.hf), d.hf)
+        rows = [ours(d, find(d.hf.format(layer=i)), d.hf.format(layer=i)) for i in range(d.shape[0])]
+        return np.stack(rows)
+
+    return _tree(decls, leaf)
+
+
+def _tree(decls: Sequence[VisionWeight], leaf) -> Params:
+    tree: Params = {}
+    for d in decls:
+        node = tree.setdefault("layers", {}) if d.per_layer else tree
+        node[d.name] = leaf(d)
+    return tree
+
+
+# ---- layers ---------------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, normalised in float32. offset 0 (Qwen): the normalised x is
+    cast back to x's dtype, then scaled by `weight`; offset 1 (Gemma): scaled by (1 + weight) in
+    float32, then cast."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (mean and variance in float32)."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
+    """Bidirectional attention, softmax in float32. q, k, v [..., S, H, hd]; mask broadcastable
+    to [..., H, S_q, S_k] (True: attend), or None. Every query row must see at least one key.
+    Returns [..., S_q, H, hd] in q's dtype."""
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [..., H, S_q, S_k]
+    return jnp.einsum("...hqk,...khd->...qhd", probs, v)
