@@ -18,7 +18,7 @@ LAYERS = [
     ("jaxserve.environment", "jaxserve.compat", "jaxserve.platforms", "jaxserve.settings", "jaxserve.setting_checks",
      "jaxserve.moe_config", "jaxserve.config"),
     ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram",
-     "jaxserve.pooling.config", "jaxserve.pooling.accumulate"),  # host side, no jax
+     "jaxserve.pooling.config", "jaxserve.pooling.accumulate", "jaxserve.multimodal"),  # host side, no jax
     # device side: model code, the step and its setup, parallelism, the draft model, memory planning
     ("jaxserve.models", "jaxserve.executor", "jaxserve.parallel", "jaxserve.speculative.draft_proposer",
      "jaxserve.planning", "jaxserve.pooling.poolers"),
@@ -32,7 +32,7 @@ LAYERS = [
 ]
 HOST_ROOMS = ("jaxserve.core", "jaxserve.speculative.verification", "jaxserve.speculative.ngram", "jaxserve.config",
               "jaxserve.moe_config", "jaxserve.settings", "jaxserve.setting_checks", "jaxserve.environment", "jaxserve.pooling.config",
-              "jaxserve.pooling.accumulate")
+              "jaxserve.pooling.accumulate", "jaxserve.multimodal")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -212,6 +212,7 @@ QUICK_TEST_MODULES = {
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
     "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
     "test_shape_choice", "test_step_diagnosis", "test_tool_parsers", "test_tools",
+    "test_image_processing", "test_multimodal_media",
 }
 
 

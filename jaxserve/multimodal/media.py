@@ -54,7 +54,7 @@ DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's own Image.MAX_IMAGE_PIXELS, set here explicitly
 # Raster formats Pillow decodes itself (no EPS: Ghostscript; no formats of other tools).
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "MPO", "ICO")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
