@@ -113,7 +113,7 @@ def section_of_frequency(mrope_section, half_dim: int) -> np.ndarray:
 def mrope_tables(positions, inv_freq: np.ndarray, mrope_section):
     """cos, sin [T, 1, head_dim // 2] float32 (jaxserve.models.llama.rope_tables's layout) of
     positions [3, T] (a jax or numpy integer array) with `inv_freq` [head_dim // 2]."""
-    import jax.numpy as jnp
+    import jax.numpy as jnp  # here, not at the top: the host-side functions stay jax-free
 
     axis = section_of_frequency(mrope_section, len(inv_freq))  # [hd/2]
     pos = jnp.asarray(positions).astype(jnp.float32)  # [3, T]

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import vision
 from jaxserve.models.vision import VisionWeight, attention, rms_norm
 
 Params = dict
@@ -304,5 +305,4 @@ def forward(params: Params, config: VisionConfig, patches: jax.Array, patch_orde
 def params_from_state_dict(state_dict, config: VisionConfig, dtype=np.float32) -> Params:
     """The tower's params (numpy, `dtype`) from a Qwen2_5_VLForConditionalGeneration state dict
     (tensors under "model.visual." or "visual."; the rest is ignored)."""
-    from jaxserve.models import vision
     return vision.params_from_state_dict(weight_decls(config), state_dict, HF_PREFIXES, dtype)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import vision
 from jaxserve.models.vision import VisionWeight, attention, layer_norm, rms_norm
 
 Params = dict
@@ -181,7 +182,6 @@ def forward(params: Params, config: VisionConfig, pixels: jax.Array) -> jax.Arra
 def params_from_state_dict(state_dict, config: VisionConfig, dtype=np.float32) -> Params:
     """Tower and projector params (numpy, `dtype`) from a Gemma3ForConditionalGeneration state
     dict (the language model's tensors and SigLIP's pooling head are ignored)."""
-    from jaxserve.models import vision
     decls = weight_decls(config)
     tower = [d for d in decls if d.name not in PROJECTOR_WEIGHTS]
     projector = [d for d in decls if d.name in PROJECTOR_WEIGHTS]
