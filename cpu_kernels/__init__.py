@@ -62,6 +62,7 @@ _HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part o
 _TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
             "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
             "jaxserve_ragged_prefill_attention": "JaxserveRaggedPrefillAttention",
+            "jaxserve_ragged_prefill_attention_key_limit": "JaxserveRaggedPrefillAttentionKeyLimit",
             "jaxserve_lora_update": "JaxserveLoraUpdate",
             "jaxserve_bf16_matmul": "JaxserveBf16Matmul"}  # target: handler symbol
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++17", "-w"]
@@ -222,16 +223,26 @@ def takes_prefill_attention(q, k_pages, v_pages) -> bool:
 
 
 def ragged_prefill_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, window,
-                             scale: float, soft_cap: float | None) -> jax.Array:
+                             scale: float, soft_cap: float | None, key_limit=None) -> jax.Array:
     """Causal attention of ragged query tokens (pallas_kernels.xla_paged.ragged_paged_attention's
     inputs and result): q [T, Hq, D] float32, pages [P, page_size, Hkv, D] float32, block_table
     int32 [S, W], seq_lens int32 [S], query_start_loc int32 [S + 1] (non-decreasing), window an
-    int32 scalar (<= 0: none) -> [T, Hq, D] float32 (zeros for tokens of no sequence)."""
+    int32 scalar (<= 0: none) -> [T, Hq, D] float32 (zeros for tokens of no sequence).
+    key_limit (int32 [T] or None): each query's highest visible key position (bidirectional image
+    spans: a query at p sees k <= max(p, key_limit[t]), the window's rule unchanged); given, the
+    call goes to the handler that takes it as one more buffer, so that the causal call is the one
+    it always was."""
     _require()
-    return jax.ffi.ffi_call("jaxserve_ragged_prefill_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-        query_start_loc.astype(jnp.int32), jnp.asarray(window, jnp.int32).reshape(1), scale=np.float32(scale),
-        soft_cap=np.float32(soft_cap or 0.0))
+    operands = [q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                query_start_loc.astype(jnp.int32), jnp.asarray(window, jnp.int32).reshape(1)]
+    target = "jaxserve_ragged_prefill_attention"
+    if key_limit is not None:
+        if key_limit.shape != (q.shape[0],):
+            raise ValueError(f"ragged_prefill_attention: key_limit {key_limit.shape} for {q.shape[0]} tokens")
+        operands.append(key_limit.astype(jnp.int32))
+        target += "_key_limit"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        *operands, scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
 
 
 def takes_lora_update(x, a, b) -> bool:

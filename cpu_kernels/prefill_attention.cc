@@ -10,6 +10,10 @@
 //                    tokens (query j at position seq_len - query_len + j)
 //   window           int32 [1]: sliding window (<= 0: none); a query at position p sees the keys
 //                    at k with p - window < k <= p
+//   key_limit        int32 [T] (JaxserveRaggedPrefillAttentionKeyLimit only): the highest key
+//                    position each query sees, for bidirectional attention among an image's
+//                    tokens: a query at p sees the keys k <= max(p, key_limit) below its seq_len
+//                    (the window's rule on p - k unchanged); the plain handler is causal
 //   scale, soft_cap (attributes): scores = soft_cap * tanh(scale * q.k / soft_cap), or
 //                    scale * q.k with soft_cap 0
 //   out              float32 [T, Hq, D]; tokens of no sequence (past query_start_loc[S]) zeros
@@ -20,7 +24,8 @@
 // a broadcast of each key element times vectors of 16 rows (FMAs with no horizontal sums), and
 // the online softmax runs down the lanes (a running max, sum per row). Keys come kKeyBlock at a
 // time straight from their pages, each K and V element loaded once per task for all its rows;
-// the keys read stop at the block's last query (causal) and start at its first query's window.
+// the keys read stop at the block's last query (causal; with key limits, at the block's largest
+// limit) and start at its first query's window.
 // Then the weighted values are added into the rows' sums [M][D] in register tiles. A task writes
 // only its own rows of out, so results do not depend on the thread count or the order of tasks.
 
@@ -75,6 +80,7 @@ struct Block {  // one task's queries: tokens [first, last) of sequence s
 struct Problem {
   const float *q, *k, *v;
   const int32_t *block_table, *seq_lens, *query_start_loc;
+  const int32_t* key_limit = nullptr;  // [tokens], or null: causal
   float* out;
   int64_t tokens, q_heads, kv_heads, dim, page_size, table_width;
   int32_t window;
@@ -153,21 +159,30 @@ struct Problem {
     const int64_t row_vectors = rows / kLanes;
     const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
     const int64_t first_pos = Position(s, block.first), last_pos = Position(s, block.last - 1);
-    // The keys any of the block's queries sees: [key_first, key_last).
-    const int64_t key_last = std::min<int64_t>(last_pos + 1, seq_lens[s]);
     const int64_t key_first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
 
     std::vector<float> qt(dim * rows, 0.f), acc(rows * dim_padded, 0.f), scores(kKeyBlock * rows);
     std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), keep(rows);
-    // Rows past the block's queries: a position no key reaches (they see nothing).
+    // Rows past the block's queries: a position no key reaches (they see nothing). limits[m]: the
+    // highest key row m sees (its position, or its key limit, below the sequence's length).
     std::vector<int32_t> positions(rows, std::numeric_limits<int32_t>::min());
-    for (int64_t i = 0; i < queries; ++i)
+    std::vector<int32_t> limits(rows, std::numeric_limits<int32_t>::min());
+    int64_t top_limit = last_pos;
+    for (int64_t i = 0; i < queries; ++i) {
+      int64_t limit = first_pos + i;
+      if (key_limit != nullptr)
+        limit = std::min<int64_t>(std::max<int64_t>(limit, key_limit[block.first + i]), seq_lens[s] - 1);
+      top_limit = std::max(top_limit, limit);
       for (int64_t h = 0; h < g; ++h) {
         const int64_t m = i * g + h;
         positions[m] = static_cast<int32_t>(first_pos + i);
+        limits[m] = static_cast<int32_t>(limit);
         const float* query = q + ((block.first + i) * q_heads + head * g + h) * dim;
         for (int64_t d = 0; d < dim; ++d) qt[d * rows + m] = query[d] * scale;
       }
+    }
+    // The keys any of the block's queries sees: [key_first, key_last).
+    const int64_t key_last = std::min<int64_t>(top_limit + 1, seq_lens[s]);
 
     const float* key_ptrs[kKeyBlock];
     const float* value_ptrs[kKeyBlock];
@@ -190,13 +205,15 @@ struct Problem {
       // Online softmax down the lanes: the weights replace the scores, keep[m] rescales the sums.
       for (int64_t m = 0; m < rows; m += kLanes) {
         const __m512i pos = _mm512_loadu_si512(positions.data() + m);
+        const __m512i lim = _mm512_loadu_si512(limits.data() + m);
         __mmask16 visible[kKeyBlock];
         __m512 top = _mm512_loadu_ps(row_max.data() + m);
         const __m512 old_max = top;
         for (int64_t t = 0; t < count; ++t) {
           const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(start + t));
-          // key_pos <= pos and pos - key_pos < window (pos INT32_MIN for rows with no query: never).
-          visible[t] = _mm512_cmple_epi32_mask(key_pos, pos) &
+          // key_pos <= limit and pos - key_pos < window (limit INT32_MIN for rows with no query:
+          // never; limit = pos without key limits: causal).
+          visible[t] = _mm512_cmple_epi32_mask(key_pos, lim) &
                        _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, key_pos), window_v);
           float* sc = scores.data() + t * rows + m;
           __m512 score = _mm512_loadu_ps(sc);
@@ -247,11 +264,11 @@ struct Problem {
   }
 };
 
-ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
-                                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                                  ffi::Buffer<ffi::S32> window, ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
-                                  float soft_cap) {
+// key_limit: [tokens] or null (causal).
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+               ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+               ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, const int32_t* key_limit,
+               ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, float soft_cap) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || k_pages.element_count() != v_pages.element_count() ||
       seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 || kd[3] != qd[2] ||
@@ -266,6 +283,7 @@ ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.block_table = block_table.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
+  p.key_limit = key_limit;
   p.out = out->typed_data();
   p.tokens = qd[0];
   p.q_heads = qd[1];
@@ -303,6 +321,27 @@ ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
+                                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                  ffi::Buffer<ffi::S32> window, ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
+                                  float soft_cap) {
+  return Run(pool, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, nullptr, out, scale,
+             soft_cap);
+}
+
+ffi::Error RaggedPrefillAttentionKeyLimit(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                          ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window,
+                                          ffi::Buffer<ffi::S32> key_limit, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                                          float scale, float soft_cap) {
+  if (q.dimensions().size() != 3 || key_limit.element_count() != q.dimensions()[0])
+    return ffi::Error::InvalidArgument("ragged_prefill_attention: key_limit is not one value a token");
+  return Run(pool, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, key_limit.typed_data(), out,
+             scale, soft_cap);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttention, RaggedPrefillAttention,
@@ -311,6 +350,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttention, RaggedPrefillAtten
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttentionKeyLimit, RaggedPrefillAttentionKeyLimit,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -192,7 +192,7 @@ def decode_attention(
 def ragged_attention(
     backend: str, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
     sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
-    max_query_len: int | None = None,
+    max_query_len: int | None = None, key_limit=None,
 ):
     """Causal paged attention of a ragged batch of query tokens through `backend`.
 
@@ -202,8 +202,16 @@ def ragged_attention(
     max_query_len (static, optional): no sequence has more query tokens; the XLA path then
     works through the queries in chunks of that size (many short sequences, as in speculative
     verification, would otherwise each pay for a chunk of PREFILL_QUERY_CHUNK queries).
+    key_limit (int32[num_tokens] or None): the highest key position each query token may see,
+    for bidirectional attention among the tokens of an image (Gemma 3): a token of an image span
+    [s, e) (positions in its sequence, the whole span in this step's chunk) gets e - 1, any other
+    token its own position; a query at position p then sees the keys k <= max(p, key_limit) of its
+    sequence, a sliding window still asking p - k < window. None (the default): causal, the same
+    code and compiled programs as without the argument (it is passed to no backend).
     """
     options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
+    if key_limit is not None:
+        options["key_limit"] = jnp.asarray(key_limit, jnp.int32)
     backend = BACKEND_ALIASES.get(backend, backend)
     if backend in MOSAIC_BACKENDS:
         return mosaic_ragged.ragged_paged_attention(
@@ -219,11 +227,14 @@ def ragged_attention(
     if backend == "xla" and cpu_kernels.takes_prefill_attention(q, k_pages, v_pages):
         # Lowered for the CPU: the C++ kernel (cpu_kernels); for any other platform: XLA's loops.
         window = -1 if sliding_window is None else sliding_window
+        limits = () if key_limit is None else (options.pop("key_limit"),)  # operands only when given
         return jax.lax.platform_dependent(
-            q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window,
+            q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, *limits,
             cpu=lambda *args: cpu_kernels.ragged_prefill_attention(
-                *args[:6], window=args[6], scale=softmax_scale(scale, q.shape[-1]), soft_cap=logit_soft_cap),
-            default=lambda *args: xla_paged.ragged_paged_attention(*args[:6], **options))
+                *args[:6], window=args[6], scale=softmax_scale(scale, q.shape[-1]), soft_cap=logit_soft_cap,
+                **({"key_limit": args[7]} if limits else {})),
+            default=lambda *args: xla_paged.ragged_paged_attention(
+                *args[:6], **options, **({"key_limit": args[7]} if limits else {})))
     return _plain_module(backend).ragged_paged_attention(
         q, k_pages, v_pages, block_table, seq_lens, query_start_loc, **options
     )

@@ -27,16 +27,18 @@ from pallas_kernels.pallas_common import (
 def _ragged_kernel(
     block_seq_ref, block_start_ref, q_ref, k_pages_ref, v_pages_ref,
     block_table_ref, seq_lens_ref, query_start_loc_ref,  # inputs
-    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized (inputs),
-    # then out_ref (output)
-    scale, logit_soft_cap, block_q, pages_per_block, page_size, windowed, quantized,
+    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized, [limit_ref]
+    # with key limits (inputs), then out_ref (output)
+    scale, logit_soft_cap, block_q, pages_per_block, page_size, windowed, quantized, limited=False,
 ):
     # block_seq_ref, block_start_ref: [1]; q_ref: [num_tokens + block_q, group_pad, d];
     # k/v_pages_ref: [num_pages, page_size, d]; block_table_ref: [num_seqs, padded_pages];
     # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
-    # window_size); k/v_scales_ref: [num_pages, page_size, 1]; out_ref: [block_q, group_pad, d].
+    # window_size); k/v_scales_ref: [num_pages, page_size, 1]; limit_ref: [num_tokens + block_q,
+    # group_pad] (each token's key limit for each of its rows); out_ref: [block_q, group_pad, d].
     inputs, out_ref = list(refs[:-1]), refs[-1]
     window_ref = inputs.pop(0) if windowed else None
+    limit_ref = inputs.pop() if limited else None
     k_scales_ref, v_scales_ref = inputs if quantized else (None, None)
     keys_per_block = pages_per_block * page_size
     seq = block_seq_ref[0]
@@ -58,6 +60,12 @@ def _ragged_kernel(
     rows = block_q * group_pad
     q = q.reshape(rows, head_dim)
     row_pos = first_pos + jnp.arange(rows, dtype=jnp.int32) // group_pad  # [rows]
+    row_limit = row_pos
+    if limited:  # each row's highest key: its token's limit (rows past the sequence: their position)
+        token_limit = limit_ref[pl.ds(block_start, block_q)].reshape(rows)
+        row_limit = jnp.where(row_pos < seq_len, jnp.maximum(row_pos, token_limit), row_pos)
+        kv_end = jnp.clip(jnp.max(row_limit) + 1, 0, seq_len)
+        num_blocks = (kv_end + keys_per_block - 1) // keys_per_block
 
     def body(block, carry):
         page_ids = block_table_ref[seq_index, pl.ds(block * pages_per_block, pages_per_block)]
@@ -65,7 +73,13 @@ def _ragged_kernel(
         v = load_pages(v_pages_ref, page_ids, keys_per_block, v_scales_ref, q.dtype)
         key_pos = block * keys_per_block + jnp.arange(keys_per_block, dtype=jnp.int32)
         key_valid = key_pos < kv_end  # [keys]
-        if windowed:
+        if limited:  # the window's rule on row_pos - key_pos, which a key after the row always passes
+            if windowed:
+                key_valid = key_valid & (key_pos >= first_key)
+            valid = (key_pos[None, :] <= row_limit[:, None]) & key_valid[None, :]
+            if windowed:
+                valid = valid & (row_pos[:, None] - key_pos[None, :] < window)
+        elif windowed:
             key_valid = key_valid & (key_pos >= first_key)
             valid = in_window(row_pos[:, None], key_pos[None, :], window) & key_valid[None, :]
         else:
@@ -101,7 +115,7 @@ def query_block_schedule(query_start_loc, seq_lens, num_seqs, block_q, num_query
     static_argnames=("scale", "logit_soft_cap", "interpret", "block_q", "pages_per_block", "num_warps"),
 )
 def ragged_paged_attention(
-    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
+    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, key_limit=None,
     sliding_window=None, scale=None, logit_soft_cap=None,
     interpret=False, block_q=None, pages_per_block=None, num_warps=8,
 ):
@@ -116,6 +130,9 @@ def ragged_paged_attention(
     sliding_window: int32 scalar operand or None; scale, logit_soft_cap: static floats or None
     (see pallas_kernels.common). With a window, a query block starts at the first block of keys
     its first query sees.
+    key_limit: int32[num_tokens] or None (causal): each query's highest visible key position
+    (bidirectional image spans, pallas_kernels.reference.ragged_paged_attention); a query block
+    then walks its keys up to its rows' largest limit.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype. `interpret=True` runs on CPU.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -150,7 +167,7 @@ def ragged_paged_attention(
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
 
-    windowed, quantized = sliding_window is not None, k_scales is not None
+    windowed, quantized, limited = sliding_window is not None, k_scales is not None, key_limit is not None
     extra_inputs, extra_specs = [], []
     if windowed:
         extra_inputs.append(window_size(sliding_window).reshape(1))
@@ -158,9 +175,14 @@ def ragged_paged_attention(
     if quantized:
         extra_inputs += [k_scales, v_scales]
         extra_specs += [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda b, h: (0, 0, h, 0))] * 2
+    if limited:  # a token's limit repeated over the group's rows, as the kernel lays out its rows
+        limits = jnp.pad(key_limit.astype(jnp.int32), (0, block_q))
+        extra_inputs.append(jnp.broadcast_to(limits[:, None], (num_tokens + block_q, group_pad)))
+        extra_specs.append(whole((num_tokens + block_q, group_pad)))
     kernel = functools.partial(
         _ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, block_q=block_q,
         pages_per_block=pages_per_block, page_size=page_size, windowed=windowed, quantized=quantized,
+        **({"limited": True} if limited else {}),
     )
     with compat.quiet_pallas_deprecations():
         out_blocks = pl.pallas_call(

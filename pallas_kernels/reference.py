@@ -7,6 +7,8 @@ positions, transformers-style (options as in pallas_kernels.common):
   scores = scale * q.k  (scale None: head_dim ** -0.5)
   scores = cap * tanh(scores / cap)  when logit_soft_cap is set
   a query at position p sees key k iff k <= p and (window <= 0 or k > p - window)
+  (ragged attention with key_limit: k <= max(p, key_limit) and k < seq_len instead of k <= p,
+  the window's rule unchanged; see `ragged_paged_attention`)
 
 Layout shared with the kernels:
   k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; page 0 is the null page.
@@ -66,10 +68,12 @@ def _scores(q, k_context, equation, scale, logit_soft_cap):
     return scores if logit_soft_cap is None else logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
 
 
-def _visible(query_pos, key_pos, sliding_window):
+def _visible(query_pos, key_pos, sliding_window, limit=None):
     """Causal mask, narrowed to a sliding window as transformers' sliding_window_overlay does:
-    key_pos <= query_pos and key_pos > query_pos - window (when window > 0). Broadcasts."""
-    visible = key_pos <= query_pos
+    key_pos <= query_pos and key_pos > query_pos - window (when window > 0). Broadcasts.
+    With `limit` (the highest key position each query may see, >= query_pos): key_pos <= limit
+    in place of key_pos <= query_pos; the window's rule stays on query_pos - key_pos."""
+    visible = key_pos <= (query_pos if limit is None else limit)
     if sliding_window is not None:
         window = jnp.asarray(sliding_window, jnp.int32)
         visible = visible & ((window <= 0) | (key_pos > query_pos - window))
@@ -99,7 +103,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, sliding_window=None,
+    q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, key_limit=None, sliding_window=None,
     scale=None, logit_soft_cap=None, interpret=False,
 ):
     """Causal attention of a ragged batch of query tokens against their sequences' pages.
@@ -110,6 +114,12 @@ def ragged_paged_attention(
     repeat the last value). Tokens past query_start_loc[num_seqs] and rows with
     seq_lens 0 give zeros. Queries are laid out padded per sequence, [num_seqs, num_tokens, ...]:
     cheap for the few prefill sequences a step carries.
+
+    key_limit (int32[num_tokens] or None: causal): the highest key position each query token may
+    see, for bidirectional attention among the tokens of an image (Gemma 3): a token of an image
+    span [s, e) of its sequence's positions gets e - 1, any other token its own position. A query
+    at position p then sees the keys k <= max(p, key_limit) below its sequence's length, with a
+    sliding window also p - k < window (a key after the query is always inside it).
     """
     del interpret
     check_heads(q, k_pages)
@@ -122,7 +132,13 @@ def ragged_paged_attention(
     v_context = _gather_context(v_pages, block_table)
     scores = _scores(q_padded, k_context, "sqkgd,stkd->skgqt", scale, logit_soft_cap)
     key_pos = jnp.arange(max_pages * page_size)  # [t]
-    valid = _visible(query_pos[:, :, None], key_pos[None, None, :], sliding_window)
+    limit = None
+    if key_limit is not None:  # each query's limit, laid out as the queries, never below its position
+        slot = jnp.arange(num_tokens)
+        token_index = jnp.clip(query_start_loc[:num_seqs, None] + slot[None, :], 0, num_tokens - 1)  # [s, q]
+        limit = jnp.minimum(jnp.maximum(query_pos, key_limit.astype(jnp.int32)[token_index]),
+                            seq_lens[:, None] - 1)[:, :, None]
+    valid = _visible(query_pos[:, :, None], key_pos[None, None, :], sliding_window, limit)
     valid = valid & query_valid[:, :, None]  # [s, q, t]
     out = _masked_softmax_attention(scores, valid[:, None, None, :, :], v_context)  # [s,kv,g,q,d]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, num_tokens, num_q_heads, head_dim)

@@ -181,7 +181,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, *, slidin
     return _finish(state).astype(q.dtype)
 
 
-def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
+def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, key_limit=None,
                            sliding_window=None, scale=None, logit_soft_cap=None,
                            pages_per_block=PREFILL_PAGES_PER_BLOCK, query_chunk=PREFILL_QUERY_CHUNK):
     """Causal attention of a ragged batch of query tokens against their sequences' pages.
@@ -191,6 +191,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     seq_lens[i]; query_start_loc (int32[num_seqs + 1]) is non-decreasing (padding rows repeat the
     last value). Tokens past query_start_loc[num_seqs] and rows with seq_lens 0 give zeros.
     sliding_window (int32 scalar or None), scale, logit_soft_cap: see pallas_kernels.common.
+    key_limit (int32[num_tokens] or None: causal): the highest key position each query may see
+    (bidirectional image spans, see pallas_kernels.reference.ragged_paged_attention): a query at
+    position p sees the keys k <= max(p, key_limit) below its sequence's length, the window's
+    rule on p - k unchanged. A chunk's key blocks then run to its largest limit.
 
     The work follows the causal triangle of the sequences present: an outer loop over chunks of
     `query_chunk` queries of one sequence (as many as the call's sequences need, a trip count
@@ -227,6 +231,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
         qc = jax.lax.dynamic_slice_in_dim(q_scaled, origin, chunk).reshape(chunk, num_kv_heads, group, head_dim)
         table = jax.lax.dynamic_index_in_dim(block_table, i, keepdims=True)  # [1, pages]
         last_pos = seq_lens[i] - (starts[i] + query_lens[i]) + last_query - 1
+        limit = None
+        if key_limit is not None:  # each query's highest key, the chunk's key blocks up to their largest
+            chunk_limits = jax.lax.dynamic_slice_in_dim(key_limit.astype(jnp.int32), origin, chunk)
+            limit = jnp.minimum(jnp.maximum(query_pos, chunk_limits), seq_lens[i] - 1)  # [c]
+            last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(query_valid, limit, -1)))
         first_block = 0
         if window is not None:
             first_pos = seq_lens[i] - (starts[i] + query_lens[i]) + first_query
@@ -237,7 +246,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
             v = _gather_block(v_pages, table, block, pages_per_block)[0]
             scores = soft_cap(jnp.einsum("qkgd,tkd->kgqt", qc, k, precision=_HIGHEST), logit_soft_cap)
             key_pos = block * block_tokens + jnp.arange(block_tokens)  # [t]
-            if window is None:
+            if limit is not None:  # the window's rule on query_pos - key_pos holds for keys after the query
+                visible = key_pos[None, :] <= limit[:, None]
+                if window is not None:
+                    visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+            elif window is None:
                 visible = key_pos[None, :] <= query_pos[:, None]
             else:
                 visible = in_window(query_pos[:, None], key_pos[None, :], window)
