@@ -213,3 +213,19 @@ def test_gemma3_prompt_expansion_equals_gemma3_processor(no_processor_class_chec
 def test_expand_prompt_refuses_a_placeholder_count_that_is_not_the_image_count():
     with pytest.raises(MediaError, match="2 image placeholder"):
         ip.expand_prompt("<|image_pad|> and <|image_pad|>", ip.QwenVLImageProcessor(), [4])
+
+
+def test_a_folder_saved_by_transformers_processor_reads_the_same(tmp_path, no_processor_class_check):
+    """transformers 5 saves the image processor's settings inside processor_config.json."""
+    from transformers import Gemma3Processor
+    gemma_tokenizer = tiny_tokenizer({"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                      "image_token": "<image_soft_token>"})
+    Gemma3Processor(image_processor=hf_gemma3(size={"height": 48, "width": 64}, resample=3), tokenizer=gemma_tokenizer,
+                    image_seq_length=16).save_pretrained(tmp_path / "gemma")
+    hf_qwen(min_pixels=1000, max_pixels=50_000).save_pretrained(tmp_path / "qwen")  # its processor wants a video one
+    for name, model_type in [("gemma", "gemma3"), ("qwen", "qwen2_5_vl")]:
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
+    gemma = ip.load_image_processor(tmp_path / "gemma")
+    assert (gemma.height, gemma.width, gemma.resample, gemma.mm_tokens_per_image) == (48, 64, 3, 16)
+    qwen = ip.load_image_processor(tmp_path / "qwen")
+    assert (qwen.min_pixels, qwen.max_pixels, qwen.resample, qwen.image_mean) == (1000, 50_000, 3, ip.OPENAI_CLIP_MEAN)

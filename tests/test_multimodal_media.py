@@ -321,3 +321,11 @@ def test_errors_name_the_image_among_several():
     with pytest.raises(MediaError, match="^image 2 of message 2: "):
         load(messages)
     assert isinstance(MediaError("x"), ValueError)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_common_formats_decode_to_rgb(fmt):
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(png_bytes(10, 12))).save(buffer, format=fmt)
+    image = media.decode_image(buffer.getvalue(), "image 1 of message 1")
+    assert image.mode == "RGB" and image.size == (12, 10)
