@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from jaxserve.multimodal.media import MediaError
+from jaxserve.multimodal.media import MediaError, to_rgb
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -103,7 +103,9 @@ class QwenVLImageProcessor:
         return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
 
     def process(self, image: Image.Image) -> ProcessedImage:
-        """An RGB PIL image -> its patches, grid and token count."""
+        """A PIL image (converted to RGB first, as transformers' do_convert_rgb) -> its patches,
+        grid and token count."""
+        image = image if image.mode == "RGB" else to_rgb(image)
         height, width = image.height, image.width
         h, w = self.target_size(height, width)
         factor = self.patch_size * self.merge_size
@@ -147,7 +149,8 @@ class Gemma3ImageProcessor:
         return self.mm_tokens_per_image
 
     def process(self, image: Image.Image) -> ProcessedImage:
-        """An RGB PIL image -> pixel_values [3, height, width] float32."""
+        """A PIL image (converted to RGB first) -> pixel_values [3, height, width] float32."""
+        image = image if image.mode == "RGB" else to_rgb(image)
         if self.do_resize and (image.height, image.width) != (self.height, self.width):
             image = image.resize((self.width, self.height), resample=self.resample)
         return ProcessedImage(rescale_and_normalize(image, self.rescale_factor, self.image_mean, self.image_std),
@@ -243,7 +246,8 @@ def qwen_vl_processor(c: dict[str, Any]) -> QwenVLImageProcessor:
                                 **_common(c, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, BICUBIC))
 
 
-def gemma3_processor(c: dict[str, Any], processor_config: dict[str, Any], config: dict[str, Any]) -> Gemma3ImageProcessor:
+def gemma3_processor(c: dict[str, Any], processor_config: dict[str, Any],
+                     config: dict[str, Any]) -> Gemma3ImageProcessor:
     """From preprocessor_config.json, with the tokens per image from processor_config.json's
     image_seq_length or config.json's mm_tokens_per_image (which must agree when both are there)."""
     if c.get("do_pan_and_scan"):
