@@ -121,6 +121,22 @@ def test_qwen_matches_transformers(qwen, grids, padded):
     assert err < TOL
 
 
+@pytest.mark.parametrize("query_block", [24, 32])
+def test_qwen_full_attention_in_query_blocks(qwen, monkeypatch, query_block):
+    """The full-attention blocks a block of queries at a time (a block that divides N, and one
+    that leaves padded query rows) give transformers' result."""
+    model, config, params = qwen
+    monkeypatch.setattr(qwen_vision, "QUERY_BLOCK", query_block)
+    grids = [GRID_A, GRID_B]
+    pixels = random_patches(config, grids)
+    ref = qwen_reference(model, pixels, grids)
+    fn = jax.jit(lambda *args, **kwargs: qwen_vision.forward(*args, **kwargs), static_argnums=1)  # a fresh trace
+    ours, inputs = qwen_ours(params, config, pixels, grids, 128, fn=fn)
+    err = rel_err(ours[:inputs.num_tokens], ref)
+    print(f"qwen query block {query_block}: max rel err {err:.2e}")
+    assert err < TOL
+
+
 def test_qwen_padding_and_one_compile(qwen):
     """Padding rows of any value leave the valid rows unchanged, and one compiled function serves
     different images of the same padded size."""
@@ -247,6 +263,17 @@ def test_gemma_matches_transformers(gemma):
     # mutation: the patches read column-major
     wrong = jax.jit(siglip.forward, static_argnums=1)(params, config, np.ascontiguousarray(pixels.transpose(0, 1, 3, 2)))
     assert rel_err(wrong, ref_tokens) > 100 * TOL
+
+
+def test_gemma_attention_in_query_blocks(gemma, monkeypatch):
+    model, config, params = gemma
+    monkeypatch.setattr(siglip, "QUERY_BLOCK", 6)  # 16 patches: 3 blocks, the last one padded
+    pixels = np.random.default_rng(3).standard_normal((2, 3, 56, 56)).astype(np.float32)
+    _, ref_tokens = gemma_reference(model, pixels)
+    tokens = jax.jit(lambda p, x: siglip.forward(p, config, x))(params, pixels)
+    err = rel_err(tokens, ref_tokens)
+    print(f"gemma3 query block 6: max rel err {err:.2e}")
+    assert err < TOL
 
 
 def test_gemma_weight_names(gemma):

@@ -28,8 +28,8 @@ embeddings, image after image in the order of `grid_thw`; the rest is padding.
 Window attention is computed in blocks: after the reordering a window is at most
 `window_patches` = (window_size // patch_size)**2 contiguous rows, so a query block of that many
 rows only meets keys in its own block and the two neighbours; each window block costs
-O(N * 3 * window_patches) rather than O(N**2). The full-attention blocks are dense over N with
-the frame mask ([heads, N, N] logits in float32). The blocks run under `jax.lax.scan`, which picks
+O(N * 3 * window_patches) rather than O(N**2). The full-attention blocks attend over all N rows
+with the frame mask, `QUERY_BLOCK` queries at a time (their float32 logits [heads, QUERY_BLOCK, N]). The blocks run under `jax.lax.scan`, which picks
 the attention of each block with `jax.lax.cond` on the block's kind.
 """
 from __future__ import annotations
@@ -47,6 +47,9 @@ Params = dict
 
 HF_PREFIXES = ("model.visual.", "visual.")  # transformers 5's module path, the published checkpoints'
 NORM_EPS = 1e-6  # fixed in transformers' Qwen2.5-VL vision RMSNorms
+# Queries per block of the full-attention blocks: [heads, QUERY_BLOCK, N] float32 logits at a time
+# (16 heads x 1024 x 16384 patches: 1 GiB). Read when `forward` is traced.
+QUERY_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +243,9 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _full_attention(q, k, v, segments, scale):
-    """Dense attention within segments: q, k, v [N, H, hd], segments [N]."""
-    mask = (segments[:, None] == segments[None, :])[None]  # [1, N, N]
-    return attention(q, k, v, mask, scale)
+    """Attention within segments (frames) over the whole sequence, QUERY_BLOCK queries at a time:
+    q, k, v [N, H, hd], segments [N]."""
+    return vision.blocked_attention(q, k, v, segments, scale, QUERY_BLOCK)
 
 
 def _window_attention(q, k, v, segments, scale, block: int):

@@ -144,3 +144,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
         logits = jnp.where(mask, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [..., H, S_q, S_k]
     return jnp.einsum("...hqk,...khd->...qhd", probs, v)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, scale: float,
+                      query_block: int) -> jax.Array:
+    """Attention of one sequence within segments, a block of `query_block` queries at a time
+    against every key (`jax.lax.map`), so the float32 logits held at once are
+    [H, query_block, S] rather than [H, S, S]. q, k, v [S, H, hd]; segments [S] (None: every
+    query sees every key). Returns [S, H, hd]."""
+    S, H, hd = q.shape
+
+    def one_block(q_rows, q_segments):
+        mask = None if segments is None else (q_segments[:, None] == segments[None, :])[None]  # [1, Bq, S]
+        return attention(q_rows, k, v, mask, scale)
+
+    if S <= query_block:
+        return one_block(q, segments)
+    nb = -(-S // query_block)
+    extra = nb * query_block - S
+    q_pad = jnp.pad(q, [(0, extra), (0, 0), (0, 0)]).reshape(nb, query_block, H, hd)
+    # padded query rows repeat the last row's segment, so that they see a key (their rows are dropped)
+    seg = jnp.zeros((S,), jnp.int32) if segments is None else segments
+    seg_pad = jnp.pad(seg, (0, extra), mode="edge").reshape(nb, query_block)
+    out = jax.lax.map(lambda xs: one_block(*xs), (q_pad, seg_pad))  # [nb, Bq, H, hd]
+    return out.reshape(nb * query_block, H, hd)[:S]
