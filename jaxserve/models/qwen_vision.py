@@ -83,7 +83,8 @@ class VisionConfig:
                    patch_size=v.get("patch_size", 14), temporal_patch_size=v.get("temporal_patch_size", 2),
                    spatial_merge_size=v.get("spatial_merge_size", 2), window_size=v.get("window_size", 112),
                    fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-                   in_channels=v.get("in_channels", 3), rope_theta=float(theta))
+                   in_channels=v.get("in_channels", v.get("in_chans", 3)),  # published configs: in_chans
+                   rope_theta=float(theta))
 
     @property
     def head_dim(self) -> int:
