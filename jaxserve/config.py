@@ -61,7 +61,7 @@ class EngineConfig:
     max_num_seqs: int = setting(32, "most sequences in one step", minimum=1)
     max_num_batched_tokens: int = setting(512, "token budget of one step (decode tokens + prefill chunks)",
                                           minimum=1)
-    max_num_prefill_seqs: int = setting(2, "most prefill chunks in one step", minimum=1)
+    max_num_prefill_seqs: int = setting(8, "most prefill chunks in one step", minimum=1)
     # Prefill tokens a step may carry beside decoding rows (all its chunks together), at the cost
     # of offline throughput too (more, smaller steps); a step without decoding rows still takes the
     # whole budget. None: no bound (the rest of max_num_batched_tokens, as vLLM). `jaxserve serve`
@@ -172,6 +172,12 @@ class EngineConfig:
         "(bfloat16 where the CPU has bfloat16 instructions, else float32), bfloat16, float32, or int8 (per-channel "
         "int8 weights multiply activations quantized to int8 per row: faster, less accurate; see docs/quantization.md)",
         choices=("auto", "float32", "bfloat16", "int8"))
+    # Accelerators: the matmuls of prompt chunks on quantized weights (jaxserve.models.prompt_matmul).
+    gpu_prompt_dtype: str = setting(
+        "bfloat16", "an accelerator's matmuls of prompt chunks (more than 64 rows) on quantized weights: bfloat16 "
+        "(the weights dequantized), int8 (per-channel int8 weights, --quantization=int8, times activations "
+        "quantized to int8 per row: int8 tensor cores) or fp8 (float8 e4m3 weights, an fp8 checkpoint, times "
+        "activations quantized to e4m3 per row); see docs/quantization.md", choices=("bfloat16", "int8", "fp8"))
     # Speculative decoding (jaxserve.speculative.verification).
     speculative_method: str | None = setting(
         None, "speculative decoding: ngram (prompt lookup: propose what followed the last n tokens earlier in the "

@@ -51,7 +51,7 @@ def test_views_keep_activations_in_float32(tiny):
     for name, w in params["layers"].items():
         view = views["layers"][name]
         if w.ndim == 3:
-            assert isinstance(view, qz.BFloat16Matrix) and view.w is w and view.shape == w.shape, name
+            assert isinstance(view, qz.StripMatrix) and view.w is w and view.shape == w.shape, name
             assert view.kernel.prompt_dtype == "bfloat16", name
             np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_bf16(view.kernel.packed, w.shape[-1])),
                                           np.asarray(w))
@@ -64,7 +64,8 @@ def test_views_keep_activations_in_float32(tiny):
         - qz.tree_bytes([params[n] for n in ("embed", "lm_head") if n in params])
     assert cpu_layout.layer_views_bytes(params) == added
     float_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    assert not isinstance(cpu_layout.layer_views(float_params).get("lm_head"), qz.BFloat16Matrix)  # float32: views
+    float_head = cpu_layout.layer_views(float_params)["lm_head"]  # float32: the strips alone (test_cpu_float32_strips)
+    assert float_head.w is None and float_head.kernel.packed.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("rows", [1, 5, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 3])
@@ -74,14 +75,14 @@ def test_bfloat16_matrix_linear(rows):
     rng = np.random.default_rng([SEED, rows])
     w = jnp.asarray(rng.standard_normal((3, 96, 80)) / 10, jnp.bfloat16)  # [L, in, out]
     matrix = cpu_layout._bfloat16_matrix_jit(w)
-    matrix = qz.BFloat16Matrix(w, dataclasses.replace(matrix.kernel, prompt_dtype="bfloat16"), 80)
+    matrix = qz.StripMatrix(w, dataclasses.replace(matrix.kernel, prompt_dtype="bfloat16"), 80)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     exact = x.astype(np.float64) @ np.asarray(w[1], np.float64)
     rounded = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) @ np.asarray(w[1], np.float64)
     expected = exact if rows <= cpu_kernels.MAX_ROWS else rounded
-    for weight in (matrix, qz.BFloat16Matrix(None, matrix.kernel, 80)):
+    for weight in (matrix, qz.StripMatrix(None, matrix.kernel, 80)):
         at_layer = jax.jit(lambda x, m, layer: qz.linear(
-            x, qz.BFloat16Matrix(m.w if m.w is None else m.w[layer], dataclasses.replace(m.kernel, layer=layer), 80)))
+            x, qz.StripMatrix(m.w if m.w is None else m.w[layer], dataclasses.replace(m.kernel, layer=layer), 80)))
         got = np.asarray(at_layer(jnp.asarray(x), weight, jnp.int32(1)))
         assert got.dtype == np.float32
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"

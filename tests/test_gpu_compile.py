@@ -68,6 +68,43 @@ def test_tensor_parallel_int8_weights_and_fp8_kv_compile_with_the_sharded_kernel
     assert report["compile"]["tensor_parallel_size"] == 2 and report["plan"]["weight_dtype"] == "int8"
 
 
+def _dot_operand_types(hlo_text: str) -> set[str]:
+    """The element types of the operands of every dot in compiled HLO text (fusions included)."""
+    types = {}
+    for line in hlo_text.splitlines():
+        found = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[", line)
+        if found:
+            types[found[1]] = found[2]
+    dots = re.findall(r"= \w+\[[^\]]*\]\{?[^ ]*\s*dot\(%(\S+), %(\S+)\)", hlo_text)
+    return {types.get(name.rstrip(","), "?") for pair in dots for name in pair}
+
+
+def test_int8_activations_compile_to_int8_dots_for_hopper():
+    """--gpu_prompt_dtype=int8 on --quantization=int8 weights: the prefill step's matmuls take int8
+    operands (XLA's GEMM fusions on the 8-bit codes), the decode step's stay bfloat16 products of
+    the dequantized weights."""
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, max_num_prefill_seqs=2,
+                       quantization="int8", gpu_prompt_dtype="int8", num_pages=64)
+    build, _ = gpu_compile._build(TINY_LLAMA3, cfg, "h100")
+    buckets = [b for b in build.buckets.all() if b.num_decode in (0, 8) and b.num_prefill_tokens in (0, 128)]
+    types = {}
+    for key, jitted, args, mesh, _ in gpu_compile._step_jobs(build, buckets):
+        compiled, _ = gpu_compile._compile(jitted, args, mesh)
+        types[(key["num_decode"], key["num_prefill_tokens"])] = _dot_operand_types(compiled.as_text())
+    assert "s8" in types[(0, 128)] and "s8" in types[(8, 128)], types
+    assert "s8" not in types[(8, 0)], types
+
+
+def test_fp8_activations_compile_to_fp8_dots_for_hopper():
+    """The float8 product of --gpu_prompt_dtype=fp8 (e4m3 rows x e4m3 weights) stays a float8 dot."""
+    from jaxserve.models import prompt_matmul
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    x, q, scale = _abstract(mesh, ((256, 512), jnp.bfloat16), ((512, 1024), jnp.float8_e4m3fn), ((1, 1024), jnp.float32))
+    linear = jax.jit(lambda x, q, s: prompt_matmul.quantized_activations_linear(x, q, s, "fp8"))
+    compiled, _ = gpu_compile._compile(linear, (x, q, scale), mesh)
+    assert _dot_operand_types(compiled.as_text()) == {"f8e4m3fn"}
+
+
 def _abstract(mesh, *shapes_and_dtypes):
     replicated = NamedSharding(mesh, P())
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes_and_dtypes]

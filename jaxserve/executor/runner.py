@@ -37,7 +37,7 @@ from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buc
 from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, kv_transfer, prompt_logprobs,
                                sampler, shape_choice, step_functions)
 from jaxserve.executor import warmup as warmup_lib
-from jaxserve.models import cpu_layout, llama
+from jaxserve.models import cpu_layout, llama, prompt_activations
 from jaxserve.models import lora as lora_lib
 
 log = logging.getLogger(__name__)
@@ -120,12 +120,16 @@ class ModelRunner:
         # Sharded: weights placed on the mesh; the step runs `shardings.model_config` (the same
         # model, with KV heads replicated when tensor parallelism exceeds them).
         self.params = params if shardings is None else shardings.place(params)
+        # Prompt chunks with 8-bit activations on an accelerator (EngineConfig.gpu_prompt_dtype).
+        self.params = prompt_activations.mark(self.params, engine_config.gpu_prompt_dtype)
         step_config = config if shardings is None else shardings.model_config
         # What the forward reads: on the CPU a view of each layer's weights (no copy; XLA would
         # copy a layer's slice of the stacked weights in every step), else self.params.
         self._step_params = cpu_layout.layer_views(self.params, int8_activations=self.cpu_int8_activations,
                                                    prompt_dtype=self.cpu_prompt_dtype,
                                                    float32_attention=self.backend in cpu_layout.FLOAT32_ATTENTION_BACKENDS)
+        # (a float32 model's matrices are then the kernel's strips alone: the stored ones are freed)
+        self.params = cpu_layout.stored_params_left(self.params, self._step_params)
         # LoRA: the adapter slab travels with the weights (the step's params["lora"]); a slot's
         # write replaces it in place and never recompiles (jaxserve.models.lora).
         self.lora = None

@@ -24,7 +24,7 @@ import numpy as np
 
 import cpu_kernels
 from jaxserve.models import prompt_matmul
-from jaxserve.models.quantization import (BFloat16Matrix, KernelLayout, QuantArray, QuantEmbedding, TransposedLayout,
+from jaxserve.models.quantization import (StripMatrix, KernelLayout, QuantArray, QuantEmbedding, TransposedLayout,
                                           tree_bytes)
 
 Params = dict[str, Any]
@@ -134,7 +134,7 @@ def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str
     prompt_dtype = prompt_matmul.resolve(prompt_dtype)
 
     def mark(weight):
-        if isinstance(weight, (QuantArray, BFloat16Matrix)) and weight.kernel is not None:
+        if isinstance(weight, (QuantArray, StripMatrix)) and weight.kernel is not None:
             return dataclasses.replace(weight, kernel=dataclasses.replace(weight.kernel, prompt_dtype=prompt_dtype))
         return weight
 
@@ -168,8 +168,10 @@ def _layer_views(params: Params, int8_activations: bool, float32_attention: bool
 
     if not jax.tree.leaves(params["layers"]) or not all(map(on_one_cpu, jax.tree.leaves(params["layers"]))):
         return params
-    if float32_attention and _bfloat16_matrices(params):
+    if float32_attention and _float_matrices(params, jnp.bfloat16):
         return bfloat16_views(params)
+    if _float_matrices(params, jnp.float32):
+        return float32_views(params)
     if int8_activations and _kernel_takes_every_matrix(params["layers"]):
         layers = {name: with_kernel_layout(w) if isinstance(w, QuantArray) else w
                   for name, w in params["layers"].items()}
@@ -181,18 +183,18 @@ def _layer_views(params: Params, int8_activations: bool, float32_attention: bool
     return _with_lm_head_kernel_layout(views) if int8_activations else views
 
 
-def _bfloat16_matrices(params: Params) -> bool:
-    """Whether every matrix of the model is a bfloat16 float array (no quantized weight, no
-    routed experts) and the C++ kernels are built: `bfloat16_views` takes it."""
+def _float_matrices(params: Params, dtype) -> bool:
+    """Whether every matrix of the model is a float array of `dtype` (no quantized weight, no
+    routed experts) and the C++ kernels are built: `bfloat16_views` / `float32_views` take it."""
     matrices = [w for w in params["layers"].values() if isinstance(w, QuantArray) or w.ndim > 2]
     matrices += [params[name] for name in ("embed", "lm_head") if name in params]
     return bool(matrices) and all(not isinstance(w, (QuantArray, QuantEmbedding)) and w.ndim in (2, 3)
-                                  and w.dtype == jnp.bfloat16 for w in matrices) \
+                                  and w.dtype == dtype for w in matrices) \
         and all(w.ndim == 3 for w in params["layers"].values() if w.ndim > 2) and cpu_kernels.available()
 
 
 def bfloat16_views(params: Params) -> Params:
-    """A bfloat16 model as the CPU step reads it: each matrix a `BFloat16Matrix` (its stored
+    """A bfloat16 model as the CPU step reads it: each matrix a `StripMatrix` (its stored
     layout and a copy in the C++ kernel's, read at the layer index: float32 rows times bfloat16
     weights at memory speed, where XLA:CPU takes 5-30x longer), the lm_head too (a tied one in the
     kernel's layout only), and the norms and biases in float32: the residual stream, attention
@@ -207,18 +209,46 @@ def bfloat16_views(params: Params) -> Params:
     return views
 
 
-def _bfloat16_matrix_jit(w: jax.Array) -> BFloat16Matrix:
+def _bfloat16_matrix_jit(w: jax.Array) -> StripMatrix:
     """A bfloat16 [..., in, out] weight with the kernel's layout beside it (the same array, no copy)."""
-    return BFloat16Matrix(w, KernelLayout(_pack_bf16_jit(w), None), w.shape[-1])
+    return StripMatrix(w, KernelLayout(_pack_bf16_jit(w), None), w.shape[-1])
 
 
-def _tied_lm_head_jit(embed: jax.Array) -> BFloat16Matrix:
+def _tied_lm_head_jit(embed: jax.Array) -> StripMatrix:
     """The lm_head tied to a bfloat16 embedding [V, D]: its [D, V] in the kernel's layout only."""
-    return BFloat16Matrix(None, KernelLayout(_pack_transposed_bf16_jit(embed), None), embed.shape[0])
+    return StripMatrix(None, KernelLayout(_pack_transposed_bf16_jit(embed), None), embed.shape[0])
 
 
 _pack_bf16_jit = jax.jit(cpu_kernels.pack_bf16)
 _pack_transposed_bf16_jit = jax.jit(lambda w: cpu_kernels.pack_bf16(w.T))
+
+
+def float32_views(params: Params) -> Params:
+    """A float32 model as the CPU step reads it: each matrix (the lm_head, a tied one too) a
+    `StripMatrix` in the C++ kernel's strips only (cpu_kernels.f32_matmul multiplies every row
+    count: 1.1-1.4x XLA:CPU's dot at 8-512 rows, ~2x at the lm_head), read at the layer index;
+    norms, biases and the embedding as they are. The stored matrices are then read by nothing
+    (`stored_params_left` lets the runner drop them): the strips replace them, and only a tied
+    lm_head's are a copy (of the embedding, transposed)."""
+    layers = {name: _float32_matrix_jit(w) if w.ndim == 3 else w for name, w in params["layers"].items()}
+    lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return {**params, "layers": layers, "lm_head": _float32_matrix_jit(lm_head)}
+
+
+@jax.jit
+def _float32_matrix_jit(w: jax.Array) -> StripMatrix:
+    """A float32 [..., in, out] weight in the kernel's strips (a copy; nothing else kept)."""
+    return StripMatrix(None, KernelLayout(cpu_kernels.pack_f32(w), None), w.shape[-1])
+
+
+def stored_params_left(params: Params, views: Params) -> Params:
+    """`params` with each entry that `views` (layer_views') replaced by a layout of its own
+    (float32_views' strips) given as that layout instead: what the runner keeps as its weights,
+    so that the stored matrices no one reads any more are freed. Anything else unchanged."""
+    if not any(isinstance(w, StripMatrix) and w.w is None and w.kernel.packed.dtype == jnp.float32
+               for w in jax.tree.leaves(views["layers"], is_leaf=lambda w: isinstance(w, StripMatrix))):
+        return params
+    return {**params, "layers": views["layers"], **({"lm_head": views["lm_head"]} if "lm_head" in params else {})}
 
 
 def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
@@ -247,7 +277,9 @@ def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
     the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
     tied lm_head, or a bfloat16 model's matrices in the kernel's layout (and its norms in float32).
     Views themselves cost nothing. For the memory planner."""
-    if _bfloat16_matrices(params):
+    if _float_matrices(params, jnp.float32):  # the strips replace the matrices; a tied lm_head's are a copy
+        return tree_bytes(jax.eval_shape(float32_views, params)) - tree_bytes(params)
+    if _float_matrices(params, jnp.bfloat16):
         shared = [w for w in params["layers"].values() if w.ndim == 3]  # the matrices' stored layout
         shared += [params[name] for name in ("embed", "lm_head") if name in params]
         return tree_bytes(jax.eval_shape(bfloat16_views, params)) - tree_bytes(shared)
@@ -336,7 +368,7 @@ class LayerWeights:
         own = {name: w for name, w in layers.items() if kinds is not None and name in kinds.leaves}
         layers = {name: w for name, w in layers.items() if name not in own}
         whole = {name: w.kernel for name, w in layers.items()
-                 if isinstance(w, (QuantArray, BFloat16Matrix)) and w.kernel is not None}
+                 if isinstance(w, (QuantArray, StripMatrix)) and w.kernel is not None}
         scanned = {name: dataclasses.replace(w, kernel=None) if name in whole else w for name, w in layers.items()}
         return cls(scanned, whole, None, own, kinds if own else None)
 

@@ -21,6 +21,12 @@ float32 dot, to the CPU's integer and bfloat16 units (AMX, AVX-512 VNNI / BF16):
 and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too
 (float32: converted). `cpu_layout.layer_views` writes the choice into each weight's kernel layout.
 
+On an accelerator (EngineConfig.gpu_prompt_dtype; `quantization.with_prompt_activations` marks
+the weights), a prompt chunk's activations may be quantized the same way for the tensor cores'
+integer or float8 products: `quantized_activations_linear`, int8 rows times per-channel int8
+weights (int32 sums), or e4m3 rows (one scale per row, max |x| / 448) times e4m3 weights (float32
+sums); XLA:GPU runs both dots in its Triton GEMM fusions on the 8-bit operands.
+
 What each costs in accuracy is in docs/quantization.md, measured (bench/prompt_compute.py).
 """
 from __future__ import annotations
@@ -57,6 +63,30 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3fn
+
+
+def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] float -> (codes float8_e4m3fn [..., K], scale float32 [..., 1]): one scale per
+    row (max |x| / 448; a zero row gets scale 1)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+def quantized_activations_linear(x: jax.Array, q: jax.Array, scale: jax.Array, activations: str) -> jax.Array:
+    """x [..., K] @ w for w = q * scale, q int8 or float8_e4m3fn [K, N], scale [1, N] (per output
+    channel): the rows of x quantized to `activations` ("int8" or "fp8", one scale per row), an
+    8-bit dot accumulated in int32 / float32, both scales applied in float32 -> [..., N] in x's
+    dtype."""
+    if activations == "int8":
+        return int8_linear(x, q, scale)
+    codes, row_scale = quantize_rows_fp8(x)
+    acc = jax.lax.dot_general(codes, q, (((codes.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * row_scale * scale[0].astype(jnp.float32)).astype(x.dtype)
 
 
 def int8_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

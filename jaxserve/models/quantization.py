@@ -153,6 +153,9 @@ class QuantArray:
     perm: Any = None  # int32 [..., in]: act-order, the inputs' order of the stored rows
     transposed: TransposedLayout | None = None
     kernel: KernelLayout | None = None
+    # On an accelerator, what prompt chunks' activations are quantized to for this weight's matmul
+    # ("int8" / "fp8": EngineConfig.gpu_prompt_dtype, set by prompt_activations.mark; "": none).
+    prompt_activations: str = dataclasses.field(default="", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -168,13 +171,16 @@ class QuantArray:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class BFloat16Matrix:
-    """A bfloat16 weight [..., in, out] as the CPU step reads it (jaxserve.models.cpu_layout):
-    the stored layout, which prompt chunks multiply (prompt_matmul.bfloat16_linear), and the C++
-    kernel's (cpu_kernels.pack_bf16) for up to cpu_kernels.MAX_ROWS float32 rows. An lm_head
-    tied to the embedding has the kernel's layout only (w None: prompt rows unpack it)."""
+class StripMatrix:
+    """A float weight [..., in, out] as the CPU step reads it (jaxserve.models.cpu_layout), in
+    the C++ kernel's strips of output columns (cpu_kernels, strip_matmul.cc):
+    * bfloat16: the stored layout too, which prompt chunks multiply (prompt_matmul.bfloat16_linear),
+      and the strips (cpu_kernels.pack_bf16) for up to cpu_kernels.MAX_ROWS float32 rows; an
+      lm_head tied to the embedding has the strips only (w None: prompt rows unpack them);
+    * float32: the strips only (cpu_kernels.pack_f32), which every row count multiplies in the
+      kernel (w None; the stored layout is not kept)."""
     w: Any  # bfloat16 [..., in, out], or None
-    kernel: KernelLayout  # packed: bfloat16 [..., S, in, STRIP]; scale None; layer as KernelLayout's
+    kernel: KernelLayout  # packed: bfloat16 or float32 [..., S, in, STRIP]; scale None; layer as KernelLayout's
     out_features: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
@@ -352,8 +358,8 @@ def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
     Otherwise the dequantization is elementwise work that XLA fuses into the jitted step. int4
     runs as two dots over the low-nibble and high-nibble halves of every group (the inputs split
     to match), which spares XLA an interleave of the unpacked codes (2.5x faster on CPU, measured)."""
-    if isinstance(weight, BFloat16Matrix):
-        y = _bfloat16_linear(x, weight)
+    if isinstance(weight, StripMatrix):
+        y = _strip_linear(x, weight)
         return y if out_dtype is None else y.astype(out_dtype)
     if not isinstance(weight, QuantArray):
         return jnp.matmul(x, weight, preferred_element_type=out_dtype)
@@ -388,6 +394,8 @@ def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
         offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
         return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
                                             weight.q.shape[-1], layer=kernel.layer)
+    if weight.prompt_activations and rows > cpu_kernels.MAX_ROWS:  # a prompt chunk on an accelerator
+        return prompt_matmul.quantized_activations_linear(x, weight.q, weight.scale, weight.prompt_activations)
     prompt_dtype = "float32" if weight.kernel is None else weight.kernel.prompt_dtype  # a prompt chunk on the CPU
     if prompt_dtype == "int8" and weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1:
         return prompt_matmul.int8_linear(x, weight.q, weight.scale)
@@ -409,9 +417,11 @@ def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
             + x_second @ second.reshape(num_groups * half, out).astype(x.dtype))
 
 
-def _bfloat16_linear(x: jax.Array, weight: BFloat16Matrix) -> jax.Array:
-    """x [..., in] @ a BFloat16Matrix (one layer's: `kernel.layer` set when stacked) -> x's dtype."""
+def _strip_linear(x: jax.Array, weight: StripMatrix) -> jax.Array:
+    """x [..., in] @ a StripMatrix (one layer's: `kernel.layer` set when stacked) -> x's dtype."""
     rows, packed = math.prod(x.shape[:-1]), weight.kernel.packed
+    if packed.dtype == jnp.float32:
+        return cpu_kernels.f32_matmul(x, packed, weight.out_features, layer=weight.kernel.layer).astype(x.dtype)
     if rows <= cpu_kernels.MAX_ROWS:
         return cpu_kernels.bf16_matmul(x, packed, weight.out_features, layer=weight.kernel.layer).astype(x.dtype)
     w = weight.w

@@ -37,7 +37,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.step import Bucket, BucketSet, geometric_buckets, prompt_logprob_rows_limit
 from jaxserve.executor import device_setup, executables, prompt_logprobs, sampler, step_functions
 from jaxserve.executor.executable_cache import store_key
-from jaxserve.models import llama, quantization, weights
+from jaxserve.models import llama, prompt_activations, quantization, weights
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
 from jaxserve.planning.gpu_targets import target_config, target_device_kind, target_memory_budget_bytes
@@ -260,6 +260,7 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, target: str) 
     plan = memory.plan_engine(model_config, dataclasses.replace(cfg, num_pages=None),
                               device_memory_bytes=target_memory_budget_bytes(target), on_gpu=True,
                               measured_weights_bytes=shardings.per_device_bytes(params))
+    params = prompt_activations.mark(params, cfg.gpu_prompt_dtype)  # as ModelRunner
     num_pages = cfg.num_pages or plan.num_pages
     kv_dtype = device_setup.kv_cache_dtype(cfg.kv_cache_dtype) or float_dtype
     device_setup.check_attention_operands(cfg.attention_backend, run_config, float_dtype, kv_dtype, cfg.page_size)

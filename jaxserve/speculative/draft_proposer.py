@@ -74,6 +74,7 @@ class DraftProposer:
         self._step_params = cpu_layout.layer_views(
             self.params, int8_activations=target_runner.cpu_int8_activations, prompt_dtype=target_runner.cpu_prompt_dtype,
             float32_attention=target_runner.backend in cpu_layout.FLOAT32_ATTENTION_BACKENDS)
+        self.params = cpu_layout.stored_params_left(self.params, self._step_params)
         dtype = target_runner.kv_cache_dtype  # an int8 / fp8 target cache: the draft's is too
         self._new_kv_cache = functools.partial(llama.init_kv_cache, config, llama.KVCacheSpec(num_pages, self.page_size),
                                                dtype, jax.sharding.SingleDeviceSharding(device))
