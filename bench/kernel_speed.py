@@ -19,7 +19,9 @@ Mosaic GPU kernel (mosaic_lora) through pallas_kernels.dispatch.lora_update on a
 a layer index, as the model calls it, at Llama-3-8B's q projection (64 decode rows) and gate
 projection (512 prefill rows) with 4 adapters of rank 16 (slot 0 among the rows' slots): seconds,
 bandwidth against the bytes the update must move (the rows in and out, the used adapters' A and B),
-speedup over the XLA path, each output against the reference.
+speedup over the XLA path, each output against the reference. Prompt matmuls on 8-bit weights
+(--gpu_prompt_dtype): bfloat16 against int8 and fp8 activations at Llama-3-8B's gate and down
+projections (512 and 2048 rows), TFLOP/s, speedup, and each against the float32 product.
 
 Every figure is written to --out as soon as it is measured (bench/gpu_check_report.StepReport), and
 each backend of each problem runs in its own guard: a Mosaic exception or the step's time limit
@@ -54,7 +56,10 @@ FULL = dict(batch=64, contexts=(1024, 4096, 8192), q_heads=32, kv_heads=8, head_
             grouped=[("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 1), ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 64),
                      ("qwen3-30b-a3b gate", *QWEN3_30B_A3B, 512), ("mixtral-8x7b gate", *MIXTRAL_8X7B, 8)],
             # Multi-LoRA cases: (name, rows, K, N, rank, adapters): Llama-3-8B's q and gate projections.
-            lora=[("llama-3-8b q decode", 64, 4096, 4096, 16, 4), ("llama-3-8b gate prefill", 512, 4096, 14336, 16, 4)])
+            lora=[("llama-3-8b q decode", 64, 4096, 4096, 16, 4), ("llama-3-8b gate prefill", 512, 4096, 14336, 16, 4)],
+            # Prompt-chunk matmuls on 8-bit weights (--gpu_prompt_dtype): (name, rows, K, N).
+            prompt_matmul=[("llama-3-8b gate prefill", 512, 4096, 14336), ("llama-3-8b down prefill", 512, 14336, 4096),
+                           ("llama-3-8b gate 2048", 2048, 4096, 14336)])
 # Largest |kernel - reference| / largest |reference| a row may show: bfloat16 outputs of the same
 # inputs (tests/test_kernels.py's bfloat16 tolerance).
 TOLERANCE = 2e-2
@@ -62,7 +67,8 @@ QUICK = dict(batch=2, contexts=(40, 100), q_heads=4, kv_heads=2, head_dim=64,
              page_size=16, quantized_contexts=(100,), prefills=2, prefill_len=24, copy_mib=4, matmul=128,
              repeats=2,
              grouped=[("tiny gate", 8, 64, 128, 2, 1), ("tiny gate", 8, 64, 128, 2, 16)],
-             lora=[("tiny", 70, 128, 64, 16, 2)])  # two blocks of 64 rows, the second partial
+             lora=[("tiny", 70, 128, 64, 16, 2)],  # two blocks of 64 rows, the second partial
+             prompt_matmul=[("tiny", 80, 128, 256)])
 
 
 def time_call(function, *args, repeats):
@@ -268,6 +274,50 @@ def bench_grouped(report, config, rng, interpret):
             del lhs, rhs
 
 
+# Largest |8-bit path - float32 product on its own weights| / largest |product| (the activations'
+# rounding alone: int8's 1/254 of a row's range, e4m3's 3 significant bits), as tests/test_gpu_prompt_activations.py.
+ACTIVATION_TOLERANCE = {"bfloat16": TOLERANCE, "int8": 0.02, "fp8": 0.08}
+
+
+def bench_prompt_activations(report, config, rng):
+    """A prompt chunk's matmul on 8-bit weights in each --gpu_prompt_dtype, as the step runs it
+    (quantization.linear): bfloat16 (the int8 weight dequantized, x in bfloat16), int8 (rows
+    quantized to int8 per row times the per-channel int8 codes, int32 sums) and fp8 (rows in e4m3
+    times e4m3 weights, float32 sums), on each case of config["prompt_matmul"]: seconds, TFLOP/s,
+    the speedup over bfloat16, and each output against the float32 product of the same rows with
+    that path's own (dequantized) weights, which isolates what its activations cost."""
+    from jaxserve.models import prompt_matmul, quantization
+    for name, rows, k, n in config["prompt_matmul"]:
+        label = f"prompt_matmul/{name}"
+        with report.guard(label):
+            keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 2)
+            x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+            w = jax.random.normal(keys[1], (k, n), jnp.float32) / math.sqrt(k)
+            int8 = quantization.quantize(w, quantization.QuantFormat(8, None))
+            fp8_scale = jnp.max(jnp.abs(w), axis=0, keepdims=True) / prompt_matmul.FP8_MAX
+            fp8 = quantization.QuantArray((w / fp8_scale).astype(jnp.float8_e4m3fn), fp8_scale)
+            paths = {"bfloat16": (int8, jax.jit(lambda x, q, s: x @ quantization.dequantize(
+                                     quantization.QuantArray(q, s), x.dtype))),
+                     "int8": (int8, jax.jit(lambda x, q, s: prompt_matmul.quantized_activations_linear(x, q, s, "int8"))),
+                     "fp8": (fp8, jax.jit(lambda x, q, s: prompt_matmul.quantized_activations_linear(x, q, s, "fp8")))}
+            flops = 2 * rows * k * n
+            row = report.append("prompt_matmul", {"case": name, "rows": rows, "k": k, "n": n, "flops": flops})
+            for dtype, (weight, matmul) in paths.items():
+                with report.guard(f"{label}/{dtype}"):
+                    exact = jnp.dot(x.astype(jnp.float32), quantization.dequantize(weight),
+                                    precision=jax.lax.Precision.HIGHEST)
+                    difference = relative_difference(matmul(x, weight.q, weight.scale), np.asarray(exact))
+                    report.check(f"{label}/{dtype}", "ok" if difference <= ACTIVATION_TOLERANCE[dtype] else "differ",
+                                 relative_difference=difference, tolerance=ACTIVATION_TOLERANCE[dtype])
+                    seconds = time_call(matmul, x, weight.q, weight.scale, repeats=config["repeats"])
+                    row[f"{dtype}_seconds"], row[f"{dtype}_relative_diff"] = seconds, difference
+                    row[f"{dtype}_tflop_per_s"] = flops / seconds / 1e12
+                    if dtype != "bfloat16" and row.get("bfloat16_seconds"):
+                        row[f"{dtype}_speedup_over_bfloat16"] = row["bfloat16_seconds"] / seconds
+                    report.write()
+            del x, w, int8, fp8
+
+
 def lora_backends(interpret):
     """The dispatch names of the multi-LoRA update's paths: XLA's, the Triton kernel's and, where
     this jax has Mosaic GPU, the Mosaic kernel's."""
@@ -338,11 +388,12 @@ def main(argv=None):
     with report.guard("matmul"):
         report.put("matmul", matmul_rate(config["matmul"], config["repeats"]))
     # Most valuable first: 16-bit decode at every context, the ragged prefill, the MoE grouped matmul,
-    # then decode over quantized pages, then the multi-LoRA update.
+    # the prompt matmuls with 8-bit activations, then decode over quantized pages, then the multi-LoRA update.
     bench_decode(report, config, rng, args.interpret, args.with_reference,
                  [(context, "bfloat16") for context in config["contexts"]])
     bench_ragged(report, config, rng, args.interpret, args.with_reference)
     bench_grouped(report, config, rng, args.interpret)
+    bench_prompt_activations(report, config, rng)
     bench_decode(report, config, rng, args.interpret, args.with_reference,
                  [(context, kind) for context in config["quantized_contexts"] for kind in ("int8", "fp8")])
     bench_lora(report, config, rng, args.interpret)
