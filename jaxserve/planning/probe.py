@@ -56,7 +56,9 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
     """(weight bytes/s, FLOP/s) of [rows, hidden] x [hidden, intermediate] matmuls over a stack of
     weight matrices larger than the caches, run one after the other under a scan, both operands
     in `dtype`: float32, bfloat16 (summed in float32) or int8 (summed in int32; operations/s), the
-    compute dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul)."""
+    compute dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul). float32 runs in the C++
+    kernel (cpu_kernels.f32_matmul on the strips, at the layer index) where it is built, as the
+    engine's float32 step does (jaxserve.models.cpu_layout.float32_views)."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
     element = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[dtype]
@@ -71,11 +73,21 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
         x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), element)
         stack = jnp.asarray(rng.standard_normal((count, hidden, intermediate), np.float32) * 0.01, element)
 
-    @jax.jit
-    def run(x, stack):
-        def one(total, w):  # total [rows, intermediate]
-            return total + jnp.matmul(x, w, preferred_element_type=total_dtype), None
-        return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), stack)[0]
+    import cpu_kernels
+    if dtype == "float32" and cpu_kernels.available():  # as the engine's float32 step: the C++ kernel's strips
+        stack = jax.jit(cpu_kernels.pack_f32)(stack)  # [n, strips, hidden, STRIP]
+
+        @jax.jit
+        def run(x, stack):
+            def one(total, layer):  # total [rows, intermediate]
+                return total + cpu_kernels.f32_matmul(x, stack, intermediate, layer=layer), None
+            return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), jnp.arange(count))[0]
+    else:
+        @jax.jit
+        def run(x, stack):
+            def one(total, w):  # total [rows, intermediate]
+                return total + jnp.matmul(x, w, preferred_element_type=total_dtype), None
+            return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), stack)[0]
 
     run(x, stack).block_until_ready()  # compile
     seconds = _best_seconds(lambda: run(x, stack).block_until_ready())
