@@ -28,6 +28,10 @@ from tests.test_kernels import (  # noqa: E402
     CASES, SEED, SOFT_CAP_OPTIONS, WINDOWS, Case, Options, case_id, context_lengths, decode_problem,
     jitted, oracle, ragged_problem,
 )
+from tests.test_bidirectional_spans import SpanCase, span_problem  # noqa: E402
+from tests.test_bidirectional_spans import case_id as span_case_id  # noqa: E402
+from tests.test_bidirectional_spans import options_of as span_options  # noqa: E402
+from tests.test_bidirectional_spans import dense_oracle as span_oracle  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Mosaic GPU kernels in their interpreter: out of `make test-quick`
 
@@ -272,6 +276,45 @@ def test_mosaic_kernels_on_quantized_pages_match_oracle(case, kv_dtype):
         check_ragged(case, np.random.default_rng(numbers), options, kv_dtype=kv_dtype)
 
 
+# Bidirectional attention among an image's tokens (key_limit, tests/test_bidirectional_spans.py's
+# problems: image spans at a chunk's start, middle and end, across page boundaries, GQA) against the
+# dense-mask oracle, with and without a window; key_limit at the positions is the causal result bit for bit.
+SPAN_CASES = [SpanCase(16, 64, 3, 2, jnp.bfloat16), SpanCase(8, 128, 4, 1, jnp.float16),
+              SpanCase(32, 64, 8, 1, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("window", [None, 5, 37], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("case", SPAN_CASES, ids=span_case_id)
+def test_mosaic_image_spans_match_the_oracle(case, window):
+    rng = np.random.default_rng([SEED, 19, SPAN_CASES.index(case), window or 0])
+    args, key_limit, positions, details = span_problem(case, rng, window)
+    options = span_options(window)
+    want = span_oracle(args, details["spans"], window)
+    function = jax.jit(lambda *a, key_limit: mosaic_ragged.ragged_paged_attention(
+        *a, key_limit=key_limit, interpret=INTERPRET, **options))
+    out = function(*args, key_limit=key_limit)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    close(out, want, case, f"mosaic image spans {span_case_id(case)} window {window}")
+    assert np.all(np.asarray(out, np.float32)[int(details["query_start_loc"][-1]):] == 0), f"padding (seed {SEED})"
+    if window is None:
+        causal = jax.jit(lambda *a: mosaic_ragged.ragged_paged_attention(*a, interpret=INTERPRET))(*args)
+        at_positions = function(*args, key_limit=positions)
+        assert np.array_equal(np.asarray(causal, np.float32), np.asarray(at_positions, np.float32)), SEED
+        through_dispatch = jax.jit(lambda *a, key_limit: dispatch.ragged_attention(
+            MOSAIC_BACKEND, *a, key_limit=key_limit))(*args, key_limit=key_limit)
+        np.testing.assert_array_equal(np.asarray(through_dispatch, np.float32), np.asarray(out, np.float32))
+
+
+def test_mosaic_without_key_limit_the_program_is_the_causal_one():
+    case = SPAN_CASES[0]
+    args, key_limit, _, _ = span_problem(case, np.random.default_rng([SEED, 20]))
+    plain = jax.jit(lambda *a: dispatch.ragged_attention(MOSAIC_BACKEND, *a)).lower(*args).as_text()
+    with_none = jax.jit(lambda *a: dispatch.ragged_attention(MOSAIC_BACKEND, *a, key_limit=None)).lower(*args).as_text()
+    limited = jax.jit(lambda *a, key_limit: dispatch.ragged_attention(MOSAIC_BACKEND, *a, key_limit=key_limit)).lower(
+        *args, key_limit=key_limit).as_text()
+    assert plain == with_none and plain != limited
+
+
 # ---- compiled for Hopper without a GPU (deviceless XLA, down to ptxas) ----------------------------
 # Per device: Llama-3-8B (32 query heads over 8 KV heads, head_dim 128), Llama-3-70B at TP 8 (8 over
 # 1), Gemma-2-2B (8 over 4, head_dim 256, a window and soft-capping), SmolLM2 (9 over 3, 64).
@@ -332,6 +375,36 @@ def test_mosaic_kernels_compile_for_sm90a_without_spills(shape, kv_dtype):
         print(f"{shape} {kv_dtype} {r.name}: {r.registers} registers, spills {r.spill_store_bytes} B stored "
               f"{r.spill_load_bytes} B loaded, {r.shared_memory_bytes} B shared memory")
         assert 0 < r.shared_memory_bytes <= H100_SHARED_MEMORY, r
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "llama-3-8b", "gemma-2-2b"])
+def test_mosaic_ragged_kernel_with_key_limits_compiles_for_sm90a(shape):
+    """The ragged kernel with image spans' key limits (and the window where the model has one), at a
+    served model's heads over bfloat16 pages: the same register and shared-memory bounds as above."""
+    gpu_compile = _gpu_compile()
+    heads, kv_heads, head_dim, options = COMPILE_SHAPES[shape]
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    pages = spec((4096, 16, kv_heads, head_dim), jnp.bfloat16)
+    ragged = [spec((2048, heads, head_dim), jnp.bfloat16), pages, pages, spec((4, 512), jnp.int32),
+              spec((4,), jnp.int32), spec((5,), jnp.int32), spec((2048,), jnp.int32), spec((), jnp.int32)]
+    window = bool(options)
+    function = jax.jit(lambda *a: mosaic_ragged.ragged_paged_attention(
+        *a[:6], key_limit=a[6], sliding_window=a[7] if window else None, **options))
+    (r,) = gpu_compile.kernel_reports(function, ragged, mesh, "h100")
+    assert r.name == "ragged_paged_attention_mosaic" and r.gpu == "sm_90a" and r.threads == 128, r
+    assert 0 < r.registers <= 255, r
+    if head_dim <= 128:
+        assert r.spill_store_bytes == r.spill_load_bytes == 0, r
+    else:
+        assert r.spill_store_bytes <= 512 and r.spill_load_bytes <= 512, r
+    assert 0 < r.shared_memory_bytes <= H100_SHARED_MEMORY, r
+    print(f"{shape} key limits {r.name}: {r.registers} registers, spills {r.spill_store_bytes} B stored "
+          f"{r.spill_load_bytes} B loaded, {r.shared_memory_bytes} B shared memory")
 
 
 # The multi-LoRA kernel (tests/test_mosaic_lora.py) on a stacked [L, S, ...] bfloat16 slab at a layer
