@@ -152,7 +152,7 @@ class EngineConfig:
     quantization: str | None = setting(
         None, "quantize the linear layers after loading: int8 (per output channel), int4 (groups of 32 with a "
         "zero point); also int8_g32|64|128, int4_g64|128, _zp for int8 with a zero point, _sym for symmetric "
-        "int4", unset="as stored")
+        "int4; fp8 (float8 e4m3, per output channel)", unset="as stored")
     # jaxserve.models.quantization.quantize_embedding.
     quantize_embedding: bool = setting(
         False, "also quantize the token embedding to int8 (one scale per vocabulary row) and with it the tied "

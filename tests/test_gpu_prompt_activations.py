@@ -33,6 +33,22 @@ def fp8_weight(w: np.ndarray) -> qz.QuantArray:
     return qz.QuantArray(jnp.asarray((w / scale).astype(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale, jnp.float32))
 
 
+def test_quantization_fp8_is_e4m3_per_output_channel():
+    """--quantization=fp8: codes in e4m3, one float16 scale per output channel (max |w| / 448),
+    round to nearest: each weight within half an e4m3 step (2^-4 of its binade) of its value."""
+    rng = np.random.default_rng(SEED)
+    w = (rng.standard_normal((2, 64, 48)) / 8).astype(np.float32)
+    weight = qz.quantize(jnp.asarray(w), qz.parse_format("fp8"))
+    assert weight.q.dtype == jnp.float8_e4m3fn and weight.scale.shape == (2, 1, 48) and weight.zero is None
+    assert qz.weight_format(weight) == qz.parse_format("fp8")
+    scale = np.asarray(weight.scale, np.float32)
+    np.testing.assert_allclose(scale, np.abs(w).max(-2, keepdims=True) / 448, rtol=1e-3)
+    back = np.asarray(qz.dequantize(weight))
+    assert np.all(np.abs(back - w) <= np.abs(w) * 2.0**-4 + scale * 2.0**-9), f"seed {SEED}"
+    with pytest.raises(ValueError, match="not one to quantize into"):
+        qz.parse_format("fp8_f32")
+
+
 def emulated(x, weight, activations):
     """numpy: each row of x quantized as the kernel does, times the codes, sums in float64, scaled."""
     x = np.asarray(x, np.float64)
@@ -125,3 +141,18 @@ def test_engine_prompt_logprobs_with_int8_activations(tiny_int8):
     assert 0 < diffs.max() < 0.1, f"seed {SEED}: logprobs differ by up to {diffs.max():.3g}"
     with pytest.raises(ValueError, match="--gpu_prompt_dtype=int8 needs"):
         Engine(config, params, None, EngineConfig(**{**base, "quantization": None}, gpu_prompt_dtype="int8"))
+
+
+def test_engine_prompt_logprobs_with_fp8_weights_and_activations(tiny_int8):
+    """--quantization=fp8 with --gpu_prompt_dtype=fp8 (vLLM's dynamic fp8): the prompt's
+    logprobs next to the same fp8 weights with float32 activations."""
+    config, params = tiny_int8
+    base = dict(max_num_seqs=2, max_num_batched_tokens=256, page_size=8, num_pages=64, max_model_len=256,
+                warmup=False, enable_prefix_caching=False, quantization="fp8")
+    w8a8 = Engine(config, params, None, EngineConfig(**base, gpu_prompt_dtype="fp8"))
+    w8a16 = Engine(config, params, None, EngineConfig(**base))
+    prompt = np.random.default_rng([SEED, 8]).integers(3, 256, 150).tolist()
+    scores = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    ours, theirs = (e.generate([prompt], scores)[0].prompt_logprobs for e in (w8a8, w8a16))
+    diffs = np.array([abs(a.logprob - b.logprob) for a, b in zip(ours, theirs)])
+    assert 0 < diffs.max() < 0.3, f"seed {SEED}: logprobs differ by up to {diffs.max():.3g}"

@@ -113,9 +113,9 @@ def test_a_step_of_base_rows_only_is_the_base_models(setup):
 
 
 def test_the_cpu_layer_views_read_the_slab_too(setup):
-    """On one CPU device the step reads float layers as per-layer views under a switch."""
+    """On one CPU device the step reads float32 layers in the C++ kernel's strips, at the layer index."""
     views = cpu_layout.layer_views(setup["params"], int8_activations=False)
-    assert isinstance(views["layers"], tuple), "expected the per-layer views on the CPU"
+    assert isinstance(views["layers"]["wq"], quantization.StripMatrix), "expected the kernel's strips on the CPU"
     got, token_ids = run_forward(views, setup["slab"], setup["config"], "xla", 3)
     check_against_peft(got, token_ids, setup["base"], setup["peft"], 3)
 

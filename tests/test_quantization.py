@@ -45,7 +45,8 @@ def test_format_names():
     assert qz.parse_format("int8_zp") == qz.QuantFormat(8, None, zero_point=True)
     for name in FORMATS:
         assert qz.parse_format(name).name == qz.parse_format(qz.parse_format(name).name).name
-    for bad in ["int3", "int8_sym", "int4_g48", "fp8", "", "int4_zp", "int8_g32_sym", "int8_zp_sym"]:
+    assert qz.parse_format("fp8") == qz.QuantFormat(8, None, float8=True)
+    for bad in ["int3", "int8_sym", "int4_g48", "fp8_f32", "fp8_g32", "", "int4_zp", "int8_g32_sym", "int8_zp_sym"]:
         with pytest.raises(ValueError, match="unknown quantization"):
             qz.parse_format(bad)
 

@@ -85,29 +85,33 @@ def _device_memory_bytes(fv: flags.FlagValues) -> int:
     return memory.device_memory_budget_bytes()
 
 
-def _quantized_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
-    """For weights the engine would hold quantized (stored so, or --quantization), the bytes one
-    device holds of them, from the checkpoint's abstract arrays: what the engine measures on the
-    loaded ones, with the CPU step's copies of them (device_setup.cpu_step_layout_bytes) unless
-    `on_gpu`. None otherwise (the planner's estimate)."""
-    if source is None or not (cfg.quantization or source.quantization or cfg.quantize_embedding):
+def _measured_weights_bytes(source, cfg, on_gpu: bool = False) -> int | None:
+    """The bytes one device holds of the weights, from the checkpoint's abstract arrays, where the
+    planner's estimate from the config would miss some: weights held quantized (stored so, or
+    --quantization), or the CPU step's copies of float ones (device_setup.cpu_step_layout_bytes,
+    unless `on_gpu`: a float32 model's tied lm_head in the C++ kernel's strips, a bfloat16
+    model's matrices). What the engine measures on the loaded ones; None otherwise."""
+    if source is None:
         return None
     import jax  # loads jax: the command runs it after --help and the flags are done
     from jax.sharding import AbstractMesh
     from jaxserve.executor import device_setup
     from jaxserve.models import quantization
     from jaxserve.parallel import sharding
-    params = source.abstract_params(cfg.dtype)
+    params = source.abstract_params(cfg.dtype or cfg.for_platform(on_gpu).dtype)
     if cfg.quantization:
         params = jax.eval_shape(lambda p: quantization.quantize_params(p, cfg.quantization, source.config), params)
     if cfg.quantize_embedding:
         params = jax.eval_shape(quantization.quantize_embedding, params)
+    layouts = device_setup.cpu_step_layout_bytes(params, cfg, on_gpu)
     shardings = None
     if cfg.tensor_parallel_size > 1:
         mesh = AbstractMesh((1, cfg.tensor_parallel_size), sharding.AXES)
         shardings = sharding.ModelShardings.create(source.config, mesh, expert_parallel=cfg.enable_expert_parallel)
-    return device_setup.quantized_weights_bytes(params, shardings) + device_setup.cpu_step_layout_bytes(
-        params, cfg, on_gpu)
+    measured = device_setup.quantized_weights_bytes(params, shardings)
+    if measured is None and not layouts:
+        return None
+    return (quantization.tree_bytes(params) if measured is None else measured) + layouts
 
 
 def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> memory.MemoryPlan:
@@ -126,7 +130,7 @@ def plan_for_flags(fv: flags.FlagValues, model: ModelConfig, source=None) -> mem
     if cfg.speculative_method == "draft":
         draft = open_model(cfg.speculative_model).config
     return memory.plan_engine(model, cfg, device_memory_bytes=_device_memory_bytes(fv), on_gpu=on_gpu,
-                              measured_weights_bytes=_quantized_weights_bytes(source, cfg, on_gpu), draft_model=draft)
+                              measured_weights_bytes=_measured_weights_bytes(source, cfg, on_gpu), draft_model=draft)
 
 
 def format_table(plan: memory.MemoryPlan) -> str:

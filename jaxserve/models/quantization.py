@@ -24,7 +24,8 @@ own numbers, which adds a few stored-only variants (not choices of --quantizatio
            w = (u - zero) * scale (int4),  w = (q - zero) * scale (int8)
     _actorder  perm int32 [L, in]: the rows are stored in the order perm gives the inputs
            (GPTQ act-order, sorted by group), and `linear` gathers x[..., perm] first
-    fp8    q float8_e4m3fn [L, in, out], scale [L, 1, out]: w = q * scale
+    fp8    q float8_e4m3fn [L, in, out], scale [L, 1, out]: w = q * scale (also --quantization=fp8,
+           float16 scales: max |w| / 448 per output channel)
     _bf16, _f32  the scales' (and a float zero's) dtype, when not float16
 
 (`dequantize` gives the rows in their stored order.) The format is self-describing (dtype of q,
@@ -103,10 +104,10 @@ def parse_format(name: str, stored: bool = False) -> QuantFormat:
     if not valid:
         raise ValueError(f"unknown quantization {name!r}; use int8 or int4, optionally with a group "
                          f"size _g32, _g64 or _g128 (and _zp for int8 with a zero point, _sym for "
-                         f"symmetric int4), e.g. int4_g64")
-    if not stored and (match["fp8"] or suffix == "_izp" or match["act_order"] or match["scale_dtype"]):
+                         f"symmetric int4), e.g. int4_g64; or fp8 (float8 e4m3, per output channel)")
+    if not stored and (suffix == "_izp" or match["act_order"] or match["scale_dtype"]):
         raise ValueError(f"unknown quantization {name!r}: a format published quantized checkpoints are "
-                         f"stored in, not one to quantize into; use int8 or int4 (e.g. int4_g64, int8_g32_zp)")
+                         f"stored in, not one to quantize into; use int8, int4 (e.g. int4_g64, int8_g32_zp) or fp8")
     scale_dtype = {v: k for k, v in _SCALE_SUFFIXES.items()}[match["scale_dtype"] or ""]
     if match["fp8"]:
         return QuantFormat(8, None, float8=True, scale_dtype=scale_dtype)
@@ -287,6 +288,10 @@ def quantize(weight: jax.Array, fmt: QuantFormat, name: str = "weight") -> Quant
     *lead, in_features, out = weight.shape
     num_groups = shapes["scale"][-2]
     w = jnp.asarray(weight, jnp.float32).reshape(*lead, num_groups, in_features // num_groups, out)
+    if fmt.float8:  # w / scale in [-448, 448], rounded to e4m3 (3 significant bits)
+        scale = _to_scale(jnp.max(jnp.abs(w), axis=-2) / prompt_matmul.FP8_MAX)
+        codes = jnp.clip(w / _safe(scale), -prompt_matmul.FP8_MAX, prompt_matmul.FP8_MAX)
+        return QuantArray(codes.reshape(*lead, in_features, out).astype(jnp.float8_e4m3fn), scale)
     if fmt.zero_point:  # levels (w - zero) / scale in [0, 255] or [0, 15]; int8 stores level - 128
         levels = 255 if fmt.bits == 8 else 15
         low, high = jnp.min(w, axis=-2), jnp.max(w, axis=-2)
