@@ -29,7 +29,7 @@ from pallas_kernels.mosaic_common import (
     store_outputs,
 )
 from pallas_kernels.pallas_common import cdiv, next_power_of_2
-from pallas_kernels.ragged_prefill import query_block_schedule, tokens_from_blocks
+from pallas_kernels.ragged_prefill import block_key_limits, query_block_schedule, tokens_from_blocks
 
 
 def _ragged_kernel(block_seq_ref, block_start_ref, q_ref, k_ref, v_ref, block_table_ref, seq_lens_ref,
@@ -137,19 +137,3 @@ def ragged_paged_attention(q, k_pages, v_pages, block_table, seq_lens, query_sta
     out_blocks = out_blocks.transpose(0, 2, 1, 3, 4)
     return tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group)
 
-
-def block_key_limits(key_limit, block_seq, block_start, seq_lens, query_start_loc, block_q, group_pad):
-    """The kernel's key-limit operands: each program's 64 rows' highest keys, int32
-    [num_query_blocks, 64] (row i * group_pad + j: token block_start + i; max(position, key_limit),
-    rows past the sequence their position), and where the keys its rows read end, int32
-    [num_query_blocks] (at most the sequence's length)."""
-    num_tokens = key_limit.shape[0]
-    seq = jnp.maximum(block_seq, 0)
-    seq_len = jnp.where(block_seq >= 0, seq_lens[seq], 0)
-    query_end = query_start_loc[seq + 1]
-    tokens = block_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [blocks, block_q]
-    positions = (seq_len - query_end)[:, None] + tokens
-    limits = jnp.pad(key_limit.astype(jnp.int32), (0, block_q))[jnp.minimum(tokens, num_tokens + block_q - 1)]
-    limits = jnp.where(tokens < query_end[:, None], jnp.maximum(positions, limits), positions)
-    kv_end = jnp.clip(jnp.max(limits, axis=1) + 1, 0, seq_len)
-    return [jnp.repeat(limits, group_pad, axis=1), kv_end.astype(jnp.int32)]

@@ -27,18 +27,19 @@ from pallas_kernels.pallas_common import (
 def _ragged_kernel(
     block_seq_ref, block_start_ref, q_ref, k_pages_ref, v_pages_ref,
     block_table_ref, seq_lens_ref, query_start_loc_ref,  # inputs
-    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized, [limit_ref]
-    # with key limits (inputs), then out_ref (output)
+    *refs,  # [window_ref] when windowed, [k_scales_ref, v_scales_ref] when quantized, [row_limit_ref,
+    # kv_end_ref] with key limits (inputs), then out_ref (output)
     scale, logit_soft_cap, block_q, pages_per_block, page_size, windowed, quantized, limited=False,
 ):
     # block_seq_ref, block_start_ref: [1]; q_ref: [num_tokens + block_q, group_pad, d];
     # k/v_pages_ref: [num_pages, page_size, d]; block_table_ref: [num_seqs, padded_pages];
     # seq_lens_ref: [num_seqs]; query_start_loc_ref: [num_seqs + 1]; window_ref: [1] (from
-    # window_size); k/v_scales_ref: [num_pages, page_size, 1]; limit_ref: [num_tokens + block_q,
-    # group_pad] (each token's key limit for each of its rows); out_ref: [block_q, group_pad, d].
+    # window_size); k/v_scales_ref: [num_pages, page_size, 1]; row_limit_ref: [block_q * group_pad],
+    # kv_end_ref: [1] (block_key_limits: the rows' highest keys, the end of the keys they read);
+    # out_ref: [block_q, group_pad, d].
     inputs, out_ref = list(refs[:-1]), refs[-1]
     window_ref = inputs.pop(0) if windowed else None
-    limit_ref = inputs.pop() if limited else None
+    row_limit_ref, kv_end_ref = (inputs.pop(-2), inputs.pop(-1)) if limited else (None, None)
     k_scales_ref, v_scales_ref = inputs if quantized else (None, None)
     keys_per_block = pages_per_block * page_size
     seq = block_seq_ref[0]
@@ -60,11 +61,9 @@ def _ragged_kernel(
     rows = block_q * group_pad
     q = q.reshape(rows, head_dim)
     row_pos = first_pos + jnp.arange(rows, dtype=jnp.int32) // group_pad  # [rows]
-    row_limit = row_pos
-    if limited:  # each row's highest key: its token's limit (rows past the sequence: their position)
-        token_limit = limit_ref[pl.ds(block_start, block_q)].reshape(rows)
-        row_limit = jnp.where(row_pos < seq_len, jnp.maximum(row_pos, token_limit), row_pos)
-        kv_end = jnp.clip(jnp.max(row_limit) + 1, 0, seq_len)
+    if limited:  # each row's highest key and the keys' end, from the wrapper (block_key_limits)
+        row_limit = row_limit_ref[...]
+        kv_end = kv_end_ref[0]
         num_blocks = (kv_end + keys_per_block - 1) // keys_per_block
 
     def body(block, carry):
@@ -175,10 +174,12 @@ def ragged_paged_attention(
     if quantized:
         extra_inputs += [k_scales, v_scales]
         extra_specs += [pl.BlockSpec((num_pages, page_size, squeezed, 1), lambda b, h: (0, 0, h, 0))] * 2
-    if limited:  # a token's limit repeated over the group's rows, as the kernel lays out its rows
-        limits = jnp.pad(key_limit.astype(jnp.int32), (0, block_q))
-        extra_inputs.append(jnp.broadcast_to(limits[:, None], (num_tokens + block_q, group_pad)))
-        extra_specs.append(whole((num_tokens + block_q, group_pad)))
+    if limited:  # each block's rows' limits and its keys' end (computed here: in the kernel the
+        # end's reduction over the rows costs ~40 registers, spills at head_dim 256)
+        extra_inputs += block_key_limits(key_limit, block_seq, block_start, seq_lens, query_start_loc, block_q,
+                                         group_pad)
+        extra_specs += [pl.BlockSpec((squeezed, block_q * group_pad), lambda b, h: (b, 0)),
+                        pl.BlockSpec((1,), lambda b, h: (b,))]
     kernel = functools.partial(
         _ragged_kernel, scale=scale, logit_soft_cap=logit_soft_cap, block_q=block_q,
         pages_per_block=pages_per_block, page_size=page_size, windowed=windowed, quantized=quantized,
@@ -211,6 +212,24 @@ def ragged_paged_attention(
           seq_lens, query_start_loc, *extra_inputs)
 
     return tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group)
+
+
+def block_key_limits(key_limit, block_seq, block_start, seq_lens, query_start_loc, block_q, group_pad):
+    """The key-limit operands of a query block schedule (query_block_schedule's blocks of block_q
+    tokens, each token's rows the group's heads padded to group_pad): each block's rows' highest
+    keys, int32 [num_query_blocks, block_q * group_pad] (row i * group_pad + j: token
+    block_start + i; max(its position, its key_limit); rows past the sequence: their position),
+    and where the keys its rows read end, int32 [num_query_blocks] (at most the sequence's length)."""
+    num_tokens = key_limit.shape[0]
+    seq = jnp.maximum(block_seq, 0)
+    seq_len = jnp.where(block_seq >= 0, seq_lens[seq], 0)
+    query_end = query_start_loc[seq + 1]
+    tokens = block_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [blocks, block_q]
+    positions = (seq_len - query_end)[:, None] + tokens
+    limits = jnp.pad(key_limit.astype(jnp.int32), (0, block_q))[jnp.minimum(tokens, num_tokens + block_q - 1)]
+    limits = jnp.where(tokens < query_end[:, None], jnp.maximum(positions, limits), positions)
+    kv_end = jnp.clip(jnp.max(limits, axis=1) + 1, 0, seq_len)
+    return [jnp.repeat(limits, group_pad, axis=1), kv_end.astype(jnp.int32)]
 
 
 def tokens_from_blocks(out_blocks, num_tokens, query_start_loc, seq_lens, block_offset, group):

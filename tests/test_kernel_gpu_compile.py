@@ -51,6 +51,28 @@ def test_windowed_soft_capped_kernels_do_not_spill_on_sm90a():
 
 
 
+def test_ragged_kernel_with_key_limits_does_not_spill_on_sm90a():
+    """The ragged kernel with image spans' key limits (Gemma 3: bidirectional attention among an
+    image's tokens) besides Gemma 2's window, soft-cap and scale, at the same sizes."""
+    heads, kv_heads, head_dim = GEMMA2_2B
+    mesh = gpu_compile.gpu_mesh("h100", 1)
+    replicated = NamedSharding(mesh, P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    pages = spec((1024, 16, kv_heads, head_dim), jnp.bfloat16)
+    ragged = [spec((512, heads, head_dim), jnp.bfloat16), pages, pages, spec((4, 64), jnp.int32),
+              spec((4,), jnp.int32), spec((5,), jnp.int32), spec((512,), jnp.int32), spec((), jnp.int32)]
+    function = jax.jit(lambda *a: ragged_paged_attention(*a[:6], key_limit=a[6], sliding_window=a[7], **OPTIONS))
+    (r,) = gpu_compile.kernel_reports(function, ragged, mesh, "h100")
+    assert r.name == "ragged_paged_attention" and r.gpu == "sm_90a" and 0 < r.shared_memory_bytes <= 232448, r
+    if jax.__version__.startswith("0.10."):  # later XLA dumps no PTX
+        assert 0 < r.registers <= 255 and r.spill_store_bytes == r.spill_load_bytes == 0, r
+    print(f"key limits {r.name}: {r.registers} registers, spills {r.spill_store_bytes} B, "
+          f"{r.shared_memory_bytes} B shared memory")
+
+
 LORA_SHAPES = {  # (rows, K, rank, N, slots): a decode step's projections with 4 adapters plus the zero slot
     "smollm2_decode_down": (32, 1536, 16, 576, 5),
     "smollm2_decode_kv": (32, 576, 16, 192, 5),

@@ -52,6 +52,22 @@ def test_ragged_kernel_lowers_for_cuda(head_dim, group, page_size, dtype):
     assert "ragged" in text
 
 
+@pytest.mark.parametrize("head_dim,group,page_size,dtype", SHAPES)
+def test_ragged_kernel_with_key_limits_lowers_for_cuda(head_dim, group, page_size, dtype):
+    """With image spans' key limits (one more operand) and a window operand."""
+    q = jax.ShapeDtypeStruct((NUM_TOKENS, group * NUM_KV_HEADS, head_dim), dtype)
+    starts = jax.ShapeDtypeStruct((NUM_SEQS + 1,), jnp.int32)
+    limits = jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32)
+    window = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def ragged(q, k, v, table, lens, starts, limits, window):
+        return dispatch.ragged_attention("pallas", q, k, v, table, lens, starts, key_limit=limits,
+                                         sliding_window=window)
+
+    text = compat.lower_for_cuda(ragged, q, *page_specs(head_dim, page_size, dtype), starts, limits, window)
+    assert pallas_custom_calls(text), "no Pallas GPU kernel call in the lowered module"
+
+
 def test_reference_lowers_without_pallas_calls():
     q = jax.ShapeDtypeStruct((NUM_SEQS, 4 * NUM_KV_HEADS, 128), jnp.bfloat16)
 
