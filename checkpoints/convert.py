@@ -1,7 +1,11 @@
 """Convert a Hugging Face folder or a GGUF file into a jaxserve model directory.
 
 Output layout: `config.json` (ModelConfig.to_hf_dict), `params/` (orbax checkpoint of the pytree
-in `checkpoints.layout`), tokenizer files, `jaxserve.json` (format version, source). The directory
+in `checkpoints.layout`), tokenizer files, `jaxserve.json` (format version, source). A
+vision-language model adds `vision/` (orbax checkpoint of its tower's and projector's params, the
+pytree of jaxserve.models.qwen_vision / siglip, float in the conversion's dtype: `--quantization`
+applies to the language model only) and its image processor files (`preprocessor_config.json`,
+`processor_config.json`; the chat template goes with the tokenizer files). The directory
 is assembled next to the destination and renamed into place at the end, so a failed conversion
 leaves nothing behind.
 """
@@ -21,6 +25,7 @@ from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
 from checkpoints.gguf_source import GGUFSource
 from checkpoints.hf_source import HFSource
 from checkpoints.layout import ParamBuffers
+from checkpoints.load import VISION_DIR
 from checkpoints.pooling_checkpoint import save_pooling_files
 from jaxserve.config import ModelConfig
 from jaxserve.core.progress import Progress
@@ -97,9 +102,11 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
         formats = _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR), fmt)
         has_tokenizer = source.save_tokenizer(staging)
         _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())
+        vision = _save_vision(source, target_dtype, staging) if source.config.is_multimodal else None
         _write_json(os.path.join(staging, MARKER_FILE), {
             "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
             "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,
+            **({"vision": vision} if vision else {}),
             **({"quantization": formats} if formats else {}),
             **({"source_quantization": source.published.describe()} if getattr(source, "published", None) else {}),
         })
@@ -144,6 +151,30 @@ def _save_params(source, dtype: np.dtype, source_path: str, params_dir: str, fmt
     with _numpy_checkpointer(ocp) as checkpointer:
         checkpointer.save(params_dir, args=ocp.args.PyTreeSave(params, save_args=_save_args(ocp, params, source.config)))
     return formats
+
+
+def _save_vision(source, dtype: np.dtype, staging: str) -> dict:
+    """Writes a vision-language model's vision params (`vision/`) and image processor files into
+    the directory being assembled (its config.json already written); returns the marker's
+    "vision" entry. The image processor is read back once here, so settings it cannot honour
+    (Gemma 3's pan-and-scan, ...) are refused at conversion rather than at the first image."""
+    import orbax.checkpoint as ocp
+
+    from jaxserve.multimodal.image_processing import load_image_processor
+    params = source.vision_params(dtype)
+    with _numpy_checkpointer(ocp) as checkpointer:
+        checkpointer.save(os.path.join(staging, VISION_DIR), args=ocp.args.PyTreeSave(params))
+    has_processor = source.save_processor(staging)
+    if has_processor:
+        try:
+            load_image_processor(staging)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConversionError(f"{source.folder}: the image processor cannot be served ({e})") from None
+    else:
+        logger.warning("conversion: %s has no preprocessor_config.json: the vision tower is converted, but images "
+                       "cannot be processed until the image processor files are copied beside it", source.folder)
+    return {"architecture": source.config.multimodal_architecture, "dtype": dtype.name,
+            "has_image_processor": has_processor}
 
 
 def _save_args(ocp, params: dict, config: ModelConfig) -> dict:

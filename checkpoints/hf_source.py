@@ -1,4 +1,12 @@
-"""A Hugging Face model folder (config.json + safetensors shards) as a conversion source."""
+"""A Hugging Face model folder (config.json + safetensors shards) as a conversion source.
+
+A vision-language checkpoint (jaxserve.config.MULTIMODAL_ARCHITECTURES) converts its language
+model as its text family does: the language model's tensors are read under a text model's names
+whatever layout the folder has (`LanguageModelNames`: transformers 5's `model.language_model.*`,
+the published Gemma 3's `language_model.model.*`, the published Qwen2.5-VL's `model.*`), and the
+vision tower's and projector's tensors (`visual.*`, `vision_tower.*`, `multi_modal_projector.*`,
+with or without transformers 5's `model.` in front) go to `vision_params` instead.
+"""
 from __future__ import annotations
 
 import json
@@ -10,10 +18,10 @@ from typing import Iterator
 import numpy as np
 
 from checkpoints import ConversionError
-from checkpoints.layout import describe_slot, expert_slot, source_names
+from checkpoints.layout import describe_slot, expert_slot, source_names, vision_tower
 from checkpoints.pooling_checkpoint import decoder_config, head_tensors, with_model_prefix
 from checkpoints.safetensors_file import SafetensorsFile
-from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.config import MULTIMODAL_ARCHITECTURES, ConfigError, ModelConfig
 from jaxserve.models import weights
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -24,6 +32,20 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+# A vision-language model's image processor settings (jaxserve.multimodal.image_processing reads them).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+# The language model's tensors of a vision-language checkpoint -> a text model's names (first match).
+_LM_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+# The vision tower's and projector's tensors (transformers 5's names, then the published ones).
+_VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.",
+                    "model.multi_modal_projector.", "multi_modal_projector.")
+# Vision tensors a tower does not use: SigLIP's pooling head (Gemma 3 reads the last hidden state).
+_UNUSED_VISION = re.compile(r"(model\.)?vision_tower\.(vision_model\.)?head\..*")
+# Fields of transformers' base config that say nothing about the model (dropped from the completed config).
+_GENERIC_FIELDS = ("_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+                   "output_attentions", "output_hidden_states", "problem_type", "return_dict", "dtype",
+                   "torch_dtype", "transformers_version")
 
 
 def _read_json(path: str) -> dict:
@@ -50,6 +72,9 @@ class HFSource:
         generation_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(generation_path):
             hf_config = _merge_generation_eos(hf_config, _read_json(generation_path))
+        self.multimodal = str((hf_config.get("architectures") or [""])[0]) in MULTIMODAL_ARCHITECTURES
+        if self.multimodal:
+            hf_config = complete_multimodal_config(hf_config)
         self.hf_config = hf_config  # as published: a pooling checkpoint's architecture and labels
         self._head_tensors = head_tensors(hf_config)  # a classifier's score head: checkpoints.pooling_checkpoint
         try:
@@ -59,6 +84,8 @@ class HFSource:
         self._whole_names, self._layer_names = source_names(self.config, "hf")
         self._fused_names = weights.fused_expert_names(self.config)
         self.files = with_model_prefix([SafetensorsFile(p) for p in self._shard_paths()])
+        if self.multimodal:
+            self.files = [LanguageModelNames(file) for file in self.files]
         self._owner = {}
         for file in self.files:
             for name in file.names():
@@ -136,6 +163,8 @@ class HFSource:
                 tensor = None
                 if name in self._published_skip or name in self._head_tensors:
                     continue
+                if self.multimodal and name.startswith(_VISION_PREFIXES):  # vision_params reads these
+                    continue
                 if name in self._published_codes:
                     name, tensor = self._published_codes[name]
                 if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
@@ -172,6 +201,36 @@ class HFSource:
     def describe_missing(self, slot: str, layer: int | None) -> str:
         return describe_slot(self._whole_names, self._layer_names, _LAYER_PREFIX, slot, layer)
 
+    def vision_params(self, dtype: np.dtype) -> dict:
+        """A vision-language model's tower and projector weights (numpy, `dtype`), in the pytree of
+        jaxserve.models.qwen_vision / siglip (`params_from_state_dict`). ConversionError naming a
+        missing tensor, one of the wrong shape, or a vision tensor the tower does not use."""
+        module, vision_config = vision_tower(self.config)
+        state = _VisionTensors({name: file for file in self.files for name in file.names()
+                                if name.startswith(_VISION_PREFIXES)})
+        try:
+            params = module.params_from_state_dict(state, vision_config, dtype)
+        except KeyError as e:
+            raise ConversionError(f"{self.folder}: missing vision tensor: {e.args[0]}") from None
+        except ValueError as e:
+            raise ConversionError(f"{self.folder}: vision tensor {e}") from None
+        unused = sorted(name for name in state.files if name not in state.read and not _UNUSED_VISION.fullmatch(name))
+        if unused:
+            where = state.files[unused[0]].path
+            raise ConversionError(f"{where}: unexpected tensor {unused[0]!r} for this vision_config"
+                                  + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
+        return params
+
+    def save_processor(self, output_dir: str) -> bool:
+        """Copies a vision-language model's image processor files; False when the folder has none."""
+        copied = False
+        for name in PROCESSOR_FILES:
+            path = os.path.join(self.folder, name)
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(output_dir, name))
+                copied = True
+        return copied
+
     def save_tokenizer(self, output_dir: str) -> bool:
         """Copies the tokenizer files; False when the folder has none."""
         copied = False
@@ -190,3 +249,79 @@ def _merge_generation_eos(hf_config: dict, generation: dict) -> dict:
     eos = as_list(hf_config.get("eos_token_id"))
     extra = [i for i in as_list(generation.get("eos_token_id")) if i not in eos]
     return {**hf_config, "eos_token_id": eos + extra} if extra else hf_config
+
+
+def complete_multimodal_config(hf_config: dict) -> dict:
+    """A vision-language config.json with transformers' defaults filled in, in transformers 5's
+    shape (the language model under `text_config`): a published Gemma 3 config names only the
+    fields that differ from its config class's defaults (heads, vocabulary, head_dim are not in
+    it). Read by transformers' own config class, so the numbers are the ones transformers runs
+    the model with; the dict as published where transformers cannot read it (ModelConfig then
+    names what is missing)."""
+    model_type = hf_config.get("model_type") or MULTIMODAL_ARCHITECTURES[hf_config["architectures"][0]][0]
+    try:
+        import transformers
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        completed = json.loads(config_class.from_dict(hf_config).to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - transformers raises many types; ModelConfig judges the published dict
+        return hf_config
+    completed = {k: v for k, v in completed.items() if k not in _GENERIC_FIELDS}
+    for key in ("text_config", "vision_config"):
+        if isinstance(completed.get(key), dict):
+            completed[key] = {k: v for k, v in completed[key].items() if k not in _GENERIC_FIELDS + ("architectures",)}
+    return completed
+
+
+def _lm_name(name: str) -> str:
+    """A vision-language checkpoint's tensor name as a text model's (vision tensors unchanged)."""
+    for old, new in _LM_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+class LanguageModelNames:
+    """A safetensors file of a vision-language checkpoint whose language model's tensors are read
+    under a text model's names (`model.language_model.layers.0...` as `model.layers.0...`,
+    `language_model.lm_head.weight` as `lm_head.weight`); the vision tensors keep theirs."""
+
+    def __init__(self, file):
+        self.file = file
+        self.path = file.path
+        self._source = {}
+        for name in file.names():
+            ours = _lm_name(name)
+            if ours in self._source:
+                raise ConversionError(f"{file.path}: tensors {self._source[ours]!r} and {name!r} are both {ours!r}")
+            self._source[ours] = name
+
+    def names(self) -> list[str]:
+        return list(self._source)
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.file.dtype(self._source[name])
+
+    def raw_dtype(self, name: str) -> str:
+        return self.file.raw_dtype(self._source[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.shape(self._source[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self.file.read(self._source[name])
+
+
+class _VisionTensors:
+    """The vision tensors of a checkpoint as the read-only mapping `params_from_state_dict` looks
+    names up in; each read when asked for, and remembered as read."""
+
+    def __init__(self, files: dict):
+        self.files = files  # {name: the file holding it}
+        self.read: set[str] = set()
+
+    def __contains__(self, name) -> bool:
+        return name in self.files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self.read.add(name)
+        return self.files[name].read(name)

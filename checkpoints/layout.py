@@ -153,3 +153,33 @@ def describe_slot(whole: dict, per_layer: dict, layer_prefix: str, slot: str, la
                 if candidate == wanted:
                     return prefix + name
     return slot
+
+
+def vision_tower(config: ModelConfig):
+    """(module, vision config) of a vision-language model's tower: `jaxserve.models.qwen_vision`
+    (Qwen2.5-VL) or `jaxserve.models.siglip` (Gemma 3, its projector included), and that module's
+    VisionConfig read from `config`'s vision section. ConversionError for a text model, or a
+    vision config the tower cannot compute (naming the field)."""
+    from jaxserve.models import qwen_vision, siglip
+    towers = {"Qwen2_5_VLForConditionalGeneration": qwen_vision, "Gemma3ForConditionalGeneration": siglip}
+    if config.multimodal_architecture not in towers:
+        raise ConversionError(f"{config.architecture} is a text model: it has no vision tower")
+    module = towers[config.multimodal_architecture]
+    try:
+        vision_config = module.VisionConfig.from_hf_dict(config.to_hf_dict())
+    except KeyError as e:
+        raise ConversionError(f"vision_config is missing the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"vision_config: {e}") from None
+    out = getattr(vision_config, "out_hidden_size", getattr(vision_config, "text_hidden_size", None))
+    if out != config.hidden_size:
+        raise ConversionError(f"the vision tower's output size {out} is not the language model's hidden_size "
+                              f"{config.hidden_size}")
+    return module, vision_config
+
+
+def vision_param_shapes(config: ModelConfig) -> dict:
+    """The vision params pytree of shapes (tuples) of a vision-language model."""
+    from jaxserve.models import vision
+    module, vision_config = vision_tower(config)
+    return vision.param_shapes(module.weight_decls(vision_config))

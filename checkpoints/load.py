@@ -8,6 +8,10 @@ the weights or the tokenizer: opening a directory stays light.
 
 On disk a quantized leaf is the dict of its arrays by name; loaded, a
 jaxserve.models.quantization.QuantArray (`quantization.to_stored` / `from_stored`).
+
+A vision-language model (ModelConfig.is_multimodal) also has its vision tower's and projector's
+params in `vision/` (orbax, float) and its image processor files: `ModelSource.vision_tower`,
+`load_vision_params` and `load_image_processor` read them.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from checkpoints.default_model import resolve_model, served_model_name
 from jaxserve.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
+
+VISION_DIR = "vision"  # a vision-language model's vision params (orbax), beside PARAMS_DIR
 
 
 def check_model_dir(model_dir: str) -> dict:
@@ -129,6 +135,49 @@ class ModelSource:
             logger.info("weights restored: %.2f MiB read from %s", (read_after - read_before) / 2**20, params_dir)
         return quantization.from_stored(restored)
 
+    def vision_tower(self):
+        """(module, vision config) of a vision-language model's tower: jaxserve.models.qwen_vision
+        or siglip, whose `forward(params, vision_config, ...)` the loaded params go to.
+        ConversionError for a text model."""
+        from checkpoints.layout import vision_tower
+        return vision_tower(self.config)
+
+    def load_vision_params(self, dtype=None, sharding=None) -> dict:
+        """A vision-language model's vision params (the tower's and the projector's) as jax arrays
+        in `dtype` (default: as converted), all with `sharding` (default: on the first device).
+        ConversionError for a text model or a directory converted without them."""
+        import jax
+        import jax.numpy as jnp
+        import orbax.checkpoint as ocp
+
+        from checkpoints.layout import vision_param_shapes
+        if not self.config.is_multimodal:
+            raise ConversionError(f"{self.path}: {self.config.architecture} is a text model: it has no vision params")
+        vision_dir = os.path.abspath(os.path.join(self.path, VISION_DIR))
+        if not os.path.isdir(vision_dir):
+            raise ConversionError(f"{self.path}: no {VISION_DIR}/ (the vision params): convert the checkpoint again")
+        dtype = jnp.dtype(dtype or (self.marker.get("vision") or {}).get("dtype") or self.marker.get("dtype"))
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+                              vision_param_shapes(self.config), is_leaf=lambda x: isinstance(x, tuple))
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                return checkpointer.restore(vision_dir, target)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConversionError(f"{vision_dir}: cannot restore the vision params ({e})") from None
+
+    def load_image_processor(self):
+        """The image processor of a vision-language model (jaxserve.multimodal.image_processing:
+        QwenVLImageProcessor or Gemma3ImageProcessor) from the files converted with it.
+        ConversionError for a text model or settings it cannot honour."""
+        from jaxserve.multimodal.image_processing import load_image_processor
+        if not self.config.is_multimodal:
+            raise ConversionError(f"{self.path}: {self.config.architecture} is a text model: it takes no images")
+        try:
+            return load_image_processor(self.path)
+        except (OSError, ValueError) as e:
+            raise ConversionError(f"{self.path}: cannot load the image processor ({e})") from None
+
 
 def file_bytes_read() -> int | None:
     """Bytes this process has read from local files through tensorstore so far (orbax's restores
@@ -159,3 +208,11 @@ def load_params(model_dir: str, dtype, shardings=None) -> dict:
 
 def load_tokenizer(model_dir: str):
     return ModelSource.open(model_dir).load_tokenizer()
+
+
+def load_vision_params(model_dir: str, dtype=None, sharding=None) -> dict:
+    return ModelSource.open(model_dir).load_vision_params(dtype, sharding)
+
+
+def load_image_processor(model_dir: str):
+    return ModelSource.open(model_dir).load_image_processor()
