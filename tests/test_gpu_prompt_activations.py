@@ -15,10 +15,12 @@ import pytest
 
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import load_config, load_params
+from jaxserve.config import ModelConfig
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
 from jaxserve.models import prompt_activations, prompt_matmul
 from jaxserve.models import quantization as qz
+from jaxserve.planning import memory
 from tests.tiny_models import make_tiny_hf_model
 
 SEED = int(os.environ.get("JAXSERVE_TEST_SEED", "20261205"))
@@ -47,6 +49,11 @@ def test_quantization_fp8_is_e4m3_per_output_channel():
     assert np.all(np.abs(back - w) <= np.abs(w) * 2.0**-4 + scale * 2.0**-9), f"seed {SEED}"
     with pytest.raises(ValueError, match="not one to quantize into"):
         qz.parse_format("fp8_f32")
+    # The planner: a byte and a float16 scale per output channel, as int8 (not the KV cache's "fp8" alias).
+    config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_q_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    assert memory.normalize_dtype("fp8", memory.WEIGHT_DTYPES) == "fp8"
+    assert memory.weights_bytes(config, "fp8") == memory.weights_bytes(config, "int8") < memory.weights_bytes(config)
 
 
 def emulated(x, weight, activations):

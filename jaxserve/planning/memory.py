@@ -106,8 +106,8 @@ def normalize_dtype(name: str, allowed) -> str:
     canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
     if canonical in allowed:
         return canonical
-    if allowed is WEIGHT_DTYPES:
-        return quant_format(canonical).name
+    if allowed is WEIGHT_DTYPES:  # a format's own name ("fp8": float8 weights, not the KV dtype's alias)
+        return quant_format(name.lower()).name
     raise MemoryPlanError(f"unknown dtype {name!r}; expected one of {', '.join(allowed)}")
 
 
