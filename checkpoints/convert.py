@@ -102,7 +102,7 @@ def convert_checkpoint(source_path: str, output_dir: str, dtype: str | None = No
         formats = _save_params(source, target_dtype, source_path, os.path.join(staging, PARAMS_DIR), fmt)
         has_tokenizer = source.save_tokenizer(staging)
         _write_json(os.path.join(staging, "config.json"), source.config.to_hf_dict())
-        vision = _save_vision(source, target_dtype, staging) if source.config.is_multimodal else None
+        vision = _save_vision(source, target_dtype, staging) if source.config.multimodal_architecture else None
         _write_json(os.path.join(staging, MARKER_FILE), {
             "format_version": FORMAT_VERSION, "source": os.path.abspath(source_path),
             "source_format": source.kind, "dtype": target_dtype.name, "has_tokenizer": has_tokenizer,

@@ -166,7 +166,9 @@ def vision_tower(config: ModelConfig):
         raise ConversionError(f"{config.architecture} is a text model: it has no vision tower")
     module = towers[config.multimodal_architecture]
     try:
-        vision_config = module.VisionConfig.from_hf_dict(config.to_hf_dict())
+        # the flat config.json of ModelConfig, and the text hidden size where SigLIP's projector reads it
+        hf = {**config.to_hf_dict(), "text_config": {"hidden_size": config.hidden_size}}
+        vision_config = module.VisionConfig.from_hf_dict(hf)
     except KeyError as e:
         raise ConversionError(f"vision_config is missing the field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

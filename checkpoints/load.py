@@ -9,7 +9,7 @@ the weights or the tokenizer: opening a directory stays light.
 On disk a quantized leaf is the dict of its arrays by name; loaded, a
 jaxserve.models.quantization.QuantArray (`quantization.to_stored` / `from_stored`).
 
-A vision-language model (ModelConfig.is_multimodal) also has its vision tower's and projector's
+A vision-language model (ModelConfig.multimodal_architecture set) also has its vision tower's and projector's
 params in `vision/` (orbax, float) and its image processor files: `ModelSource.vision_tower`,
 `load_vision_params` and `load_image_processor` read them.
 """
@@ -151,7 +151,7 @@ class ModelSource:
         import orbax.checkpoint as ocp
 
         from checkpoints.layout import vision_param_shapes
-        if not self.config.is_multimodal:
+        if not self.config.multimodal_architecture:
             raise ConversionError(f"{self.path}: {self.config.architecture} is a text model: it has no vision params")
         vision_dir = os.path.abspath(os.path.join(self.path, VISION_DIR))
         if not os.path.isdir(vision_dir):
@@ -171,7 +171,7 @@ class ModelSource:
         QwenVLImageProcessor or Gemma3ImageProcessor) from the files converted with it.
         ConversionError for a text model or settings it cannot honour."""
         from jaxserve.multimodal.image_processing import load_image_processor
-        if not self.config.is_multimodal:
+        if not self.config.multimodal_architecture:
             raise ConversionError(f"{self.path}: {self.config.architecture} is a text model: it takes no images")
         try:
             return load_image_processor(self.path)

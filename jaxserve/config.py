@@ -28,25 +28,14 @@ ARCHITECTURES = {
     # Mixture-of-experts families (jaxserve.models.moe).
     "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
 }
-# Vision-language checkpoints: their language model is the text family named here (it converts and
-# runs as that family); the vision tower and projector are jaxserve.models.qwen_vision / siglip.
-# architecture -> (model_type, the language model's architecture)
+# Vision-language checkpoints: architecture -> (model_type, its language model's family, {ModelConfig
+# field: config.json name} of its image token ids). The towers: jaxserve.models.qwen_vision, siglip.
 MULTIMODAL_ARCHITECTURES = {
-    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2ForCausalLM"),
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),
-}
-# Top-level fields of a vision-language config.json that are not the language model's: by family,
-# {our field: the Hugging Face name} of the token ids kept on ModelConfig.
-_MM_TOKEN_FIELDS = {
-    "Qwen2_5_VLForConditionalGeneration": {"image_token_id": "image_token_id", "video_token_id": "video_token_id",
-                                           "image_start_token_id": "vision_start_token_id",
-                                           "image_end_token_id": "vision_end_token_id"},
-    "Gemma3ForConditionalGeneration": {"image_token_id": "image_token_index", "image_start_token_id": "boi_token_index",
-                                       "image_end_token_id": "eoi_token_index"},
-}
-_MM_ONLY_FIELDS = ("architectures", "model_type", "text_config", "vision_config", "mm_tokens_per_image",
-                   "vision_token_id", "image_token_id", "video_token_id", "vision_start_token_id",
-                   "vision_end_token_id", "image_token_index", "boi_token_index", "eoi_token_index")
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2ForCausalLM", dict(
+        image_token_id="image_token_id", image_start_token_id="vision_start_token_id",
+        image_end_token_id="vision_end_token_id", video_token_id="video_token_id")),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM", dict(
+        image_token_id="image_token_index", image_start_token_id="boi_token_index", image_end_token_id="eoi_token_index"))}
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES) + tuple(MULTIMODAL_ARCHITECTURES)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -336,28 +325,17 @@ class ModelConfig:
     # Qwen2/3-MoE: the layers whose MLP is dense (of intermediate_size) rather than sparse, from
     # their configs' mlp_only_layers and decoder_sparse_step; (): every layer is sparse.
     mlp_only_layers: tuple[int, ...] = ()
-    # Vision-language checkpoints (MULTIMODAL_ARCHITECTURES). `architecture` is then the language
-    # model's family (Qwen2ForCausalLM, Gemma3ForCausalLM), which the step runs as it runs that family;
-    # these fields are what the image path needs. None / () for a text model.
-    multimodal_architecture: str | None = None  # "Qwen2_5_VLForConditionalGeneration", ...
-    # The Hugging Face `vision_config` of the tower, as the checkpoint has it (completed with
-    # transformers' defaults at conversion): jaxserve.models.qwen_vision.VisionConfig /
-    # siglip.VisionConfig.from_hf_dict read it from `to_hf_dict()`.
+    # A vision-language checkpoint (MULTIMODAL_ARCHITECTURES; `architecture` is its language model's family): the
+    # tower's HF `vision_config`; Qwen2.5-VL's M-RoPE bands (jaxserve.models.mrope; not in llama.forward yet: text
+    # positions make it the 1-D RoPE); image token ids (Qwen's video one: refused); Gemma 3's tokens per image.
+    multimodal_architecture: str | None = None
     vision_config: dict | None = None
-    # Qwen2.5-VL: M-RoPE's bands of rotary frequencies (temporal, height, width), summing to
-    # head_dim // 2 (jaxserve.models.mrope). Not applied by llama.forward yet: with text-only
-    # positions (all three equal) M-RoPE is the 1-D RoPE it runs.
     mrope_section: tuple[int, ...] | None = None
-    image_token_id: int | None = None  # the placeholder token each image embedding replaces (Gemma: image_token_index)
-    image_start_token_id: int | None = None  # Qwen: vision_start_token_id; Gemma: boi_token_index
-    image_end_token_id: int | None = None  # Qwen: vision_end_token_id; Gemma: eoi_token_index
-    video_token_id: int | None = None  # Qwen: kept so that a prompt's video token is refused, not read as text
-    mm_tokens_per_image: int | None = None  # Gemma 3: image tokens per image (its projector's pooled grid)
-
-    @property
-    def is_multimodal(self) -> bool:
-        """A vision-language checkpoint (its vision tower converted beside the language model)."""
-        return self.multimodal_architecture is not None
+    image_token_id: int | None = None
+    image_start_token_id: int | None = None
+    image_end_token_id: int | None = None
+    video_token_id: int | None = None
+    mm_tokens_per_image: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -402,9 +380,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch in MULTIMODAL_ARCHITECTURES:
-            return cls._from_multimodal_dict(cfg, arch)
+        arch, mm_arch = archs[0], None
+        if arch in MULTIMODAL_ARCHITECTURES:  # the language model: under text_config, or at the top level
+            if not isinstance(cfg.get("vision_config"), dict):
+                raise ConfigError(f"unsupported architecture {arch!r} without a vision_config")
+            mm_arch, arch = arch, MULTIMODAL_ARCHITECTURES[arch][1]
+            cfg = {**(cfg.get("text_config") or {}), **{k: v for k, v in cfg.items() if k != "text_config"}}
         if arch not in ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         gemma = arch.startswith("Gemma")
@@ -415,7 +396,7 @@ class ModelConfig:
             head_dim = cfg.get("head_dim") or hidden // num_q_heads
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            rope_theta, rope_scaling, rope_local_theta = _rope(cfg, arch)
+            rope_theta, rope_scaling, rope_local_theta, mrope_section = _rope(cfg, arch)
             sliding_window, layer_types = _attention_layout(cfg, arch, num_layers)
             act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
             if act not in _ACTIVATIONS:
@@ -426,36 +407,23 @@ class ModelConfig:
                     raise ConfigError(f"{field}={cfg[field]!r} is not supported")
             moe = moe_fields(cfg, arch, num_layers)
             config = cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=num_layers,
-                num_q_heads=num_q_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
+                vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=num_layers, num_q_heads=num_q_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads), head_dim=int(head_dim),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=rope_theta, rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                     else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                architecture=arch,
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, architecture=arch,
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-                sandwich_norms=gemma,
-                norm_weight_offset=1.0 if gemma else 0.0,
-                hidden_act=act,
+                sandwich_norms=gemma, norm_weight_offset=1.0 if gemma else 0.0, hidden_act=act,
                 embedding_multiplier=hidden ** 0.5 if gemma else 1.0,
                 query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
                 attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
                 final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
-                sliding_window=sliding_window,
-                layer_types=layer_types,
-                rope_local_theta=rope_local_theta,
-                **moe,
-            )
+                sliding_window=sliding_window, layer_types=layer_types, rope_local_theta=rope_local_theta,
+                **moe, **_multimodal_fields(cfg, arch, mm_arch, mrope_section, int(head_dim)))
         except KeyError as e:
             raise ConfigError(f"config is missing the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -472,78 +440,18 @@ class ModelConfig:
             raise ConfigError(f"attention_bias is not supported for {config.architecture}")
         return config
 
-    @classmethod
-    def _from_multimodal_dict(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
-        """A vision-language config: the language model from `text_config` (transformers 5, Gemma 3)
-        or from the top level (the published Qwen2.5-VL configs), read as its text family; the
-        vision section and token ids from the top level."""
-        model_type, text_arch = MULTIMODAL_ARCHITECTURES[arch]
-        vision = cfg.get("vision_config")
-        if not isinstance(vision, dict) or not vision:
-            raise ConfigError(f"unsupported architecture {arch!r} without a vision_config "
-                              "(a vision-language checkpoint's config.json has one)")
-        nested = cfg.get("text_config") or {}
-        if not isinstance(nested, dict):
-            raise ConfigError(f"text_config must be a JSON object, got {nested!r}")
-        text = {k: v for k, v in cfg.items() if k not in _MM_ONLY_FIELDS}
-        text.update({k: v for k, v in nested.items() if v is not None or k not in text})
-        text["architectures"] = [text_arch]
-        if cfg.get("tie_word_embeddings") is not None:  # the model's own flag (transformers reads it there)
-            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        eos = []  # the top level's stop ids (a published Gemma 3 lists <end_of_turn> there), then the text's
-        for holder in (cfg, nested):
-            value = holder.get("eos_token_id")
-            for i in (value if isinstance(value, list) else [] if value is None else [value]):
-                if i not in eos:
-                    eos.append(i)
-        text["eos_token_id"] = eos or None
-        section = None
-        if arch == "Qwen2_5_VLForConditionalGeneration":
-            text, section = _take_mrope(text)
-        config = cls.from_hf_dict(text)
-        if section is not None and sum(section) != config.head_dim // 2:
-            raise ConfigError(f"mrope_section {list(section)} sums to {sum(section)}, not head_dim // 2 = "
-                              f"{config.head_dim // 2}")
-        tokens = {}
-        for ours, theirs in _MM_TOKEN_FIELDS[arch].items():
-            value = cfg.get(theirs)
-            if isinstance(value, bool) or not (value is None or isinstance(value, int)):
-                raise ConfigError(f"{theirs} must be a token id, got {value!r}")
-            tokens[ours] = value
-        per_image = None
-        if arch == "Gemma3ForConditionalGeneration":
-            per_image = cfg.get("mm_tokens_per_image", 256)
-            if isinstance(per_image, bool) or not isinstance(per_image, int) or per_image < 1:
-                raise ConfigError(f"mm_tokens_per_image must be a positive integer, got {per_image!r}")
-        return dataclasses.replace(config, multimodal_architecture=arch, vision_config=dict(vision),
-                                   mrope_section=section, mm_tokens_per_image=per_image, **tokens)
-
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face config.json of this model (`from_hf_dict` reads it back unchanged). A
-        vision-language model's has transformers 5's shape: the language model under `text_config`,
-        the tower's `vision_config` and the token ids at the top level."""
-        if self.is_multimodal:
-            return self._multimodal_hf_dict()
+        """The Hugging Face config.json of this model (`from_hf_dict` reads it back unchanged)."""
         gemma = self.architecture.startswith("Gemma")
         out = {
-            "architectures": [self.architecture],
-            "model_type": ARCHITECTURES[self.architecture],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_q_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-            "hidden_activation" if gemma else "hidden_act": self.hidden_act,
+            "architectures": [self.architecture], "model_type": ARCHITECTURES[self.architecture],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids), "hidden_activation" if gemma else "hidden_act": self.hidden_act,
             "sliding_window": self.sliding_window,
         }
         if self.layer_types is not None:
@@ -559,22 +467,12 @@ class ModelConfig:
                        final_logit_softcapping=self.final_logit_softcap)
         if self.rope_local_theta is not None:
             out["rope_local_base_freq"] = self.rope_local_theta
-        return out
-
-    def _multimodal_hf_dict(self) -> dict[str, Any]:
-        arch = self.multimodal_architecture
-        text = dataclasses.replace(self, multimodal_architecture=None, vision_config=None, mrope_section=None,
-                                   image_token_id=None, image_start_token_id=None, image_end_token_id=None,
-                                   video_token_id=None, mm_tokens_per_image=None).to_hf_dict()
-        if self.mrope_section is not None:
-            text["rope_scaling"] = {**(text["rope_scaling"] or {"rope_type": "default"}),
-                                    "mrope_section": list(self.mrope_section)}
-        out = {"architectures": [arch], "model_type": MULTIMODAL_ARCHITECTURES[arch][0], "text_config": text,
-               "vision_config": dict(self.vision_config), "tie_word_embeddings": self.tie_word_embeddings,
-               "eos_token_id": list(self.eos_token_ids)}
-        out.update({theirs: getattr(self, ours) for ours, theirs in _MM_TOKEN_FIELDS[arch].items()})
-        if self.mm_tokens_per_image is not None:
-            out["mm_tokens_per_image"] = self.mm_tokens_per_image
+        if self.multimodal_architecture:  # flat, as the published Qwen2.5-VL configs: the language model's fields on top
+            model_type, _, ids = MULTIMODAL_ARCHITECTURES[self.multimodal_architecture]
+            mrope = {"rope_scaling": {**(self.rope_scaling or {}), "mrope_section": list(self.mrope_section or ())}}
+            out.update(architectures=[self.multimodal_architecture], model_type=model_type, vision_config=self.vision_config,
+                       mm_tokens_per_image=self.mm_tokens_per_image, **(mrope if self.mrope_section else {}),
+                       **{theirs: getattr(self, ours) for ours, theirs in ids.items()})
         return out
 
     @classmethod
@@ -598,10 +496,10 @@ def _optional_float(value) -> float | None:
     return None if value is None else float(value)
 
 
-def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict | None, float | None]:
-    """(rope_theta, rope_scaling, rope_local_theta) from transformers 4 fields (rope_theta,
-    rope_scaling, rope_local_base_freq) or transformers 5's `rope_parameters` (flat, or per layer
-    type for Gemma 3)."""
+def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict | None, float | None, list | None]:
+    """(rope_theta, rope_scaling, rope_local_theta, mrope_section) from transformers 4 fields
+    (rope_theta, rope_scaling, rope_local_base_freq) or transformers 5's `rope_parameters` (flat, or
+    per layer type for Gemma 3). Qwen2.5-VL's type "mrope" is the default RoPE on three position axes."""
     params = cfg.get("rope_parameters") or {}
     local = None
     if FULL_ATTENTION in params or SLIDING_ATTENTION in params:  # per layer type (Gemma 3)
@@ -616,40 +514,33 @@ def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict | None, float | N
         local = 10000.0  # transformers' default for Gemma 3
     theta = float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params or None)
+    section = None
     if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("mrope_interleaved"):
+            raise ConfigError(f"mrope_interleaved={scaling['mrope_interleaved']!r} is not supported")
+        section = scaling.get("mrope_section")
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "mrope_section") and v != "mrope"}
         kind = _rope_type(scaling)
         if kind not in _ROPE_TYPES:
             raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(_ROPE_TYPES)}")
         scaling = None if kind == "default" else {**scaling, "rope_type": kind}
-    return theta, scaling, local
+    return theta, scaling, local, section
 
 
-def _take_mrope(text: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-    """Qwen2.5-VL's text config without its M-RoPE fields, and its `mrope_section` (from
-    `rope_parameters` or `rope_scaling`, whose type "mrope" is the default RoPE on three position
-    axes). M-RoPE variants this code does not compute (interleaved bands) are refused."""
-    section, out = None, dict(text)
-    for key in ("rope_parameters", "rope_scaling"):
-        params = text.get(key)
-        if not isinstance(params, dict):
-            continue
-        if params.get("mrope_interleaved"):
-            raise ConfigError(f"{key}.mrope_interleaved={params['mrope_interleaved']!r} is not supported")
-        if params.get("mrope_section") is not None:
-            section = section or params["mrope_section"]
-        rest = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
-        if _rope_type(rest) == "mrope":
-            rest = {k: v for k, v in rest.items() if k not in ("type", "rope_type")}
-        elif rest.get("type") == "mrope":  # transformers 5 keeps the published "type" beside its "rope_type"
-            rest.pop("type")
-        out[key] = rest or None
-    if section is None:
-        raise ConfigError("Qwen2_5_VLForConditionalGeneration needs mrope_section in rope_scaling / rope_parameters")
-    if (not isinstance(section, (list, tuple)) or len(section) != 3
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in section)):
-        raise ConfigError(f"mrope_section must be three non-negative integers, got {section!r}")
-    return out, tuple(section)
+def _multimodal_fields(cfg: dict[str, Any], arch: str, mm_arch: str | None, section, head_dim: int) -> dict:
+    """ModelConfig's vision-language fields ({} for a text model, which may not have an mrope_section)."""
+    qwen_vl = mm_arch == "Qwen2_5_VLForConditionalGeneration"
+    if section is not None and not qwen_vl:
+        raise ConfigError(f"mrope_section is not supported for {mm_arch or arch}")
+    if qwen_vl and (not isinstance(section, (list, tuple)) or len(section) != 3 or sum(section) != head_dim // 2):
+        raise ConfigError(f"{mm_arch} needs mrope_section in rope_scaling / rope_parameters: three integers "
+                          f"summing to head_dim // 2 = {head_dim // 2}, got {section!r}")
+    if mm_arch is None:
+        return {}
+    ids = {ours: cfg.get(theirs) for ours, theirs in MULTIMODAL_ARCHITECTURES[mm_arch][2].items()}
+    ids["mm_tokens_per_image"] = None if qwen_vl else int(cfg.get("mm_tokens_per_image", 256))
+    return dict(multimodal_architecture=mm_arch, vision_config=dict(cfg["vision_config"]),
+                mrope_section=section and tuple(int(s) for s in section), **{k: v and int(v) for k, v in ids.items()})
 
 
 def _rope_type(params: dict) -> str:
