@@ -34,8 +34,8 @@ MULTIMODAL_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2ForCausalLM", dict(
         image_token_id="image_token_id", image_start_token_id="vision_start_token_id",
         image_end_token_id="vision_end_token_id", video_token_id="video_token_id")),
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM", dict(
-        image_token_id="image_token_index", image_start_token_id="boi_token_index", image_end_token_id="eoi_token_index"))}
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM", dict(image_token_id="image_token_index",
+        image_start_token_id="boi_token_index", image_end_token_id="eoi_token_index"))}
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES) + tuple(MULTIMODAL_ARCHITECTURES)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -467,12 +467,12 @@ class ModelConfig:
                        final_logit_softcapping=self.final_logit_softcap)
         if self.rope_local_theta is not None:
             out["rope_local_base_freq"] = self.rope_local_theta
-        if self.multimodal_architecture:  # flat, as the published Qwen2.5-VL configs: the language model's fields on top
+        if self.multimodal_architecture:  # flat (the language model's fields on top), as published Qwen2.5-VL
             model_type, _, ids = MULTIMODAL_ARCHITECTURES[self.multimodal_architecture]
             mrope = {"rope_scaling": {**(self.rope_scaling or {}), "mrope_section": list(self.mrope_section or ())}}
-            out.update(architectures=[self.multimodal_architecture], model_type=model_type, vision_config=self.vision_config,
-                       mm_tokens_per_image=self.mm_tokens_per_image, **(mrope if self.mrope_section else {}),
-                       **{theirs: getattr(self, ours) for ours, theirs in ids.items()})
+            out.update(architectures=[self.multimodal_architecture], model_type=model_type,
+                       vision_config=self.vision_config, mm_tokens_per_image=self.mm_tokens_per_image,
+                       **(mrope if self.mrope_section else {}), **{b: getattr(self, a) for a, b in ids.items()})
         return out
 
     @classmethod
@@ -514,12 +514,12 @@ def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict | None, float | N
         local = 10000.0  # transformers' default for Gemma 3
     theta = float(cfg.get("rope_theta") or params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params or None)
-    section = None
+    section = (scaling or {}).get("mrope_section")
     if scaling is not None:
         if scaling.get("mrope_interleaved"):
             raise ConfigError(f"mrope_interleaved={scaling['mrope_interleaved']!r} is not supported")
-        section = scaling.get("mrope_section")
-        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "mrope_section") and v != "mrope"}
+        scaling = {k: v for k, v in scaling.items()  # type "mrope" with its section: the default RoPE on 3 axes
+                   if k not in ("rope_theta", "mrope_section") and (v != "mrope" or section is None)}
         kind = _rope_type(scaling)
         if kind not in _ROPE_TYPES:
             raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(_ROPE_TYPES)}")
