@@ -9,6 +9,9 @@ QuantArray's numbers beside its stored ones, both read by `quantization.linear`:
 * `with_kernel_layout`: the C++ kernel's (cpu_kernels.quantized_matmul), which multiplies int8
   rows by the codes at their size, reading a stacked layout at the layer index;
 * `transposed`: codes [out, in], whose dequantization XLA fuses into a one-row product.
+A float model's matrices go into the C++ kernel's strips of 64 output columns instead
+(`StripMatrix`, cpu_kernels' strip_matmul.cc): a float32 model's in those alone
+(`float32_views`), a bfloat16 model's beside the stored ones (`bfloat16_views`).
 `LayerWeights` is how `jaxserve.models.llama.forward` reads the layers of whichever layout
 `layer_views` gave.
 """
@@ -24,7 +27,7 @@ import numpy as np
 
 import cpu_kernels
 from jaxserve.models import prompt_matmul
-from jaxserve.models.quantization import (StripMatrix, KernelLayout, QuantArray, QuantEmbedding, TransposedLayout,
+from jaxserve.models.quantization import (KernelLayout, QuantArray, QuantEmbedding, StripMatrix, TransposedLayout,
                                           tree_bytes)
 
 Params = dict[str, Any]
@@ -147,7 +150,9 @@ def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str
 def _layer_views(params: Params, int8_activations: bool, float32_attention: bool = True) -> Params:
     """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
 
-    Two ways around the scan's slice copies, on one CPU device:
+    A float model (every matrix float32, or bfloat16 with `float32_attention`): its matrices in
+    the C++ kernel's strips, read at the layer index (`float32_views`, `bfloat16_views`). A
+    quantized one, two ways around the scan's slice copies, on one CPU device:
     * every weight matrix quantized in a format the CPU kernel takes, with `int8_activations`
       (EngineConfig.cpu_int8_activations): "layers" stays stacked, each matrix with the kernel's
       layout added (`with_kernel_layout`: the codes once more, at their size, the one cost in
@@ -275,8 +280,9 @@ def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
 def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
     """Bytes `layer_views` adds beside `params` (arrays or abstract arrays) on one CPU device:
     the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
-    tied lm_head, or a bfloat16 model's matrices in the kernel's layout (and its norms in float32).
-    Views themselves cost nothing. For the memory planner."""
+    tied lm_head, a bfloat16 model's matrices in the kernel's layout (and its norms in float32), or
+    a float32 model's strips less the matrices they replace (a tied lm_head's copy and the strips'
+    padding). Views themselves cost nothing. For the memory planner."""
     if _float_matrices(params, jnp.float32):  # the strips replace the matrices; a tied lm_head's are a copy
         return tree_bytes(jax.eval_shape(float32_views, params)) - tree_bytes(params)
     if _float_matrices(params, jnp.bfloat16):
