@@ -73,7 +73,7 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
         x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), element)
         stack = jnp.asarray(rng.standard_normal((count, hidden, intermediate), np.float32) * 0.01, element)
 
-    import cpu_kernels
+    import cpu_kernels  # as jax: only the probe needs the kernels
     if dtype == "float32" and cpu_kernels.available():  # as the engine's float32 step: the C++ kernel's strips
         stack = jax.jit(cpu_kernels.pack_f32)(stack)  # [n, strips, hidden, STRIP]
 
