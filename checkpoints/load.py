@@ -80,9 +80,8 @@ class ModelSource:
         had no tokenizer files (token ids in, token ids out)."""
         if not self.marker.get("has_tokenizer", True):
             return None
-        from transformers import AutoTokenizer
         try:
-            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+            return _tokenizer_class(self.path).from_pretrained(self.path, local_files_only=True)
         except Exception as e:  # transformers raises many types for broken tokenizer files
             raise ConversionError(f"{self.path}: cannot load the tokenizer ({e})") from None
 
@@ -216,3 +215,20 @@ def load_vision_params(model_dir: str, dtype=None, sharding=None) -> dict:
 
 def load_image_processor(model_dir: str):
     return ModelSource.open(model_dir).load_image_processor()
+
+
+def _tokenizer_class(path: str):
+    """The transformers class that loads the tokenizer in `path`: the `tokenizer_class` its
+    tokenizer_config.json names, as AutoTokenizer would pick, imported by name (AutoTokenizer's own
+    import brings in transformers' model configurations, and with them torch where it is installed:
+    seconds of every start); AutoTokenizer where the file names none or transformers lacks it."""
+    import transformers  # the tokenizer needs it; loaded only when a tokenizer is
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    try:
+        return getattr(transformers, name) if isinstance(name, str) else transformers.AutoTokenizer
+    except (AttributeError, ImportError):
+        return transformers.AutoTokenizer
