@@ -7,7 +7,9 @@ starting the process to its exit (Python start, loading and converting nothing, 
 it uses compiled when first used, generation, writing the output), twice: with an empty
 persistent compilation cache and again with the cache the first run filled. transformers: the
 same token ids, `generate` in static batches, its generation alone (loading the model not
-counted), at each `--hf_batch_sizes`. Output tokens per second of wall time, and the ratios.
+counted), at each `--hf_batch_sizes`. The warm jaxserve process and transformers run in turns,
+`--rounds` times (the machine's speed drifts within minutes): medians, and each round's ratio.
+Output tokens per second of wall time, and the ratios.
 
   python bench/generate_process.py --out=bench/out/generate_process.json
   python bench/generate_process.py --num_prompts=4 --prompt_len=16 --output_len=8 --skip_hf   # smoke
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf_batch_sizes", default="32,64")
     parser.add_argument("--skip_hf", action="store_true")
     parser.add_argument("--generate_flags", default="", help="extra flags for jaxserve generate (space separated)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="warm jaxserve processes, each followed by transformers (medians reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -91,23 +95,38 @@ def main(argv=None) -> int:
         flags = args.generate_flags.split()
         report["jaxserve_cold"] = run_generate(args.model, input_path, args.output_len, cache, flags)
         print(f"jaxserve generate, empty compilation cache: {report['jaxserve_cold']['wall_s']:.1f} s", flush=True)
-        report["jaxserve_warm"] = run_generate(args.model, input_path, args.output_len, cache, flags)
-        print(f"jaxserve generate, filled compilation cache: {report['jaxserve_warm']['wall_s']:.1f} s", flush=True)
-    hf = {}
-    if not args.skip_hf:
-        from bench.hf_baseline import greedy_agreement, load_hf_model, run_hf
-        model, load_s = load_hf_model(model_dir)
+        hf_model = None
+        if not args.skip_hf:
+            from bench.hf_baseline import greedy_agreement, load_hf_model, run_hf
+            hf_model, report["transformers_load_s"] = load_hf_model(model_dir)
         workload = [(ids, args.output_len) for ids in token_ids]
-        for size in [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]:
-            result = run_hf(model, workload, size, 0.0)
-            result["agreement_first_16"] = greedy_agreement(
-                [report["jaxserve_warm"]["outputs"][i] for i in range(len(token_ids))], result.pop("outputs"))
-            hf[size] = result
-            print(f"transformers b={size}: {result['wall_s']:.1f} s of generation", flush=True)
+        sizes = [] if args.skip_hf else [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
+        # In turns, so that the machine's speed, which drifts here by tens of percent within minutes,
+        # falls on both alike: each round a warm jaxserve process, then transformers at each size.
+        warm_runs, hf_runs, rounds = [], {size: [] for size in sizes}, []
+        for index in range(args.rounds):
+            warm = run_generate(args.model, input_path, args.output_len, cache, flags)
+            warm_runs.append(warm)
+            this_round = {"jaxserve_warm_s": warm["wall_s"]}
+            print(f"round {index + 1}: jaxserve generate, filled compilation cache: {warm['wall_s']:.1f} s", flush=True)
+            for size in sizes:
+                result = run_hf(hf_model, workload, size, 0.0)
+                result["agreement_first_16"] = greedy_agreement(
+                    [warm["outputs"][i] for i in range(len(token_ids))], result.pop("outputs"))
+                hf_runs[size].append(result)
+                this_round[f"transformers_b{size}_s"] = result["wall_s"]
+                this_round[f"jaxserve_vs_transformers_b{size}"] = result["wall_s"] / warm["wall_s"]
+                print(f"round {index + 1}: transformers b={size}: {result['wall_s']:.1f} s of generation", flush=True)
+            rounds.append(this_round)
+    median_run = lambda runs: sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]  # noqa: E731
+    report["jaxserve_warm"] = median_run(warm_runs)
+    report["jaxserve_warm_s_all"] = [r["wall_s"] for r in warm_runs]
+    report["rounds"] = rounds
+    hf = {size: {**median_run(runs), "wall_s_all": [r["wall_s"] for r in runs]} for size, runs in hf_runs.items()}
+    if hf:
         report["transformers"] = hf
-        report["transformers_load_s"] = load_s
-    for run in ("jaxserve_cold", "jaxserve_warm"):
-        report[run].pop("outputs")
+    for run in warm_runs + [report["jaxserve_cold"]]:
+        run.pop("outputs", None)
 
     rows = [dict(engine="jaxserve generate, whole process, empty compile cache", **report["jaxserve_cold"]),
             dict(engine="jaxserve generate, whole process, filled compile cache", **report["jaxserve_warm"])]
@@ -122,6 +141,9 @@ def main(argv=None) -> int:
                                      ("output_tokens_per_s", "output tok/s", ".1f"),
                                      ("vs_best_transformers", "/ best transformers", ".2f")]))
     for size, result in hf.items():
+        ratios = [r[f"jaxserve_vs_transformers_b{size}"] for r in rounds]
+        print(f"transformers b={size} / jaxserve warm, round by round: {', '.join(f'{x:.2f}' for x in ratios)} "
+              f"(median {np.median(ratios):.2f})")
         print(f"transformers b={size}: first 16 greedy tokens agree with jaxserve's on {result['agreement_first_16']}")
     common.write_json(args.out, report)
     return 0
