@@ -221,25 +221,20 @@ class HFSource:
                                   + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
         return params
 
-    def save_processor(self, output_dir: str) -> bool:
-        """Copies a vision-language model's image processor files; False when the folder has none."""
-        copied = False
-        for name in PROCESSOR_FILES:
-            path = os.path.join(self.folder, name)
-            if os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(output_dir, name))
-                copied = True
+    def _copy_files(self, names, output_dir: str) -> list[str]:
+        """Copies those of `names` the folder has into `output_dir`; returns the names copied."""
+        copied = [name for name in names if os.path.isfile(os.path.join(self.folder, name))]
+        for name in copied:
+            shutil.copyfile(os.path.join(self.folder, name), os.path.join(output_dir, name))
         return copied
 
+    def save_processor(self, output_dir: str) -> bool:
+        """Copies a vision-language model's image processor files; False when the folder has none."""
+        return bool(self._copy_files(PROCESSOR_FILES, output_dir))
+
     def save_tokenizer(self, output_dir: str) -> bool:
-        """Copies the tokenizer files; False when the folder has none."""
-        copied = False
-        for name in TOKENIZER_FILES:
-            path = os.path.join(self.folder, name)
-            if os.path.isfile(path):
-                shutil.copyfile(path, os.path.join(output_dir, name))
-                copied = copied or name != "generation_config.json"
-        return copied
+        """Copies the tokenizer files; False when the folder has none (a generation config alone is none)."""
+        return bool(set(self._copy_files(TOKENIZER_FILES, output_dir)) - {"generation_config.json"})
 
 
 def _merge_generation_eos(hf_config: dict, generation: dict) -> dict:
