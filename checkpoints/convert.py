@@ -21,11 +21,10 @@ import time
 import ml_dtypes
 import numpy as np
 
-from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
+from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, VISION_DIR, ConversionError
 from checkpoints.gguf_source import GGUFSource
 from checkpoints.hf_source import HFSource
 from checkpoints.layout import ParamBuffers
-from checkpoints.load import VISION_DIR
 from checkpoints.pooling_checkpoint import save_pooling_files
 from jaxserve.config import ModelConfig
 from jaxserve.core.progress import Progress

@@ -20,13 +20,11 @@ import json
 import logging
 import os
 
-from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, ConversionError
+from checkpoints import FORMAT_VERSION, MARKER_FILE, PARAMS_DIR, VISION_DIR, ConversionError
 from checkpoints.default_model import resolve_model, served_model_name
 from jaxserve.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
-
-VISION_DIR = "vision"  # a vision-language model's vision params (orbax), beside PARAMS_DIR
 
 
 def check_model_dir(model_dir: str) -> dict:
