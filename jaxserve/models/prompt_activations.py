@@ -29,6 +29,7 @@ def mark(params: dict, activations: str) -> dict:
     ValueError naming the flag if no weight takes it (nothing would change)."""
     if activations == "bfloat16":
         return params
+
     def marked_weight(w):
         return dataclasses.replace(w, prompt_activations=activations) if takes(w, activations) else w
 

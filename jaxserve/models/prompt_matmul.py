@@ -21,8 +21,8 @@ float32 dot, to the CPU's integer and bfloat16 units (AMX, AVX-512 VNNI / BF16):
 and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too
 (float32: converted). `cpu_layout.layer_views` writes the choice into each weight's kernel layout.
 
-On an accelerator (EngineConfig.gpu_prompt_dtype; `quantization.with_prompt_activations` marks
-the weights), a prompt chunk's activations may be quantized the same way for the tensor cores'
+On an accelerator (EngineConfig.gpu_prompt_dtype; `prompt_activations.mark` marks the
+weights), a prompt chunk's activations may be quantized the same way for the tensor cores'
 integer or float8 products: `quantized_activations_linear`, int8 rows times per-channel int8
 weights (int32 sums), or e4m3 rows (one scale per row, max |x| / 448) times e4m3 weights (float32
 sums); XLA:GPU runs both dots in its Triton GEMM fusions on the 8-bit operands.
