@@ -197,11 +197,16 @@ class FakeVLLM:
     field instead (jaxserve's answer), and /tokenize maps characters back to ids (`merge`: one
     token fewer, as a tokenizer that merges). The first chunk waits `hit_s` when the prompt
     starts with a history it served (prompt + reply), else `miss_s`, and says in its usage how many
-    prompt tokens it found so (`prompt_tokens_details.cached_tokens`): a prefix cache."""
+    prompt tokens it found so (`prompt_tokens_details.cached_tokens`): a prefix cache. `gate`: the
+    first `gate` requests also wait (at most GATE_TIMEOUT_S) until that many are in flight, so
+    that a client sending them concurrently shows it whatever the machine's load."""
 
-    def __init__(self, *, refuse_token_ids=False, tokenize=True, merge=False, hit_s=0.005, miss_s=0.15):
+    GATE_TIMEOUT_S = 10.0
+
+    def __init__(self, *, refuse_token_ids=False, tokenize=True, merge=False, hit_s=0.005, miss_s=0.15, gate=0):
         self.refuse_token_ids, self.tokenize, self.merge = refuse_token_ids, tokenize, merge
-        self.hit_s, self.miss_s = hit_s, miss_s
+        self.hit_s, self.miss_s, self.gate = hit_s, miss_s, gate
+        self.gate_open = asyncio.Event()
         self.bodies: list[dict] = []  # every request, refused ones too
         self.replies: list[list[int]] = []  # per served request, in order
         self.histories: list[list[int]] = []
@@ -251,6 +256,13 @@ class FakeVLLM:
         await response.prepare(request)
         self.active += 1
         self.peak = max(self.peak, self.active)
+        if len(self.replies) <= self.gate:  # one of the first `gate`: wait for the others
+            if self.active >= self.gate:
+                self.gate_open.set()
+            try:
+                await asyncio.wait_for(self.gate_open.wait(), self.GATE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass  # never that many at once: `peak` says so
         await asyncio.sleep(self.hit_s if cached else self.miss_s)
         for token in ids:
             choice = {"index": 0, "text": chr(token)}
@@ -322,7 +334,7 @@ def test_against_a_server_that_returns_token_ids(fake_vllm, tmp_path, capsys):
 
 
 def test_max_concurrency_keeps_each_conversation_in_order(fake_vllm, tmp_path):
-    server = fake_vllm(hit_s=0.05, miss_s=0.05)
+    server = fake_vllm(hit_s=0.05, miss_s=0.05, gate=3)
     assert bench(server.url, *MULTITURN, "--max_concurrency=3", f"--result_json={tmp_path / 'r.json'}") == 0
     assert server.peak == 3  # the three conversations' turns overlap, each conversation's in order
     check_prompts([b["prompt"] for b in server.bodies], FakeVLLM.reply)
