@@ -231,7 +231,7 @@ def test_ignored_and_quantized_lm_head_layers(tmp_path):
 
 
 def test_planner_and_engine_count_the_stored_bytes(converted):
-    from jaxserve.commands.plan import _quantized_weights_bytes
+    from jaxserve.commands.plan import _measured_weights_bytes
     _, model_dir, _, _ = converted("gptq_act_order")
     source = ModelSource.open(model_dir)
     params = source.load_params(jnp.float32)
@@ -245,11 +245,11 @@ def test_planner_and_engine_count_the_stored_bytes(converted):
     engine = Engine(config, params, None, EngineConfig(num_pages=16, max_model_len=64, warmup=False))
     assert engine.weights_bytes == quantized + rest
     assert device_setup.quantized_weights_bytes(source.abstract_params(jnp.float32)) == quantized + rest
-    assert _quantized_weights_bytes(source, EngineConfig(dtype="float32"), on_gpu=True) == quantized + rest
+    assert _measured_weights_bytes(source, EngineConfig(dtype="float32"), on_gpu=True) == quantized + rest
     # On the CPU the step's transposed copy of the codes (act-order: not the kernel's format) too
     copies = cpu_layout.layer_views_bytes(source.abstract_params(jnp.float32))
     assert copies == L * sum(i * o + (i // 32) * o * (4 + 1) for i, o in linear)  # uint8 codes, f32 scales, uint8 zeros
-    assert _quantized_weights_bytes(source, EngineConfig(dtype="float32")) == quantized + rest + copies
+    assert _measured_weights_bytes(source, EngineConfig(dtype="float32")) == quantized + rest + copies
 
 
 _TP_CODE = """
@@ -341,10 +341,11 @@ def test_requantizing_a_published_checkpoint_is_refused(converted, tmp_path):
 
 
 def test_stored_formats_are_not_quantization_choices():
-    for name in ("int4_g32_izp", "fp8", "int4_g128_sym_actorder", "int8_bf16"):
+    for name in ("int4_g32_izp", "fp8_bf16", "int4_g128_sym_actorder", "int8_bf16"):
         assert qz.parse_format(name, stored=True).name == name
         with pytest.raises(ValueError, match="unknown quantization .*published"):
             qz.parse_format(name)
+    assert qz.parse_format("fp8") == qz.parse_format("fp8", stored=True)  # --quantization=fp8 (float16 scales)
 
 
 def test_model_flag_converts_a_published_folder_on_first_use(converted, tmp_path, monkeypatch):

@@ -573,6 +573,8 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
     quantized embedding and lm_head."""
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_q_heads=4,
                          num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+    if quantization is None and cpu_kernels.available():  # the per-layer views of a float model: only without them
+        pytest.skip("a float32 model's CPU step reads the C++ kernel's strips (tests/test_cpu_float32_strips.py)")
     params = weights.random_params(config, seed=3)
     if quantization:
         params = qz.quantize_params(params, quantization.split("+")[0], config)

@@ -135,6 +135,24 @@ def test_decode_first_then_prefill_with_remaining_budget():
     assert plan.decode == short and plan.prefill == [(long, 7)]
 
 
+def test_a_pooling_engine_schedules_a_prompts_last_token_as_a_prefill_chunk():
+    """--runner=pooling samples nothing: a prompt cut one token short of its end finishes in a
+    prefill chunk (the pooling step pools chunks), never in a decode row; a generating engine
+    decodes that token."""
+    for runner, decoded in (("pooling", False), ("generate", True)):
+        config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, max_num_prefill_seqs=4, runner=runner)
+        scheduler = Scheduler(PageAllocator(20, 4, enable_prefix_caching=False), config, max_model_len=64)
+        device = FakeDevice(scheduler.allocator)
+        request = Request("r", list(range(3, 12)), SamplingParams(max_tokens=0))  # 9 tokens: 8, then 1
+        scheduler.add_request(request)
+        plan = scheduler.schedule()
+        assert plan.prefill == [(request, 8)] and plan.decode == []
+        scheduler.update(plan, device.run(plan))
+        plan = scheduler.schedule()
+        assert (plan.decode == [request]) == decoded, runner
+        assert (plan.prefill == [(request, 1)]) != decoded, runner
+
+
 def test_chunked_prefill_only_last_chunk_samples():
     scheduler = make_scheduler(num_pages=20, budget=8)
     request = Request("r", list(range(3, 23)), greedy(3))

@@ -67,6 +67,7 @@ def _serve_through_router(engine, prompts) -> list:
 
 
 def _tiny_runs() -> dict:
+    import jax
     import numpy as np
     from jax import monitoring
 
@@ -92,7 +93,8 @@ def _tiny_runs() -> dict:
             monitoring.unregister_event_duration_listener(listener)
         run["num_compile_events"] = len(compiles)
         if dp == 1:
-            wq = engine.runner.params["layers"]["wq"]
+            # (one CPU device: a float32 wq is the C++ kernel's strips, the same bytes when 64 columns divide it)
+            wq = jax.tree.leaves(engine.runner.params["layers"]["wq"])[0]
             run.update(kv=_kv_layout(engine), wq_per_device_bytes=sharding.per_device_bytes(wq),
                        wq_bytes=wq.nbytes)
         else:

@@ -157,6 +157,9 @@ class Scheduler:
         self.num_scheduler_steps = config.num_scheduler_steps
         # LoRA: at most max_loras distinct adapters among the running requests (None: LoRA off).
         self.max_loras = config.max_loras if config.enable_lora else None
+        # A pooling engine samples nothing: a prompt's last token is part of a prefill chunk (the
+        # pooling step pools chunks only), never a decode row.
+        self.prompt_only = config.runner == "pooling"
         self._num_passed_over = 0  # requests admitted past the oldest waiting one (its adapter had no room)
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
@@ -231,7 +234,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
 
-        for request in [r for r in self.running if self.is_decoding(r)]:
+        decoding = set() if self.prompt_only else {r.request_id for r in self.running if self.is_decoding(r)}
+        for request in [r for r in self.running if r.request_id in decoding]:
             if budget < 1 or request.status != RequestStatus.RUNNING:
                 continue
             if self._reserve_pages(request, 1, scheduled, plan):
@@ -243,7 +247,7 @@ class Scheduler:
         if plan.decode and self.long_prefill_token_threshold is not None:
             prefill_budget = min(budget, self.long_prefill_token_threshold)
         rows_left = self.max_prompt_logprob_rows  # prompt-logprob rows this step may still compute
-        for request in [r for r in self.running if not self.is_decoding(r)]:
+        for request in [r for r in self.running if r.request_id not in decoding]:
             if prefill_budget < 1 or len(plan.prefill) >= self.max_num_prefill_seqs:
                 break
             if request.status != RequestStatus.RUNNING:
