@@ -337,13 +337,6 @@ def unpack_f32(packed: jax.Array, n: int) -> jax.Array:
     return jnp.swapaxes(packed, -3, -2).reshape(*lead, k, strips * STRIP)[..., :n]
 
 
-def takes_f32_matmul(x, packed, layer=None) -> bool:
-    """Whether `f32_matmul` serves these operands: a `pack_f32` weight (4-D with `layer`, else
-    3-D) and the kernels built."""
-    return getattr(packed, "dtype", None) == jnp.float32 and packed.ndim == (4 if layer is not None else 3) \
-        and packed.shape[-1] == STRIP and packed.shape[-2] == x.shape[-1] and available()
-
-
 def f32_matmul(x: jax.Array, packed: jax.Array, n: int, layer: jax.Array | None = None) -> jax.Array:
     """x [..., K] (float32, or cast to it) @ w -> [..., n] float32, for w float32 [K, n] as
     `pack_f32` lays it out: float32 products summed in order over K (each output one chain of

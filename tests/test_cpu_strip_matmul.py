@@ -27,14 +27,12 @@ SHAPES = [(96, 100), (576, 192), (576, 1536), (97, 33), (1536, 576)]  # (K, N)
 
 class Format:
     """One weight format of the kernel: its dtype, packing and call."""
-    def __init__(self, dtype, pack, matmul, target, takes):
-        self.dtype, self.pack, self.matmul, self.target, self.takes = dtype, pack, matmul, target, takes
+    def __init__(self, dtype, pack, matmul, target):
+        self.dtype, self.pack, self.matmul, self.target = dtype, pack, matmul, target
 
 
-BF16 = Format(jnp.bfloat16, cpu_kernels.pack_bf16, cpu_kernels.bf16_matmul, "jaxserve_bf16_matmul",
-              cpu_kernels.takes_bf16_matmul)
-F32 = Format(jnp.float32, cpu_kernels.pack_f32, cpu_kernels.f32_matmul, "jaxserve_f32_matmul",
-             cpu_kernels.takes_f32_matmul)
+BF16 = Format(jnp.bfloat16, cpu_kernels.pack_bf16, cpu_kernels.bf16_matmul, "jaxserve_bf16_matmul")
+F32 = Format(jnp.float32, cpu_kernels.pack_f32, cpu_kernels.f32_matmul, "jaxserve_f32_matmul")
 FORMATS = pytest.mark.parametrize("fmt", [BF16, F32], ids=["bf16", "f32"])
 
 
@@ -200,13 +198,10 @@ def test_takes_bf16_matmul():
 
 
 @needs_kernels
-def test_takes_f32_matmul():
+def test_f32_matmul_refuses_a_layer_outside_the_stack():
     x, w = draw(4, 96, 100, 6000, dtype=jnp.float32)
     packed = cpu_kernels.pack_f32(w)
-    assert cpu_kernels.takes_f32_matmul(x, packed)
-    assert cpu_kernels.takes_f32_matmul(jnp.zeros((cpu_kernels.MAX_ROWS + 1, 96)), packed)  # any rows
-    assert not cpu_kernels.takes_f32_matmul(x, packed, layer=0)
-    assert cpu_kernels.takes_f32_matmul(x, packed[None], layer=0)
-    assert not cpu_kernels.takes_f32_matmul(x, packed.astype(jnp.bfloat16))
     with pytest.raises(Exception, match="layer index outside"):
         np.asarray(jax.jit(cpu_kernels.f32_matmul, static_argnums=2)(x, packed[None], 100, jnp.int32(1)))
+    with pytest.raises(ValueError):
+        cpu_kernels.f32_matmul(x, packed[None], 100)  # a stacked weight without a layer

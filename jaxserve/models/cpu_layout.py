@@ -236,14 +236,22 @@ def float32_views(params: Params) -> Params:
     (`stored_params_left` lets the runner drop them): the strips replace them, and only a tied
     lm_head's are a copy (of the embedding, transposed)."""
     layers = {name: _float32_matrix_jit(w) if w.ndim == 3 else w for name, w in params["layers"].items()}
-    lm_head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return {**params, "layers": layers, "lm_head": _float32_matrix_jit(lm_head)}
+    lm_head = _float32_matrix_jit(params["lm_head"]) if "lm_head" in params \
+        else _float32_tied_lm_head_jit(params["embed"])
+    return {**params, "layers": layers, "lm_head": lm_head}
 
 
 @jax.jit
 def _float32_matrix_jit(w: jax.Array) -> StripMatrix:
     """A float32 [..., in, out] weight in the kernel's strips (a copy; nothing else kept)."""
     return StripMatrix(None, KernelLayout(cpu_kernels.pack_f32(w), None), w.shape[-1])
+
+
+@jax.jit
+def _float32_tied_lm_head_jit(embed: jax.Array) -> StripMatrix:
+    """The lm_head tied to a float32 embedding [V, D]: its [D, V] in strips, transposed in the same
+    program as the packing (no transposed copy of the embedding made first)."""
+    return _float32_matrix_jit(embed.T)
 
 
 def stored_params_left(params: Params, views: Params) -> Params:
