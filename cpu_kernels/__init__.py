@@ -24,8 +24,8 @@
   XLA:CPU converts it element by element (1 x [576, 49152]: 47 ms, 15x its float32 dot). A
   stacked weight is read at a layer index given with it. strip_matmul.cc.
 * `f32_matmul`: x [R, K] float32 @ a float32 weight (`pack_f32`'s strips), any number of rows,
-  in 6 x 64 register tiles, where XLA:CPU's dot reaches 40-60% of the CPU's float32 rate at the
-  8-64 rows of a decode step. strip_matmul.cc.
+  in 6 x 64 register tiles, where XLA:CPU's dot falls short of the CPU's float32 rate at the few
+  rows of a decode step. strip_matmul.cc.
 
 All run on the threads of XLA's CPU client. The library is built with the machine's C++
 compiler (`$CXX`, else `c++`) for this CPU (-march=native) against the FFI headers of the

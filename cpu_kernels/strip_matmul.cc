@@ -4,9 +4,9 @@
 //   the bfloat16 weight to float32 element by element, far slower than it reads a float32 one
 //   (1 x [576, 49152]: 47 ms against 3.2 ms). Here the weight streams through once at its size, 2
 //   bytes a weight, and each weight becomes a float32 with one integer instruction per 16 of them.
-// * float32 weights, for any number of rows: XLA:CPU's float32 dot runs at 40-60% of this CPU's
-//   float32 rate for the 8-64 rows of a decode step (and its [R, 576] x [576, 49152] lm_head at 32
-//   rows at about 90 GFLOP/s), where a 6 x 64 register tile of sums over one strip at a time keeps
+// * float32 weights, for any number of rows: XLA:CPU's float32 dot falls well short of this CPU's
+//   float32 rate at the few rows of a decode step (bench/RESULTS.md, "Offline throughput: jaxserve
+//   generate vs transformers"), where a 6 x 64 register tile of sums over one strip at a time keeps
 //   the FMA units busy; the same tile serves a prompt chunk's rows, the strip read again from cache
 //   for each 6 rows.
 //

@@ -231,7 +231,7 @@ _pack_transposed_bf16_jit = jax.jit(lambda w: cpu_kernels.pack_bf16(w.T))
 def float32_views(params: Params) -> Params:
     """A float32 model as the CPU step reads it: each matrix (the lm_head, a tied one too) a
     `StripMatrix` in the C++ kernel's strips only (cpu_kernels.f32_matmul multiplies every row
-    count: 1.1-1.4x XLA:CPU's dot at 8-512 rows, ~2x at the lm_head), read at the layer index;
+    count, faster than XLA:CPU's dot: bench/RESULTS.md), read at the layer index;
     norms, biases and the embedding as they are. The stored matrices are then read by nothing
     (`stored_params_left` lets the runner drop them): the strips replace them, and only a tied
     lm_head's are a copy (of the embedding, transposed)."""
