@@ -4,7 +4,8 @@ The page is a few static files shipped in the package (serve/static/: HTML, CSS,
 build step, nothing fetched from elsewhere) that talk to the same server's /v1 routes. The files
 are read once when the app is created and served from memory with an ETag, `Cache-Control:
 no-cache` and a strict Content-Security-Policy (no inline script or style, connections to the
-page's own origin only). They hold no data, so they are open without the API key; the page sends
+page's own origin only; images also from `data:` URLs, as the page shows the images attached to a
+message inline). They hold no data, so they are open without the API key; the page sends
 the key the user types (kept in the page's memory only) on every /v1 call.
 
 CORS is off unless origins are configured (`--allowed_origins`): then a preflight OPTIONS on a
@@ -32,7 +33,7 @@ STATIC_FILES = {
     "style.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }
-CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                            "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
                            "frame-ancestors 'none'")
 _PAGE_HEADERS = {

@@ -10,15 +10,22 @@ is saved under the pytest tmp dir (its path is printed).
 """
 from __future__ import annotations
 
+import asyncio
+import base64
 import importlib.util
+import json
 import os
 import re
 import shutil
+import struct
 import sys
+import threading
+import zlib
 from pathlib import Path
 
 import pytest
 import requests
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.commands import cli
@@ -71,6 +78,7 @@ def test_page_and_assets_are_served_with_types_no_cache_and_a_strict_csp(make_se
         assert r.headers["X-Content-Type-Options"] == "nosniff"
         csp = r.headers["Content-Security-Policy"]
         assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe" not in csp
+        assert "img-src 'self' data:;" in csp  # the attached images, shown inline; nothing remote
         assert "Access-Control-Allow-Origin" not in r.headers
         again = requests.get(url(server, path), headers={"If-None-Match": r.headers["ETag"]}, timeout=10)
         assert again.status_code == 304 and again.content == b""
@@ -514,3 +522,213 @@ def test_a_lora_adapter_is_picked_from_the_models_list(browser, make_server):
     page.wait_finished(2)
     assert [p.lora_name for p in server.engine.params] == ["sql", None]
     assert not page.console_errors()
+
+
+
+# ---- images attached to a message ----------------------------------------------------------------
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG of one colour, written by hand (8-bit RGB, no filter)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+class RecordingServer:
+    """The page's files (web_ui's routes and headers) beside a fake /v1/models listing `model` and a
+    fake /v1/chat/completions that records each request body and streams "A picture." (or refuses
+    it with a 400 carrying `refuse`), on a loopback port in a thread."""
+
+    def __init__(self, model: dict | None = None, refuse: str | None = None) -> None:
+        self.model = model or {"id": "vlm", "object": "model", "max_model_len": 4096}
+        self.refuse = refuse
+        self.bodies: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=10)
+
+    async def _start(self) -> int:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        web_ui.add_web_ui_routes(app)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return self.runner.addresses[0][1]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.model]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        if self.refuse:
+            return web.json_response({"error": {"message": self.refuse, "type": "invalid_request_error"}},
+                                     status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunks = [{"choices": [{"index": 0, "delta": {"content": "A "}, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {"content": "picture."}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}]
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.fixture
+def recording_server():
+    servers = []
+
+    def make(**kwargs) -> RecordingServer:
+        servers.append(RecordingServer(**kwargs))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def thumbnails(page: Page):
+    return page.find_all("#attachments .thumb")
+
+
+def loaded_images(page: Page, css: str) -> list[str]:
+    """The `src` of the images matched by `css` that the browser could load and decode."""
+    return page.driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].filter(i => i.complete && i.naturalWidth > 0)"
+        ".map(i => i.src)", css)
+
+
+@needs_browser
+def test_attached_images_are_sent_as_data_url_parts_before_the_text_and_kept_in_the_history(
+        browser, recording_server, tmp_path):
+    red, blue = png(3, 2, (255, 0, 0)), png(2, 2, (0, 0, 255))
+    (tmp_path / "red.png").write_bytes(red)
+    (tmp_path / "blue.png").write_bytes(blue)
+    server = recording_server()
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    assert page.find("#attach").is_enabled() and not page.find("#attachments").is_displayed()
+    page.find("#attach-input").send_keys(f"{tmp_path / 'red.png'}\n{tmp_path / 'blue.png'}")
+    page.wait(lambda: len(loaded_images(page, "#attachments .thumb img")) == 2)
+    assert sorted(loaded_images(page, "#attachments .thumb img")) == sorted([data_url(red), data_url(blue)])
+    blue_thumb = next(t for t in thumbnails(page)
+                      if t.find_element("css selector", "img").get_attribute("src") == data_url(blue))
+    blue_thumb.find_element("css selector", "button.remove").click()
+    page.wait(lambda: len(thumbnails(page)) == 1)
+    assert loaded_images(page, "#attachments img") == [data_url(red)]
+
+    page.send("What is in this picture?")
+    page.wait_finished(1)
+    assert server.bodies[0]["messages"] == [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(red)}},
+        {"type": "text", "text": "What is in this picture?"}]}]
+    assert thumbnails(page) == [] and not page.find("#attachments").is_displayed()  # gone with the message
+    user = page.find(".message.user")
+    assert loaded_images(page, ".message.user .images img") == [data_url(red)]  # shown in the conversation
+    assert user.find_element("css selector", ".body").text == "What is in this picture?"
+
+    page.send("And in words?")  # text only: a plain string; the earlier image goes along in the history
+    page.wait_finished(2)
+    assert server.bodies[1]["messages"] == [
+        server.bodies[0]["messages"][0], {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "And in words?"}]
+    assert len(page.find_all(".message.user .images img")) == 1
+    assert page.console_errors() == []  # e.g. no Content-Security-Policy refusal of the data: images
+
+
+@needs_browser
+def test_a_pasted_image_is_attached_and_too_large_or_non_image_files_are_refused(browser, recording_server,
+                                                                                  tmp_path):
+    red = png(4, 4, (255, 0, 0))
+    server = recording_server()
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    paste = """
+        const [b64, name, type, size] = arguments;
+        const bytes = b64 ? Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)) : new Uint8Array(size);
+        const data = new DataTransfer();
+        data.items.add(new File([bytes], name, {type}));
+        document.getElementById('input').dispatchEvent(
+            new ClipboardEvent('paste', {clipboardData: data, bubbles: true, cancelable: true}));
+    """
+    browser.execute_script(paste, base64.b64encode(red).decode(), "image.png", "image/png", 0)
+    page.wait(lambda: loaded_images(page, "#attachments img") == [data_url(red)])
+    assert page.find("#attach-note").text == ""
+
+    browser.execute_script(paste, "", "huge.png", "image/png", 20 * 1024 * 1024 + 1)
+    page.wait(lambda: page.find("#attach-note").text)
+    assert page.find("#attach-note").text == "huge.png is 20.0 MB, over the 20.0 MB limit for one image"
+    (tmp_path / "notes.txt").write_text("not an image")
+    page.find("#attach-input").send_keys(str(tmp_path / "notes.txt"))
+    page.wait(lambda: "notes.txt" in page.find("#attach-note").text)
+    assert page.find("#attach-note").text == "notes.txt is not an image"
+    assert len(thumbnails(page)) == 1
+
+    page.find("#send").click()  # an image without text: the image part alone
+    page.wait_finished(1)
+    assert server.bodies[0]["messages"] == [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(red)}}]}]
+    assert page.find("#attach-note").text == ""
+
+
+@needs_browser
+def test_a_refused_image_shows_the_servers_message_and_comes_back_to_the_box(browser, recording_server, tmp_path):
+    red = png(2, 2, (255, 0, 0))
+    (tmp_path / "red.png").write_bytes(red)
+    server = recording_server(refuse="the model takes no images")
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    page.find("#attach-input").send_keys(str(tmp_path / "red.png"))
+    page.wait(lambda: len(thumbnails(page)) == 1)
+    page.send("Describe it")
+    error = page.wait_finished(1).find_element("css selector", ".error").text
+    assert error == "HTTP 400 Bad Request: the model takes no images"
+    assert len(server.bodies) == 1
+    assert page.find("#input").get_attribute("value") == "Describe it"  # to edit and send again
+    assert loaded_images(page, "#attachments img") == [data_url(red)]
+
+    text_only = recording_server(model={"id": "llm", "object": "model", "input_modalities": ["text"]})
+    page = Page(browser, text_only)  # a model card that says so: no attaching
+    page.wait(lambda: page.status_state() == "ok")
+    assert not page.find("#attach").is_enabled()
+    assert page.find("#attach").get_attribute("title") == "this model takes no images"
+    with_images = recording_server(model={"id": "vlm", "object": "model", "input_modalities": ["text", "image"]})
+    page = Page(browser, with_images)
+    page.wait(lambda: page.status_state() == "ok")
+    assert page.find("#attach").is_enabled()
+
+
+@needs_browser
+def test_the_real_servers_refusal_of_an_image_is_shown(browser, make_server, tmp_path):
+    """The page's image parts reach the real app, whose 400 for a model without images is shown."""
+    red = png(2, 2, (255, 0, 0))
+    (tmp_path / "red.png").write_bytes(red)
+    server = make_server()  # the FakeEngine: a text model
+    content = [{"type": "image_url", "image_url": {"url": data_url(red)}}, {"type": "text", "text": "hi"}]
+    status, _, body = server.request("POST", "/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert status == 400
+    page = Page(browser, server)
+    page.wait(lambda: page.status_state() == "ok")
+    page.set_field("max-tokens", 2)
+    page.find("#attach-input").send_keys(str(tmp_path / "red.png"))
+    page.wait(lambda: len(thumbnails(page)) == 1)
+    page.send("hi")
+    error = page.wait_finished(1).find_element("css selector", ".error").text
+    assert error == "HTTP 400 Bad Request: " + body["error"]["message"]
+    assert server.engine.prompts == []

@@ -1,6 +1,7 @@
 // The chat page: talks to this server's /v1/models and /v1/chat/completions (streaming SSE).
 // Model output is only ever put into the page as text (markdown.js builds DOM nodes); the API key
-// lives in the key field of this page only (no cookie, no storage).
+// lives in the key field of this page only (no cookie, no storage). Images attached to a message
+// (file picker or paste) are read in the page (FileReader) and sent inline as `data:` URLs.
 "use strict";
 
 (function () {
@@ -10,9 +11,15 @@
     send: $("send"), stop: $("stop"), clear: $("clear"), keyBox: $("api-key-box"), key: $("api-key"),
     system: $("system-prompt"), temperature: $("temperature"), topP: $("top-p"), maxTokens: $("max-tokens"),
     seed: $("seed"), modelName: $("model-name"), modelSelect: $("model-select"), modelCtx: $("model-ctx"),
-    status: $("server-status"), statusText: $("status-text"),
+    status: $("server-status"), statusText: $("status-text"), attach: $("attach"), attachInput: $("attach-input"),
+    attachments: $("attachments"), attachNote: $("attach-note"),
   };
-  const state = { model: null, models: [], history: [], controller: null };
+  // attachments: the images of the message being written, {name, url}; reading: their FileReaders
+  // still running (a send waits for them).
+  const state = { model: null, models: [], history: [], controller: null, attachments: [], reading: new Set(),
+                  sending: false, takesImages: null };
+  // One image's limit, the server's default (--max_image_bytes: 20 MiB after decoding).
+  const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
 
   function setStatus(kind, text) {
     ui.status.dataset.state = kind;
@@ -45,6 +52,7 @@
     if (message) text += ": " + message;
     const retryAfter = response.headers.get("Retry-After");
     if (response.status === 429 && retryAfter) text += " (retry after " + retryAfter + " s)";
+    if (response.status === 413) text += " (attached images travel inside the request, base64: a third larger)";
     if (response.status === 401) {
       askForKey(ui.key.value.trim() ? "API key rejected" : "API key required");
       text += " — enter the server's API key under Settings.";
@@ -95,6 +103,98 @@
     ui.modelName.textContent = model.id;
     ui.modelCtx.textContent = model.max_model_len ? model.max_model_len + " tokens" : "?";
     showSamplingDefaults(model.sampling_defaults || {});
+    state.takesImages = takesImages(model);
+    ui.attach.disabled = state.takesImages === false;
+    ui.attach.title = state.takesImages === false ? "this model takes no images"
+      : "Attach images (or paste one into the message)";
+  }
+
+  // Whether the model takes images, where its model card says so (`input_modalities`, at the top or
+  // under `architecture`); null when it does not say: attaching is allowed and the server decides.
+  function takesImages(model) {
+    const modalities = model.input_modalities || (model.architecture && model.architecture.input_modalities);
+    return Array.isArray(modalities) ? modalities.includes("image") : null;
+  }
+
+  // ---- images attached to the message being written ----
+
+  function note(text) {
+    ui.attachNote.textContent = text || "";
+  }
+
+  function megabytes(bytes) {
+    return (bytes / (1024 * 1024)).toFixed(1) + " MB";
+  }
+
+  // Reads image files into data: URLs and adds them to the message; refusals are noted beside the button.
+  function attachFiles(files) {
+    const refused = [];
+    for (const file of files) {
+      const name = file.name || "pasted image";
+      if (state.takesImages === false) {
+        refused.push("this model takes no images");
+        break;
+      }
+      if (!file.type.startsWith("image/")) {
+        refused.push(name + " is not an image");
+        continue;
+      }
+      if (file.size > MAX_IMAGE_BYTES) {
+        refused.push(name + " is " + megabytes(file.size) + ", over the " + megabytes(MAX_IMAGE_BYTES) +
+                     " limit for one image");
+        continue;
+      }
+      const reading = new Promise((resolve) => {
+        const reader = new FileReader();
+        reader.onload = () => {
+          state.attachments.push({ name, url: reader.result });
+          showAttachments();
+          resolve();
+        };
+        reader.onerror = () => {
+          note("could not read " + name);
+          resolve();
+        };
+        reader.readAsDataURL(file);
+      });
+      state.reading.add(reading);
+      reading.then(() => state.reading.delete(reading));
+    }
+    note(refused.join("; "));
+  }
+
+  // The thumbnails of the attached images, each with its remove button.
+  function showAttachments() {
+    ui.attachments.replaceChildren(...state.attachments.map((image, index) => {
+      const thumb = document.createElement("figure");
+      thumb.className = "thumb";
+      const img = document.createElement("img");
+      img.src = image.url;
+      img.alt = image.name;
+      img.title = image.name;
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.className = "remove";
+      remove.textContent = "×";
+      remove.title = "remove " + image.name;
+      remove.setAttribute("aria-label", "remove " + image.name);
+      remove.addEventListener("click", () => {
+        state.attachments.splice(index, 1);
+        showAttachments();
+        ui.input.focus();
+      });
+      thumb.append(img, remove);
+      return thumb;
+    }));
+    ui.attachments.hidden = !state.attachments.length;
+  }
+
+  // A user turn's content: plain text, or with images the OpenAI parts (the images, then the text).
+  function userContent(text, images) {
+    if (!images.length) return text;
+    const parts = images.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+    if (text.trim()) parts.push({ type: "text", text });
+    return parts;
   }
 
   // An empty sampling field shows the value the server will use for it (its defaults, else OpenAI's).
@@ -147,9 +247,26 @@
     return { node, body };
   }
 
-  function addUserMessage(text) {
+  function addUserMessage(text, images) {
     const view = addMessage("user");
-    view.body.textContent = text;
+    if (images.length) {
+      const strip = document.createElement("div");
+      strip.className = "images";
+      for (const image of images) {
+        const img = document.createElement("img");
+        img.src = image.url;
+        img.alt = image.name;
+        img.title = image.name;
+        strip.append(img);
+      }
+      view.body.append(strip);
+    }
+    if (text.trim()) {
+      const span = document.createElement("span");
+      span.className = "text";
+      span.textContent = text;
+      view.body.append(span);
+    }
     scrollToEnd(true);
     return view;
   }
@@ -235,13 +352,13 @@
     return parts;
   }
 
-  async function send(text) {
+  async function send(text, images) {
     const messages = [];
     const system = ui.system.value.trim();
     if (system) messages.push({ role: "system", content: system });
-    const userTurn = { role: "user", content: text };
+    const userTurn = { role: "user", content: userContent(text, images) };
     messages.push(...state.history, userTurn);
-    addUserMessage(text);
+    addUserMessage(text, images);
     const view = addAssistantMessage();
 
     const body = { messages, stream: true, stream_options: { include_usage: true } };
@@ -332,17 +449,41 @@
     }
     if (answer) {
       state.history.push(userTurn, { role: "assistant", content: answer });
-    } else if (!ui.input.value) {
+    } else if (!ui.input.value && !state.attachments.length) {
       ui.input.value = text;  // nothing came back: the message can be sent again
+      state.attachments = images;
+      showAttachments();
     }
   }
 
-  ui.form.addEventListener("submit", (event) => {
+  ui.form.addEventListener("submit", async (event) => {
     event.preventDefault();
+    if (state.controller || state.sending) return;
+    state.sending = true;
+    try {
+      await Promise.all([...state.reading]);  // images still being read go with the message
+    } finally {
+      state.sending = false;
+    }
     const text = ui.input.value;
-    if (!text.trim() || state.controller) return;
+    const images = state.attachments;
+    if ((!text.trim() && !images.length) || state.controller) return;
     ui.input.value = "";
-    send(text);
+    state.attachments = [];
+    showAttachments();
+    note("");
+    send(text, images);
+  });
+  ui.attach.addEventListener("click", () => ui.attachInput.click());
+  ui.attachInput.addEventListener("change", () => {
+    attachFiles([...ui.attachInput.files]);
+    ui.attachInput.value = "";  // the same file can be picked again
+  });
+  ui.input.addEventListener("paste", (event) => {
+    const items = event.clipboardData ? [...event.clipboardData.items] : [];
+    const files = items.filter((item) => item.kind === "file" && item.type.startsWith("image/"))
+      .map((item) => item.getAsFile()).filter(Boolean);
+    if (files.length) attachFiles(files);  // any text in the clipboard is pasted as usual
   });
   ui.input.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
