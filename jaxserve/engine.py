@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import CoreOutput, OutputProcessor, RowLogprobs
 from jaxserve.core.outputs import (EngineStats, FinishedRequest, RequestOutput, StepInputError, StepRecord,
                                    merge_deltas, prompt_logprob_entries, with_metrics)
+from jaxserve.core.encoder_cache import EncoderCache, pool_rows
 from jaxserve.core.kv_offload import KVOffload
 from jaxserve.core.lora_registry import LoRANotFoundError, LoRAPlacementError, LoRARegistry
 from jaxserve.setting_checks import LoRAModule
@@ -31,9 +32,9 @@ from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import (InvalidRequestError, Request, RequestLimits, RequestStatus, SamplingParams,
                                    check_pooling_request, check_request)
 from jaxserve.core.scheduler import Scheduler, StepPlan
-from jaxserve.core.step import ScheduledBatch
 from jaxserve.planning import memory
 from jaxserve.pooling.accumulate import engine_pooling
+from jaxserve.multimodal.admission import check_prompt_images, check_vision_settings
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputError, check_structured_output
 from jaxserve.speculative import ngram
 
@@ -48,7 +49,7 @@ class Engine:
 
     def __init__(self, model_config, params, tokenizer, engine_config: EngineConfig | None = None,
                  *, model_name: str = "model", shardings=None, device_memory_bytes: int | None = None,
-                 draft_model=None, pooler=None, score_head=None):
+                 draft_model=None, pooler=None, score_head=None, vision=None, image_processor=None):
         """One replica over loaded weights: on the first device, or on the devices of `shardings`
         (a `sharding.ModelShardings`, required with tensor_parallel_size > 1). Engines are built
         by `data_parallel.build_engine` (which `from_model` uses); tests and benchmarks may call
@@ -56,7 +57,9 @@ class Engine:
         for `device_memory_bytes` (default: the device's budget, read now). With
         speculative_method="draft", `draft_model` is the draft's (ModelConfig, params); default:
         loaded from `speculative_model`. With runner="pooling", `pooler` (a PoolerConfig; default
-        last token, normalized) and a classifier's `score_head` [labels, hidden] say how it pools."""
+        last token, normalized) and a classifier's `score_head` [labels, hidden] say how it pools.
+        A vision-language model takes `vision`, its tower's (module, vision config, params), and
+        the `image_processor` of its requests' images (checkpoints.load.ModelSource's)."""
         from jaxserve.executor import runner as runner_lib  # jax lives behind the runner
         from jaxserve.executor import device_setup
 
@@ -79,16 +82,20 @@ class Engine:
             draft_model=draft_model[0] if draft_model else None).num_pages
         self.pooler, self.pooled, prefix_caching = engine_pooling(cfg, pooler)
         self.eos_token_ids = _eos_token_ids(model_config, tokenizer)
+        if model_config.multimodal_architecture:
+            check_vision_settings(model_config, cfg, vision is not None, shardings is not None)
+        self.image_processor = image_processor if model_config.multimodal_architecture else None
         self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
                                              max_model_len=self.max_model_len, shardings=shardings,
                                              eos_token_ids=self.eos_token_ids, pooler=self.pooler,
-                                             score_head=score_head)
+                                             score_head=score_head, vision=vision)
         self.weights_bytes, self.kv_cache_bytes = device_setup.array_bytes(self.runner.params, self.runner.kv_cache)
         # KV offload: the host (and disk) tiers under the prefix cache; the runner holds their bytes.
         self.offload = KVOffload.build(cfg, self.runner, prefix_caching, device_setup.process_count() > 1,
                                        memory.host_memory_budget_bytes(1.0))
         self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload and self.offload.tiers)
-        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len)
+        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len, encoder_cache=EncoderCache(
+            pool_rows(cfg)) if model_config.multimodal_architecture else None)  # the image-embedding pool's rows
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
         if cfg.enable_lora:
@@ -149,6 +156,11 @@ class Engine:
         pooler, score_head = pooling_checkpoint.pooling_model(source.path, source.config.hidden_size, cfg.runner,
                                                               cfg.pooler_config)
         engine_cls = functools.partial(cls, pooler=pooler, score_head=score_head) if pooler is not None else cls
+        if source.config.multimodal_architecture:  # the vision tower and the image processor too
+            module, vision_config = source.vision_tower()
+            engine_cls = functools.partial(
+                engine_cls, vision=(module, vision_config, source.load_vision_params(device_setup.param_dtype(cfg.dtype))),
+                image_processor=source.load_image_processor())
         return data_parallel.build_engine(
             engine_cls, source.config, source.load_tokenizer(), cfg, model_name=source.name,
             load_params=lambda shardings: source.load_params(
@@ -161,13 +173,17 @@ class Engine:
         return RequestLimits(vocab_size=self.model_config.vocab_size, max_seq_len=self.scheduler.max_seq_len,
                              max_model_len=self.max_model_len, max_logprobs=self.config.max_logprobs)
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, multimodal=None) -> None:
         """Raises InvalidRequestError (a ValueError) when the request can never be served. A
-        structured-output grammar is compiled here unless it already was (`compile_structured_output`)."""
+        structured-output grammar is compiled here unless it already was (`compile_structured_output`).
+        `multimodal`: the prompt's images (jaxserve.multimodal.inputs.MultimodalInputs), or None."""
         if self.pooler is not None:  # a pooling engine: the prompt alone (core.request.pooling_params)
             check_pooling_request(prompt_token_ids, params, self.limits)
         else:
             check_request(prompt_token_ids, params, self.limits)
+        if multimodal is not None:
+            check_prompt_images(prompt_token_ids, multimodal, self.model_config, self.model_name,
+                                self.scheduler.max_image_tokens)
         if params.lora_name is not None and (self.loras is None or params.lora_name not in self.loras):
             raise InvalidRequestError(f"The model `{params.lora_name}` does not exist.", param="model",
                                       code="model_not_found")
@@ -189,11 +205,14 @@ class Engine:
         except StructuredOutputError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
 
-    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     multimodal=None) -> Request:
         """Admission: checks the request completely and returns it ready for `add` (with its own
-        grammar state when it has structured output)."""
-        self.check_request(prompt_token_ids, params)
+        grammar state when it has structured output). `multimodal`: the prompt's images
+        (jaxserve.multimodal.inputs.prompt_images), or None."""
+        self.check_request(prompt_token_ids, params, multimodal)
         request = Request(request_id, list(prompt_token_ids), params)
+        request.multimodal = multimodal if multimodal is not None and multimodal.images else None
         if params.lora_name is not None:
             request.prefix_salt = self.loras.prefix_salt(params.lora_name)
         if params.structured_output is not None:
@@ -206,9 +225,9 @@ class Engine:
         self.scheduler.add_request(request)
         self.output_processor.add(request.request_id, request.prompt_token_ids, request.params)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams) -> Request:
-        request = self.make_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    multimodal=None) -> Request:
+        request = self.make_request(request_id, prompt_token_ids, params, multimodal)
         self.add(request)
         return request
 
@@ -467,21 +486,9 @@ class Engine:
                 outputs[0] = dataclasses.replace(outputs[0], pooled=pooled)
         return with_metrics(request, outputs[0])
 
-    def _record_step(self, batch: ScheduledBatch, result, step_seconds: float, num_output_tokens: int,
-                     host_gap: float = 0.0) -> None:
+    def _record_step(self, batch, result, step_seconds: float, num_output_tokens: int, host_gap: float = 0.0) -> None:
         """Keeps the step's StepRecord and hands it to the listeners (a failing listener is logged)."""
-        bucket = result.bucket
-        kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
-                else "decode" if batch.decode else "prefill")
-        record = StepRecord(
-            kind=kind, bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
-            bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode) + len(batch.verify),
-            num_prefill_rows=len(batch.prefill), num_prefill_tokens=batch.num_prefill_tokens,
-            num_tokens=batch.num_tokens, num_attention_pairs=batch.num_attention_pairs,
-            device_seconds=result.device_seconds, host_seconds=step_seconds - result.device_seconds,
-            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens,
-            num_kv_tokens_read=sum(row.start for row in batch.rows), num_steps=batch.num_steps,
-            host_gap_seconds=host_gap)
+        record = StepRecord.of(batch, result, step_seconds, num_output_tokens, host_gap)
         self.step_records.append(record)
         for listener in self._step_listeners:
             try:
@@ -502,6 +509,9 @@ class Engine:
                   exc_info=error)
         message = f"engine step failed: {self.last_step_error}"
         outputs = [self._fail(request, message) for request, _ in plan.scheduled]
+        if self.scheduler.encoder_cache is not None:  # the step's images may not be encoded, the pool lost
+            self.scheduler.encoder_cache.clear()
+            self.runner.recover_images()
         if self.runner.recover():
             recomputed = self.scheduler.recompute_running()
             self.allocator.reset_prefix_cache()
@@ -546,13 +556,16 @@ class Engine:
     # ---- offline --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams], *,
-                 request_ids: Sequence[str] | None = None, on_finish=None) -> list[FinishedRequest]:
+                 request_ids: Sequence[str] | None = None, on_finish=None,
+                 multimodal: Sequence | None = None) -> list[FinishedRequest]:
         """Runs every prompt (token ids) to completion with continuous batching; results in order.
 
-        `on_finish(result)` is called as each request finishes."""
+        `on_finish(result)` is called as each request finishes. `multimodal`: each prompt's images
+        (jaxserve.multimodal.inputs.MultimodalInputs or None), for a vision-language model."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = list(request_ids or [f"gen-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(prompts))])
-        requests = {rid: self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params_list)}
+        images = list(multimodal) if multimodal is not None else [None] * len(prompts)
+        requests = {rid: self.add_request(rid, p, sp, mm) for rid, p, sp, mm in zip(ids, prompts, params_list, images)}
         texts = {rid: [] for rid in ids}
         logprobs = {rid: [] for rid in ids}
         results: dict[str, FinishedRequest] = {}
@@ -562,14 +575,8 @@ class Engine:
                 if out.new_logprobs:
                     logprobs[out.request_id].extend(out.new_logprobs)
                 if out.finished:
-                    req = requests[out.request_id]
-                    results[out.request_id] = result = FinishedRequest(
-                        out.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                        "".join(texts[out.request_id]), out.finish_reason, req.num_cached_tokens,
-                        None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-                        (req.finish_time or time.monotonic()) - req.arrival_time,
-                        logprobs[out.request_id] if req.params.logprobs is not None else None,
-                        req.prompt_logprobs, out.pooled)
+                    results[out.request_id] = result = FinishedRequest.of(
+                        requests[out.request_id], out, "".join(texts[out.request_id]), logprobs[out.request_id])
                     if on_finish:
                         on_finish(result)
         return [results[rid] for rid in ids]
@@ -582,10 +589,8 @@ def _adapters(requests) -> tuple[str, ...]:
 
 def _eos_token_ids(model_config, tokenizer) -> frozenset[int]:
     """The model's end-of-sequence ids and the tokenizer's."""
-    eos = set(model_config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return frozenset(eos)
+    tokenizer_eos = () if tokenizer is None or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return frozenset(model_config.eos_token_ids) | frozenset(tokenizer_eos)
 
 
 def _load_draft(cfg: EngineConfig):

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import llama, mrope
+from jaxserve.models import llama
+from jaxserve.models.mrope import mrope_tables
+from jaxserve.multimodal import mrope
 
 pytestmark = pytest.mark.slow  # builds a torch model
 
@@ -100,7 +102,7 @@ def test_tables_match_transformers(model):
     rotary = model.model.language_model.rotary_emb
     x = torch.zeros(1, T, 48)
     ref_cos, ref_sin = rotary(x, torch.from_numpy(pos)[:, None, :])  # [1, T, hd]
-    cos, sin = mrope.mrope_tables(jnp.asarray(pos, jnp.int32), inv_freq(model), SECTION)  # [T, 1, hd/2]
+    cos, sin = mrope_tables(jnp.asarray(pos, jnp.int32), inv_freq(model), SECTION)  # [T, 1, hd/2]
     full = lambda c: np.concatenate([np.asarray(c[:, 0])] * 2, axis=-1)
     np.testing.assert_allclose(full(cos), ref_cos[0].numpy(), rtol=0, atol=1e-6)
     np.testing.assert_allclose(full(sin), ref_sin[0].numpy(), rtol=0, atol=1e-6)
@@ -116,15 +118,15 @@ def test_tables_match_transformers(model):
     print(f"M-RoPE q/k rotation: max abs err {err:.2e}")
     assert err < 1e-5
     # mutation: the bands in another order move the rotation off
-    wrong_cos, wrong_sin = mrope.mrope_tables(pos, inv_freq(model), [5, 5, 2])
+    wrong_cos, wrong_sin = mrope_tables(pos, inv_freq(model), [5, 5, 2])
     assert np.max(np.abs(np.asarray(llama.apply_rope(jnp.asarray(q), wrong_cos, wrong_sin)) - np.asarray(ours_q))) > 1e-2
 
 
 def test_text_positions_give_the_1d_table(model):
     positions = np.arange(37) + 5
-    cos, sin = mrope.mrope_tables(np.stack([positions] * 3), inv_freq(model), SECTION)
+    cos, sin = mrope_tables(np.stack([positions] * 3), inv_freq(model), SECTION)
     ref_cos, ref_sin = llama.rope_tables(jnp.asarray(positions), inv_freq(model))
     np.testing.assert_array_equal(np.asarray(cos), np.asarray(ref_cos))
     np.testing.assert_array_equal(np.asarray(sin), np.asarray(ref_sin))
     with pytest.raises(ValueError, match="sums to"):
-        mrope.mrope_tables(np.stack([positions] * 3), inv_freq(model), [2, 5, 4])
+        mrope_tables(np.stack([positions] * 3), inv_freq(model), [2, 5, 4])

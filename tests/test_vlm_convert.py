@@ -27,7 +27,8 @@ from checkpoints import ConversionError
 from checkpoints.convert import convert_checkpoint
 from checkpoints.load import ModelSource, load_image_processor, load_params, load_vision_params
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.models import llama, mrope, qwen_vision, siglip
+from jaxserve.models import llama, qwen_vision, siglip
+from jaxserve.multimodal import mrope
 from tests.tiny_models import prefill_batch
 
 pytestmark = pytest.mark.slow  # builds torch models, converts them

@@ -168,6 +168,23 @@ class StepRecord:
     bandwidth_utilization: float | None = None
     compute_utilization: float | None = None
 
+    @classmethod
+    def of(cls, batch, result, step_seconds: float, num_output_tokens: int, host_gap: float = 0.0) -> "StepRecord":
+        """The record of a step that ran `batch` (a core.step.ScheduledBatch) with `result` (its
+        StepOutput) in `step_seconds` of the engine's step, unpriced."""
+        bucket = result.bucket
+        kind = ("verify" if batch.verify else "mixed" if batch.decode and batch.prefill
+                else "decode" if batch.decode else "prefill")
+        return cls(
+            kind=kind, bucket_decode_rows=bucket.num_decode, bucket_prefill_tokens=bucket.num_prefill_tokens,
+            bucket_pages=bucket.pages_per_seq, num_decode_rows=len(batch.decode) + len(batch.verify),
+            num_prefill_rows=len(batch.prefill), num_prefill_tokens=batch.num_prefill_tokens,
+            num_tokens=batch.num_tokens, num_attention_pairs=batch.num_attention_pairs,
+            device_seconds=result.device_seconds, host_seconds=step_seconds - result.device_seconds,
+            pack_seconds=result.host_seconds, num_output_tokens=num_output_tokens,
+            num_kv_tokens_read=sum(row.start for row in batch.rows), num_steps=batch.num_steps,
+            host_gap_seconds=host_gap)
+
     @property
     def num_padded_tokens(self) -> int:
         """Token rows the compiled step computed (the bucket's)."""
@@ -197,6 +214,16 @@ class FinishedRequest:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs: prompt tokens 2..
     pooled: Any = None  # a pooling engine's: RequestOutput.pooled
+
+    @classmethod
+    def of(cls, request, last, text: str, logprobs: list) -> "FinishedRequest":
+        """The result of a finished `request` (a core.request.Request) from its `last` delta, its
+        whole text and its logprobs."""
+        return cls(request.request_id, request.prompt_token_ids, list(request.output_token_ids), text,
+                   last.finish_reason, request.num_cached_tokens,
+                   None if request.first_token_time is None else request.first_token_time - request.arrival_time,
+                   (request.finish_time or time.monotonic()) - request.arrival_time,
+                   logprobs if request.params.logprobs is not None else None, request.prompt_logprobs, last.pooled)
 
     @property
     def tpot(self) -> float | None:

@@ -205,7 +205,7 @@ class PageAllocator:
         start = len(request.page_hashes)
         if num_full <= start:
             return
-        token_ids = request.all_token_ids
+        token_ids = request.prefix_key_ids(num_full * ps)  # an image's positions: its hash
         parent = request.page_hashes[-1] if start else request.prefix_salt
         for i in range(start, num_full):
             page = request.page_ids[i]

@@ -315,6 +315,15 @@ class Request:
         # 0: the base model), and what the prefix cache keys its pages with (b"": the base model's).
         self.lora_slot = 0
         self.prefix_salt = b""
+        # Image input (jaxserve.multimodal.inputs.MultimodalInputs: the images' spans, encoder
+        # inputs and hashes, M-RoPE positions), set by the engine at admission; None: text only.
+        self.multimodal = None
+
+    def prefix_key_ids(self, stop: int | None = None) -> list[int]:
+        """The token ids the prefix cache keys pages with, positions 0 .. stop - 1 (default all):
+        the tokens, with each image's positions holding its content hash instead."""
+        ids = self.all_token_ids if stop is None else self.all_token_ids[:stop]
+        return ids if self.multimodal is None else self.multimodal.prefix_key_ids(ids)
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

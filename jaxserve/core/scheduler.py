@@ -38,8 +38,11 @@ import dataclasses
 import time
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.encoder_cache import (EncoderCache, StepImages, chunk_image_rows, chunk_key_limits, fit_chunk,
+                                        max_image_tokens)
 from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.multimodal.inputs import text_positions
 from jaxserve.speculative import verification
 from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow, prompt_logprob_rows_limit, row_params,
                                 uses_penalties)
@@ -59,6 +62,7 @@ class StepPlan:
     # A verification step (no prefill): the proposed tokens of each decode request (maybe none).
     proposals: dict[str, tuple[int, ...]] | None = None
     num_steps: int = 1  # multi-step decoding (decode rows only): tokens each decode row gets
+    images: StepImages | None = None  # a vision-language model's: the images the step's chunks cover
 
     @property
     def is_verify(self) -> bool:
@@ -89,9 +93,9 @@ class StepPlan:
         if self.proposals is not None:
             return ScheduledBatch(verify=tuple(_verify_row(request, self.proposals.get(request.request_id, ()))
                                                for request in self.decode))
-        return ScheduledBatch(decode=tuple(_scheduled_row(request, 1) for request in self.decode),
-                              prefill=tuple(_scheduled_row(request, n) for request, n in self.prefill),
-                              num_steps=self.num_steps)
+        return ScheduledBatch(decode=tuple(_scheduled_row(request, 1, self.images) for request in self.decode),
+                              prefill=tuple(_scheduled_row(request, n, self.images) for request, n in self.prefill),
+                              num_steps=self.num_steps, encode=tuple(self.images.encode) if self.images else ())
 
 
 def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:
@@ -100,7 +104,7 @@ def _verify_row(request: Request, proposals: tuple[int, ...]) -> ScheduledRow:
                         tuple(request.page_ids), row_params(request), lora_slot=request.lora_slot)
 
 
-def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
+def _scheduled_row(request: Request, num_new: int, images: StepImages | None = None) -> ScheduledRow:
     start = request.num_computed_tokens
     end = start + num_new
     if num_new == 1:
@@ -116,8 +120,15 @@ def _scheduled_row(request: Request, num_new: int) -> ScheduledRow:
         last = min(end, request.num_prompt_tokens - 1)
         prompt_logprobs = PromptLogprobRows(first, tuple(request.prompt_token_ids[first + 1:last + 1]),
                                             request.params.prompt_logprobs)
+    image_fields = {}
+    if images is not None:  # a vision-language model: M-RoPE positions for every row, the rest with images
+        mm = request.multimodal
+        image_fields["mrope_positions"] = text_positions(mm, start, end)
+        if mm is not None:
+            image_fields["image_rows"] = chunk_image_rows(mm, start, end, images.rows)
+            image_fields["key_limits"] = chunk_key_limits(mm, start, end) if mm.bidirectional else None
     return ScheduledRow(request.request_id, token_ids, start, tuple(request.page_ids), sampling, prompt_logprobs,
-                        lora_slot=request.lora_slot)
+                        lora_slot=request.lora_slot, **image_fields)
 
 
 def _num_prompt_logprob_rows(request: Request, num_new: int) -> int:
@@ -137,9 +148,12 @@ def _cap_prompt_logprob_chunk(request: Request, num_new: int, rows_left: int) ->
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, allocator: PageAllocator, config: EngineConfig, max_model_len: int,
+                 encoder_cache: EncoderCache | None = None) -> None:
         """Schedules under `config`'s limits (max_num_seqs, max_num_batched_tokens,
-        max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model)."""
+        max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model).
+        `encoder_cache`: a vision-language model's (chunks fitted around images, which each step
+        encodes within a budget of max_num_batched_tokens image tokens: jaxserve.core.encoder_cache)."""
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         max_num_prefill_seqs = config.max_num_prefill_seqs
         if max_model_len < 1:  # (the config's own bounds are checked when it is made: EngineConfig.check)
@@ -160,6 +174,8 @@ class Scheduler:
         # A pooling engine samples nothing: a prompt's last token is part of a prefill chunk (the
         # pooling step pools chunks only), never a decode row.
         self.prompt_only = config.runner == "pooling"
+        self.encoder_cache = encoder_cache
+        self.max_image_tokens = max_image_tokens(config)  # (what admission allows an image)
         self._num_passed_over = 0  # requests admitted past the oldest waiting one (its adapter had no room)
         # A sequence longer than the whole pool could never be computed.
         self.max_seq_len = min(max_model_len, allocator.num_usable_pages * allocator.page_size)
@@ -233,10 +249,12 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        if self.encoder_cache is not None:
+            plan.images = StepImages(budget=self.max_num_batched_tokens)
 
         decoding = set() if self.prompt_only else {r.request_id for r in self.running if self.is_decoding(r)}
         for request in [r for r in self.running if r.request_id in decoding]:
-            if budget < 1 or request.status != RequestStatus.RUNNING:
+            if budget < 1 or request.status != RequestStatus.RUNNING or self._fit_images(request, 1, plan) < 1:
                 continue
             if self._reserve_pages(request, 1, scheduled, plan):
                 plan.decode.append(request)
@@ -254,6 +272,7 @@ class Scheduler:
                 continue
             num_new = _cap_prompt_logprob_chunk(
                 request, min(request.num_tokens - request.num_computed_tokens, prefill_budget), rows_left)
+            num_new = self._fit_images(request, num_new, plan)
             if num_new < 1:
                 continue
             if self._reserve_pages(request, num_new, scheduled, plan):
@@ -269,7 +288,17 @@ class Scheduler:
             self._schedule_proposals(plan, budget)
         if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:
             self._schedule_steps(plan)
+        if self.encoder_cache is not None:
+            self.encoder_cache.unpin_all()
         return plan
+
+    def _fit_images(self, request: Request, num_new: int, plan: StepPlan, start: int | None = None) -> int:
+        """The request's chunk of at most `num_new` tokens from `start` (default: its next token)
+        fitted around its images (encoder_cache.fit_chunk); `num_new` for a request without."""
+        if request.multimodal is None or num_new < 1:
+            return num_new
+        start = request.num_computed_tokens if start is None else start
+        return fit_chunk(request.multimodal, start, num_new, self.encoder_cache, plan.images)
 
     def _schedule_steps(self, plan: StepPlan) -> None:
         """Makes a decode-only plan n decode steps in one call when no row needs the host between
@@ -327,12 +356,13 @@ class Scheduler:
                 break
             # The last token is always recomputed (its logits are needed), so match before it. A
             # request still owed prompt logprobs computes its whole prompt: cached pages have no logits.
-            prefix_tokens = request.all_token_ids[:-1] if not request.num_prompt_logprobs_missing else []
+            prefix_tokens = request.prefix_key_ids(request.num_tokens - 1) if not request.num_prompt_logprobs_missing else []
             # Cached pages on the device, then those KV offload restores (fresh pages filled from host memory).
             cached_pages, offloaded = allocator.find_prefix(prefix_tokens, request.prefix_salt)
             num_computed = (len(cached_pages) + len(offloaded)) * allocator.page_size
             # (a request owed prompt logprobs starts from 0, what the cap counts from)
             num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
+            num_new = self._fit_images(request, num_new, plan, start=num_computed)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
             if num_new < 1 or num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
                 break

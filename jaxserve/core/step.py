@@ -71,6 +71,15 @@ class PromptLogprobRows:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EncodeJob:
+    """An image the step encodes first (vision tower and projector) into rows of the runner's
+    image-embedding pool (jaxserve.core.encoder_cache), where its tokens' embeddings are read."""
+
+    image: Any  # jaxserve.multimodal.inputs.ImageInput
+    rows: tuple[int, ...]  # one per image token
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRow:
     """One sequence's part of a step: `token_ids` at positions `start ..` of the sequence whose
     K/V pages are `page_ids` (positions before `start` are already in the cache)."""
@@ -82,6 +91,12 @@ class ScheduledRow:
     sampling: RowParams | None  # None: a prefill chunk short of the sequence's end (its sample is dropped)
     prompt_logprobs: PromptLogprobRows | None = None  # prompt positions of the chunk whose logprobs are wanted
     lora_slot: int = 0  # the LoRA slab's slot of the sequence's adapter (0: the base model)
+    # Image input (a vision-language model; None for text): each token's row of the image-embedding
+    # pool (0: the token's own embedding), each token's M-RoPE positions (int32 [3, tokens]), and
+    # each token's highest visible key position (bidirectional image spans; else its own position).
+    image_rows: tuple[int, ...] | None = None
+    mrope_positions: Any = None
+    key_limits: tuple[int, ...] | None = None
 
     @property
     def end(self) -> int:
@@ -100,6 +115,7 @@ class ScheduledBatch:
     prefill: tuple[ScheduledRow, ...] = ()
     verify: tuple[ScheduledRow, ...] = ()
     num_steps: int = 1  # multi-step decoding: tokens per decode row, drawn on the device one after another
+    encode: tuple[EncodeJob, ...] = ()  # images encoded before the step's forward
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:

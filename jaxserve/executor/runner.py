@@ -8,7 +8,7 @@ follows the contexts present: BucketSet); every step pads to the smallest bucket
 warm-up no step compiles again. The executables live in one `ExecutableCache` that the warm-up
 fills. The KV cache is donated to the step and updated in place. The jitted functions come from
 `step_functions.build`; each step reaches the devices through the runner's transport
-(`LocalTransport`, or a multi-host front's: `use_transport`).
+(`transport.LocalTransport`, or a multi-host front's: `use_transport`).
 
 Two extras ride on the step without new shapes. Structured output: the sampler's `token_bitmask`
 input is always there (all ones), and the rows of requests with a grammar get their allowed
@@ -34,54 +34,16 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
 from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, kv_transfer, prompt_logprobs,
-                               sampler, shape_choice, step_functions)
+from jaxserve.core import encoder_cache
+from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, kv_transfer, lora_slots,
+                               prompt_logprobs, sampler, shape_choice, step_functions, transport,
+                               vision_encoder)
 from jaxserve.executor import warmup as warmup_lib
 from jaxserve.models import cpu_layout, llama, prompt_activations
 from jaxserve.models import lora as lora_lib
+from jaxserve.multimodal.inputs import GEMMA3_ARCHITECTURE
 
 log = logging.getLogger(__name__)
-
-
-class LocalTransport:
-    """How the runner's steps reach the devices: here, in this process (the default). A
-    multi-host job's front passes its own (jaxserve.parallel.multihost_front: each step sent to the
-    worker processes first) through `ModelRunner.use_transport`."""
-
-    def run(self, run_step: Callable, bucket: Bucket, arrays: dict, sampling: dict, grammars: Sequence,
-            prompt_rows: dict | None):
-        """The step's device outputs: `run_step` (ModelRunner.run_step) on these inputs."""
-        return run_step(bucket, arrays, sampling, grammars, prompt_rows)
-
-    def can_recover(self) -> bool:
-        """Whether a failed step may be recovered from (`ModelRunner.recover`)."""
-        return True
-
-    def failure(self) -> str | None:
-        """Why no step can run any more (the executor failed for good), or None."""
-        return None
-
-    def health(self) -> dict:
-        """What the executor adds to /health: {} for this process alone."""
-        return {}
-
-
-class LoRASlots:
-    """The LoRA slab of a runner's model: its shapes under the engine's --max_loras and
-    --max_lora_rank, and an adapter written into one of its slots (jaxserve.models.lora)."""
-
-    def __init__(self, config: ModelConfig, engine_config: EngineConfig, dtype):
-        self.config, self.dtype = config, dtype
-        self.max_loras, self.max_rank = engine_config.max_loras, engine_config.max_lora_rank
-        self.names = lora_lib.adaptable_names(config)
-        self.shapes = lora_lib.projection_shapes(config)
-
-    def init(self):
-        return lora_lib.init_slab(self.config, self.max_loras, self.max_rank, self.dtype, self.names)
-
-    def write(self, slab, slot: int, adapter):
-        arrays = adapter.padded(self.max_rank, self.names, self.shapes, self.config.num_layers)
-        return lora_lib.write_slot(slab, slot, arrays)
 
 
 class ModelRunner:
@@ -89,13 +51,14 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, *, num_pages: int,
                  max_model_len: int, shardings=None, eos_token_ids: Sequence[int] | None = None,
-                 pooler=None, score_head: np.ndarray | None = None):
+                 pooler=None, score_head: np.ndarray | None = None, vision=None):
         """The step of `config`'s model under `engine_config` (page size, limits, attention backend,
         KV cache dtype, max_logprobs) over a pool of `num_pages` pages (null page included) for
         sequences of at most `max_model_len`; on the mesh of `shardings` when given.
         `eos_token_ids` (default: the config's) are masked for rows short of their min_tokens.
         `pooler` (a jaxserve.pooling.config.PoolerConfig) makes it the pooling runner: its steps are
-        prefill chunks only, each pooled (`score_head` [labels, hidden]: a classifier's), no sampler."""
+        prefill chunks only, each pooled (`score_head` [labels, hidden]: a classifier's), no sampler.
+        `vision`: a vision-language model's tower (module, config, params), run in the steps."""
         self.config = config
         self.pooler = pooler
         self.page_size = engine_config.page_size
@@ -135,7 +98,7 @@ class ModelRunner:
         self.lora = None
         if engine_config.enable_lora:
             lora_dtype = engine_config.dtype if engine_config.lora_dtype == "auto" else engine_config.lora_dtype
-            self.lora = LoRASlots(step_config, engine_config, device_setup.param_dtype(lora_dtype))
+            self.lora = lora_slots.LoRASlots(step_config, engine_config, device_setup.param_dtype(lora_dtype))
             self._step_params = {**self._step_params, "lora": self.lora.init()}
         self._head = prompt_logprobs.head_params(self.params)
         # "auto": the step's activations' dtype (the norms keep it: float32 for a bfloat16 model
@@ -143,6 +106,7 @@ class ModelRunner:
         activations = self._step_params["final_norm"].dtype
         self.kv_cache_dtype = device_setup.kv_cache_dtype(engine_config.kv_cache_dtype) or activations
         device_setup.check_attention_operands(self.backend, config, activations, self.kv_cache_dtype, self.page_size)
+        self.vision = None if vision is None else self._vision_encoder(vision, engine_config, activations)
         self._new_kv_cache = functools.partial(
             llama.init_kv_cache, step_config, llama.KVCacheSpec(num_pages, self.page_size), self.kv_cache_dtype,
             None if shardings is None else shardings.kv_cache)
@@ -155,7 +119,7 @@ class ModelRunner:
             shardings=shardings, pooling=None if pooler is None else (
                 pooler.pooling_type, pooler.classifier.activation if pooler.classifier else ""))
         self._score_head = None if score_head is None else jnp.asarray(score_head, jnp.float32)  # [labels, hidden]
-        self.transport = LocalTransport()
+        self.transport = transport.LocalTransport()
         self.kv_store: kv_transfer.HostKVStore | None = None  # KV offload's bytes (enable_kv_offload)
         self.warmup_enabled = engine_config.warmup
         self.draft = None  # a draft_proposer.DraftProposer mirroring every step (speculative_method=draft)
@@ -250,6 +214,8 @@ class ModelRunner:
                 rows[dec_bucket + j] = row
             if row.lora_slot:
                 arrays["lora_slots"][t0:t0 + n] = row.lora_slot
+        if self.vision is not None:
+            vision_encoder.fill_image_arrays(arrays, batch, dec_bucket)
         return bucket, arrays, rows
 
     def _build_verify_batch(self, batch: ScheduledBatch) -> tuple[Bucket, dict[str, np.ndarray], list]:
@@ -285,7 +251,37 @@ class ModelRunner:
             arrays["logits_indices"] = np.zeros(0, np.int32)
         if self.lora is not None:  # each token's adapter slot (0, the base model, for padding)
             arrays["lora_slots"] = np.zeros_like(arrays["token_ids"])
+        if self.vision is not None:
+            vision_encoder.add_image_arrays(arrays, bucket, mrope=self.config.mrope_section is not None,
+                                            bidirectional=self.config.multimodal_architecture == GEMMA3_ARCHITECTURE)
         return arrays
+
+    # ---- images -----------------------------------------------------------------------------
+    def _vision_encoder(self, vision, engine_config: EngineConfig, dtype) -> vision_encoder.VisionEncoder:
+        """The tower (module, config, params) and its image-embedding pool, which travels with the
+        weights (as the LoRA slab) in `dtype`, the step's activations'."""
+        encoder = vision_encoder.VisionEncoder(
+            *vision, hidden_size=self.config.hidden_size, num_rows=encoder_cache.pool_rows(engine_config),
+            dtype=dtype, max_image_tokens=encoder_cache.max_image_tokens(engine_config))
+        self._step_params = {**self._step_params, "image_embeddings": encoder.pool}
+        return encoder
+
+    def encoder_shapes(self) -> list:
+        """The vision encoder's shapes (none for a text model), compiled with the first phase."""
+        return [] if self.vision is None else self.vision.shapes()
+
+    def lower_encoder(self, size):
+        return self.vision.lower(size)
+
+    def recover_images(self) -> None:
+        """After a failed step: a new (zero) image-embedding pool if the failure consumed it."""
+        if self.vision.pool.is_deleted():
+            self.vision.pool = self.vision.new_pool()
+        self._step_params["image_embeddings"] = self.vision.pool
+
+    def _encode_images(self, jobs) -> None:
+        """Runs the step's encoder jobs into the image-embedding pool the forward reads."""
+        self._step_params["image_embeddings"] = self.vision.run(jobs, lambda size: self.executables.get("encoder", size))
 
     # ---- LoRA -----------------------------------------------------------------------------
     def write_lora_slot(self, slot: int, adapter) -> None:
@@ -368,6 +364,8 @@ class ModelRunner:
         and prefill halves each have a compiled shape runs as those two (shape_choice.split).
         Raises StepInputError naming the request whose inputs could not be packed (nothing ran);
         any other exception comes from the device step (see `recover`)."""
+        if batch.encode:
+            self._encode_images(batch.encode)
         if self.pooler is not None:
             return self._execute_pool(batch)
         if batch.num_steps > 1:

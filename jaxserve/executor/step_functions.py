@@ -104,7 +104,7 @@ def build(config: ModelConfig, params, *, backend: str, page_size: int, max_logp
 
 def _forward(params, kv_cache, batch, **static):
     """llama.forward, with the LoRA slab the params carry under "lora" (an engine with
-    --enable_lora: jaxserve.executor.runner.LoRASlots), if any."""
+    --enable_lora: jaxserve.executor.lora_slots.LoRASlots), if any."""
     return llama.forward(params, kv_cache, batch, lora=params.get("lora"), **static)
 
 

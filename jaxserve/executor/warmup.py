@@ -6,7 +6,8 @@ compiles. Every shape is promised to the cache at the start: a step that needs o
 yet waits for it, and the warm-up takes that shape next (`urgent`), on every thread. Three
 phases, in order:
   1. what a first request needs: the prefill-only and decode-only steps and their samplers
-     with penalties, which serve every request (`WarmupState.first_ready` is set after them);
+     with penalties, which serve every request, and a vision-language model's image encoder
+     (`WarmupState.first_ready` is set after them);
   2. the rest of the steps (decoding rows beside prefill chunks), the samplers without
      penalties (a little faster for the requests without) and the multi-step shapes;
   3. the prompt-logprob shapes (in phase 1 instead with `warmup_prompt_logprobs`).
@@ -151,6 +152,7 @@ class WarmupPlan:
         return [
             [Job("forward", b, runner.lower_forward) for b in first_steps]
             + [Job("sample", s, runner.lower_sampler) for s in first_samplers]
+            + [Job("encoder", size, runner.lower_encoder) for size in runner.encoder_shapes()]
             + (prompt if runner.warmup_prompt_logprobs else []),
             [Job("forward", b, runner.lower_forward) for b in rest_steps]
             + [Job("sample", s, runner.lower_sampler) for s in rest_samplers]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import cpu_layout, lora as lora_slab, moe, quantization
+from jaxserve.models import cpu_layout, lora as lora_slab, moe, mrope, quantization
 from jaxserve.models.weights import layer_kinds
 from jaxserve.models.quantization import linear
 from jaxserve.parallel import sharding
@@ -164,8 +164,9 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
     `num_prefill_seqs` prefill chunks: attend(q, k, v, k_cache, v_cache, window, slot_mapping,
     decode_block_table, decode_seq_lens, prefill_block_table, prefill_seq_lens,
     prefill_query_start_loc) -> (attn [T, Hq, hd], k_cache, v_cache), page tables already
-    offset to the layer's pages. Attention options: only what the family uses, so a plain
-    Llama step is the one it always was."""
+    offset to the layer's pages; `key_limit` (int32[prefill tokens], optional): each prefill
+    token's highest visible key position (bidirectional image spans: dispatch.ragged_attention).
+    Attention options: only what the family uses, so a plain Llama step is the one it always was."""
     options: dict[str, Any] = {}
     if config.query_pre_attn_scalar is not None:
         options["scale"] = config.attention_scale
@@ -174,7 +175,7 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
     windowed = any(config.layer_windows())
 
     def attend(q, k, v, k_cache, v_cache, window, slot_mapping, decode_block_table, decode_seq_lens,
-               prefill_block_table, prefill_seq_lens, prefill_query_start_loc):
+               prefill_block_table, prefill_seq_lens, prefill_query_start_loc, key_limit=None):
         k_cache, v_cache = dispatch.write_kv(k_cache, v_cache, k, v, slot_mapping)
         layer_options = {**options, "sliding_window": window} if windowed else options
         parts = []
@@ -184,7 +185,7 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
         if num_prefill_seqs:
             parts.append(dispatch.ragged_attention(
                 backend, q[num_decode:], k_cache, v_cache, prefill_block_table, prefill_seq_lens,
-                prefill_query_start_loc, max_query_len=max_query_len, **layer_options))
+                prefill_query_start_loc, max_query_len=max_query_len, key_limit=key_limit, **layer_options))
         attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, heads, hd]
         return attn, k_cache, v_cache
 
@@ -205,8 +206,14 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
     Returns the residual stream [T, D] after the last layer and the updated caches."""
     num_pages = kv_quant.values(kv_cache["k"]).shape[0] // config.num_layers
     page_size = kv_quant.values(kv_cache["k"]).shape[1]
-    # RoPE tables once per step; Gemma 3's sliding layers have their own base.
-    cos, sin = rope_tables(batch["positions"], config.rope_inv_freq())  # [T, 1, hd // 2] each
+    # RoPE tables once per step; Gemma 3's sliding layers have their own base; Qwen2.5-VL's M-RoPE
+    # reads each frequency band's axis of its three positions.
+    if "mrope_positions" in batch:
+        cos, sin = mrope.mrope_tables(batch["mrope_positions"], config.rope_inv_freq(), config.mrope_section)
+    else:
+        cos, sin = rope_tables(batch["positions"], config.rope_inv_freq())  # [T, 1, hd // 2] each
+    # Gemma 3's image tokens see their whole image: the prefill tokens' key limits, when given
+    limits = {"key_limit": batch["prefill_key_limit"]} if "prefill_key_limit" in batch else {}
     local_rope = config.rope_local_theta is not None
     if local_rope:
         local_cos, local_sin = rope_tables(batch["positions"], config.rope_inv_freq(sliding=True))
@@ -230,7 +237,7 @@ def decoder_layers(layers, x: jax.Array, kv_cache: dict[str, jax.Array], batch: 
                 q, k, v, k_cache, v_cache, window, batch["slot_mapping"] + page_offset * page_size,
                 batch["decode_block_table"] + page_offset, batch["decode_seq_lens"],
                 batch["prefill_block_table"] + page_offset, batch["prefill_seq_lens"],
-                batch["prefill_query_start_loc"])
+                batch["prefill_query_start_loc"], **limits)
         x = weights.apply(rest_of_layer, lp, layer_idx, x, attn)
         return (x, k_cache, v_cache, layer_idx + 1), None
 
@@ -258,6 +265,10 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
       prefill_query_start_loc: [num_prefill_seqs + 1] (offsets into the prefill tokens)
       logits_indices: [num_rows] tokens whose logits are returned
       lora_slots: [num_tokens], with a `lora` slab only: each token's adapter slot (0: the base model)
+      A vision-language model's (jaxserve.executor.vision_encoder), with params["image_embeddings"]
+      [pool rows, D], the encoded images: embed_rows [num_tokens], each token's pool row (0: its own
+      embedding); mrope_positions [3, num_tokens] (M-RoPE); prefill_key_limit [prefill tokens]
+      (bidirectional image spans).
     Returns (logits [num_rows, vocab] float32, updated kv_cache); with `prefill_hidden_rows` > 0
     a third output, the prefill tokens' last residual-stream rows (before the final norm, see
     `final_logits`) zero-padded to [prefill_hidden_rows, D] ([0, D] in a step without prefill):
@@ -273,6 +284,9 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
     x = embed(params, batch["token_ids"], config)  # [T, D]
+    if "image_embeddings" in params:  # image tokens take their image's embeddings (unscaled, as transformers)
+        rows = batch["embed_rows"]  # [T]
+        x = jnp.where((rows > 0)[:, None], params["image_embeddings"][rows].astype(x.dtype), x)
     x, kv_cache = decoder_layers(params["layers"], x, kv_cache, batch, config, attend, mesh, lora, backend)
     logits = final_logits(params, x[batch["logits_indices"]], config)  # [R, V]
     if not prefill_hidden_rows:
