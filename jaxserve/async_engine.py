@@ -17,7 +17,7 @@ import queue
 import threading
 from typing import Callable, Sequence
 
-from jaxserve.core.engine_client import PoolingService
+from jaxserve.core.engine_client import ImageService, PoolingService
 from jaxserve.core.outputs import EngineStats, EngineUnavailableError, QueueFullError, RequestOutput, StepRecord
 from jaxserve.core.request import SamplingParams
 from jaxserve.engine import Engine, EngineConfig
@@ -42,6 +42,7 @@ class AsyncEngine:
         self.pooling = None if self.engine.pooler is None else PoolingService(
             self.engine.pooler, self.engine.model_config.hidden_size, self.engine.model_config.vocab_size,
             self.engine.config.max_inputs_per_request)
+        self.image_service = ImageService.of(self.engine)  # None: a text model
         self._loops = [_CoreLoop(e, max_waiting_requests or e.config.max_waiting_requests) for e in self.replicas]
         self._owner: dict[str, _CoreLoop] = {}  # request id -> the core it runs on, while in flight
         self._pricers = None  # step_pricing.StepPricer per core, once a step listener is added
@@ -128,9 +129,10 @@ class AsyncEngine:
         for core in self._loops:
             await asyncio.wrap_future(core.call(core.engine.unload_lora_adapter, name))
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "RequestStream":
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 multimodal=None) -> "RequestStream":
         """Admits one request on the core with the fewest in flight and returns the stream of its
-        deltas.
+        deltas. `multimodal`: the prompt's images (jaxserve.multimodal.inputs.MultimodalInputs), or None.
 
         Admission happens here, synchronously: InvalidRequestError (a ValueError, the engine's one
         admission check), another ValueError (a duplicate id), QueueFullError or
@@ -142,7 +144,7 @@ class AsyncEngine:
         if request_id in self._owner:
             raise ValueError(f"duplicate request id {request_id!r}")
         core = min(self._loops, key=lambda c: c.num_in_flight)
-        deltas = core.admit(request_id, prompt_token_ids, params)
+        deltas = core.admit(request_id, prompt_token_ids, params, multimodal)
         self._owner[request_id] = core
         return RequestStream(request_id, deltas, self._release)
 
@@ -195,10 +197,11 @@ class _CoreLoop:
             self._thread.join(30)
         self.engine.stop_warmup()
 
-    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+              multimodal=None) -> asyncio.Queue:
         """Checks the request (the engine's admission) and queues it for the thread; the queue
         its deltas will arrive on."""
-        request = self.engine.make_request(request_id, prompt_token_ids, params)
+        request = self.engine.make_request(request_id, prompt_token_ids, params, multimodal)
         with self._pending_lock:
             if self.stats.num_waiting + self._num_pending_adds >= self.max_waiting_requests:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")

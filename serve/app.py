@@ -22,10 +22,11 @@ from aiohttp import web
 from jaxserve.core.engine_client import EngineClient
 from jaxserve.core.outputs import EngineUnavailableError, QueueFullError
 from jaxserve.core.request import InvalidRequestError, SamplingParams
-from serve import lora_routes, pooling_routes, web_ui
+from serve import lora_routes, pooling_routes, tokenize_routes, web_ui
 from serve.chat_output import choice_output_factory
 from serve.connections import BodyTimeout, MalformedBody, read_body
 from serve.fanout import ChoiceFanout, ServerStopping
+from serve.images import MediaSettings, ServerImages
 from serve.metrics import ServerMetrics
 from serve.prompts import check_prompt_chars, max_token_chars, prompt_token_ids
 from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params, error_body,
@@ -64,6 +65,8 @@ class ServerConfig:
     reasoning_parser: str | None = None  # serve/reasoning.py's REASONING_PARSERS; None: no reasoning split
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # where images may come from and how many a prompt may hold (serve/images.py)
+    media: MediaSettings = dataclasses.field(default_factory=MediaSettings)
 
 
 class ServerState:
@@ -90,15 +93,28 @@ class ServerState:
         self.reasoning = REASONING_PARSERS[config.reasoning_parser]() if config.reasoning_parser else None
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads,
                                                                   thread_name_prefix="jaxserve-prepare")
+        self.images = ServerImages(engine.image_service, config.media, self.model_names[0], self.prepare_pool)
 
-    def prepare(self, raw: bytes, is_chat: bool,
-                parse: Callable | None = None) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
-        """Body bytes -> (request, [(prompt token ids, sampling parameters)] one per prompt);
+    def prepare(self, raw: bytes, is_chat: bool, parse: Callable | None = None) -> tuple[GenerationRequest, list]:
+        """Body bytes -> (request, [(prompt token ids, sampling parameters, None)] one per prompt);
         ProtocolError on bad input. Cheap checks first: no text is tokenized that could not fit in
-        the context. Whatever else fails here (a library meeting input it cannot take) is a 400
-        when it is the input's depth, else a 500 logged on one line: never a traceback."""
+        the context. A chat request with images comes back with [] (its images are loaded next,
+        then `prepare_images`)."""
+        return self._guarded(self._prepare, raw, is_chat, parse)
+
+    def prepare_images(self, request: GenerationRequest, images: list) -> list:
+        """A request with images, once they are loaded (ServerImages.load): [(prompt token ids with
+        the image tokens, sampling parameters, its MultimodalInputs)]."""
+        return self._guarded(lambda: self._with_params(request, [self.images.prompt(self.engine.tokenizer, request,
+                                                                                   images)]))
+
+    @staticmethod
+    def _guarded(prepare: Callable, *args: Any) -> Any:
+        """`prepare(*args)`, where whatever fails but a ProtocolError (a library meeting input it
+        cannot take) is a 400 when it is the input's depth, else a 500 logged on one line: never a
+        traceback."""
         try:
-            return self._prepare(raw, is_chat, parse)
+            return prepare(*args)
         except ProtocolError:
             raise
         except RecursionError:
@@ -108,8 +124,7 @@ class ServerState:
             raise ProtocolError("the server could not prepare this request", status=500, error_type="server_error",
                                 code="internal_error") from None
 
-    def _prepare(self, raw: bytes, is_chat: bool,
-                 parse: Callable | None = None) -> tuple[GenerationRequest, list[tuple[list[int], SamplingParams]]]:
+    def _prepare(self, raw: bytes, is_chat: bool, parse: Callable | None = None) -> tuple[GenerationRequest, list]:
         body = _parse_json(raw)
         parse = parse or (parse_chat_request if is_chat else parse_completion_request)
         adapters = self.lora_names()
@@ -119,46 +134,29 @@ class ServerState:
                 raise ProtocolError(self.auto_tools.refusal, param="tool_choice")
             if self.auto_tools.format == "mistral":  # [TOOL_CALLS] is a special token: keep it in the text (vLLM)
                 request.sampling.setdefault("skip_special_tokens", False)
-        max_seq_len = self.engine.max_model_len
-        check_prompt_chars(request, max_seq_len, self.max_token_chars)
+        check_prompt_chars(request, self.engine.max_model_len, self.max_token_chars)
+        if request.images:
+            return request, []
+        prompts = [(prompt_token_ids(self.engine.tokenizer, request, i), None) for i in range(request.num_prompts)]
+        return request, self._with_params(request, prompts)
+
+    def _with_params(self, request: GenerationRequest, prompts: list) -> list:
+        """[(prompt ids, images)] -> [(prompt ids, sampling parameters, images)]; a structured-output
+        grammar compiled here, in the prepare threads."""
+        adapters = self.lora_names()
         prepared = []
-        for index in range(request.num_prompts):
-            prompt_ids = prompt_token_ids(self.engine.tokenizer, request, index)
-            params = build_sampling_params(request, len(prompt_ids), max_seq_len, self.config.sampling_defaults)
+        for prompt_ids, images in prompts:
+            params = build_sampling_params(request, len(prompt_ids), self.engine.max_model_len,
+                                           self.config.sampling_defaults)
             if request.model in adapters:  # a LoRA adapter's name picks it
                 params.lora_name = request.model
-            prepared.append((prompt_ids, params))
+            prepared.append((prompt_ids, params, images))
         if prepared and prepared[0][1].structured_output is not None:  # one grammar for every prompt
             try:  # compiled here, in the pool: admission on the event loop then finds it compiled
                 self.engine.compile_structured_output(prepared[0][1])
             except InvalidRequestError as e:
                 raise admission_error(e, request) from None
-        return request, prepared
-
-    def tokenize(self, raw: bytes) -> dict[str, Any]:
-        """A /tokenize body -> vLLM's response: the ids generation would use for that prompt."""
-        request, return_token_strs = parse_tokenize_request(_parse_json(raw), self.model_names)
-        check_prompt_chars(request, self.engine.max_model_len, self.max_token_chars)
-        tokenizer = self.engine.tokenizer
-        token_ids = prompt_token_ids(tokenizer, request)
-        return {"count": len(token_ids), "max_model_len": self.engine.max_model_len, "tokens": token_ids,
-                "token_strs": tokenizer.convert_ids_to_tokens(token_ids) if return_token_strs else None}
-
-    def detokenize(self, raw: bytes) -> dict[str, Any]:
-        tokenizer = self.engine.tokenizer
-        token_ids = parse_detokenize_request(_parse_json(raw), self.model_names, len(tokenizer))
-        return {"prompt": tokenizer.decode(token_ids)}
-
-    def tokenizer_info(self) -> dict[str, Any]:
-        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's
-        `tokenizer_backend=remote` reads the special tokens and the chat template, then calls
-        /tokenize and /detokenize)."""
-        tokenizer = self.engine.tokenizer
-        template = getattr(tokenizer, "chat_template", None)
-        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": self.engine.max_model_len,
-                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
-                "unk_token": tokenizer.unk_token, "chat_template": template if isinstance(template, str) else None,
-                "vocab_size": len(tokenizer), "add_bos_token": getattr(tokenizer, "add_bos_token", None)}
+        return prepared
 
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters served, by the names requests pick them with."""
@@ -212,12 +210,10 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.
     app.router.add_get("/v1/models/{model_id:.+}", handle_model)
     app.router.add_post("/v1/load_lora_adapter", handle_load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", handle_unload_lora_adapter)
-    app.router.add_post("/tokenize", handle_tokenize)
-    app.router.add_post("/detokenize", handle_detokenize)
-    app.router.add_get("/tokenizer_info", handle_tokenizer_info)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     pooling_routes.add_routes(app, lambda request: request.app[STATE], _read_json)
+    tokenize_routes.add_routes(app, lambda request: request.app[STATE], _read_body, _parse_json)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_stop_engine)
@@ -307,23 +303,6 @@ async def handle_unload_lora_adapter(request: web.Request) -> web.Response:
     return web.Response(text=await lora_routes.unload_adapter(state.engine, name))
 
 
-async def handle_tokenize(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    raw = await _read_body(request)
-    return web.json_response(await asyncio.get_running_loop().run_in_executor(state.prepare_pool, state.tokenize, raw))
-
-
-async def handle_tokenizer_info(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].tokenizer_info())
-
-
-async def handle_detokenize(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    raw = await _read_body(request)
-    return web.json_response(await asyncio.get_running_loop().run_in_executor(state.prepare_pool, state.detokenize,
-                                                                              raw))
-
-
 def engine_is_alive(engine: EngineClient) -> bool:
     """`engine.is_alive()`; an engine whose check raises is not alive (the error is logged)."""
     try:
@@ -406,17 +385,20 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
     raw = await _read_body(request)
     loop = asyncio.get_running_loop()
     req, prepared = await loop.run_in_executor(state.prepare_pool, state.prepare, raw, is_chat, parse)
+    if req.images:  # fetched here; decoded, processed and placed in the prompt in the prepare threads
+        images = await state.images.load(req, engine.max_model_len)
+        prepared = await loop.run_in_executor(state.prepare_pool, state.prepare_images, req, images)
     # Prompt p's candidates are sequences p * best_of .. (p + 1) * best_of - 1; candidate j's seed is seed + j.
     sequences = []
-    for prompt_ids, params in prepared:
+    for prompt_ids, params, images in prepared:
         if req.best_of > req.n and params.logprobs is None:
             params = dataclasses.replace(params, logprobs=0)  # best_of ranks by the sampled tokens' logprobs
         sequences += [(prompt_ids, dataclasses.replace(params, seed=(params.seed + j) % _SEED_LIMIT)
-                       if params.seed is not None and j else params) for j in range(req.best_of)]
+                       if params.seed is not None and j else params, images) for j in range(req.best_of)]
     echoed = None  # each prompt's (text, token ids): for echo, and for return_token_ids (the ids alone)
     if req.echo or req.return_token_ids:
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(ids), ids) if req.echo else ("", ids)
-                  for p, (ids, _) in zip(req.prompts or [None], prepared)]
+                  for p, (ids, _, _) in zip(req.prompts or [None], prepared)]
     if isinstance(req, ResponsesRequest):
         shaper = ResponsesShaper(req, prepared[0][1], functools.partial(
             ToolCallParser.for_request, req.tools, state.tool_format, responses_call_ids(state.new_call_id)))
@@ -430,7 +412,7 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
                                 output_parser=choice_output_factory(req, tool_format=state.tool_format,
                                                                     new_call_id=state.new_call_id,
                                                                     reasoning=state.reasoning))
-    trackers = state.metrics.trackers(arrival_time, [(len(ids), params.max_tokens) for ids, params in prepared],
+    trackers = state.metrics.trackers(arrival_time, [(len(ids), params.max_tokens) for ids, params, _ in prepared],
                                       choices_per_prompt=req.best_of, n=req.n)
     fanout = ChoiceFanout(engine, shaper.response_id, sequences,
                           on_output=lambda i, output: trackers[i].observe(output))
@@ -453,7 +435,7 @@ async def _generate(request: web.Request, *, is_chat: bool, parse: Callable | No
             raise ProtocolError(str(e), status=503, error_type="server_error", code="shutting_down") from None
         except EngineUnavailableError as e:  # not running, or its executor failed (a multi-host job)
             raise ProtocolError(str(e), status=503, error_type="server_error", code="engine_unavailable") from None
-        for _, params in prepared:
+        for _, params, _ in prepared:
             if params.lora_name is not None:
                 state.metrics.lora_requests.labels(lora_name=params.lora_name).inc()
         if req.stream:

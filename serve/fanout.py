@@ -36,9 +36,10 @@ class ChoiceFanout:
     is still running: the engine aborts those requests and frees their pages.
     """
 
-    def __init__(self, engine: EngineClient, request_id: str, sequences: list[tuple[list[int], SamplingParams]],
+    def __init__(self, engine: EngineClient, request_id: str, sequences: list[tuple[list[int], SamplingParams, Any]],
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> None:
-        """`sequences`: (prompt token ids, sampling parameters) of each engine request, in choice order."""
+        """`sequences`: (prompt token ids, sampling parameters, the prompt's images: MultimodalInputs
+        or None) of each engine request, in choice order."""
         self.engine = engine
         self.request_ids = [f"{request_id}-{i}" if len(sequences) > 1 else request_id for i in range(len(sequences))]
         self.sequences = sequences
@@ -70,8 +71,8 @@ class ChoiceFanout:
         (after aborting the choices already admitted) or an early failure."""
         streams = []
         try:
-            for index, (token_ids, params) in enumerate(self.sequences):
-                streams.append(self.engine.generate(self.request_ids[index], token_ids, params))
+            for index, (token_ids, params, images) in enumerate(self.sequences):
+                streams.append(self.engine.generate(self.request_ids[index], token_ids, params, images))
                 self.num_admitted += 1
         except BaseException:
             for stream in streams:

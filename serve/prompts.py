@@ -1,29 +1,56 @@
-"""Prompt encoding (Hugging Face tokenizers): plain text and chat templates, shared by the server
-and the CLI, and the server's cheap bound on a prompt's length before any tokenizing.
+"""Prompt encoding (Hugging Face tokenizers): plain text, chat templates and prompts with images,
+shared by the server and the CLI, and the server's cheap bound on a prompt's length before any
+tokenizing.
 
-`encode_text` and `encode_chat` are the encodings themselves; `prompt_token_ids` encodes a parsed
-request's prompt exactly as generation (and /tokenize) will, turning a chat template's refusal into
-a 400 naming the client's field. No jax here.
+`encode_text`, `encode_chat` and `encode_image_prompt` are the encodings themselves;
+`prompt_token_ids` and `image_prompt` encode a parsed request's prompt exactly as generation (and
+/tokenize) will, turning a chat template's refusal into a 400 naming the client's field. No jax here.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jinja2
 
+from jaxserve.core.engine_client import ImageService
+from jaxserve.multimodal.image_processing import ProcessedImage, expand_prompt
+from jaxserve.multimodal.inputs import MultimodalInputs, prompt_images
+from jaxserve.multimodal.media import MediaError
 from serve.protocol import GenerationRequest, ProtocolError
+
+
+def chat_text(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
+              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """`messages` under the model's chat template, generation prompt added. `tools` (OpenAI's
+    function tools) go to the template, which describes them as it defines; `chat_template_kwargs`
+    are more variables for it (e.g. Qwen3's `enable_thinking`). An image part ({"type": "image"})
+    becomes the model's image placeholder, as the template writes it."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **(chat_template_kwargs or {}))
 
 
 def encode_chat(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = True,
                 add_special_tokens: bool = False, tools: list[dict] | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of `messages` under the model's chat template, generation prompt added (the
-    template writes the special tokens itself, so the tokenizer adds none by default: vLLM's).
-    `tools` (OpenAI's function tools) go to the template, which describes them as it defines;
-    `chat_template_kwargs` are more variables for it (e.g. Qwen3's `enable_thinking`)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **(chat_template_kwargs or {}))
+    """Token ids of `chat_text` (the template writes the special tokens itself, so the tokenizer
+    adds none by default: vLLM's)."""
+    text = chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                     chat_template_kwargs=chat_template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def encode_image_prompt(tokenizer: Any, text: str, images: Sequence[ProcessedImage], service: ImageService, *,
+                        add_special_tokens: bool = False) -> tuple[list[int], MultimodalInputs]:
+    """A templated prompt with one image placeholder per image -> its token ids, each placeholder
+    replaced by its image's tokens (transformers' processors' rule), and the prompt's
+    MultimodalInputs for the engine. MediaError when the prompt's placeholders or image tokens do
+    not match the images (a user's text that writes them, for one)."""
+    expanded = expand_prompt(text, service.processor, [image.num_tokens for image in images])
+    ids = list(tokenizer.encode(expanded, add_special_tokens=add_special_tokens))
+    try:
+        return ids, prompt_images(ids, images, service.model_config)
+    except ValueError as e:  # image tokens written in the text, a video token (M-RoPE's refusal)
+        raise MediaError(str(e)) from None
 
 
 def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -44,9 +71,13 @@ def max_token_chars(tokenizer: Any) -> int:
 def num_prompt_chars(request: GenerationRequest, index: int = 0) -> int:
     """Characters of the client's text: prompt `index`, or the messages' contents (0 for token ids)."""
     if request.is_chat:
-        return sum(len(m["content"]) + len(m.get("reasoning", "")) for m in request.messages)
+        return sum(_content_chars(m["content"]) + len(m.get("reasoning", "")) for m in request.messages)
     prompt = request.prompts[index]
     return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _content_chars(content: str | list[dict]) -> int:
+    return len(content) if isinstance(content, str) else sum(len(part.get("text", "")) for part in content)
 
 
 def check_prompt_chars(request: GenerationRequest, max_seq_len: int, max_token_chars: int) -> None:
@@ -68,32 +99,45 @@ def prompt_token_ids(tokenizer: Any, request: GenerationRequest, index: int = 0)
     unless the client turned it off), else the tokenizer (with its special tokens, e.g. BOS,
     unless `add_special_tokens` is false) or the client's own ids."""
     if request.is_chat:
-        return _encode_chat_request(tokenizer, request)
+        text = _chat_request_text(tokenizer, request)
+        return encode_text(tokenizer, text, add_special_tokens=request.add_special_tokens)
     prompt = request.prompts[index]
     if isinstance(prompt, str):
         return encode_text(tokenizer, prompt, add_special_tokens=request.add_special_tokens)
     return list(prompt)
 
 
+def image_prompt(tokenizer: Any, request: GenerationRequest, images: Sequence[ProcessedImage],
+                 service: ImageService) -> tuple[list[int], MultimodalInputs]:
+    """A chat request with images (`request.images`, processed): its token ids, the image tokens
+    included, and its MultimodalInputs (`encode_image_prompt`); a 400 naming `messages` when they
+    do not match."""
+    text = _chat_request_text(tokenizer, request)
+    try:
+        return encode_image_prompt(tokenizer, text, images, service, add_special_tokens=request.add_special_tokens)
+    except MediaError as e:
+        raise ProtocolError(str(e), param="messages") from None
+
+
 # What a chat template may raise on a request's messages or variables (its raise_exception is a TemplateError).
 _TEMPLATE_ERRORS = (ValueError, TypeError, ArithmeticError, LookupError, AttributeError, jinja2.TemplateError)
 
 
-def _encode_chat_request(tokenizer: Any, request: GenerationRequest, with_kwargs: bool = True) -> list[int]:
-    """The chat template's token ids; a template that refuses the request is a 400 naming
+def _chat_request_text(tokenizer: Any, request: GenerationRequest, with_kwargs: bool = True) -> str:
+    """The chat template's text; a template that refuses the request is a 400 naming
     `chat_template_kwargs` when the messages alone render, else `messages`."""
     kwargs = request.chat_template_kwargs if with_kwargs else None
     try:
-        return encode_chat(tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt,
-                           add_special_tokens=request.add_special_tokens, chat_template_kwargs=kwargs,
-                           tools=request.tools.template_tools if request.tools is not None else None)
+        return chat_text(tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt,
+                         chat_template_kwargs=kwargs,
+                         tools=request.tools.template_tools if request.tools is not None else None)
     except _TEMPLATE_ERRORS as e:
         error = e
     except RecursionError:
         raise ProtocolError("the messages are nested too deeply for the chat template", param="messages") from None
     if kwargs:
         try:
-            _encode_chat_request(tokenizer, request, with_kwargs=False)
+            _chat_request_text(tokenizer, request, with_kwargs=False)
         except ProtocolError:
             pass
         else:

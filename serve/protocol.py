@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from jaxserve.core.request import InvalidRequestError, SamplingParams, is_valid_unicode
 from jaxserve.core.structured_output import StructuredOutputParams
+from jaxserve.multimodal.media import IMAGE_PART_TYPES, ImageRef, MediaError, part_url
 from serve.structured import (StructuredRequestError, ToolsRequest, nesting_depth, parse_structured_output,
                               parse_tool_call_message, parse_tools)
 
@@ -127,7 +128,8 @@ class GenerationRequest:
     logprobs: int | None  # None: no logprobs; k: the sampled token's logprob plus the top k
     sampling: dict[str, Any]  # the other SamplingParams fields the client set
     prompts: list[str | list[int]] | None = None  # completions: one or more prompts, each text or token ids
-    messages: list[dict[str, str]] | None = None  # chat: role/content strings for the template
+    messages: list[dict[str, Any]] | None = None  # chat: role, content (a string, or parts with images)...
+    images: list[ImageRef] = dataclasses.field(default_factory=list)  # chat: the images of the messages, in order
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     best_of: int = 1  # candidates per prompt, of which the n with the highest cumulative logprob return
     add_special_tokens: bool = True  # the tokenizer's special tokens (BOS): completions yes, chat no (vLLM)
@@ -223,9 +225,10 @@ def parse_chat_request(body: Any, served_model: str) -> GenerationRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
+    messages, images = parse_messages(body.get("messages"))
     request = _build(fields, served_model, is_chat=True, max_tokens=fields.integer(max_tokens_param),
-                     max_tokens_param=max_tokens_param, logprobs=logprobs,
-                     messages=_parse_messages(body.get("messages")))
+                     max_tokens_param=max_tokens_param, logprobs=logprobs, messages=messages)
+    request.images = images
     request.chat_template_kwargs = _parse_chat_template_kwargs(body.get("chat_template_kwargs"))
     request.include_reasoning = fields.boolean("include_reasoning", default=True)
     return _with_structured_fields(request, fields)
@@ -414,12 +417,17 @@ def _batched_prompt(prompt: str | list, index: int) -> str | list[int]:
         raise ProtocolError(f"prompt {index}: {e.message}", param="prompt") from None
 
 
-def _parse_messages(messages: Any) -> list[dict[str, str]]:
+def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """Chat messages -> (the messages for the chat template, the images they refer to in order).
+
+    A content is a string or a list of text and image parts (`image_url` / `input_image`, in user
+    messages only); the template gets a string where a message has no image (its text parts
+    joined), else its parts as `{"type": "text", "text": ...}` and `{"type": "image"}`."""
     if messages is None:
         raise ProtocolError("'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
-    parsed = []
+    parsed, images = [], []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -431,7 +439,7 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
         content = message.get("content")
         if role == "assistant" and message.get("tool_calls") is not None and content is None:
             content = ""
-        parsed.append({"role": role, "content": _message_text(content, role, f"{param}.content")})
+        parsed.append({"role": role, "content": _message_content(content, role, f"{param}.content", i, images)})
         if role == "assistant" and message.get("tool_calls") is not None:  # a turn that called tools
             try:
                 calls = parse_tool_call_message(message, param)
@@ -445,7 +453,7 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
             for name in ("tool_call_id", "name"):
                 if isinstance(message.get(name), str):
                     parsed[-1][name] = message[name]
-    return parsed
+    return parsed, images
 
 
 def _message_reasoning(message: dict[str, Any], param: str) -> dict[str, str]:
@@ -474,22 +482,32 @@ def printable(value: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _message_text(content: Any, role: str, param: str) -> str:
+def _message_content(content: Any, role: str, param: str, index: int, images: list[ImageRef]) -> str | list[dict]:
+    """Message `index`'s content for the template; its images are appended to `images`."""
     if isinstance(content, str):
         return _text(content, param)
     if content is None and role == "assistant":
         return ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ProtocolError(f"'{param}' parts must be {{'type': 'text', 'text': <string>}}; "
-                                    "other content types are not supported", param=param)
-            texts.append(_text(part["text"], param))
-        return "".join(texts)
-    raise ProtocolError(f"'{param}' must be a string or a list of text parts", param=param)
-
-
+    if not isinstance(content, list):
+        raise ProtocolError(f"'{param}' must be a string or a list of content parts", param=param)
+    parts, first_image = [], len(images)
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": _text(part["text"], param)})
+        elif kind in IMAGE_PART_TYPES:
+            ref = ImageRef("", len(images), index + 1, len(images) - first_image + 1)
+            try:
+                images.append(dataclasses.replace(ref, url=part_url(part, ref.label)))
+            except MediaError as e:
+                raise ProtocolError(f"'{param}': {e}", param=param) from None
+            parts.append({"type": "image"})
+        else:
+            raise ProtocolError(f"'{param}' parts must be {{'type': 'text', 'text': <string>}} or images "
+                                "{'type': 'image_url', 'image_url': {'url': <url>}}", param=param)
+    if len(images) > first_image and role != "user":
+        raise ProtocolError(f"'{param}': images are allowed in user messages only, not in {role} ones", param=param)
+    return parts if len(images) > first_image else "".join(part["text"] for part in parts)
 
 
 def build_sampling_params(request: GenerationRequest, num_prompt_tokens: int, max_seq_len: int,
@@ -557,10 +575,10 @@ def parse_tokenize_request(body: Any, served_models: str | tuple[str, ...]) -> t
         model=model if model is not None else (served_models if isinstance(served_models, str) else served_models[0]),
         n=1, stream=False, include_usage=False, max_tokens=None, max_tokens_param="max_tokens", logprobs=None,
         sampling={}, prompts=[_text(body["prompt"], "prompt")] if has_prompt else None,
-        messages=_parse_messages(body["messages"]) if has_messages else None,
         add_special_tokens=fields.boolean("add_special_tokens", default=has_prompt),
         add_generation_prompt=fields.boolean("add_generation_prompt", default=True))
     if has_messages:
+        request.messages, request.images = parse_messages(body["messages"])
         request.chat_template_kwargs = _parse_chat_template_kwargs(body.get("chat_template_kwargs"))
     return request, fields.boolean("return_token_strs")
 

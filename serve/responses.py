@@ -4,7 +4,7 @@ it stands for, and that generation's output becomes a Response object or its str
 Requests: `parse_responses_request` reads the Responses fields (`input` as text or items,
 `instructions`, flat function `tools`, `tool_choice`, `text.format`, `max_output_tokens`, ...),
 refuses what it cannot honour with a 400 naming the field (`store: true`, `previous_response_id`,
-hosted tools, images, ...) and builds the chat body that `serve.protocol.parse_chat_request`
+hosted tools, files, ...) and builds the chat body that `serve.protocol.parse_chat_request`
 validates as for /v1/chat/completions: the same chat template, tools, structured output and
 sampling. Chat's field names in its refusals are turned into the Responses ones (`client_error`).
 Nothing is stored: `store` may be false or absent, and no response can be fetched later.
@@ -36,6 +36,7 @@ _CHAT_TOOL_FIELD = re.compile(r"^(tools\[\d+\])\.function\.")
 _CHAT_NAME_IN_MESSAGE = re.compile(r"'([^'\s]+)'|\b(max_tokens|response_format(?:\.json_schema\.schema)?)\b")
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
+_IMAGE_PART = "input_image"  # {"type": "input_image", "image_url": <url>}: given to chat as it is
 _KEEP_WHOLE_CONVERSATION = "this server keeps no responses (it is stateless): send the whole conversation in 'input'"
 
 
@@ -213,22 +214,31 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         raise ProtocolError(f"'{param}.role' must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{param}.role")
-    return {"role": role, "content": _content_text(item.get("content"), f"{param}.content")}
+    return {"role": role, "content": _content_text(item.get("content"), f"{param}.content", images=True)}
 
 
-def _content_text(content: Any, param: str) -> str:
-    """A string, or the text of a list of input_text / output_text parts."""
+def _content_text(content: Any, param: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A string, or the text of a list of input_text / output_text parts; with `images` (a
+    message's content), input_image parts too: then chat's parts (text and image), for the chat
+    parser to check (images in user messages only)."""
     if isinstance(content, str):
         return _checked_text(content, param)
     if not isinstance(content, list):
         raise ProtocolError(f"'{param}' must be a string or a list of input_text parts", param=param)
-    texts = []
+    parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-            raise ProtocolError(f"'{param}[{j}]' must be {{'type': 'input_text', 'text': <string>}}: images, files "
-                                "and audio are not supported", param=f"{param}[{j}]")
-        texts.append(_checked_text(part.get("text"), f"{param}[{j}].text"))
-    return "".join(texts)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == _IMAGE_PART:
+            parts.append(part)
+        elif kind in _TEXT_PARTS:
+            parts.append({"type": "text", "text": _checked_text(part.get("text"), f"{param}[{j}].text")})
+        else:
+            kinds = "input_text or input_image" if images else "input_text"
+            raise ProtocolError(f"'{param}[{j}]' must be an {kinds} part: files and audio are not supported",
+                                param=f"{param}[{j}]")
+    if any(part["type"] == _IMAGE_PART for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _add_function_call(messages: list[dict[str, Any]], item: dict[str, Any], param: str,

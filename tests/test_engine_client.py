@@ -44,7 +44,7 @@ def test_the_protocol_declares_what_the_server_calls():
     assert set(protocol_members(EngineClient)) == {
         "tokenizer", "model_name", "max_model_len", "start", "shutdown", "is_alive", "health", "stats",
         "add_step_listener", "compile_structured_output", "generate", "lora_enabled", "lora_modules",
-        "load_lora_adapter", "unload_lora_adapter", "pooling"}
+        "load_lora_adapter", "unload_lora_adapter", "pooling", "image_service"}
     assert all(inspect.getdoc(member) for member in protocol_members(EngineClient).values())
 
 

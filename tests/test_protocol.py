@@ -206,7 +206,13 @@ def test_bad_completion_only_fields(fields, param):
     ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "messages[1].content"),
     ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]}],
+     "messages[1].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+     "messages[0].content"),
     ([{"role": "user", "content": "\udfff"}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}], "messages[0].content"),
     ([{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 41}], "messages"),
@@ -238,6 +244,37 @@ def test_chat_messages_are_normalised_to_text():
     ]}, MODEL)
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
                             {"role": "assistant", "content": ""}]
+
+
+def test_image_parts_become_template_parts_and_image_refs_in_prompt_order():
+    """vLLM's image parts (the URL in an object or, as vLLM also takes, a string; the Responses
+    API's input_image) in user messages, earlier turns too: the template gets parts with
+    {"type": "image"} for them, the request the URLs in prompt order; a message without an image
+    stays a string."""
+    req = parse_chat_request({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "U1"}},
+                                     {"type": "image_url", "image_url": "U2"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "U3", "detail": "auto"}]},
+    ]}, MODEL)
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "image"}]}]
+    assert [(ref.url, ref.index, ref.label) for ref in req.images] == [
+        ("U1", 0, "image 1 of message 2"), ("U2", 1, "image 2 of message 2"), ("U3", 2, "image 1 of message 4")]
+    assert parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, MODEL).images == []
+    request, _ = parse_tokenize_request({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "U"}}]}]}, MODEL)
+    assert [ref.url for ref in request.images] == ["U"]
+
+
+def test_an_image_outside_a_user_message_is_refused_by_name():
+    error = refusal(parse_chat_request, {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    assert error.param == "messages[1].content" and "user messages only" in error.message
 
 
 def test_valid_request_keeps_only_fields_the_client_set():

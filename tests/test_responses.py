@@ -16,6 +16,7 @@ from typing_extensions import Literal
 from jaxserve.engine import Engine, EngineConfig
 from serve.app import ServerConfig
 from serve.prompts import prompt_token_ids
+from serve.protocol import ProtocolError
 from serve.responses import parse_responses_request
 from tests.test_server import MODEL, FakeEngine, LiveServer, chat_prompt_ids, fake_text
 from tests.test_server_engine import LiveServer as EngineServer
@@ -142,6 +143,19 @@ def test_function_calls_become_the_assistant_turn_s_tool_calls():
         {"role": "assistant", "content": "", "tool_calls": calls[2:]}]
 
 
+def test_input_image_parts_become_chat_image_parts():
+    """A message's input_image parts go to the chat parser as they are: the template gets an image
+    part, the request its URL; in an instruction (system) message they are refused by name."""
+    content = [{"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": "U", "detail": "low"}]
+    request = parse_responses_request({"input": [{"role": "user", "content": content}]}, MODEL)
+    assert request.messages == [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                             {"type": "image"}]}]
+    assert [ref.url for ref in request.images] == ["U"]
+    with pytest.raises(ProtocolError) as info:
+        parse_responses_request({"input": [{"role": "developer", "content": content}]}, MODEL)
+    assert info.value.param == "input" and "user messages only" in info.value.message
+
+
 def test_stream_events_in_order_and_the_final_response(fake):
     body = {"model": MODEL, "input": "Hello", "max_output_tokens": 20, "metadata": {"a": "b"}}
     events = raw_events(f"http://127.0.0.1:{fake.port}", body)
@@ -212,8 +226,11 @@ LONE_SURROGATE = '{"model": "%s", "input": "a\\ud800"}' % MODEL
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
     ({"input": None}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),  # text model
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[1].output[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),

@@ -106,6 +106,7 @@ class FakeEngine:
         self.model_name = MODEL
         self.max_model_len = max_model_len
         self.pooling = None  # a generating engine
+        self.image_service = None  # a text model
         self.max_running, self.max_waiting = max_running, max_waiting
         self.token_delay_s = token_delay_s
         self.page_size, self.num_pages = page_size, num_pages
@@ -158,8 +159,9 @@ class FakeEngine:
         return EngineStats(self.num_running, self.num_waiting, self.kv_pages_used, self.num_pages, 0,
                            self.prefix_queried, self.prefix_hits)
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any):
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, multimodal: Any = None):
         """Admission now (as AsyncEngine.generate), then the stream of deltas."""
+        assert multimodal is None, "a text model's server passes no images"
         check_request(prompt_token_ids, params, RequestLimits(len(self.tokenizer), self.max_model_len,
                                                               self.max_model_len))
         if self.refuse:

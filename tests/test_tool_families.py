@@ -149,7 +149,7 @@ def test_mistral_calls_keep_special_tokens_in_the_text(family):
     engine = server.async_engine  # its prepare step only, on the server's tokenizer
     stub = types.SimpleNamespace(tokenizer=engine.tokenizer, model_name="m", stats=engine.stats,
                                  max_model_len=engine.max_model_len, add_step_listener=lambda listener: None,
-                                 lora_enabled=False, lora_modules=lambda: [])
+                                 lora_enabled=False, lora_modules=lambda: [], image_service=None)
     state = ServerState(stub, ServerConfig(**FAMILIES[name]["config"]))
     try:
         def params(**body):

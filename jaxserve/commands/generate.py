@@ -1,16 +1,21 @@
 """`jaxserve generate`: batch generation, JSONL prompts in, JSONL completions out.
 
-Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]}, with
-optional per-line "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", and "lora": the
-name of a LoRA adapter of --lora_modules (with --enable_lora) the line runs with. Output lines:
-{"id", "text", "token_ids", "finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as
-requests finish (completion order, not input order: match lines by id). Ids already in the output file are skipped, so an interrupted run resumes.
+Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role", "content"}]} (the
+server's chat messages: a content is a string or a list of text and, for a vision-language model,
+image parts `{"type": "image_url", "image_url": {"url": ...}}` in user messages; the URLs as the
+server takes them, under the same media flags), with optional per-line "max_tokens",
+"temperature", "top_p", "top_k", "seed", "stop", and "lora": the name of a LoRA adapter of
+--lora_modules (with --enable_lora) the line runs with. Output lines: {"id", "text", "token_ids",
+"finish_reason", "num_prompt_tokens", "num_output_tokens"}, written as requests finish (completion
+order, not input order: match lines by id). Ids already in the output file are skipped, so an
+interrupted run resumes.
 With --runner=pooling each line's prompt is pooled instead (no per-line sampling fields): output
 lines {"id", "embedding", "num_prompt_tokens"} (the model's dimensions and normalization), or a
 classifier's {"id", "probs", "label", "num_prompt_tokens"} (docs/pooling.md).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -20,11 +25,17 @@ import numpy as np
 from absl import flags
 from tqdm import tqdm
 
-from jaxserve.commands import engine_flags
+from jaxserve.commands import engine_flags, media_flags
+from jaxserve.core.engine_client import ImageService
 from jaxserve.core.request import SamplingParams, check_sampling_params, pooling_params
+from jaxserve.multimodal.image_processing import process_images
+from jaxserve.multimodal.inputs import MultimodalInputs
+from jaxserve.multimodal.media import MediaError, check_limits, load_image_refs
 from jaxserve.pooling.accumulate import finish_embedding
 from jaxserve.engine import Engine
-from serve.prompts import encode_chat, encode_text
+from serve.images import MediaSettings
+from serve.prompts import chat_text, encode_chat, encode_image_prompt, encode_text
+from serve.protocol import ProtocolError, parse_messages
 
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
                    "top_k": int, "seed": int, "stop": (str, list), "lora": str}
@@ -41,13 +52,16 @@ def define_flags(fv: flags.FlagValues) -> None:
                         "requests finish, not input order (appended; ids already there are skipped)",
                         flag_values=fv)
     flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+    media_flags.define_media_flags(fv)
     engine_flags.define_engine_flags(fv)
     engine_flags.define_sampling_flags(fv)
     engine_flags.define_distributed_flags(fv)
 
 
 def read_prompts(path: str) -> list[dict]:
-    """Parses and validates every line before anything runs."""
+    """Parses and validates every line before anything runs. A line with messages has them as the
+    chat template takes them (serve.protocol.parse_messages), and their images' references under
+    "images" (jaxserve.multimodal.media.ImageRef, loaded once the model is)."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
     items, seen = [], set()
@@ -73,12 +87,10 @@ def read_prompts(path: str) -> list[dict]:
             if has_prompt and not isinstance(item["prompt"], str):
                 raise InputError(f"{where}: 'prompt' must be a string")
             if has_messages:
-                msgs = item["messages"]
-                if not isinstance(msgs, list) or not msgs or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str)
-                        and isinstance(m.get("content"), str) for m in msgs):
-                    raise InputError(f"{where}: 'messages' must be a non-empty list of "
-                                     "{'role': str, 'content': str} objects")
+                try:
+                    item["messages"], item["images"] = parse_messages(item["messages"])
+                except ProtocolError as e:
+                    raise InputError(f"{where}: {e}") from None
             for key, types in _LINE_OVERRIDES.items():
                 if key in item and (not isinstance(item[key], types) or isinstance(item[key], bool)):
                     raise InputError(f"{where}: '{key}' has the wrong type ({type(item[key]).__name__})")
@@ -148,23 +160,42 @@ def run(fv: flags.FlagValues) -> int:
     except (ValueError, OSError) as e:
         print(f"jaxserve generate: cannot load {fv.model!r}: {e}", file=sys.stderr)
         return 2
-    tok = engine.tokenizer
-    prompts = [encode_chat(tok, item["messages"]) if "messages" in item else encode_text(tok, item["prompt"])
-               for item, _ in todo]
-    for (item, sp), ids in zip(todo, prompts):
+    settings, service = media_flags.media_settings(fv), ImageService.of(engine)
+    prompts, images = [], []
+    for item, sp in todo:
         try:
-            engine.check_request(ids, sp)
-        except ValueError as e:
+            ids, multimodal = encode_line(engine.tokenizer, item, service, settings)
+            engine.check_request(ids, sp, multimodal)
+        except ValueError as e:  # MediaError, InvalidRequestError
             print(f"jaxserve generate: id {item['id']!r}: {e}", file=sys.stderr)
             return 2
+        prompts.append(ids)
+        images.append(multimodal)
     if join is not None:
         def batch():
             if not todo:
                 print(f"jaxserve generate: all {len(items)} ids are already in {fv.output}", file=sys.stderr)
                 return 0
-            return _run_batch(engine, todo, prompts, fv)
+            return _run_batch(engine, todo, prompts, images, fv)
         return engine_flags.run_front(engine, batch, "generate", fv)
-    return _run_batch(engine, todo, prompts, fv)
+    return _run_batch(engine, todo, prompts, images, fv)
+
+
+def encode_line(tokenizer, item: dict, service: ImageService | None,
+                settings: MediaSettings) -> tuple[list[int], MultimodalInputs | None]:
+    """A line's prompt ids, and its images for the engine (None without images): loaded under the
+    media flags, processed, and placed in the chat template's prompt as the server does
+    (serve.prompts.encode_image_prompt). MediaError for images the model or the flags refuse."""
+    if "prompt" in item:
+        return encode_text(tokenizer, item["prompt"]), None
+    if not item["images"]:
+        return encode_chat(tokenizer, item["messages"]), None
+    if service is None:
+        raise MediaError("the model takes no images (a text model)")
+    check_limits(item["images"], settings.limits)
+    loaded = asyncio.run(load_image_refs(item["images"], settings.policy))
+    processed = process_images(loaded, [ref.label for ref in item["images"]], service.processor)
+    return encode_image_prompt(tokenizer, chat_text(tokenizer, item["messages"]), processed, service)
 
 
 def _pooled_fields(pooler, result) -> dict:
@@ -175,7 +206,7 @@ def _pooled_fields(pooler, result) -> dict:
     return {"embedding": finish_embedding(result.pooled, pooler.normalize, pooler.dimensions).tolist()}
 
 
-def _run_batch(engine, todo, prompts, fv) -> int:
+def _run_batch(engine, todo, prompts, images, fv) -> int:
     request_ids = [f"line-{i}" for i in range(len(todo))]
     item_of = {rid: item for rid, (item, _) in zip(request_ids, todo)}
     bar = tqdm(total=len(todo), unit="req", disable=not fv.progress, file=sys.stderr)
@@ -197,7 +228,7 @@ def _run_batch(engine, todo, prompts, fv) -> int:
             bar.update(1)
 
         results = engine.generate(prompts, [sp for _, sp in todo], request_ids=request_ids,
-                                  on_finish=write)
+                                  on_finish=write, multimodal=images)
     bar.close()
     elapsed = time.monotonic() - start
     if engine.pooler is not None:

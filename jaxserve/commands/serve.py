@@ -11,7 +11,7 @@ from absl import flags
 
 from checkpoints import default_model
 from jaxserve import environment
-from jaxserve.commands import engine_flags
+from jaxserve.commands import engine_flags, media_flags
 from jaxserve.config import CPU_SERVE_LONG_PREFILL_TOKEN_THRESHOLD
 from jaxserve.core.request import InvalidRequestError, check_sampling_defaults
 from serve.app import STATE, ServerConfig, create_app
@@ -74,6 +74,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("reasoning_parser", None, list(REASONING_PARSERS), "split the <think>...</think> part of chat "
                       "output into 'reasoning' (and 'reasoning_content') apart from 'content' (vLLM's names: qwen3, "
                       "deepseek_r1). Default: none, the output is all content", flag_values=fv)
+    media_flags.define_media_flags(fv)
     flags.DEFINE_enum("log_level", "INFO", ["DEBUG", "INFO", "WARNING", "ERROR"], "logging level", flag_values=fv)
     engine_flags.define_engine_flags(fv)
     engine_flags.define_distributed_flags(fv)
@@ -201,6 +202,7 @@ def run(fv: flags.FlagValues) -> int:
         enable_auto_tool_choice=fv.enable_auto_tool_choice,
         allow_runtime_lora_updating=fv.allow_runtime_lora_updating or environment.allow_runtime_lora_updating(),
         reasoning_parser=fv.reasoning_parser,
+        media=media_flags.media_settings(fv),
     )
 
     limits = ConnectionLimits(max_connections=fv.max_connections or None, header_timeout_s=fv.header_timeout_s,

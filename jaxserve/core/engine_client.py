@@ -27,6 +27,21 @@ class PoolingService:
     max_inputs_per_request: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageService:
+    """What a vision-language engine needs with a prompt's images: the `processor` that turns each
+    image into pixel arrays and a token count (jaxserve.multimodal.image_processing), and the
+    `model_config` (jaxserve.config.ModelConfig: the image token id, M-RoPE's fields) that
+    `jaxserve.multimodal.inputs.prompt_images` reads to place them in the prompt."""
+    processor: Any
+    model_config: Any
+
+    @classmethod
+    def of(cls, engine: Any) -> ImageService | None:
+        """The service of an Engine (or data parallelism's replicas), or None for a text model."""
+        return None if engine.image_processor is None else cls(engine.image_processor, engine.model_config)
+
+
 class DeltaStream(Protocol):
     """The deltas of one admitted request, ending after its finished delta."""
 
@@ -63,6 +78,12 @@ class EngineClient(Protocol):
         routes), or None for a generating engine (the completion routes). A pooling engine's requests
         are `generate` calls with `jaxserve.core.request.pooling_params()`; each one's finished delta
         carries its pooled vector (RequestOutput.pooled)."""
+
+    @property
+    def image_service(self) -> ImageService | None:
+        """What a vision-language model takes with image input (its image processor and config),
+        or None when the engine takes no images (a text model): the server refuses a request
+        with images then, before loading any."""
 
     @property
     def lora_enabled(self) -> bool:
@@ -107,8 +128,11 @@ class EngineClient(Protocol):
         used). Thread-safe: the server calls it from its prepare threads, so admission finds it
         compiled."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> DeltaStream:
-        """Admits one request and returns the stream of its deltas. Admission happens here,
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 multimodal: Any = None) -> DeltaStream:
+        """Admits one request and returns the stream of its deltas. `multimodal`: the prompt's
+        images (jaxserve.multimodal.inputs.MultimodalInputs, their tokens already in
+        `prompt_token_ids`), or None. Admission happens here,
         synchronously: InvalidRequestError (a ValueError: the engine's admission check), another
         ValueError (a duplicate id), QueueFullError or EngineUnavailableError (not running, or a
         failed multi-host job) mean the engine never saw the request."""

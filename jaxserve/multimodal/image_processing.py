@@ -185,6 +185,24 @@ def expand_prompt(text: str, processor: ImageProcessor, token_counts: list[int])
     return "".join(out)
 
 
+def image_token_counts(images: list[Image.Image], labels: list[str], processor: ImageProcessor) -> list[int]:
+    """How many prompt tokens each image will take, from its size alone (no pixel is processed):
+    what a request's length is checked with before the images are processed."""
+    return [_labelled(label, processor.num_tokens, image.height, image.width) for image, label in zip(images, labels)]
+
+
+def process_images(images: list[Image.Image], labels: list[str], processor: ImageProcessor) -> list[ProcessedImage]:
+    """Each image through `processor`; a refusal names its image ("image 2 of message 1: ...")."""
+    return [_labelled(label, processor.process, image) for image, label in zip(images, labels)]
+
+
+def _labelled(label: str, function, *args):
+    try:
+        return function(*args)
+    except MediaError as e:
+        raise MediaError(f"{label}: {e}") from None
+
+
 # ---- reading a model folder ----------------------------------------------------------------------
 
 def load_image_processor(model_dir: str | pathlib.Path) -> ImageProcessor:

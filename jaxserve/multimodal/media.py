@@ -56,6 +56,7 @@ DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's own Image.MAX_IMAGE_PIXELS, se
 # Raster formats Pillow decodes itself (no EPS: Ghostscript; no formats of other tools).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
 _REDIRECTS = (301, 302, 303, 307, 308)
+IMAGE_PART_TYPES = ("image_url", "input_image")  # Chat Completions' and the Responses API's image parts
 
 
 class MediaError(ValueError):
@@ -120,15 +121,17 @@ def image_refs(messages: Sequence[Any]) -> list[ImageRef]:
         number = 0
         for part in content:
             kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind not in ("image_url", "input_image"):
+            if kind not in IMAGE_PART_TYPES:
                 continue
             number += 1
             label = f"image {number} of message {m}"
-            refs.append(ImageRef(_part_url(part, kind, label), len(refs), m, number))
+            refs.append(ImageRef(part_url(part, label), len(refs), m, number))
     return refs
 
 
-def _part_url(part: Mapping[str, Any], kind: str, label: str) -> str:
+def part_url(part: Mapping[str, Any], label: str) -> str:
+    """The URL of an image part (IMAGE_PART_TYPES); MediaError naming `label` when it has none."""
+    kind = part.get("type")
     value = part.get("image_url")
     if kind == "image_url" and isinstance(value, Mapping):
         value = value.get("url")
@@ -353,10 +356,16 @@ def to_rgb(image: Image.Image) -> Image.Image:
 async def load_images(messages: Sequence[Any], policy: MediaPolicy, limits: Mapping[str, int], *,
                       executor: Executor | None = None,
                       resolver: AbstractResolver | None = None) -> list[Image.Image]:
-    """A request's images in prompt order, RGB: listed, held to the limits, loaded concurrently,
-    decoded in `executor` (None: the loop's default). Raises the first MediaError."""
+    """A request's images in prompt order, RGB: listed, held to the limits, then `load_image_refs`."""
     refs = image_refs(messages)
     check_limits(refs, limits)
+    return await load_image_refs(refs, policy, executor=executor, resolver=resolver)
+
+
+async def load_image_refs(refs: Sequence[ImageRef], policy: MediaPolicy, *, executor: Executor | None = None,
+                          resolver: AbstractResolver | None = None) -> list[Image.Image]:
+    """The images `refs` name, in their order, RGB: loaded concurrently, decoded in `executor`
+    (None: the loop's default). Raises the first MediaError (the other loads are cancelled)."""
     loop = asyncio.get_running_loop()
 
     async def one(ref: ImageRef) -> Image.Image:

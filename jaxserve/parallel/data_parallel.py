@@ -127,17 +127,20 @@ class DataParallelEngine:
         self.config, self.model_config = first.config, first.model_config
         self.tokenizer, self.model_name, self.max_model_len = first.tokenizer, first.model_name, first.max_model_len
         self.pooler = first.pooler  # the pooling runner's (None: the engines generate)
+        self.image_processor = first.image_processor  # a vision-language model's (None: a text model)
 
-    def check_request(self, prompt_token_ids, params) -> None:
-        self.replicas[0].check_request(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids, params, multimodal=None) -> None:
+        self.replicas[0].check_request(prompt_token_ids, params, multimodal)
 
     def stats(self) -> EngineStats:
         return sum_stats([r.stats() for r in self.replicas])
 
-    def generate(self, prompts, params, *, request_ids=None, on_finish=None) -> list:
+    def generate(self, prompts, params, *, request_ids=None, on_finish=None, multimodal=None) -> list:
         """Engine.generate over the replicas: prompts are split by estimated work (prompt plus
-        max_tokens, longest first), each replica runs its share in a thread; results in order."""
+        max_tokens, longest first), each replica runs its share in a thread; results in order.
+        `multimodal`: each prompt's images (MultimodalInputs or None), as Engine.generate."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        images = list(multimodal) if multimodal is not None else [None] * len(prompts)
         ids = list(request_ids or [f"gen-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(prompts))])
         shares: list[list[int]] = [[] for _ in self.replicas]
         load = [0] * len(self.replicas)
@@ -155,7 +158,8 @@ class DataParallelEngine:
         def run(replica, share):
             share = sorted(share)
             return share, replica.generate([prompts[i] for i in share], [params_list[i] for i in share],
-                                           request_ids=[ids[i] for i in share], on_finish=locked_on_finish)
+                                           request_ids=[ids[i] for i in share], on_finish=locked_on_finish,
+                                           multimodal=[images[i] for i in share])
 
         results: list = [None] * len(prompts)
         with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxserve-replica") as pool:

@@ -65,8 +65,11 @@ def engine_replicas(engine) -> list:
 
 def _check_supported(engine) -> None:
     """ValueError for engine settings whose device calls bypass the step transport (so they would run
-    on the front alone): speculative decoding and multi-step decoding."""
+    on the front alone): speculative decoding, multi-step decoding, and a vision-language model (its
+    images' encoder inputs are not sent to the other processes)."""
     cfg = engine.config
+    if engine.model_config.multimodal_architecture:
+        raise ValueError("vision-language models (image input) are not supported across several processes yet")
     if cfg.speculative_method:
         raise ValueError("speculative decoding is not supported across several processes yet")
     if cfg.num_scheduler_steps > 1:
