@@ -67,6 +67,8 @@ def _randomize(model, gemma: bool):
             if "norm" in name or "ln_q" in name:
                 zero_based = gemma and ("language_model" in name or "mm_soft_emb_norm" in name)
                 p.copy_((0.0 if zero_based else 1.0) + 0.1 * torch.randn_like(p))
+            elif "mm_input_projection" in name:  # Gemma's image rows as large as its scaled text embeddings
+                p.copy_(torch.randn_like(p) * 4.0 / p.shape[0] ** 0.5)
             elif p.ndim > 1:
                 p.copy_(torch.randn_like(p) * 0.5 / p[0].numel() ** 0.5)
             else:
