@@ -106,7 +106,7 @@ def test_host_modules_do_not_import_jax():
     host = [module_name(p) for p in project_modules()
             if any(module_name(p) == room or module_name(p).startswith(room + ".") for room in HOST_ROOMS)]
     host += ["serve.protocol", "serve.prompts", "serve.shaping", "serve.tool_parsers", "serve.reasoning",
-             "serve.pooling_protocol", "serve.pair_prompts",
+             "serve.pooling_protocol", "serve.pair_prompts", "serve.images", "serve.tokenize_routes",
              "jaxserve.benchmarks.datasets", "jaxserve.benchmarks.client", "jaxserve.benchmarks.results",
              "jaxserve.benchmarks.runner", "jaxserve.benchmarks.sweep", "jaxserve.benchmarks.plot",
              "jaxserve.benchmarks.server_metrics", "jaxserve.benchmarks.serve",
