@@ -160,15 +160,11 @@ def vision_tower(config: ModelConfig):
     (Qwen2.5-VL) or `jaxserve.models.siglip` (Gemma 3, its projector included), and that module's
     VisionConfig read from `config`'s vision section. ConversionError for a text model, or a
     vision config the tower cannot compute (naming the field)."""
-    from jaxserve.models import qwen_vision, siglip
-    towers = {"Qwen2_5_VLForConditionalGeneration": qwen_vision, "Gemma3ForConditionalGeneration": siglip}
-    if config.multimodal_architecture not in towers:
+    from jaxserve.models import vision
+    if config.multimodal_architecture not in vision.TOWERS:
         raise ConversionError(f"{config.architecture} is a text model: it has no vision tower")
-    module = towers[config.multimodal_architecture]
     try:
-        # the flat config.json of ModelConfig, and the text hidden size where SigLIP's projector reads it
-        hf = {**config.to_hf_dict(), "text_config": {"hidden_size": config.hidden_size}}
-        vision_config = module.VisionConfig.from_hf_dict(hf)
+        module, vision_config = vision.tower(config)
     except KeyError as e:
         raise ConversionError(f"vision_config is missing the field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

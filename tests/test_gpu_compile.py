@@ -34,6 +34,25 @@ TINY_LLAMA3 = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=51
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
 
 
+QWEN_VL = ModelConfig.from_hf_dict({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+           "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002, "vision_end_token_id": 1003,
+           "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                             "out_hidden_size": 256, "fullatt_block_indexes": [1], "window_size": 112, "patch_size": 14,
+                             "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "silu"},
+           "text_config": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+                           "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+                           "rope_parameters": {"rope_type": "default", "mrope_section": [16, 8, 8], "rope_theta": 1e6}}})
+GEMMA3 = ModelConfig.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 16,
+          "image_token_index": 1000, "boi_token_index": 1001, "eoi_token_index": 1002,
+          "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                            "image_size": 224, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh", "model_type": "siglip_vision_model"},
+          "text_config": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 1024,
+                          "query_pre_attn_scalar": 64, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4, "hidden_activation": "gelu_pytorch_tanh", "model_type": "gemma3_text"}})
+
+
 def assert_compiled(report, num_step_shapes):
     steps, samplers = report["compile"]["buckets"], report["compile"]["sampler"]
     assert len(steps) == num_step_shapes
@@ -58,6 +77,25 @@ def test_smollm2_compiles_for_h100_and_the_planner_bounds_xla():
     assert largest_temp <= report["plan"]["activation_bytes"] <= 1.5 * largest_temp
     assert report["compile"]["target"] == "h100" and report["compile"]["jax_version"] == jax.__version__
     assert report["plan"]["num_pages"] > 100_000  # ~55 GB of KV pages for a 135M model
+
+
+@pytest.mark.parametrize("model", [QWEN_VL, GEMMA3], ids=["qwen2.5-vl", "gemma3"])
+def test_vision_language_models_compile_with_their_encoder_and_image_inputs(model):
+    """The step reads the image-embedding pool, M-RoPE positions (Qwen) or the key limits of
+    bidirectional image spans (Gemma 3, into the same attention kernels); the encoder compiles
+    per image shape; the plan counts the tower, the pool and the encoder's activations."""
+    cfg = EngineConfig(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, max_num_prefill_seqs=2)
+    report = gpu_compile.compile_for_gpu(model, cfg, target="h100", which_buckets="ends")
+    assert_compiled(report, num_step_shapes=5)  # decode {0, 8} x prefill {0, 32, 256}, not the empty step
+    encoders = report["compile"]["encoder"]
+    assert encoders and all(entry["ok"] for entry in encoders), encoders
+    if model is QWEN_VL:  # 64, 128, ... patches up to an image of 256 - 8 + 1 tokens
+        assert [entry["bucket"]["encoder"] for entry in encoders] == [64, 128, 256, 512, 996]
+    else:  # SigLIP's one size
+        assert [entry["bucket"]["encoder"] for entry in encoders] == [1]
+    plan = report["plan"]
+    assert plan["vision_weights_bytes"] > 0 and plan["image_pool_bytes"] == (2 * 256 + 1) * 256 * 2
+    assert max(entry["temp_bytes"] for entry in encoders) <= plan["vision_activation_bytes"]
 
 
 def test_tensor_parallel_int8_weights_and_fp8_kv_compile_with_the_sharded_kernels():

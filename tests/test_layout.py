@@ -212,7 +212,7 @@ QUICK_TEST_MODULES = {
     "test_output_processor", "test_page_allocator", "test_predict", "test_progress", "test_protocol",
     "test_reasoning", "test_request", "test_responses", "test_sampler", "test_scheduler", "test_settings",
     "test_shape_choice", "test_step_diagnosis", "test_tool_parsers", "test_tools",
-    "test_image_processing", "test_multimodal_media",
+    "test_image_processing", "test_multimodal_media", "test_encoder_cache",
 }
 
 

@@ -11,6 +11,8 @@ processor inputs.
   the same text with another image shares no page from the image on, and answers as a fresh engine;
 - warm-up compiles the encoder's shapes; what cannot be served is refused at admission.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,19 @@ def test_admission_refuses_what_cannot_be_computed(vlm):
         make_engine(vlm).make_request("moved", moved, GREEDY, mm)
     with pytest.raises(ValueError, match="not supported with a vision-language model"):
         make_engine(vlm, speculative_method="ngram", num_speculative_tokens=2)
+
+
+def test_the_plan_counts_what_the_engine_holds_for_images(vlm):
+    """`plan`'s vision lines are the engine's own bytes: the tower's params and the pool."""
+    from jaxserve.planning import memory
+    from jaxserve.models import quantization
+    engine = make_engine(vlm)
+    cfg = EngineConfig(**ENGINE)
+    plan = memory.plan_engine(engine.model_config, cfg, device_memory_bytes=8 << 30, on_gpu=False)
+    vision = engine.runner.vision
+    assert plan.vision_weights_bytes == quantization.tree_bytes(vision.params)
+    assert plan.image_pool_bytes == vision.pool.nbytes
+    assert plan.vision_activation_bytes > 0
+    text_only = memory.plan_engine(dataclasses.replace(engine.model_config, multimodal_architecture=None), cfg,
+                                   device_memory_bytes=8 << 30, on_gpu=False)
+    assert text_only.vision_weights_bytes == 0

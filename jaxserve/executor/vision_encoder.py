@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.step import Bucket, EncodeJob, ScheduledBatch, geometric_buckets
+from jaxserve.core.step import Bucket, EncodeJob, ScheduledBatch
 from jaxserve.models import qwen_vision
-
-MIN_PATCH_BUCKET = 64
 
 
 class VisionEncoder:
@@ -42,9 +40,8 @@ class VisionEncoder:
         self.pool = self.new_pool()  # [rows, D]
         self.patch_buckets = ()  # Qwen: padded patch counts of one image
         if self.qwen:
-            merge = vision_config.merge_unit
-            self.patch_buckets = geometric_buckets(MIN_PATCH_BUCKET, max(max_image_tokens * merge, MIN_PATCH_BUCKET))
-        self._encode = jax.jit(functools.partial(_encode, module=module, config=vision_config))
+            self.patch_buckets = qwen_vision.patch_buckets(max_image_tokens, vision_config)
+        self.jitted = jax.jit(functools.partial(_encode, module=module, config=vision_config))
         self._write = jax.jit(_write_rows, donate_argnums=(0,))
 
     def shapes(self) -> list[int]:
@@ -67,10 +64,11 @@ class VisionEncoder:
 
     def lower(self, size: int):
         """The encoder of shape `size`, lowered for the warm-up to compile."""
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._example(size))
-        return self._encode.lower(self.params, shapes)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.example(size))
+        return self.jitted.lower(self.params, shapes)
 
-    def _example(self, size: int) -> dict[str, np.ndarray]:
+    def example(self, size: int) -> dict[str, np.ndarray]:
+        """Inputs of the shape `size` (zeros; Qwen: a grid of that many patches)."""
         if not self.qwen:
             side = self.config.image_size
             return {"pixels": np.zeros((1, 3, side, side), np.float32)}
@@ -84,7 +82,7 @@ class VisionEncoder:
         the warm-up's executable of that shape, if any (else the jitted function compiles)."""
         for job in jobs:
             size = self._size(job.image)
-            encode = compiled(size) or self._encode
+            encode = compiled(size) or self.jitted
             embeddings = encode(self.params, self._inputs(job.image, size))  # [rows >= tokens, D]
             rows = np.zeros(embeddings.shape[0], np.int32)  # padding rows write the null row
             rows[:len(job.rows)] = job.rows

@@ -164,6 +164,16 @@ class VisionInputs:
                 "unit_inverse": self.unit_inverse}
 
 
+MIN_PATCH_ROWS = 64  # the smallest padded patch count the engine compiles the tower for
+
+
+def patch_buckets(max_image_tokens: int, config: VisionConfig) -> tuple[int, ...]:
+    """The padded patch counts of one image the engine compiles the tower for: 64, 128, ... up to
+    the patches of an image of `max_image_tokens` tokens."""
+    from jaxserve.core.step import geometric_buckets  # host code
+    return geometric_buckets(MIN_PATCH_ROWS, max(max_image_tokens * config.merge_unit, MIN_PATCH_ROWS))
+
+
 def num_patches(grid_thw) -> int:
     """Input rows (processor patches) of the images of `grid_thw` [num_images, 3]."""
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)

@@ -21,6 +21,7 @@ Layouts:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -48,6 +49,19 @@ class VisionWeight:
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
+
+
+TOWERS = {"Qwen2_5_VLForConditionalGeneration": "qwen_vision", "Gemma3ForConditionalGeneration": "siglip"}
+
+
+def tower(config):
+    """(module, vision config) of the tower of a vision-language ModelConfig: `qwen_vision`
+    (Qwen2.5-VL) or `siglip` (Gemma 3, its projector included), the module's VisionConfig read from
+    the config's vision section (KeyError, TypeError or ValueError for one it cannot compute)."""
+    module = importlib.import_module(f"jaxserve.models.{TOWERS[config.multimodal_architecture]}")
+    # the flat config.json of ModelConfig, and the text hidden size where SigLIP's projector reads it
+    hf = {**config.to_hf_dict(), "text_config": {"hidden_size": config.hidden_size}}
+    return module, module.VisionConfig.from_hf_dict(hf)
 
 
 def param_shapes(decls: Sequence[VisionWeight]) -> Params:

@@ -34,10 +34,12 @@ from jax.experimental import topologies
 
 from jaxserve import compat, environment
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core import encoder_cache
 from jaxserve.core.step import Bucket, BucketSet, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.executor import device_setup, executables, prompt_logprobs, sampler, step_functions
+from jaxserve.executor import device_setup, executables, prompt_logprobs, sampler, step_functions, vision_encoder
 from jaxserve.executor.executable_cache import store_key
-from jaxserve.models import llama, prompt_activations, quantization, weights
+from jaxserve.models import llama, prompt_activations, quantization, vision, weights
+from jaxserve.multimodal.inputs import GEMMA3_ARCHITECTURE
 from jaxserve.parallel import sharding
 from jaxserve.planning import memory
 from jaxserve.planning.gpu_targets import target_config, target_device_kind, target_memory_budget_bytes
@@ -196,6 +198,7 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
     build, plan = _build(model_config, engine_config, target)
     chosen = build.buckets.all() if which_buckets == "all" else build.buckets.smallest_and_largest()
     step_jobs, sampler_jobs = _step_jobs(build, chosen), _sampler_jobs(build, chosen)
+    encoder_jobs = _encoder_jobs(build)
     prompt_jobs, store = [], None
     if save_executables is not None:
         store = _store_for_target(build, target, save_executables)
@@ -203,7 +206,9 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
         sampler_jobs = [job + (store_key("sample", (job[0]["num_rows"], job[0]["penalties"], job[0]["bias"])), store)
                         for job in sampler_jobs]
         prompt_jobs = _prompt_logprob_jobs(build, step_jobs, store)
-    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs, workers)
+    reports, wall_seconds = _compile_all(step_jobs + sampler_jobs + prompt_jobs + encoder_jobs, workers)
+    encoders = reports[len(reports) - len(encoder_jobs):]
+    reports = reports[:len(reports) - len(encoder_jobs)]
     steps, samplers = reports[:len(step_jobs)], reports[len(step_jobs):len(step_jobs) + len(sampler_jobs)]
     plan_dict = plan.to_dict()
     if build.num_pages != plan.num_pages:
@@ -212,6 +217,8 @@ def compile_for_gpu(model_config: ModelConfig, engine_config: EngineConfig, *, t
               "workers": workers, "wall_seconds": round(wall_seconds, 3),
               "buckets": [dataclasses.asdict(s) for s in steps],
               "sampler": [dataclasses.asdict(s) for s in samplers]}
+    if encoders:  # a vision-language model's image encoder, one program per image shape
+        report["encoder"] = [dataclasses.asdict(s) for s in encoders]
     if store is not None:
         report["prompt_logprobs"] = [dataclasses.asdict(s) for s in reports[len(step_jobs) + len(sampler_jobs):]]
         report["executables"] = {"directory": save_executables, "saved": store.saved, "shapes": len(reports),
@@ -234,6 +241,7 @@ class _Build:
     max_model_len: int
     buckets: BucketSet
     functions: step_functions.StepFunctions
+    encoder: vision_encoder.VisionEncoder | None = None  # a vision-language model's, abstract params
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -261,6 +269,10 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, target: str) 
                               device_memory_bytes=target_memory_budget_bytes(target), on_gpu=True,
                               measured_weights_bytes=shardings.per_device_bytes(params))
     params = prompt_activations.mark(params, cfg.gpu_prompt_dtype)  # as ModelRunner
+    encoder = None
+    if model_config.multimodal_architecture:  # as ModelRunner: the tower, its pool beside the weights
+        encoder = _abstract_encoder(model_config, cfg, float_dtype)
+        params = {**params, "image_embeddings": jax.ShapeDtypeStruct(encoder.pool.shape, encoder.pool.dtype)}
     num_pages = cfg.num_pages or plan.num_pages
     kv_dtype = device_setup.kv_cache_dtype(cfg.kv_cache_dtype) or float_dtype
     device_setup.check_attention_operands(cfg.attention_backend, run_config, float_dtype, kv_dtype, cfg.page_size)
@@ -274,15 +286,39 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, target: str) 
         prefill_hidden_rows=max(buckets.prefill), verify_row_tokens=buckets.verify_row_tokens,
         shardings=shardings if tensor_parallel_size > 1 else None)
     return _Build(cfg, model_config, run_config, mesh, shardings.replicated, params, kv_cache, num_pages,
-                  max_model_len, buckets, functions), plan
+                  max_model_len, buckets, functions, encoder), plan
+
+
+def _abstract_encoder(model_config: ModelConfig, cfg: EngineConfig, dtype) -> vision_encoder.VisionEncoder:
+    """The runner's VisionEncoder of a vision-language model, over abstract tower params in `dtype`."""
+    module, vision_config = vision.tower(model_config)
+    decls = module.weight_decls(vision_config)
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), vision.param_shapes(decls),
+                          is_leaf=lambda leaf: isinstance(leaf, tuple))
+    return vision_encoder.VisionEncoder(module, vision_config, params, hidden_size=model_config.hidden_size,
+                                        num_rows=encoder_cache.pool_rows(cfg), dtype=dtype,
+                                        max_image_tokens=encoder_cache.max_image_tokens(cfg))
+
+
+def _encoder_jobs(build: _Build) -> list[tuple]:
+    """The image encoder's shapes (none for a text model), as the warm-up compiles them."""
+    encoder = build.encoder
+    if encoder is None:
+        return []
+    return [({"encoder": size}, encoder.jitted, (encoder.params, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=build.replicated), encoder.example(size))),
+        build.mesh, None) for size in encoder.shapes()]
 
 
 def _step_jobs(build: _Build, chosen: list[Bucket]) -> list[tuple]:
     """(key, jitted, args, mesh, planned), the arguments of one _report, for each step bucket."""
     jobs = []
     for bucket in chosen:
-        batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=build.replicated)
-                 for name, a in build.buckets.empty_batch(bucket).items()}
+        arrays = build.buckets.empty_batch(bucket)
+        if build.encoder is not None:  # the image inputs of the batch, as ModelRunner.empty_batch
+            vision_encoder.add_image_arrays(arrays, bucket, mrope=build.model_config.mrope_section is not None,
+                                            bidirectional=build.model_config.multimodal_architecture == GEMMA3_ARCHITECTURE)
+        batch = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=build.replicated) for name, a in arrays.items()}
         planned = step_activation_bytes(build.model_config, bucket, build.buckets, build.cfg)
         jobs.append((dataclasses.asdict(bucket), build.functions.forward_for(bucket),
                      (build.params, build.kv_cache, batch), build.mesh, planned))

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 from jaxserve import environment
 from jaxserve.config import KERNEL_BACKENDS, EngineConfig, ModelConfig
+from jaxserve.planning.budgets import device_memory_budget_bytes, host_memory_budget_bytes  # noqa: F401 (their home before)
+from jaxserve.planning.vision_memory import vision_memory
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -89,6 +90,11 @@ class MemoryPlan:
     draft_kv_bytes_per_page: int = 0
     draft_kv_cache_bytes: int = 0  # (num_pages + its scratch pages) * draft_kv_bytes_per_page
     lora_slab_bytes: int = 0  # --enable_lora: the adapters' device slab (lora_slab_bytes)
+    # A vision-language model (jaxserve.planning.vision_memory): its tower's weights, the image-embedding
+    # pool of the encoder cache, and the activations of the encoder's largest call.
+    vision_weights_bytes: int = 0
+    image_pool_bytes: int = 0
+    vision_activation_bytes: int = 0
     # KV offload (--kv_offloading_size): host memory (and disk) outside this budget, in pages of
     # the whole model (every device's share of a page: what one host block holds).
     kv_offload_host_bytes: int = 0
@@ -434,7 +440,8 @@ def plan_memory(
         draft_per_page = kv_bytes_per_token(draft_model, kv_dtype, 1) * page_size
     # What stays whatever the pool's size: the weights, a draft's weights and scratch pages, a LoRA slab.
     lora = lora_slab_bytes(model, cfg) if cfg.enable_lora else 0
-    resident = weights + draft_weights + draft_scratch_pages * draft_per_page + lora
+    vision = vision_memory(model, cfg, compute_dtype)  # {} for a text model
+    resident = weights + draft_weights + draft_scratch_pages * draft_per_page + lora + sum(vision.values())
     if resident > usable - reserve and num_pages is None:
         raise MemoryPlanError(
             f"the weights do not fit: they need {format_bytes(resident)} per device, but only "
@@ -472,7 +479,7 @@ def plan_memory(
         pages_per_seq=pages_per_seq, max_concurrent_seqs=(num_pages - 1) // pages_per_seq,
         draft_weights_bytes=draft_weights, draft_kv_bytes_per_page=draft_per_page,
         draft_kv_cache_bytes=(num_pages + draft_scratch_pages) * draft_per_page, lora_slab_bytes=lora,
-        **kv_offload_tiers(model, cfg, kv_dtype))
+        **vision, **kv_offload_tiers(model, cfg, kv_dtype))
 
 
 def kv_offload_tiers(model: ModelConfig, cfg: EngineConfig, kv_dtype: str) -> dict[str, int]:
@@ -532,64 +539,3 @@ def draft_scratch_pages(cfg: EngineConfig) -> int:
     from jaxserve.speculative import verification  # host code, no jax
     return verification.max_verify_rows(cfg) * verification.draft_scratch_pages_per_row(
         cfg.num_speculative_tokens, cfg.page_size)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None  # missing file, or "max" (no cgroup limit)
-
-
-def _available_host_bytes() -> int:
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < (1 << 60):
-            available = min(available, max(limit - usage, 0))
-    return available
-
-
-def host_memory_budget_bytes(fraction: float = 0.5) -> int:
-    """A fraction of the host RAM available now (MemAvailable, capped by a cgroup limit).
-
-    The budget for the page pool on CPU. Call it before the weights are loaded: the planner
-    subtracts the weights itself.
-    """
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    return int(_available_host_bytes() * fraction)
-
-
-def device_memory_budget_bytes(device=None) -> int:
-    """The bytes the XLA allocator may hand out on `device` (default: the first jax device).
-
-    This is `memory_stats()['bytes_limit']` (which already reflects XLA's preallocation
-    fraction), not the memory free now. Devices without memory stats (CPU) fall back to
-    host_memory_budget_bytes().
-    """
-    import jax  # deferred: the rest of this module stays importable without jax
-
-    device = jax.devices()[0] if device is None else device
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    if device.platform == "cpu":
-        return host_memory_budget_bytes()
-    raise ValueError(f"cannot read the memory size of {device}; pass the budget explicitly")
