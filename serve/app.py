@@ -102,8 +102,8 @@ class ServerState:
         then `prepare_images`)."""
         return self._guarded(self._prepare, raw, is_chat, parse)
 
-    def prepare_images(self, request: GenerationRequest, images: list) -> list:
-        """A request with images, once they are loaded (ServerImages.load): [(prompt token ids with
+    def prepare_images(self, request: GenerationRequest, images: list[bytes]) -> list:
+        """A request with images, once they are fetched (ServerImages.load): [(prompt token ids with
         the image tokens, sampling parameters, its MultimodalInputs)]."""
         return self._guarded(lambda: self._with_params(request, [self.images.prompt(self.engine.tokenizer, request,
                                                                                    images)]))

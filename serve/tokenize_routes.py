@@ -50,9 +50,10 @@ def _parse_tokenize(server, body: Any) -> tuple[GenerationRequest, bool]:
     return request, return_token_strs
 
 
-def _tokenize(server, request: GenerationRequest, return_token_strs: bool, images: list | None) -> dict[str, Any]:
+def _tokenize(server, request: GenerationRequest, return_token_strs: bool,
+              images: list[bytes] | None) -> dict[str, Any]:
     """vLLM's /tokenize response: the ids generation would use for that prompt (with its images'
-    tokens; `images` loaded by ServerImages.load)."""
+    tokens; `images` fetched by ServerImages.load)."""
     tokenizer = server.engine.tokenizer
     token_ids = server.images.prompt(tokenizer, request, images)[0] if images else prompt_token_ids(tokenizer, request)
     return {"count": len(token_ids), "max_model_len": server.engine.max_model_len, "tokens": token_ids,

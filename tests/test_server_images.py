@@ -199,7 +199,11 @@ HOSTILE = {  # name: (messages, what the error message says, its param)
     "no url": ([user({"type": "image_url", "image_url": {}}, "hi")], "an image part must be", "messages[0].content"),
     "image in a system message": ([{"role": "system", "content": many(1)}, user("hi")], "user messages only",
                                   "messages[0].content"),
-    "64 images": ([user(*many(64), "hi")], "64 image(s) alone take 256", "messages"),  # early: no image processed
+    "64 images": ([user(*many(64), "hi")], "64 image(s) alone take 256", "messages"),  # early: none decoded
+    # headers of 200x200 (49 tokens each) and no pixel data: the context is checked before decoding
+    "5 image headers": ([user(*[image_part(data_url(png_header_only(200, 200)))] * 5)], "5 image(s) alone take 245",
+                        "messages"),
+    "1 image header": ([user(image_part(data_url(png_header_only(200, 200))))], "corrupt or truncated", "messages"),
     "40 images": ([user(*many(40), "hi")], "leaving no room for a completion", "messages"),  # the engine's check
     "an image over one step": ([user(image_part(data_url(png(4, 224, 224))), "hi")], "more than one step",
                                "messages"),

@@ -185,10 +185,10 @@ def expand_prompt(text: str, processor: ImageProcessor, token_counts: list[int])
     return "".join(out)
 
 
-def image_token_counts(images: list[Image.Image], labels: list[str], processor: ImageProcessor) -> list[int]:
-    """How many prompt tokens each image will take, from its size alone (no pixel is processed):
-    what a request's length is checked with before the images are processed."""
-    return [_labelled(label, processor.num_tokens, image.height, image.width) for image, label in zip(images, labels)]
+def image_token_counts(sizes: list[tuple[int, int]], labels: list[str], processor: ImageProcessor) -> list[int]:
+    """How many prompt tokens each image of these (width, height) will take (media.image_size reads
+    them from the header): a request's length checked before any image is decoded."""
+    return [_labelled(label, processor.num_tokens, height, width) for (width, height), label in zip(sizes, labels)]
 
 
 def process_images(images: list[Image.Image], labels: list[str], processor: ImageProcessor) -> list[ProcessedImage]:

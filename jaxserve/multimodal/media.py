@@ -17,8 +17,9 @@ vLLM's semantics and flag names:
   content decoding) and in time (`fetch_timeout_s`, the whole fetch, redirects included; vLLM's
   VLLM_IMAGE_FETCH_TIMEOUT is 5 s); redirects are followed up to `max_redirects`, each hop checked
   like the first URL.
-- Decoding (Pillow) is a plain function, `decode_image`, for the server to run in an executor: the
-  pixel count is checked from the header before any pixel is decoded (`max_image_pixels`, with
+- Decoding (Pillow) is a plain function, `decode_image`, for the server to run in an executor
+  (`image_size` reads the header alone): the pixel count is checked from the header before any
+  pixel is decoded (`max_image_pixels`, with
   Pillow's own decompression-bomb guard as errors too), only raster formats Pillow reads itself
   are opened, and the result is RGB, transparency composited on white (as transformers and vLLM).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import io
 import ipaddress
@@ -39,7 +41,7 @@ import socket
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -324,6 +326,22 @@ def decode_image(data: bytes, label: str, max_pixels: int = DEFAULT_MAX_IMAGE_PI
     """Encoded bytes -> an RGB PIL image (the first frame of an animation). Synchronous, for an
     executor. The size is checked from the header before decoding; Pillow's own bomb guard is an
     error too; corrupt, truncated and unsupported data raise MediaError."""
+    with _opened(data, label, max_pixels) as image:
+        image.load()
+        return to_rgb(image)
+
+
+def image_size(data: bytes, label: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) of encoded bytes from the header alone, no pixel decoded, with
+    decode_image's checks of the format and the size (MediaError)."""
+    with _opened(data, label, max_pixels) as image:
+        return image.size
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, label: str, max_pixels: int) -> Iterator[Image.Image]:
+    """The image opened (its header read) and its size checked; what Pillow raises meanwhile, in
+    the body too, as MediaError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -332,8 +350,7 @@ def decode_image(data: bytes, label: str, max_pixels: int = DEFAULT_MAX_IMAGE_PI
                 if width < 1 or height < 1 or width * height > max_pixels:
                     raise MediaError(f"{label}: the image is {width}x{height} pixels, over the bound of "
                                      f"{max_pixels} pixels")
-                image.load()
-                return to_rgb(image)
+                yield image
     except MediaError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -364,15 +381,19 @@ async def load_images(messages: Sequence[Any], policy: MediaPolicy, limits: Mapp
 
 async def load_image_refs(refs: Sequence[ImageRef], policy: MediaPolicy, *, executor: Executor | None = None,
                           resolver: AbstractResolver | None = None) -> list[Image.Image]:
-    """The images `refs` name, in their order, RGB: loaded concurrently, decoded in `executor`
-    (None: the loop's default). Raises the first MediaError (the other loads are cancelled)."""
+    """The images `refs` name, in their order, RGB: fetched (`fetch_images`), then decoded in
+    `executor` (None: the loop's default). Raises the first MediaError."""
     loop = asyncio.get_running_loop()
+    encoded = await fetch_images(refs, policy, resolver=resolver)
+    return [await loop.run_in_executor(executor, decode_image, data, ref.label, policy.max_image_pixels)
+            for data, ref in zip(encoded, refs)]
 
-    async def one(ref: ImageRef) -> Image.Image:
-        data = await load_image_bytes(ref, policy, resolver=resolver)
-        return await loop.run_in_executor(executor, decode_image, data, ref.label, policy.max_image_pixels)
 
-    tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
+async def fetch_images(refs: Sequence[ImageRef], policy: MediaPolicy, *,
+                       resolver: AbstractResolver | None = None) -> list[bytes]:
+    """The encoded bytes of the images `refs` name, in their order, fetched concurrently. Raises
+    the first MediaError (the other fetches are cancelled)."""
+    tasks = [asyncio.ensure_future(load_image_bytes(ref, policy, resolver=resolver)) for ref in refs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
