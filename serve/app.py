@@ -21,7 +21,7 @@ from aiohttp import web
 
 from jaxserve.core.engine_client import EngineClient
 from jaxserve.core.outputs import EngineUnavailableError, QueueFullError
-from jaxserve.core.request import InvalidRequestError, SamplingParams
+from jaxserve.core.request import InvalidRequestError
 from serve import lora_routes, pooling_routes, tokenize_routes, web_ui
 from serve.chat_output import choice_output_factory
 from serve.connections import BodyTimeout, MalformedBody, read_body
@@ -30,8 +30,7 @@ from serve.images import MediaSettings, ServerImages
 from serve.metrics import ServerMetrics
 from serve.prompts import check_prompt_chars, max_token_chars, prompt_token_ids
 from serve.protocol import (GenerationRequest, ProtocolError, admission_error, build_sampling_params, error_body,
-                            parse_chat_request, parse_completion_request, parse_detokenize_request,
-                            parse_tokenize_request)
+                            parse_chat_request, parse_completion_request)
 from serve.reasoning import REASONING_PARSERS
 from serve.responses import (ResponsesRequest, ResponsesShaper, client_error, not_stored_error,
                              parse_responses_request, responses_call_ids, sse_events)
