@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cpu_kernels
 from jaxserve.models import qwen_vision, siglip, vision
 
 pytestmark = pytest.mark.slow  # builds torch models
@@ -291,3 +292,23 @@ def test_gemma_weight_names(gemma):
     del published["multi_modal_projector.mm_input_projection_weight"]
     with pytest.raises(KeyError, match="mm_input_projection_weight"):
         siglip.params_from_state_dict(published, config)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels are not built here")
+def test_both_towers_in_the_cpu_kernels_strips_match_transformers(qwen, gemma):
+    """vision.cpu_strips (the engine's towers on one CPU device): every matrix a StripWeight,
+    multiplied in cpu_kernels.f32_matmul, the outputs transformers' to the same tolerance."""
+    model, config, params = qwen
+    strips = vision.cpu_strips(params, qwen_vision.weight_decls(config))
+    matrices = [d for d in qwen_vision.weight_decls(config) if d.is_matrix]
+    assert len(matrices) == 8 and all(isinstance((strips["layers"] if d.per_layer else strips)[d.name],
+                                                 vision.StripWeight) for d in matrices)
+    pixels = random_patches(config, [GRID_A, GRID_B])
+    ours, inputs = qwen_ours(strips, config, pixels, [GRID_A, GRID_B], 128)
+    assert rel_err(ours[:inputs.num_tokens], qwen_reference(model, pixels, [GRID_A, GRID_B])) < TOL
+    model, config, params = gemma
+    strips = vision.cpu_strips(params, siglip.weight_decls(config))
+    assert isinstance(strips["mm_proj"], vision.StripWeight) and not isinstance(strips["mm_norm"], vision.StripWeight)
+    pixels = np.random.default_rng(1).standard_normal((1, 3, 56, 56)).astype(np.float32)
+    tokens = jax.jit(siglip.forward, static_argnums=1)(strips, config, pixels)
+    assert rel_err(tokens, gemma_reference(model, pixels)[1]) < TOL

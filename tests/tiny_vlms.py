@@ -77,7 +77,7 @@ def _randomize(model, gemma: bool):
 
 
 def make_vlm(family: str, folder: str, *, hidden_size: int = 64, num_layers: int = 2, intermediate_size: int = 96,
-             qwen_vision: dict | None = None):
+             num_heads: int | None = None, qwen_vision: dict | None = None, qwen_processor: dict | None = None):
     """Saves the tiny random VLM of `family` with its tokenizer and image processor into `folder`;
     returns the torch model (float32, eval). Widths are parameters (the benchmark's model is wider)."""
     import transformers
@@ -85,10 +85,10 @@ def make_vlm(family: str, folder: str, *, hidden_size: int = 64, num_layers: int
     tokenizer = _tokenizer(family, folder)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in FAMILY_TOKENS[family].items()}
     vocab = len(tokenizer)
-    heads = max(hidden_size // 32, 2)
+    heads = num_heads or max(hidden_size // 32, 2)
     if family == "qwen":
         text = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                    num_attention_heads=heads, num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=2048,
+                    num_attention_heads=heads, num_key_value_heads=max(heads // 8, 1), vocab_size=vocab, max_position_embeddings=2048,
                     rms_norm_eps=1e-6, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                     rope_parameters={"rope_type": "default", "mrope_section": _section(hidden_size // heads),
                                      "rope_theta": 10000.0})
@@ -100,11 +100,11 @@ def make_vlm(family: str, folder: str, *, hidden_size: int = 64, num_layers: int
         config.vision_config._attn_implementation = "eager"
         model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-        Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(folder)
+        Qwen2VLImageProcessorPil(**(qwen_processor or QWEN_PROCESSOR)).save_pretrained(folder)
     else:
         head_dim = hidden_size // heads
         text = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                    num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, vocab_size=vocab,
+                    num_attention_heads=heads, num_key_value_heads=max(heads // 8, 1), head_dim=head_dim, vocab_size=vocab,
                     max_position_embeddings=2048, query_pre_attn_scalar=head_dim, sliding_window=8,
                     layer_types=(["sliding_attention", "full_attention"] * num_layers)[:num_layers],
                     eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
+
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import structured_output
 from jaxserve.core.outputs import StepInputError
@@ -114,7 +116,7 @@ class ModelRunner:
         # The step's jitted functions, all on device (logits never reach the host): the sampler's
         # shapes depend only on the number of rows, so it compiles far fewer times.
         self._functions = step_functions.build(
-            step_config, self.params, backend=self.backend, page_size=self.page_size, max_logprobs=self.max_logprobs,
+            step_config, self._step_params, backend=self.backend, page_size=self.page_size, max_logprobs=self.max_logprobs,
             prefill_hidden_rows=max(self.buckets.prefill), verify_row_tokens=self.buckets.verify_row_tokens,
             shardings=shardings, pooling=None if pooler is None else (
                 pooler.pooling_type, pooler.classifier.activation if pooler.classifier else ""))
@@ -262,7 +264,8 @@ class ModelRunner:
         weights (as the LoRA slab) in `dtype`, the step's activations'."""
         encoder = vision_encoder.VisionEncoder(
             *vision, hidden_size=self.config.hidden_size, num_rows=encoder_cache.pool_rows(engine_config),
-            dtype=dtype, max_image_tokens=encoder_cache.max_image_tokens(engine_config))
+            dtype=dtype, max_image_tokens=encoder_cache.max_image_tokens(engine_config),
+            cpu_kernels=self.backend == "xla" and not device_setup.on_gpu() and cpu_kernels.available())
         self._step_params = {**self._step_params, "image_embeddings": encoder.pool}
         return encoder
 

@@ -25,16 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.step import Bucket, EncodeJob, ScheduledBatch
-from jaxserve.models import qwen_vision
+from jaxserve.models import qwen_vision, vision
 
 
 class VisionEncoder:
     """A vision-language model's tower (module qwen_vision or siglip, its config and params) and
-    the image-embedding pool of `num_rows` rows of the language model's `hidden_size` in `dtype`."""
+    the image-embedding pool of `num_rows` rows of the language model's `hidden_size` in `dtype`.
+    `cpu_kernels`: the tower runs on one CPU device with the C++ kernels built (its float32
+    matrices then multiply in cpu_kernels.f32_matmul)."""
 
     def __init__(self, module, vision_config, params, *, hidden_size: int, num_rows: int, dtype,
-                 max_image_tokens: int):
+                 max_image_tokens: int, cpu_kernels: bool = False):
         self.module, self.config, self.params = module, vision_config, params
+        if cpu_kernels:  # float32 matrices in the C++ kernel's strips (vision.cpu_strips)
+            self.params = vision.cpu_strips(params, module.weight_decls(vision_config))
         self.qwen = module is qwen_vision
         self.new_pool = functools.partial(jnp.zeros, (num_rows, hidden_size), dtype)
         self.pool = self.new_pool()  # [rows, D]

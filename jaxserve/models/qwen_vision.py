@@ -292,27 +292,27 @@ def forward(params: Params, config: VisionConfig, patches: jax.Array, patch_orde
     dtype = params["patch_embed"].dtype
     N, D, H, hd, U = patches.shape[0], config.hidden_size, config.num_heads, config.head_dim, config.merge_unit
     scale = hd ** -0.5
-    x = patches[patch_order].astype(dtype) @ params["patch_embed"]  # [N, D], window order
+    x = vision.linear(patches[patch_order].astype(dtype), params["patch_embed"])  # [N, D], window order
     cos, sin = rotary_tables(positions, config)  # [N, 1, hd/2]
     full = np.isin(np.arange(config.depth), config.fullatt_block_indexes)  # [depth] bool (static)
 
     def block(x, layer):
         lp, is_full = layer
         h = rms_norm(x, lp["norm1"], NORM_EPS)
-        qkv = (h @ lp["qkv"] + lp["qkv_bias"]).reshape(N, 3, H, hd)
+        qkv = (vision.linear(h, lp["qkv"]) + lp["qkv_bias"]).reshape(N, 3, H, hd)
         q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]  # [N, H, hd]
         out = jax.lax.cond(is_full,
                            lambda: _full_attention(q, k, v, frame_segments, scale),
                            lambda: _window_attention(q, k, v, window_segments, scale, config.window_patches))
-        x = x + (out.reshape(N, D) @ lp["proj"] + lp["proj_bias"])
+        x = x + (vision.linear(out.reshape(N, D), lp["proj"]) + lp["proj_bias"])
         h = rms_norm(x, lp["norm2"], NORM_EPS)
-        gated = jax.nn.silu(h @ lp["gate"] + lp["gate_bias"]) * (h @ lp["up"] + lp["up_bias"])  # [N, F]
-        return x + (gated @ lp["down"] + lp["down_bias"]), None
+        gated = jax.nn.silu(vision.linear(h, lp["gate"]) + lp["gate_bias"]) * (vision.linear(h, lp["up"]) + lp["up_bias"])  # [N, F]
+        return x + (vision.linear(gated, lp["down"]) + lp["down_bias"]), None
 
     x, _ = jax.lax.scan(block, x, (params["layers"], jnp.asarray(full)))
     h = rms_norm(x, params["merger_norm"], NORM_EPS).reshape(N // U, U * D)  # one row per merge unit
-    h = jax.nn.gelu(h @ params["merger_fc1"] + params["merger_fc1_bias"], approximate=False)
-    merged = h @ params["merger_fc2"] + params["merger_fc2_bias"]  # [N/U, out], window order
+    h = jax.nn.gelu(vision.linear(h, params["merger_fc1"]) + params["merger_fc1_bias"], approximate=False)
+    merged = vision.linear(h, params["merger_fc2"]) + params["merger_fc2_bias"]  # [N/U, out], window order
     return merged[unit_inverse]
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import vision
-from jaxserve.models.vision import VisionWeight, layer_norm, rms_norm
+from jaxserve.models.vision import VisionWeight, layer_norm, linear, rms_norm
 
 Params = dict
 
@@ -128,7 +128,7 @@ def weight_decls(config: VisionConfig) -> list[VisionWeight]:
         VisionWeight("post_ln", (D,), "post_layernorm.weight", init="ones"),
         VisionWeight("post_ln_bias", (D,), "post_layernorm.bias", init="zeros"),
         VisionWeight("mm_norm", (D,), "mm_soft_emb_norm.weight", init="zeros"),
-        VisionWeight("mm_proj", (D, config.text_hidden_size), "mm_input_projection_weight"),
+        VisionWeight("mm_proj", (D, config.text_hidden_size), "mm_input_projection_weight", matrix=True),
     ]
 
 
@@ -150,18 +150,18 @@ def encode(params: Params, config: VisionConfig, pixels: jax.Array) -> jax.Array
     dtype = params["patch_embed"].dtype
     B, n, D, H, hd = pixels.shape[0], config.num_patches, config.hidden_size, config.num_heads, config.head_dim
     eps = config.layer_norm_eps
-    x = patchify(pixels.astype(dtype), config.patch_size) @ params["patch_embed"]  # [B, n, D]
+    x = linear(patchify(pixels.astype(dtype), config.patch_size), params["patch_embed"])  # [B, n, D]
     x = x + params["patch_bias"] + params["pos_embed"]
 
     def layer(x, lp):
         h = layer_norm(x, lp["ln1"], lp["ln1_bias"], eps)
-        q, k, v = ((h @ lp[w] + lp[b]).reshape(B, n, H, hd) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        q, k, v = ((linear(h, lp[w]) + lp[b]).reshape(B, n, H, hd) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
         attend = lambda q, k, v: vision.blocked_attention(q, k, v, None, hd ** -0.5, QUERY_BLOCK)
         out = jax.vmap(attend)(q, k, v).reshape(B, n, D)  # [B, n, D]
-        x = x + (out @ lp["wo"] + lp["bo"])
+        x = x + (linear(out, lp["wo"]) + lp["bo"])
         h = layer_norm(x, lp["ln2"], lp["ln2_bias"], eps)
-        h = jax.nn.gelu(h @ lp["fc1"] + lp["fc1_bias"], approximate=True)
-        return x + (h @ lp["fc2"] + lp["fc2_bias"]), None
+        h = jax.nn.gelu(linear(h, lp["fc1"]) + lp["fc1_bias"], approximate=True)
+        return x + (linear(h, lp["fc2"]) + lp["fc2_bias"]), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
     return layer_norm(x, params["post_ln"], params["post_ln_bias"], eps)
@@ -174,7 +174,7 @@ def project(params: Params, config: VisionConfig, hidden: jax.Array) -> jax.Arra
     grid = hidden.reshape(B, tokens, k, tokens, k, D).astype(jnp.float32)  # rows, columns of the patch grid
     pooled = jnp.mean(grid, axis=(2, 4)).astype(hidden.dtype).reshape(B, tokens * tokens, D)
     normed = rms_norm(pooled, params["mm_norm"], config.layer_norm_eps, offset=1.0)
-    return (normed @ params["mm_proj"]).astype(hidden.dtype)
+    return linear(normed, params["mm_proj"]).astype(hidden.dtype)
 
 
 def forward(params: Params, config: VisionConfig, pixels: jax.Array) -> jax.Array:

@@ -25,9 +25,13 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import cpu_kernels
 
 Params = dict
 
@@ -41,6 +45,12 @@ class VisionWeight:
     hf: str  # the tensor name after the tower's prefix; per-layer: with "{layer}"
     layout: str = "as_is"  # "linear", "conv" or "as_is"
     init: str = "normal"  # random_params: "normal", "ones" or "zeros"
+    matrix: bool = False  # an "as_is" weight that multiplies as x @ w (Gemma 3's projection)
+
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the tower multiplies by it (x @ w, through `linear`)."""
+        return self.matrix or self.layout in ("linear", "conv")
 
     @property
     def per_layer(self) -> bool:
@@ -49,6 +59,42 @@ class VisionWeight:
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StripWeight:
+    """A tower's matrix [..., in, out] in the CPU kernel's float32 strips (cpu_kernels.pack_f32),
+    which `linear` multiplies by in the kernel (`cpu_strips`; scanned per layer like the array)."""
+    packed: Any  # float32 [..., S, in, STRIP]
+    out_features: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def dtype(self):
+        return self.packed.dtype
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ w [in, out] -> x's dtype: a StripWeight through cpu_kernels.f32_matmul; a
+    bfloat16 matrix summed in float32 (as transformers' bfloat16 matmuls, and XLA's fast bfloat16
+    dot on CPUs that have one); any other plainly."""
+    if isinstance(w, StripWeight):
+        return cpu_kernels.f32_matmul(x, w.packed, w.out_features).astype(x.dtype)
+    if w.dtype == jnp.bfloat16:
+        return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return x @ w
+
+
+def cpu_strips(params: Params, decls: Sequence[VisionWeight]) -> Params:
+    """`params` with every float32 matrix of `decls` as a StripWeight (the tower on one CPU device
+    with the C++ kernels built: cpu_kernels.available())."""
+    pack = jax.jit(cpu_kernels.pack_f32)
+    out = {"layers": dict(params.get("layers", {})), **{k: v for k, v in params.items() if k != "layers"}}
+    for d in decls:
+        holder = out["layers"] if d.per_layer else out
+        if d.is_matrix and holder[d.name].dtype == jnp.float32:
+            holder[d.name] = StripWeight(pack(holder[d.name]), holder[d.name].shape[-1])
+    return out if "layers" in params else {k: v for k, v in out.items() if k != "layers"}
 
 
 TOWERS = {"Qwen2_5_VLForConditionalGeneration": "qwen_vision", "Gemma3ForConditionalGeneration": "siglip"}

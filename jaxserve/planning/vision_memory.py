@@ -3,7 +3,8 @@ weights (in the compute dtype, as the engine loads them), the image-embedding po
 cache hands out (jaxserve.core.encoder_cache.pool_rows rows of the language model's width), and an
 estimate of the activations of the encoder's largest call: its rows' residual stream, attention
 projections and MLP, and one block of attention scores and their softmax in float32 (Qwen2.5-VL: the patch bucket
-of the largest image a step holds; Gemma 3: SigLIP's patches)."""
+of the largest image a step holds; Gemma 3: SigLIP's patches). On the CPU a float32 tower's
+matrices are counted as the C++ kernel's strips (vision.cpu_strips: columns padded to 64)."""
 from __future__ import annotations
 
 import math
@@ -18,10 +19,14 @@ def vision_memory(model: ModelConfig, cfg: EngineConfig, compute_dtype: str) -> 
     """MemoryPlan's vision_weights_bytes, image_pool_bytes and vision_activation_bytes; {} for a text model."""
     if not model.multimodal_architecture:
         return {}
-    from jaxserve.models import qwen_vision, vision  # the towers' declarations (device code: imported here)
+    from cpu_kernels import STRIP  # (device code, as the towers' declarations: imported here)
+    from jaxserve.models import qwen_vision, vision
     module, config = vision.tower(model)
     itemsize = FLOAT_BYTES.get(compute_dtype, 4)
-    weights = sum(math.prod(shape) for shape in _leaves(vision.param_shapes(module.weight_decls(config)))) * itemsize
+    # On the CPU (XLA path) a float32 tower's matrices are the C++ kernel's strips: columns padded to STRIP
+    strips = cfg.attention_backend == "xla" and compute_dtype == "float32"
+    weights = sum(math.prod(d.shape[:-1]) * (-(-d.shape[-1] // STRIP) * STRIP if strips and d.is_matrix else d.shape[-1])
+                  for d in module.weight_decls(config)) * itemsize
     if module is qwen_vision:
         rows = qwen_vision.patch_buckets(max_image_tokens(cfg), config)[-1]
         block = qwen_vision.QUERY_BLOCK
@@ -33,9 +38,3 @@ def vision_memory(model: ModelConfig, cfg: EngineConfig, compute_dtype: str) -> 
     activations = rows * (6 * D + 2 * F) * itemsize + 2 * config.num_heads * min(rows, block) * rows * 4
     return {"vision_weights_bytes": weights, "image_pool_bytes": pool_rows(cfg) * model.hidden_size * itemsize,
             "vision_activation_bytes": activations}
-
-
-def _leaves(tree):
-    """The shape tuples of a nested dict of shapes."""
-    for value in tree.values():
-        yield from (_leaves(value) if isinstance(value, dict) else [value])
