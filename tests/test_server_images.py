@@ -300,3 +300,48 @@ def test_generate_refuses_bad_image_lines_with_exit_2(vlms, tmp_path, capsys, li
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen", "gemma"])
+def test_greedy_tokens_through_the_server_equal_transformers(vlms, family):
+    """One image, two, the two swapped, and a text-only request, sent at once (so they share the
+    engine's steps): each choice's token ids equal transformers' greedy generate on the processor's
+    inputs, and the swapped images answer otherwise."""
+    import concurrent.futures
+
+    import torch
+    import transformers
+    hf, converted = vlms[family]
+    model_class = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen"
+                   else transformers.Gemma3ForConditionalGeneration)
+    model = model_class.from_pretrained(hf, dtype="float32").eval()
+    processor = hf_processor(family, hf)
+    images = {"a": (1, 112, 84), "b": (2, 56, 56)}
+    cases = {"a": "Describe the picture.", "ab": "What differs?", "ba": "What differs?", "": "Say hello."}
+
+    def expected(order: str) -> list[int]:
+        messages = [user(*[{"type": "image"} for _ in order], cases[order])]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=[random_image(*images[i]) for i in order] or None, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=GREEDY["max_tokens"], do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    engine = Engine.from_model(converted, EngineConfig(**{**ENGINE, "max_num_batched_tokens": 32}))
+    live = LiveServer(engine)
+    try:
+        def ask(order: str) -> list[int]:
+            parts = [image_part(data_url(png(*images[i]))) for i in order] + [cases[order]]
+            body = {"model": live.async_engine.model_name, "messages": [user(*parts)], "return_token_ids": True,
+                    **GREEDY}
+            response = post(live, "/v1/chat/completions", body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            ours = dict(zip(cases, pool.map(ask, cases)))
+    finally:
+        live.close()
+    assert ours == {order: expected(order) for order in cases}, family
+    assert ours["ab"] != ours["ba"]
+    assert max(record.num_prefill_rows for record in engine.step_records) >= 2  # chunks of several requests in a step
