@@ -328,6 +328,93 @@ def test_cli_refuses_a_split_that_does_not_divide(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+# ---- data parallel replicas of one device each -------------------------------------------------
+def _one_device_replica_runs() -> dict:
+    """Greedy tokens of one engine and of two replicas of one device each (tensor_parallel_size 1),
+    per weights' format; each replica's CPU step reads layer_views' layouts, not the stored tree:
+    float32 the C++ kernel's strips in place of the stored matrices, bfloat16 strips beside them,
+    int8 with float activations per-layer views with the transposed layout, int8 with int8
+    activations the kernel's layout beside the codes."""
+    import jax
+
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import weights
+    from jaxserve.parallel import data_parallel
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
+    runs = {}
+    for name, dtype, quantization, int8_activations in [
+            ("float32", "float32", None, True), ("bfloat16", "bfloat16", None, True),
+            ("int8", "float32", "int8", False), ("int8_kernel", "float32", "int8", True)]:
+        params = weights.random_params(TINY, dtype=jax.numpy.dtype(dtype), seed=3)
+        for dp in (1, 2):
+            cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, dtype=dtype, quantization=quantization,
+                               cpu_int8_activations=int8_activations, data_parallel_size=dp)
+            engine = data_parallel.build_engine(Engine, TINY, None, cfg, model_name="tiny",
+                                                load_params=lambda shardings: params)
+            run = {"tokens": _greedy_tokens(engine, prompts, max_tokens=8)}
+            if dp == 2:
+                step_layers = [replica.runner._step_params["layers"] for replica in engine.replicas]
+                run["replica_devices"] = [sorted(d.id for d in r.runner.kv_cache["k"].sharding.device_set)
+                                          for r in engine.replicas]
+                run["step_layers"] = [type(layers).__name__ if isinstance(layers, tuple) else
+                                      type(layers["wq"]).__name__ + ("+kernel" if layers["wq"].kernel else "")
+                                      for layers in step_layers]
+            runs[f"{name}_dp{dp}"] = run
+    runs.update(_one_device_replica_lora_runs(prompts))
+    return runs
+
+
+def _one_device_replica_lora_runs(prompts) -> dict:
+    """Greedy tokens with --enable_lora, every other prompt through an adapter: one engine and two
+    replicas of one device each, each replica's slab on its own device."""
+    import tempfile
+
+    from jaxserve.core.request import SamplingParams
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models import weights
+    from jaxserve.parallel import data_parallel
+    from tests.test_lora_adapters import write_adapter
+    params = weights.random_params(TINY, seed=3)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_adapter(tmp, targets=("q_proj", "down_proj"), config=TINY)
+        for dp in (1, 2):
+            cfg = EngineConfig(**SMALL_ENGINE, num_pages=24, dtype="float32", data_parallel_size=dp,
+                               enable_lora=True, lora_modules=(f"tiny-lora={tmp}",))
+            engine = data_parallel.build_engine(Engine, TINY, None, cfg, model_name="tiny",
+                                                load_params=lambda shardings: params)
+            sampling = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                       lora_name="tiny-lora" if i % 2 else None) for i in range(len(prompts))]
+            runs[f"lora_dp{dp}"] = {"tokens": [r.token_ids for r in engine.generate(prompts, sampling)]}
+    return runs
+
+
+def test_data_parallel_replicas_of_one_cpu_device_match_one_engine():
+    """data_parallel_size 2, tensor_parallel_size 1: each replica's step is jitted for its device
+    with the shardings of the weights it reads (it once took those of the stored tree, which
+    layer_views changes: "3 vs 4 child keys", no token), keeps one device's CPU layouts, and
+    decodes as one engine does (int8 activations: a near tie may flip with the step's rounding,
+    so only that it decodes)."""
+    code = ("import json; from tests.test_sharding import _one_device_replica_runs; "
+            "print(json.dumps(_one_device_replica_runs()))")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, step_layers in [("float32", "StripMatrix+kernel"), ("bfloat16", "StripMatrix+kernel"),
+                              ("int8", "tuple"), ("int8_kernel", "QuantArray+kernel")]:
+        single, replicas = runs[f"{name}_dp1"], runs[f"{name}_dp2"]
+        assert all(len(t) == 8 for t in single["tokens"] + replicas["tokens"]), name
+        if name != "int8_kernel":
+            assert replicas["tokens"] == single["tokens"], name
+        assert replicas["replica_devices"] == [[0], [1]], name
+        assert replicas["step_layers"] == [step_layers] * 2, name  # one CPU device's fast path kept
+    lora, lora_replicas = runs["lora_dp1"]["tokens"], runs["lora_dp2"]["tokens"]
+    assert all(len(t) == 8 for t in lora + lora_replicas) and lora_replicas == lora
+    assert [t for i, t in enumerate(lora) if i % 2] != [t for i, t in enumerate(runs["float32_dp1"]["tokens"]) if i % 2]
+
+
 # ---- host-side rules (one device) ---------------------------------------------------------------
 def test_head_split_rules():
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -16,8 +16,11 @@ class LoRASlots:
         self.names = lora_lib.adaptable_names(config)
         self.shapes = lora_lib.projection_shapes(config)
 
-    def init(self):
-        return lora_lib.init_slab(self.config, self.max_loras, self.max_rank, self.dtype, self.names)
+    def init(self, shardings=None):
+        """The zero slab, on the devices of `shardings` (a sharding.ModelShardings: a replica's mesh,
+        where its step reads it; replicated) or, None, the default device."""
+        sharding = None if shardings is None else shardings.replicated
+        return lora_lib.init_slab(self.config, self.max_loras, self.max_rank, self.dtype, self.names, sharding)
 
     def write(self, slab, slot: int, adapter):
         arrays = adapter.padded(self.max_rank, self.names, self.shapes, self.config.num_layers)

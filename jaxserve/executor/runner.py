@@ -101,7 +101,7 @@ class ModelRunner:
         if engine_config.enable_lora:
             lora_dtype = engine_config.dtype if engine_config.lora_dtype == "auto" else engine_config.lora_dtype
             self.lora = lora_slots.LoRASlots(step_config, engine_config, device_setup.param_dtype(lora_dtype))
-            self._step_params = {**self._step_params, "lora": self.lora.init()}
+            self._step_params = {**self._step_params, "lora": self.lora.init(shardings)}
         self._head = prompt_logprobs.head_params(self.params)
         # "auto": the step's activations' dtype (the norms keep it: float32 for a bfloat16 model
         # on the CPU, see cpu_layout.bfloat16_views; else the model's float dtype)
