@@ -356,7 +356,8 @@ class Scheduler:
                 break
             # The last token is always recomputed (its logits are needed), so match before it. A
             # request still owed prompt logprobs computes its whole prompt: cached pages have no logits.
-            prefix_tokens = request.prefix_key_ids(request.num_tokens - 1) if not request.num_prompt_logprobs_missing else []
+            prefix_tokens = ([] if request.num_prompt_logprobs_missing
+                             else request.prefix_key_ids(request.num_tokens - 1))  # an image's positions: its hash
             # Cached pages on the device, then those KV offload restores (fresh pages filled from host memory).
             cached_pages, offloaded = allocator.find_prefix(prefix_tokens, request.prefix_salt)
             num_computed = (len(cached_pages) + len(offloaded)) * allocator.page_size
