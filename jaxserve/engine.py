@@ -83,7 +83,7 @@ class Engine:
         self.pooler, self.pooled, prefix_caching = engine_pooling(cfg, pooler)
         self.eos_token_ids = _eos_token_ids(model_config, tokenizer)
         if model_config.multimodal_architecture:
-            check_vision_settings(model_config, cfg, vision is not None, shardings is not None)
+            check_vision_settings(model_config, cfg, vision is not None)
         self.image_processor = image_processor if model_config.multimodal_architecture else None
         self.runner = runner_lib.ModelRunner(model_config, params, cfg, num_pages=num_pages,
                                              max_model_len=self.max_model_len, shardings=shardings,

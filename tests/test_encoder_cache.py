@@ -132,3 +132,18 @@ def test_admission_of_images():
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=32)
     assert ec.max_image_tokens(config) == 32 and ec.pool_rows(config) == 129
     assert ec.max_image_tokens(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)) == 57
+
+
+@pytest.mark.parametrize("settings,flag", [
+    (dict(tensor_parallel_size=2), "--tensor_parallel_size"), (dict(data_parallel_size=2), "--data_parallel_size"),
+    (dict(speculative_method="ngram"), "--speculative_method"), (dict(num_scheduler_steps=4), "--num_scheduler_steps"),
+    (dict(enable_lora=True), "--enable_lora"), (dict(runner="pooling"), "--runner=pooling")])
+def test_settings_an_image_model_is_not_served_with_are_named(settings, flag):
+    from jaxserve.multimodal.admission import check_vision_settings
+    vlm = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=8, num_layers=1, num_q_heads=1, num_kv_heads=1,
+                      head_dim=8, multimodal_architecture=inputs.GEMMA3_ARCHITECTURE, image_token_id=9)
+    check_vision_settings(vlm, EngineConfig(), has_vision=True)
+    with pytest.raises(ValueError, match=flag):
+        check_vision_settings(vlm, EngineConfig(**settings), has_vision=True)
+    with pytest.raises(ValueError, match="needs its vision tower"):
+        check_vision_settings(vlm, EngineConfig(), has_vision=False)

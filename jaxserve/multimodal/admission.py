@@ -8,13 +8,15 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import InvalidRequestError
 
 
-def check_vision_settings(model_config: ModelConfig, cfg: EngineConfig, has_vision: bool, sharded: bool) -> None:
+def check_vision_settings(model_config: ModelConfig, cfg: EngineConfig, has_vision: bool) -> None:
     """ValueError for an engine of a vision-language model without its tower, or with a setting
     its image path does not support yet."""
     name = model_config.multimodal_architecture
     if not has_vision:
         raise ValueError(f"{name} needs its vision tower")
-    refused = {"--tensor_parallel_size > 1": sharded, "--speculative_method": cfg.speculative_method,
+    refused = {"--tensor_parallel_size > 1": cfg.tensor_parallel_size > 1,
+               "--data_parallel_size > 1": cfg.data_parallel_size > 1,
+               "--speculative_method": cfg.speculative_method,
                "--num_scheduler_steps > 1": cfg.num_scheduler_steps > 1, "--enable_lora": cfg.enable_lora,
                "--runner=pooling": cfg.runner == "pooling"}
     for flag, used in refused.items():
