@@ -33,10 +33,9 @@ import numpy as np
 import cpu_kernels
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core import structured_output
+from jaxserve.core import encoder_cache, structured_output
 from jaxserve.core.outputs import StepInputError
 from jaxserve.core.step import Bucket, ScheduledBatch, StepOutput, geometric_buckets, prompt_logprob_rows_limit
-from jaxserve.core import encoder_cache
 from jaxserve.executor import (decode_loop, device_setup, executable_cache, executables, kv_transfer, lora_slots,
                                prompt_logprobs, sampler, shape_choice, step_functions, transport,
                                vision_encoder)
@@ -284,7 +283,8 @@ class ModelRunner:
 
     def _encode_images(self, jobs) -> None:
         """Runs the step's encoder jobs into the image-embedding pool the forward reads."""
-        self._step_params["image_embeddings"] = self.vision.run(jobs, lambda size: self.executables.get("encoder", size))
+        compiled = lambda size: self.executables.get("encoder", size)  # noqa: E731 (the warm-up's, or None)
+        self._step_params["image_embeddings"] = self.vision.run(jobs, compiled)
 
     # ---- LoRA -----------------------------------------------------------------------------
     def write_lora_slot(self, slot: int, adapter) -> None:
