@@ -6,10 +6,11 @@ compiles. Every shape is promised to the cache at the start: a step that needs o
 yet waits for it, and the warm-up takes that shape next (`urgent`), on every thread. Three
 phases, in order:
   1. what a first request needs: the prefill-only and decode-only steps and their samplers
-     with penalties, which serve every request, and a vision-language model's image encoder
-     (`WarmupState.first_ready` is set after them);
+     with penalties, which serve every request (`WarmupState.first_ready` is set after them);
   2. the rest of the steps (decoding rows beside prefill chunks), the samplers without
-     penalties (a little faster for the requests without) and the multi-step shapes;
+     penalties (a little faster for the requests without), the multi-step shapes and a
+     vision-language model's image encoder, one shape per image size (an image request that
+     comes first waits for its shape, which the warm-up then takes next);
   3. the prompt-logprob shapes (in phase 1 instead with `warmup_prompt_logprobs`).
 The pooling runner (--runner=pooling) has only its pooled steps, all in the first phase.
 In the background (`jaxserve serve`) the phases run in a thread after the first, at the normal
@@ -152,11 +153,11 @@ class WarmupPlan:
         return [
             [Job("forward", b, runner.lower_forward) for b in first_steps]
             + [Job("sample", s, runner.lower_sampler) for s in first_samplers]
-            + [Job("encoder", size, runner.lower_encoder) for size in runner.encoder_shapes()]
             + (prompt if runner.warmup_prompt_logprobs else []),
             [Job("forward", b, runner.lower_forward) for b in rest_steps]
             + [Job("sample", s, runner.lower_sampler) for s in rest_samplers]
-            + [Job("multi_step", b, runner.lower_multi_step) for b in runner.multi_step_buckets()],
+            + [Job("multi_step", b, runner.lower_multi_step) for b in runner.multi_step_buckets()]
+            + [Job("encoder", size, runner.lower_encoder) for size in runner.encoder_shapes()],
             [] if runner.warmup_prompt_logprobs else prompt,
         ]
 
@@ -220,9 +221,11 @@ class WarmupPlan:
                     if background:  # the rest compiles beside serving, half the threads while idle
                         self.gate.idle_threads = max(1, threads // 2)
                     self.state.first_ready.set()
-        log.info("warm-up compiled %d shapes (%d steps, %d samplers, %d multi-step, %d prompt-logprob) in %.1fs%s",
+        log.info("warm-up compiled %d shapes (%d steps, %d samplers, %d multi-step, %d prompt-logprob, %d image "
+                 "encoder) in %.1fs%s",
                  self.total, len(self.cache.keys("forward")) + len(self.cache.keys("pool")), len(self.cache.keys("sample")),
                  len(self.cache.keys("multi_step")), len(self.cache.keys("prompt_logprobs")),
+                 len(self.cache.keys("encoder")),
                  time.perf_counter() - start,
                  "" if store is None else f" ({store.loaded} loaded and {store.saved} saved in {store.directory})")
 
