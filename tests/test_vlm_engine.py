@@ -168,3 +168,25 @@ def test_the_plan_counts_what_the_engine_holds_for_images(vlm):
     text_only = memory.plan_engine(dataclasses.replace(engine.model_config, multimodal_architecture=None), cfg,
                                    device_memory_bytes=8 << 30, on_gpu=False)
     assert text_only.vision_weights_bytes == 0
+
+
+def test_an_image_larger_than_the_prefill_threshold_passes_it_beside_decoding_rows(vlm):
+    """`serve` on the CPU bounds the prefill tokens beside decoding rows (long_prefill_token_threshold);
+    a chunk that starts an image larger than that bound takes the whole image in one step anyway."""
+    engine = make_engine(vlm, long_prefill_token_threshold=2, max_num_batched_tokens=40)
+    text_ids, _ = our_prompt(engine, "Say something about pictures in general.", "")
+    text = engine.add_request("text", text_ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while not text.output_token_ids:  # the text request decodes from now on
+        engine.step()
+    ids, mm = our_prompt(engine, "Describe the picture.", "a")
+    assert mm.images[0].num_tokens > 2
+    engine.add_request("image", ids, GREEDY, mm)
+    tokens, image_steps = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "image":
+                tokens += out.new_token_ids
+        record = engine.step_records[-1]
+        image_steps.append((record.num_decode_rows, record.num_prefill_tokens))
+    assert tokens == hf_generate(vlm, "Describe the picture.", "a")[0]
+    assert any(rows and prefill > 2 for rows, prefill in image_steps)  # the image beside a decoding row

@@ -28,9 +28,9 @@ NULL_ROW = 0
 
 def max_image_tokens(config: EngineConfig) -> int:
     """The most tokens one image may take: a chunk holds a whole image, beside at most
-    max_num_seqs - 1 decode rows (and within long_prefill_token_threshold when there are any)."""
-    return min(config.max_num_batched_tokens - config.max_num_seqs + 1,
-               config.long_prefill_token_threshold or config.max_num_batched_tokens)
+    max_num_seqs - 1 decode rows (past long_prefill_token_threshold if it must: the scheduler
+    lets an image a chunk starts in take the step's budget left)."""
+    return config.max_num_batched_tokens - config.max_num_seqs + 1
 
 
 def pool_rows(config: EngineConfig) -> int:

@@ -272,7 +272,7 @@ class Scheduler:
                 continue
             num_new = _cap_prompt_logprob_chunk(
                 request, min(request.num_tokens - request.num_computed_tokens, prefill_budget), rows_left)
-            num_new = self._fit_images(request, num_new, plan)
+            num_new = self._fit_images(request, num_new, plan, beyond=budget)
             if num_new < 1:
                 continue
             if self._reserve_pages(request, num_new, scheduled, plan):
@@ -283,7 +283,7 @@ class Scheduler:
                 rows_left -= _num_prompt_logprob_rows(request, num_new)
 
         if not plan.preempted:  # a request preempted now is not re-admitted in the same step
-            self._admit_waiting(plan, prefill_budget, rows_left)
+            self._admit_waiting(plan, prefill_budget, rows_left, budget)
         if self.max_spec_tokens and not plan.prefill and 0 < len(plan.decode) <= self.max_verify_rows:
             self._schedule_proposals(plan, budget)
         if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:
@@ -292,13 +292,21 @@ class Scheduler:
             self.encoder_cache.unpin_all()
         return plan
 
-    def _fit_images(self, request: Request, num_new: int, plan: StepPlan, start: int | None = None) -> int:
+    def _fit_images(self, request: Request, num_new: int, plan: StepPlan, start: int | None = None,
+                    beyond: int = 0) -> int:
         """The request's chunk of at most `num_new` tokens from `start` (default: its next token)
-        fitted around its images (encoder_cache.fit_chunk); `num_new` for a request without."""
+        fitted around its images (encoder_cache.fit_chunk); `num_new` for a request without. An
+        image the chunk starts in that `num_new` cannot hold may take up to `beyond` tokens (the
+        step's budget left: past long_prefill_token_threshold, so an image larger than it is not
+        held back for ever)."""
         if request.multimodal is None or num_new < 1:
             return num_new
         start = request.num_computed_tokens if start is None else start
-        return fit_chunk(request.multimodal, start, num_new, self.encoder_cache, plan.images)
+        fitted = fit_chunk(request.multimodal, start, num_new, self.encoder_cache, plan.images)
+        image = request.multimodal.span_at(start)
+        if fitted or image is None or not num_new < image.end - start <= beyond:
+            return fitted
+        return fit_chunk(request.multimodal, start, image.end - start, self.encoder_cache, plan.images)
 
     def _schedule_steps(self, plan: StepPlan) -> None:
         """Makes a decode-only plan n decode steps in one call when no row needs the host between
@@ -347,7 +355,9 @@ class Scheduler:
         if proposals:
             plan.proposals = proposals
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, rows_left: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, rows_left: int, step_budget: int) -> None:
+        """Admits waiting requests into the step's prefill (`budget` tokens; `step_budget`: what an
+        image at a chunk's start may take beyond it)."""
         allocator = self.allocator
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.prefill) < self.max_num_prefill_seqs):
@@ -363,7 +373,7 @@ class Scheduler:
             num_computed = (len(cached_pages) + len(offloaded)) * allocator.page_size
             # (a request owed prompt logprobs starts from 0, what the cap counts from)
             num_new = _cap_prompt_logprob_chunk(request, min(request.num_tokens - num_computed, budget), rows_left)
-            num_new = self._fit_images(request, num_new, plan, start=num_computed)
+            num_new = self._fit_images(request, num_new, plan, start=num_computed, beyond=step_budget)
             num_needed = allocator.num_pages_for_tokens(num_computed + num_new) - len(cached_pages)
             if num_new < 1 or num_needed > allocator.num_free_pages_after_acquiring(cached_pages):
                 break
@@ -383,6 +393,7 @@ class Scheduler:
             self.running.append(request)
             plan.prefill.append((request, num_new))
             budget -= num_new
+            step_budget -= num_new
             rows_left -= _num_prompt_logprob_rows(request, num_new)
 
     def _next_admissible(self) -> Request | None:
