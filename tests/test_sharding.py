@@ -456,13 +456,13 @@ class _StubCore:
         from types import SimpleNamespace
         self.name, self.num_running, self.requests, self._left = name, num_running, [], {}
         self.tokenizer, self.model_name, self.grammar_compiler = None, "stub", None
-        self.loras = self.pooler = None  # no LoRA adapters; a generating engine
+        self.loras = self.pooler = self.image_processor = None  # no LoRA adapters; a generating text engine
         self.config, self.limits = SimpleNamespace(max_waiting_requests=8), SimpleNamespace(max_seq_len=64)
 
     def stats(self):
         return EngineStats(self.num_running, 1, 2, 10, 0, 0, 0)
 
-    def make_request(self, request_id, prompt_token_ids, params):
+    def make_request(self, request_id, prompt_token_ids, params, multimodal=None):
         from jaxserve.core.request import Request, SamplingParams
         return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=2))
 
