@@ -170,7 +170,7 @@ def encode(params: Params, config: VisionConfig, pixels: jax.Array) -> jax.Array
 def project(params: Params, config: VisionConfig, hidden: jax.Array) -> jax.Array:
     """Gemma3MultiModalProjector: [B, num_patches, hidden] -> [B, mm_tokens_per_image, text hidden]."""
     B, D = hidden.shape[0], hidden.shape[-1]
-    side, tokens, k = config.patches_per_side, config.tokens_per_side, config.pool_kernel
+    tokens, k = config.tokens_per_side, config.pool_kernel
     grid = hidden.reshape(B, tokens, k, tokens, k, D).astype(jnp.float32)  # rows, columns of the patch grid
     pooled = jnp.mean(grid, axis=(2, 4)).astype(hidden.dtype).reshape(B, tokens * tokens, D)
     normed = rms_norm(pooled, params["mm_norm"], config.layer_norm_eps, offset=1.0)
