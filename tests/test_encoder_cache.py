@@ -146,3 +146,19 @@ def test_settings_an_image_model_is_not_served_with_are_named(settings, flag):
         check_vision_settings(vlm, EngineConfig(**settings), has_vision=True)
     with pytest.raises(ValueError, match="needs its vision tower"):
         check_vision_settings(vlm, EngineConfig(), has_vision=False)
+
+
+def test_rows_reserved_for_a_step_that_does_not_run_are_not_kept():
+    """A waiting request whose image got rows while the step was planned, but that was not admitted
+    (no free KV pages): the step is empty and never runs, so the rows were never encoded and must
+    not be found by a later request."""
+    from jaxserve.core.page_allocator import PageAllocator
+    from jaxserve.core.scheduler import Scheduler
+    cache = ec.EncoderCache(64)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_num_prefill_seqs=4, page_size=4)
+    scheduler = Scheduler(PageAllocator(3, 4), config, max_model_len=64, encoder_cache=cache)  # 2 usable pages
+    request = Request("r", [1, 9, 9, 9, 9, 2, 3, 4, 5, 6])  # 10 tokens: 3 pages
+    request.multimodal = prompt(image(1, 1, 4))
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert plan.is_empty and request.multimodal.images[0].content_hash not in cache and cache.num_free_rows == 63

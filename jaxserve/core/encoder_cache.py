@@ -88,6 +88,12 @@ class EncoderCache:
         """After a step is planned: every entry may be evicted again."""
         self._pinned.clear()
 
+    def forget(self, hashes) -> None:
+        """Drops the entries of `hashes` (reserved for a step that does not run: never encoded)."""
+        for content_hash in hashes:
+            self._free.extend(self._entries.pop(content_hash, ()))
+            self._pinned.discard(content_hash)
+
     def clear(self) -> None:
         """Forgets every entry (after a failed step: its images may not be encoded, or the pool lost)."""
         self._free = list(range(self.num_rows - 1, 0, -1))

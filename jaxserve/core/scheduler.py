@@ -289,6 +289,8 @@ class Scheduler:
         if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:
             self._schedule_steps(plan)
         if self.encoder_cache is not None:
+            if plan.is_empty:  # nothing runs: rows reserved while planning stay unencoded
+                self.encoder_cache.forget([job.image.content_hash for job in plan.images.encode])
             self.encoder_cache.unpin_all()
         return plan
 
