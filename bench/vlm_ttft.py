@@ -11,7 +11,7 @@ with a fresh image and text (no cache helps):
 - transformers: its processor (PIL image processor), then one forward of
   Qwen2_5_VLForConditionalGeneration (float32, torch's threads);
 - jaxserve: the engine's image processor, chat template and prompt expansion
-  (serve.prompts.encode_image_prompt's steps), then `Engine.generate(max_tokens=1)` (warmed up).
+  (serve.prompts.encode_image_prompt), then `Engine.generate(max_tokens=1)` (warmed up).
 The encoder cache's effect: the same image again behind a new text (no page of the prefix cache
 in common, the embeddings found), against a fresh image. The first tokens must agree.
 
@@ -72,16 +72,13 @@ def run_transformers(model, processor, image, words: str) -> tuple[float, int, i
 
 
 def run_jaxserve(engine, image, words: str, text_first: bool = False) -> tuple[float, int, int]:
+    from jaxserve.core.engine_client import ImageService
     from jaxserve.core.request import SamplingParams
-    from jaxserve.multimodal import image_processing
-    from jaxserve.multimodal.inputs import prompt_images
+    from serve.prompts import chat_text, encode_image_prompt
     start = time.perf_counter()
     processed = engine.image_processor.process(image)
-    templated = engine.tokenizer.apply_chat_template(messages(words, text_first), tokenize=False,
-                                                     add_generation_prompt=True)
-    ids = engine.tokenizer.encode(image_processing.expand_prompt(templated, engine.image_processor,
-                                                                 [processed.num_tokens]), add_special_tokens=False)
-    multimodal = prompt_images(ids, [processed], engine.model_config)
+    text = chat_text(engine.tokenizer, messages(words, text_first))
+    ids, multimodal = encode_image_prompt(engine.tokenizer, text, [processed], ImageService.of(engine))
     result = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0), multimodal=[multimodal])[0]
     return time.perf_counter() - start, result.token_ids[0], len(ids)
 

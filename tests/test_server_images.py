@@ -40,7 +40,7 @@ from tests.test_multimodal_media import png_header_only
 from tests.test_server import FakeEngine
 from tests.test_server import LiveServer as FakeServer
 from tests.test_server_engine import LiveServer
-from tests.tiny_vlms import convert_vlm, hf_processor, make_vlm, random_image
+from tests.tiny_vlms import convert_vlm, hf_generate, hf_processor, make_vlm, random_image
 
 pytestmark = pytest.mark.slow  # builds torch models, converts them, serves one
 
@@ -309,7 +309,6 @@ def test_greedy_tokens_through_the_server_equal_transformers(vlms, family):
     inputs, and the swapped images answer otherwise."""
     import concurrent.futures
 
-    import torch
     import transformers
     hf, converted = vlms[family]
     model_class = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen"
@@ -321,11 +320,8 @@ def test_greedy_tokens_through_the_server_equal_transformers(vlms, family):
 
     def expected(order: str) -> list[int]:
         messages = [user(*[{"type": "image"} for _ in order], cases[order])]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=[random_image(*images[i]) for i in order] or None, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=GREEDY["max_tokens"], do_sample=False)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+        return hf_generate(model, processor, messages, [random_image(*images[i]) for i in order],
+                           GREEDY["max_tokens"])[0]
 
     engine = Engine.from_model(converted, EngineConfig(**{**ENGINE, "max_num_batched_tokens": 32}))
     live = LiveServer(engine)

@@ -30,6 +30,7 @@ from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import llama, qwen_vision, siglip
 from jaxserve.multimodal import mrope
 from tests.tiny_models import prefill_batch
+from tests.tiny_vlms import randomize
 
 pytestmark = pytest.mark.slow  # builds torch models, converts them
 
@@ -47,23 +48,6 @@ GEMMA_TEXT = dict(hidden_size=40, intermediate_size=64, num_hidden_layers=2, num
                   num_key_value_heads=1, head_dim=20, vocab_size=300, max_position_embeddings=256,
                   query_pre_attn_scalar=20, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 QWEN_PROCESSOR = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 12)
-
-
-def randomize(model, gemma: bool):
-    """Every parameter random (transformers starts norms at one and biases at zero); Gemma's text
-    norms and projector norm scale by 1 + w, so theirs stay near zero."""
-    import torch
-    torch.manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                zero_based = gemma and ("language_model" in name or "mm_soft_emb_norm" in name)
-                p.copy_((0.0 if zero_based else 1.0) + 0.1 * torch.randn_like(p))
-            elif p.ndim > 1:
-                p.copy_(torch.randn_like(p) * 0.5 / p[0].numel() ** 0.5)
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return model
 
 
 def make_qwen():

@@ -19,8 +19,9 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import InvalidRequestError, SamplingParams
 from jaxserve.engine import Engine
-from jaxserve.multimodal import image_processing
-from jaxserve.multimodal.inputs import prompt_images
+from jaxserve.core.engine_client import ImageService
+from serve.prompts import chat_text, encode_chat, encode_image_prompt
+from tests import tiny_vlms
 from tests.tiny_vlms import convert_vlm, hf_processor, make_vlm, random_image
 
 pytestmark = pytest.mark.slow  # builds torch models, converts them
@@ -50,29 +51,19 @@ def messages(text: str, images: str, text_first: bool = False) -> list[dict]:
 
 def hf_generate(vlm, text: str, images: str, causal_images: bool = False):
     """transformers' greedy tokens and first-token log-softmax for the prompt; its input ids."""
-    import torch
     _, model, _, processor = vlm
-    prompt = processor.apply_chat_template(messages(text, images), add_generation_prompt=True)
-    inputs = processor(text=[prompt], images=[random_image(*IMAGES[i]) for i in images] or None,
-                       return_tensors="pt")
-    if causal_images:
-        inputs.pop("token_type_ids", None)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
-    first = torch.log_softmax(out.scores[0][0].float(), -1).numpy()
-    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), first, inputs["input_ids"][0].tolist()
+    return tiny_vlms.hf_generate(model, processor, messages(text, images), [random_image(*IMAGES[i]) for i in images],
+                                 MAX_TOKENS, causal_images)
 
 
 def our_prompt(engine, text: str, images: str, text_first: bool = False):
-    """(prompt ids, MultimodalInputs or None) as the server builds them."""
-    processor = engine.image_processor
-    processed = [processor.process(random_image(*IMAGES[i])) for i in images]
-    templated = engine.tokenizer.apply_chat_template(messages(text, images, text_first), tokenize=False,
-                                                     add_generation_prompt=True)
-    ids = engine.tokenizer.encode(image_processing.expand_prompt(templated, processor, [p.num_tokens for p in processed]),
-                                  add_special_tokens=False)
-    return ids, (prompt_images(ids, processed, engine.model_config) if images else None)
+    """(prompt ids, MultimodalInputs or None) as the server builds them (serve.prompts)."""
+    chat = messages(text, images, text_first)
+    if not images:
+        return encode_chat(engine.tokenizer, chat), None
+    processed = [engine.image_processor.process(random_image(*IMAGES[i])) for i in images]
+    return encode_image_prompt(engine.tokenizer, chat_text(engine.tokenizer, chat), processed,
+                               ImageService.of(engine))
 
 
 def make_engine(vlm, **overrides) -> Engine:

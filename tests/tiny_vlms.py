@@ -59,7 +59,10 @@ def _tokenizer(family: str, folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def _randomize(model, gemma: bool):
+def randomize(model, gemma: bool, strong_projection: bool = False):
+    """Every parameter random (transformers starts norms at one and biases at zero); Gemma's text
+    norms and projector norm scale by 1 + w, so theirs stay near zero. `strong_projection`:
+    Gemma's image rows as large as its scaled text embeddings (so an image moves the answer)."""
     import torch
     torch.manual_seed(SEED)
     with torch.no_grad():
@@ -67,7 +70,7 @@ def _randomize(model, gemma: bool):
             if "norm" in name or "ln_q" in name:
                 zero_based = gemma and ("language_model" in name or "mm_soft_emb_norm" in name)
                 p.copy_((0.0 if zero_based else 1.0) + 0.1 * torch.randn_like(p))
-            elif "mm_input_projection" in name:  # Gemma's image rows as large as its scaled text embeddings
+            elif strong_projection and "mm_input_projection" in name:
                 p.copy_(torch.randn_like(p) * 4.0 / p.shape[0] ** 0.5)
             elif p.ndim > 1:
                 p.copy_(torch.randn_like(p) * 0.5 / p[0].numel() ** 0.5)
@@ -119,7 +122,7 @@ def make_vlm(family: str, folder: str, *, hidden_size: int = 64, num_layers: int
         with open(os.path.join(folder, "processor_config.json"), "w") as f:
             json.dump({"image_seq_length": GEMMA_TOKENS_PER_IMAGE, "processor_class": "Gemma3Processor"}, f)
     model.config.text_config._attn_implementation = "eager"
-    _randomize(model, gemma=family == "gemma")
+    randomize(model, gemma=family == "gemma", strong_projection=True)
     model.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     return model
@@ -153,6 +156,23 @@ def hf_processor(family: str, folder: str):
     return transformers.Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
                                         tokenizer=tokenizer, chat_template=tokenizer.chat_template,
                                         image_seq_length=GEMMA_TOKENS_PER_IMAGE)
+
+
+def hf_generate(model, processor, messages: list[dict], images: list, max_new_tokens: int,
+                causal_images: bool = False) -> tuple[list[int], "np.ndarray", list[int]]:
+    """transformers' greedy tokens for template `messages` ({"type": "image"} parts) and their
+    `images` (PIL), the first token's log-softmax, and the processor's prompt ids.
+    `causal_images`: Gemma 3 without token_type_ids (its image tokens then attend causally)."""
+    import torch
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    if causal_images:
+        inputs.pop("token_type_ids", None)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    first = torch.log_softmax(out.scores[0][0].float(), -1).numpy()
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), first, inputs["input_ids"][0].tolist()
 
 
 def random_image(seed: int, width: int = 56, height: int = 56):

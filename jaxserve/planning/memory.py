@@ -440,7 +440,7 @@ def plan_memory(
         draft_per_page = kv_bytes_per_token(draft_model, kv_dtype, 1) * page_size
     # What stays whatever the pool's size: the weights, a draft's weights and scratch pages, a LoRA slab.
     lora = lora_slab_bytes(model, cfg) if cfg.enable_lora else 0
-    vision = vision_memory(model, cfg, compute_dtype)  # {} for a text model
+    vision = vision_memory(model, cfg, compute_dtype, FLOAT_DTYPE_BYTES[compute_dtype])  # {} for a text model
     resident = weights + draft_weights + draft_scratch_pages * draft_per_page + lora + sum(vision.values())
     if resident > usable - reserve and num_pages is None:
         raise MemoryPlanError(

@@ -12,17 +12,14 @@ import math
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.encoder_cache import max_image_tokens, pool_rows
 
-FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def vision_memory(model: ModelConfig, cfg: EngineConfig, compute_dtype: str) -> dict[str, int]:
-    """MemoryPlan's vision_weights_bytes, image_pool_bytes and vision_activation_bytes; {} for a text model."""
+def vision_memory(model: ModelConfig, cfg: EngineConfig, compute_dtype: str, itemsize: int) -> dict[str, int]:
+    """MemoryPlan's vision_weights_bytes, image_pool_bytes and vision_activation_bytes; {} for a text
+    model. `itemsize`: bytes of one element in `compute_dtype` (the planner's table)."""
     if not model.multimodal_architecture:
         return {}
     from cpu_kernels import STRIP  # (device code, as the towers' declarations: imported here)
     from jaxserve.models import qwen_vision, vision
     module, config = vision.tower(model)
-    itemsize = FLOAT_BYTES.get(compute_dtype, 4)
     # On the CPU (XLA path) a float32 tower's matrices are the C++ kernel's strips: columns padded to STRIP
     strips = cfg.attention_backend == "xla" and compute_dtype == "float32"
     weights = sum(math.prod(d.shape[:-1]) * (-(-d.shape[-1] // STRIP) * STRIP if strips and d.is_matrix else d.shape[-1])
