@@ -95,7 +95,8 @@ class Engine:
                                        memory.host_memory_budget_bytes(1.0))
         self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload and self.offload.tiers)
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len, encoder_cache=EncoderCache(
-            pool_rows(cfg)) if model_config.multimodal_architecture else None)  # the image-embedding pool's rows
+            pool_rows(cfg)) if model_config.multimodal_architecture else None,  # the image-embedding pool's rows
+                                   prefill_trim_sizes=self.runner.buckets.prefill_trim_sizes)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
         if cfg.enable_lora:

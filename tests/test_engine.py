@@ -87,6 +87,20 @@ def test_batch_invariance_with_staggered_arrivals_and_odd_chunks(params):
     assert_all_pages_free(engine)
 
 
+def test_a_prompt_mostly_padding_in_its_bucket_runs_as_a_smaller_bucket_then_the_rest(params):
+    seed = 5
+    prompt = np.random.default_rng(seed).integers(3, TINY.vocab_size, 40).tolist()
+    one_bucket = make_engine(params, prefill_buckets="64", enable_prefix_caching=False)  # nothing smaller to cut to
+    expected = one_bucket.generate([prompt], GREEDY)[0].token_ids
+    engine = make_engine(params, enable_prefix_caching=False)  # prefill buckets 32, 64: 40 tokens fill 64 by 5/8
+    assert engine.generate([prompt], GREEDY)[0].token_ids == expected, f"seed {seed}"
+    prefill = [(r.num_prefill_tokens, r.bucket_prefill_tokens) for r in engine.step_records if r.num_prefill_tokens]
+    assert prefill == [(32, 32), (8, 32)]
+    assert [(r.num_prefill_tokens, r.bucket_prefill_tokens)
+            for r in one_bucket.step_records if r.num_prefill_tokens] == [(40, 64)]
+    assert_all_pages_free(engine)
+
+
 def test_preemption_keeps_outputs(params):
     seed = 1
     rng = np.random.default_rng(seed)

@@ -87,10 +87,11 @@ def run_engine_loop(scheduler, device, requests, add_at=None, max_steps=5000):
     return step
 
 
-def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512):
+def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512,
+                   trim_sizes=()):
     allocator = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix)
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_num_prefill_seqs=max_prefill)
-    return Scheduler(allocator, config, max_model_len=max_len)
+    return Scheduler(allocator, config, max_model_len=max_len, prefill_trim_sizes=trim_sizes)
 
 
 def greedy(max_tokens):
@@ -115,6 +116,64 @@ def test_random_load_finishes_with_batch_independent_output(prefix):
     assert scheduler.allocator.num_used_pages == 0 and scheduler.allocator.num_free_pages == 12
     assert scheduler.num_running == scheduler.num_waiting == 0
     assert (scheduler.allocator.num_prefix_hit_tokens > 0) == prefix
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix):
+    rng = random.Random(1)
+    scheduler = make_scheduler(num_pages=17, page_size=4, prefix=prefix, max_num_seqs=5, budget=16, max_prefill=3,
+                               trim_sizes=(2, 4, 8, 16))
+    shared = [rng.randrange(3, 1000) for _ in range(8)]
+    requests = [Request(f"r{i}", (shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))],
+                        greedy(rng.randint(1, 12))) for i in range(24)]
+    cut = []
+    real_fit = scheduler.fit_prefill_to_bucket
+
+    def fit_and_count(plan):
+        before = sum(n for _, n in plan.prefill)
+        real_fit(plan)
+        cut.append(before - sum(n for _, n in plan.prefill))
+    scheduler.fit_prefill_to_bucket = fit_and_count
+    run_engine_loop(scheduler, FakeDevice(scheduler.allocator), requests[:16], add_at={5: requests[16:]})
+    for request in requests:  # check_plan checked every step's pages
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
+    assert sum(1 for n in cut if n) >= 3
+    assert scheduler.allocator.num_used_pages == 0
+
+
+def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mostly_padding():
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16))
+    scheduler.add_request(Request("a", list(range(3, 13)), greedy(2)))  # 10 tokens: 10 <= 3/4 of 16
+    plan = scheduler.schedule()
+    assert [n for _, n in plan.prefill] == [8]
+    request = plan.prefill[0][0]
+    assert len(request.page_ids) == 2 and scheduler.allocator.num_used_pages == 2  # the third page given back
+    device = FakeDevice(scheduler.allocator)
+    scheduler.update(plan, device.run(plan))
+    plan = scheduler.schedule()
+    assert [n for _, n in plan.prefill] == [2] and len(request.page_ids) == 3  # 2 tokens: no smaller bucket
+    scheduler.update(plan, device.run(plan))
+    run_engine_loop(scheduler, device, [])
+    assert request.output_token_ids == reference_output(request.prompt_token_ids, 2)
+
+
+@pytest.mark.parametrize("prompts, expected", [
+    ([13], [13]),  # 13 > 3/4 of 16: the padding is small
+    ([8, 2], [8, 2]),  # the last chunk would keep no token
+    ([6, 4], [6, 2]),  # the last chunk is cut
+    ([3], [3]),  # no smaller bucket
+])
+def test_prefill_cut_only_where_it_saves_padding(prompts, expected):
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16))
+    for i, length in enumerate(prompts):
+        scheduler.add_request(Request(f"r{i}", list(range(3, 3 + length)), greedy(1)))
+    assert [n for _, n in scheduler.schedule().prefill] == expected
+
+
+def test_prefill_is_not_cut_without_trim_sizes():
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16)
+    scheduler.add_request(Request("a", list(range(3, 13)), greedy(1)))
+    assert [n for _, n in scheduler.schedule().prefill] == [10]
 
 
 def test_decode_first_then_prefill_with_remaining_budget():

@@ -52,6 +52,11 @@ from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow,
 # admission waits for it (Scheduler._next_admissible).
 LORA_PASS_LIMIT = 64
 
+# A step's prefill tokens are cut down to the next smaller bucket when they would fill at most
+# this much of their own (Scheduler.fit_prefill_to_bucket): then the cut and the rest's bucket
+# next step hold at most 3/4 of the tokens the bucket would.
+PREFILL_TRIM_FILL = 0.75
+
 
 @dataclasses.dataclass
 class StepPlan:
@@ -149,11 +154,13 @@ def _cap_prompt_logprob_chunk(request: Request, num_new: int, rows_left: int) ->
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, config: EngineConfig, max_model_len: int,
-                 encoder_cache: EncoderCache | None = None) -> None:
+                 encoder_cache: EncoderCache | None = None, prefill_trim_sizes: tuple[int, ...] = ()) -> None:
         """Schedules under `config`'s limits (max_num_seqs, max_num_batched_tokens,
         max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model).
         `encoder_cache`: a vision-language model's (chunks fitted around images, which each step
-        encodes within a budget of max_num_batched_tokens image tokens: jaxserve.core.encoder_cache)."""
+        encodes within a budget of max_num_batched_tokens image tokens: jaxserve.core.encoder_cache).
+        `prefill_trim_sizes`: the prefill buckets a step's prefill tokens may be cut down to
+        (BucketSet.prefill_trim_sizes; `fit_prefill_to_bucket`), ascending; none: never cut."""
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         max_num_prefill_seqs = config.max_num_prefill_seqs
         if max_model_len < 1:  # (the config's own bounds are checked when it is made: EngineConfig.check)
@@ -163,6 +170,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.prefill_trim_sizes = tuple(prefill_trim_sizes)
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
@@ -284,6 +292,7 @@ class Scheduler:
 
         if not plan.preempted:  # a request preempted now is not re-admitted in the same step
             self._admit_waiting(plan, prefill_budget, rows_left, budget)
+        self.fit_prefill_to_bucket(plan)
         if self.max_spec_tokens and not plan.prefill and 0 < len(plan.decode) <= self.max_verify_rows:
             self._schedule_proposals(plan, budget)
         if self.num_scheduler_steps > 1 and not plan.prefill and plan.decode and not plan.is_verify:
@@ -293,6 +302,28 @@ class Scheduler:
                 self.encoder_cache.forget([job.image.content_hash for job in plan.images.encode])
             self.encoder_cache.unpin_all()
         return plan
+
+    def fit_prefill_to_bucket(self, plan: StepPlan) -> None:
+        """Cuts the plan's last prefill chunk so that the step's prefill tokens fill the next
+        smaller bucket, when they would fill at most PREFILL_TRIM_FILL of their own: the rest of
+        that prompt comes in the next step, in a bucket of its own size (the pages reserved for
+        it are given back until then). Nothing changes without `prefill_trim_sizes`, for a chunk
+        that would not keep a token, or one of a request with images (its chunk is fitted around
+        them)."""
+        sizes = self.prefill_trim_sizes
+        total = sum(n for _, n in plan.prefill)
+        if not sizes or not plan.prefill or total > sizes[-1]:
+            return
+        own = next(size for size in sizes if size >= total)
+        smaller = max((size for size in sizes if size < total), default=0)
+        request, num_new = plan.prefill[-1]
+        excess = total - smaller
+        if not smaller or total > PREFILL_TRIM_FILL * own or num_new <= excess or request.multimodal is not None:
+            return
+        plan.prefill[-1] = (request, num_new - excess)
+        keep = self.allocator.num_pages_for_tokens(request.num_computed_tokens + num_new - excess)
+        self.allocator.free(request.page_ids[keep:])
+        del request.page_ids[keep:]
 
     def _fit_images(self, request: Request, num_new: int, plan: StepPlan, start: int | None = None,
                     beyond: int = 0) -> int:
