@@ -107,3 +107,25 @@ def test_saved_executables_load_and_a_mismatch_exits_2(tiny_chat_model_dir, tmp_
                     "--max_num_seqs=2") == 2
     err = capsys.readouterr().err
     assert "saved for another engine (buckets: saved" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags_given, max_num_seqs", [
+    ([], 64),  # a batch job's own default on the CPU (a server's is 32)
+    (["--max_num_seqs=16"], 16),
+    (["--max_num_batched_tokens=48"], 48),  # within the step's token budget
+    (["--decode_buckets=8,32"], 32),  # explicit buckets end at --max_num_seqs: its default kept
+])
+def test_generate_decodes_64_sequences_at_once_on_the_cpu_unless_told(tmp_path, monkeypatch, capsys, flags_given,
+                                                                       max_num_seqs):
+    from jaxserve.commands import generate as generate_command
+    built = []
+
+    def from_model(model, config):
+        built.append(config)
+        raise ValueError("not loaded in this test")
+    monkeypatch.setattr(generate_command.Engine, "from_model", from_model)
+    inp = write_lines(tmp_path / "in.jsonl", ['{"id": 1, "prompt": "a"}'])
+    assert cli.main(["jaxserve", "generate", "--model=unused", f"--input={inp}", f"--output={tmp_path / 'out.jsonl'}",
+                     *flags_given]) == 2
+    assert "not loaded in this test" in capsys.readouterr().err
+    assert built[0].max_num_seqs == max_num_seqs
