@@ -67,6 +67,29 @@ def test_a_restart_loads_every_shape_and_serves_the_same_tokens(params, cache, m
         assert len(compiles) == len(without_warmup)  # and serving compiles nothing either
 
 
+def test_without_a_warm_up_each_shape_is_saved_when_first_used_and_loaded_by_the_next_engine(params, cache):
+    no_warmup = EngineConfig(**{**ENGINE, "warmup": False})  # as `jaxserve generate` runs
+    first = Engine(TINY, params, None, no_warmup)
+    expected = serve_some(first)
+    store = first.runner.executables.store
+    used = len(first.runner.executables.keys("forward")) + len(first.runner.executables.keys("sample"))
+    assert store.saved == used > 2 and store.loaded == 0
+    assert sorted(os.listdir(cache)) == [store.fingerprint]
+
+    with recorded_compilations() as building:  # what building an engine traces (its KV cache)
+        second = Engine(TINY, params, None, no_warmup)
+    with recorded_compilations() as serving:
+        assert serve_some(second) == expected
+    assert building and not serving  # no step shape traced, lowered or compiled again
+    assert (second.runner.executables.store.loaded, second.runner.executables.store.saved) == (used, 0)
+
+
+def test_the_store_is_beside_a_compilation_cache_named_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", str(tmp_path / "run" / "xla"))
+    monkeypatch.delenv("JAXSERVE_EXECUTABLES_CACHE", raising=False)
+    assert executables.default_directory() == str(tmp_path / "run" / "executables")
+
+
 def test_other_flags_are_another_folder_and_old_folders_are_pruned(params, cache, monkeypatch):
     monkeypatch.setattr(executables, "CACHE_FOLDERS_KEPT", 1)
     folders = []

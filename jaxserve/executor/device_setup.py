@@ -19,7 +19,7 @@ def enable_compilation_cache() -> None:
     cache_dir = environment.compilation_cache_dir()
     if jax.config.jax_compilation_cache_dir is None and cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def on_gpu() -> bool:

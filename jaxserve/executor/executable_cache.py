@@ -65,6 +65,20 @@ class ExecutableCache:
         future.result()  # what failed it
         return self._compiled.get((kind, key))
 
+    def on_first_use(self, kind: str, key: Hashable, lower: Callable[[Hashable], object]):
+        """The executable of (kind, key) as `get` gives it, else made now on the calling thread
+        (a step of an engine without a warm-up: `jaxserve generate`): loaded from the store, or
+        `lower(key)` compiled and saved there, so that the next process skips tracing, lowering
+        and compiling it; compiled afresh to be saved (executables.persistent_cache_off)."""
+        compiled = self.get(kind, key)
+        if compiled is None:
+            saving = self.store is not None and self.store.mode != "load"
+            with executables.persistent_cache_off() if saving else contextlib.nullcontext():
+                compiled = self.load_or_compile(kind, key, lambda: lower(key))
+            if self.store is not None:
+                self.save_queued()
+        return compiled
+
     def ready(self, kind: str, key: Hashable) -> bool:
         """Whether (kind, key) is compiled now (a step asking for it would not wait)."""
         return (kind, key) in self._compiled

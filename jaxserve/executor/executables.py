@@ -9,9 +9,10 @@ the runner's own description: model config, buckets' settings, argument shapes, 
 shardings). A different fingerprint is a different folder, so a stale executable is never loaded.
 
 Two uses:
-- automatic: `executables/` under the compilation cache's root ($JAXSERVE_CACHE, else
+- automatic: `executables/` beside the compilation cache (under $JAXSERVE_CACHE, else
   ~/.cache/jaxserve; off when $JAXSERVE_COMPILATION_CACHE is set empty or
-  $JAXSERVE_EXECUTABLES_CACHE=0), filled on first start;
+  $JAXSERVE_EXECUTABLES_CACHE=0), filled on first start or, without a warm-up, as each shape is
+  first used (ExecutableCache.on_first_use);
 - explicit (`serve --executables=DIR`): executables saved by `--save_executables=DIR`, loaded
   strictly: a fingerprint that differs, or a shape missing, is refused with what differs.
 
@@ -38,7 +39,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.environment import cache_root, compilation_cache_dir, executables_cache, grouped_matmul_backend, xla_flags
+from jaxserve.environment import compilation_cache_dir, executables_cache, grouped_matmul_backend, xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +184,14 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
 
 
 def default_directory() -> str | None:
-    """`executables/` beside the persistent compilation cache; None when that cache or the store
-    is switched off (environment.executables_cache)."""
-    if compilation_cache_dir() is None or not executables_cache():
+    """`executables/` beside the persistent compilation cache, in the folder that holds it
+    (cache_root() unless $JAXSERVE_COMPILATION_CACHE names another: a fresh compilation cache
+    comes with a fresh store); None when that cache or the store is switched off
+    (environment.executables_cache)."""
+    compilation_cache = compilation_cache_dir()
+    if compilation_cache is None or not executables_cache():
         return None
-    return os.path.join(cache_root(), "executables")
+    return os.path.join(os.path.dirname(os.path.abspath(compilation_cache)), "executables")
 
 
 class ExecutableStore:

@@ -573,13 +573,13 @@ class ModelRunner:
         `prompt_rows` is given) on its inputs (host or device arrays); returns their device
         outputs (sampler's, prompt logprobs' or None). The transport calls it (a multi-host
         worker too). The grammar rows' bitmasks are filled on the host while the forward runs."""
-        forward = self.executables.get("forward", bucket) or self._functions.forward_for(bucket)
+        forward = self.executables.on_first_use("forward", bucket, self.lower_forward)
         logits, self.kv_cache, hidden = forward(self._step_params, self.kv_cache, arrays)
         if self.draft is not None:  # the draft's K/V of the same tokens, in the same slots
             self.draft.mirror(bucket, arrays)
         structured_output.fill_bitmasks(grammars, sampling["token_bitmask"])
         key = (logits.shape[0], sampler.has_histories(sampling), sampler.has_bias(sampling))
-        sampled = (self.executables.get("sample", key) or self._functions.sample)(logits, sampling)
+        sampled = self.executables.on_first_use("sample", key, self.lower_sampler)(logits, sampling)
         if prompt_rows is None:
             return sampled, None
         compute = (self.executables.get("prompt_logprobs", len(prompt_rows["indices"]))
