@@ -94,8 +94,8 @@ class Engine:
         self.offload = KVOffload.build(cfg, self.runner, prefix_caching, device_setup.process_count() > 1,
                                        memory.host_memory_budget_bytes(1.0))
         self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload and self.offload.tiers)
-        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len, encoder_cache=EncoderCache(
-            pool_rows(cfg)) if model_config.multimodal_architecture else None,  # the image-embedding pool's rows
+        encoder_cache = EncoderCache(pool_rows(cfg)) if model_config.multimodal_architecture else None  # image rows
+        self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len, encoder_cache,
                                    prefill_trim_sizes=self.runner.buckets.prefill_trim_sizes)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
