@@ -5,7 +5,8 @@ vocabulary tokens written out as text, so the prompts are new to every cache), 1
 tokens each (ignore_eos). jaxserve: `jaxserve generate` with its default engine flags, timed from
 starting the process to its exit (Python start, loading and converting nothing, the step shapes
 it uses compiled when first used, generation, writing the output), twice: with an empty
-persistent compilation cache and again with the cache the first run filled. transformers: the
+persistent compilation cache and executable store (a fresh `JAXSERVE_COMPILATION_CACHE` folder,
+the store beside it) and again with what the first run filled. transformers: the
 same token ids, `generate` in static batches, its generation alone (loading the model not
 counted), at each `--hf_batch_sizes`. The warm jaxserve process and transformers run in turns,
 `--rounds` times (the machine's speed drifts within minutes): medians, and each round's ratio.
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         cache = os.path.join(scratch, "xla-cache")
         flags = args.generate_flags.split()
         report["jaxserve_cold"] = run_generate(args.model, input_path, args.output_len, cache, flags)
-        print(f"jaxserve generate, empty compilation cache: {report['jaxserve_cold']['wall_s']:.1f} s", flush=True)
+        print(f"jaxserve generate, empty caches: {report['jaxserve_cold']['wall_s']:.1f} s", flush=True)
         hf_model = None
         if not args.skip_hf:
             from bench.hf_baseline import greedy_agreement, load_hf_model, run_hf
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
             warm = run_generate(args.model, input_path, args.output_len, cache, flags)
             warm_runs.append(warm)
             this_round = {"jaxserve_warm_s": warm["wall_s"]}
-            print(f"round {index + 1}: jaxserve generate, filled compilation cache: {warm['wall_s']:.1f} s", flush=True)
+            print(f"round {index + 1}: jaxserve generate, filled caches: {warm['wall_s']:.1f} s", flush=True)
             for size in sizes:
                 result = run_hf(hf_model, workload, size, 0.0)
                 result["agreement_first_16"] = greedy_agreement(
@@ -128,8 +129,8 @@ def main(argv=None) -> int:
     for run in warm_runs + [report["jaxserve_cold"]]:
         run.pop("outputs", None)
 
-    rows = [dict(engine="jaxserve generate, whole process, empty compile cache", **report["jaxserve_cold"]),
-            dict(engine="jaxserve generate, whole process, filled compile cache", **report["jaxserve_warm"])]
+    rows = [dict(engine="jaxserve generate, whole process, empty caches", **report["jaxserve_cold"]),
+            dict(engine="jaxserve generate, whole process, filled caches", **report["jaxserve_warm"])]
     rows += [dict(engine=f"transformers b={size}, generation alone", **result) for size, result in hf.items()]
     best_hf = max((r["output_tokens_per_s"] for r in hf.values()), default=None)
     for row in rows:
