@@ -120,7 +120,8 @@ def test_random_load_finishes_with_batch_independent_output(prefix):
 
 @pytest.mark.parametrize("prefix", [False, True])
 def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix):
-    rng = random.Random(1)
+    seed = 1
+    rng = random.Random(seed)
     scheduler = make_scheduler(num_pages=17, page_size=4, prefix=prefix, max_num_seqs=5, budget=16, max_prefill=3,
                                trim_sizes=(2, 4, 8, 16))
     shared = [rng.randrange(3, 1000) for _ in range(8)]
@@ -136,9 +137,10 @@ def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix)
     scheduler.fit_prefill_to_bucket = fit_and_count
     run_engine_loop(scheduler, FakeDevice(scheduler.allocator), requests[:16], add_at={5: requests[16:]})
     for request in requests:  # check_plan checked every step's pages
-        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens)
-    assert sum(1 for n in cut if n) >= 3
-    assert scheduler.allocator.num_used_pages == 0
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, request.params.max_tokens), \
+            f"seed {seed}"
+    assert sum(1 for n in cut if n) >= 3, f"seed {seed}"
+    assert scheduler.allocator.num_used_pages == 0, f"seed {seed}"
 
 
 def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mostly_padding():
