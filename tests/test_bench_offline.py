@@ -137,3 +137,18 @@ def test_bad_flags_exit_2_without_a_traceback(capsys, mode, args, message):
     assert cli.main(["jaxserve", "bench", mode, *ENGINE_FLAGS, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["throughput", "latency"])
+def test_the_in_process_benchmarks_take_generates_cpu_batch_default(monkeypatch, capsys, mode):
+    built = []
+
+    def from_model(model, config):
+        built.append(config)
+        raise ValueError("not loaded in this test")
+    monkeypatch.setattr(offline.Engine, "from_model", from_model)
+    other_flags = [flag for flag in ENGINE_FLAGS if not flag.startswith(("--max_num_seqs", "--max_num_batched_tokens"))]
+    assert cli.main(["jaxserve", "bench", mode, "--model=unused", "--input_len=8", "--output_len=4",
+                     *other_flags]) == 2
+    assert "not loaded in this test" in capsys.readouterr().err
+    assert built[0].max_num_seqs == 64  # a server's default is 32

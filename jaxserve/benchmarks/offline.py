@@ -66,9 +66,11 @@ def warm_engine(engine, seed: int = 0) -> None:
 
 
 def load_engine(fv: flags.FlagValues):
-    """The engine of the engine flags (--warmup: every step shape compiled), warmed by one request."""
+    """The engine of the engine flags (generate's defaults: --max_num_seqs 64 on the CPU; --warmup:
+    every step shape compiled), warmed by one request."""
     try:
-        engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=fv.warmup))
+        engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=fv.warmup,
+                                                                        **engine_flags.batch_defaults(fv)))
     except (ValueError, OSError) as e:
         raise BenchmarkError(f"cannot load {fv.model!r}: {e}") from None
     warm_engine(engine)

@@ -91,6 +91,27 @@ def engine_kwargs(fv: flags.FlagValues) -> dict:
     return {name: fv[name].value for name in ENGINE_FLAGS if fv[name].value is not None}
 
 
+# A batch job (`generate`, `bench throughput` and `bench latency`) decodes up to 64 sequences at
+# once on the CPU, where a server's default is 32 (its streams' TPOT): SmolLM2's decode step costs
+# 1.25x less per token at 64 rows than at 32, and only 1.07x less again at 128 (bench/RESULTS.md,
+# "Offline throughput: jaxserve generate vs transformers").
+CPU_BATCH_MAX_NUM_SEQS = 64
+
+
+def batch_defaults(fv: flags.FlagValues) -> dict:
+    """A batch job's own engine default on the CPU where the user set none: --max_num_seqs
+    CPU_BATCH_MAX_NUM_SEQS (within --max_num_batched_tokens), its figure being throughput, not a
+    stream's TPOT; none with explicit --decode_buckets (their largest is --max_num_seqs). Loads
+    jax: call it once the flags are read (and, in a multi-host job, not at all)."""
+    from jaxserve.executor import device_setup
+
+    kwargs = engine_kwargs(fv)
+    if "max_num_seqs" in kwargs or "decode_buckets" in kwargs or device_setup.on_gpu():
+        return {}
+    budget = kwargs.get("max_num_batched_tokens", EngineConfig().max_num_batched_tokens)
+    return {"max_num_seqs": min(CPU_BATCH_MAX_NUM_SEQS, budget)}
+
+
 def engine_config(fv: flags.FlagValues, **overrides) -> EngineConfig:
     """The EngineConfig the engine flags describe (with `overrides`, e.g. warmup=False)."""
     return dataclasses.replace(EngineConfig(**engine_kwargs(fv)), **overrides)

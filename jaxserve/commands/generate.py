@@ -26,7 +26,6 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.commands import engine_flags, media_flags
-from jaxserve.config import EngineConfig
 from jaxserve.core.engine_client import ImageService
 from jaxserve.core.request import SamplingParams, check_sampling_params, pooling_params
 from jaxserve.multimodal.image_processing import process_images
@@ -41,10 +40,6 @@ from serve.protocol import ProtocolError, parse_messages
 _LINE_OVERRIDES = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float),
                    "top_k": int, "seed": int, "stop": (str, list), "lora": str}
 _LINE_FIELDS = {"lora": "lora_name"}  # a line's key -> the SamplingParams field, where they differ
-# A batch job decodes up to 64 sequences at once on the CPU, where a server's default is 32 (its
-# streams' TPOT): SmolLM2's decode step costs 1.25x less per token at 64 rows than at 32, and
-# only 1.07x less again at 128 (bench/RESULTS.md, "Offline throughput").
-CPU_GENERATE_MAX_NUM_SEQS = 64
 
 
 class InputError(ValueError):
@@ -161,7 +156,7 @@ def run(fv: flags.FlagValues) -> int:
         # Offline: compile each step shape when first used instead of all of them up front, unless
         # saved executables are to be loaded or written (a warm-up does that).
         warmup = fv.executables is not None or fv.save_executables is not None
-        batch_defaults = _cpu_batch_defaults(fv) if join is None else {}  # (a multi-host job: every process's)
+        batch_defaults = engine_flags.batch_defaults(fv) if join is None else {}  # (multi-host: every process's)
         engine = Engine.from_model(fv.model, engine_flags.engine_config(fv, warmup=warmup, **batch_defaults))
     except (ValueError, OSError) as e:
         print(f"jaxserve generate: cannot load {fv.model!r}: {e}", file=sys.stderr)
@@ -185,19 +180,6 @@ def run(fv: flags.FlagValues) -> int:
             return _run_batch(engine, todo, prompts, images, fv)
         return engine_flags.run_front(engine, batch, "generate", fv)
     return _run_batch(engine, todo, prompts, images, fv)
-
-
-def _cpu_batch_defaults(fv: flags.FlagValues) -> dict:
-    """generate's own engine default on the CPU where the user set none: --max_num_seqs
-    CPU_GENERATE_MAX_NUM_SEQS (within --max_num_batched_tokens), its figure being throughput,
-    not a stream's TPOT; none with explicit --decode_buckets (their largest is --max_num_seqs)."""
-    from jaxserve.executor import device_setup  # loads jax: after the flags and the input are read
-
-    kwargs = engine_flags.engine_kwargs(fv)
-    if "max_num_seqs" in kwargs or "decode_buckets" in kwargs or device_setup.on_gpu():
-        return {}
-    budget = kwargs.get("max_num_batched_tokens", EngineConfig().max_num_batched_tokens)
-    return {"max_num_seqs": min(CPU_GENERATE_MAX_NUM_SEQS, budget)}
 
 
 def encode_line(tokenizer, item: dict, service: ImageService | None,
