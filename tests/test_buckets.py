@@ -140,9 +140,8 @@ def test_the_engine_compiles_exactly_the_explicit_buckets(tiny_chat_model_dir):
     pages = 128 // 8
     expected = {Bucket(2, 0, pages)} | {Bucket(d, p, pages) for d in (0, 8) for p in (0, 16, 64) if d or p}
     assert set(engine.runner.executables.keys("forward")) == expected
-    # A step of one decoding sequence runs in the 2-row bucket, a 50-token prompt in the 64-token one
-    # (a 20-token one would be cut to 16 tokens, then 4: Scheduler.fit_prefill_to_bucket).
-    outputs = engine.generate([list(range(5, 55))], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    # A step of one decoding sequence runs in the 2-row bucket, a 20-token prompt in the 64-token one.
+    outputs = engine.generate([list(range(5, 25))], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(outputs[0].token_ids) == 3
     shapes = {(r.bucket_decode_rows, r.bucket_prefill_tokens) for r in engine.step_records}
     assert shapes == {(0, 64), (2, 0)}

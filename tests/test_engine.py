@@ -89,15 +89,17 @@ def test_batch_invariance_with_staggered_arrivals_and_odd_chunks(params):
 
 def test_a_prompt_mostly_padding_in_its_bucket_runs_as_a_smaller_bucket_then_the_rest(params):
     seed = 5
-    prompt = np.random.default_rng(seed).integers(3, TINY.vocab_size, 40).tolist()
-    one_bucket = make_engine(params, prefill_buckets="64", enable_prefix_caching=False)  # nothing smaller to cut to
-    expected = one_bucket.generate([prompt], GREEDY)[0].token_ids
-    engine = make_engine(params, enable_prefix_caching=False)  # prefill buckets 32, 64: 40 tokens fill 64 by 5/8
+    prompt = np.random.default_rng(seed).integers(3, TINY.vocab_size, 140).tolist()
+    # Prefill buckets 256, 512: nothing smaller to cut 140 tokens to.
+    uncut = make_engine(params, max_num_batched_tokens=512, prefill_buckets="256,512", enable_prefix_caching=False)
+    expected = uncut.generate([prompt], GREEDY)[0].token_ids
+    # 32, 64, .. 512: 128 tokens, then 12 in the 32-token bucket, 96 fewer than 256.
+    engine = make_engine(params, max_num_batched_tokens=512, enable_prefix_caching=False)
     assert engine.generate([prompt], GREEDY)[0].token_ids == expected, f"seed {seed}"
     prefill = [(r.num_prefill_tokens, r.bucket_prefill_tokens) for r in engine.step_records if r.num_prefill_tokens]
-    assert prefill == [(32, 32), (8, 32)]
+    assert prefill == [(128, 128), (12, 32)]
     assert [(r.num_prefill_tokens, r.bucket_prefill_tokens)
-            for r in one_bucket.step_records if r.num_prefill_tokens] == [(40, 64)]
+            for r in uncut.step_records if r.num_prefill_tokens] == [(140, 256)]
     assert_all_pages_free(engine)
 
 

@@ -88,10 +88,11 @@ def run_engine_loop(scheduler, device, requests, add_at=None, max_steps=5000):
 
 
 def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512,
-                   trim_sizes=()):
+                   trim_sizes=(), min_saved=1):
     allocator = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix)
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_num_prefill_seqs=max_prefill)
-    return Scheduler(allocator, config, max_model_len=max_len, prefill_trim_sizes=trim_sizes)
+    return Scheduler(allocator, config, max_model_len=max_len, prefill_trim_sizes=trim_sizes,
+                     prefill_cut_min_saved=min_saved)
 
 
 def greedy(max_tokens):
@@ -144,8 +145,8 @@ def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix)
 
 
 def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mostly_padding():
-    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16))
-    scheduler.add_request(Request("a", list(range(3, 13)), greedy(2)))  # 10 tokens: 10 <= 3/4 of 16
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16), min_saved=4)
+    scheduler.add_request(Request("a", list(range(3, 13)), greedy(2)))  # 10 tokens: 8 + 4 saves 4 of 16
     plan = scheduler.schedule()
     assert [n for _, n in plan.prefill] == [8]
     request = plan.prefill[0][0]
@@ -159,17 +160,31 @@ def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mo
     assert request.output_token_ids == reference_output(request.prompt_token_ids, 2)
 
 
-@pytest.mark.parametrize("prompts, expected", [
-    ([13], [13]),  # 13 > 3/4 of 16: the padding is small
-    ([8, 2], [8, 2]),  # the last chunk would keep no token
-    ([6, 4], [6, 2]),  # the last chunk is cut
-    ([3], [3]),  # no smaller bucket
+@pytest.mark.parametrize("prompts, min_saved, expected", [
+    ([10], 4, [8]),  # 8 + 4 (in the 4-token bucket) saves 4 of 16
+    ([10], 5, [10]),  # ... which is not enough here
+    ([13], 1, [13]),  # 8 + 5 (in the 8-token bucket) saves nothing
+    ([8, 2], 1, [8, 2]),  # the last chunk would keep no token
+    ([6, 4], 1, [6, 2]),  # the last chunk is cut
+    ([3], 1, [3]),  # no smaller bucket
 ])
-def test_prefill_cut_only_where_it_saves_padding(prompts, expected):
-    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16))
+def test_prefill_cut_only_where_it_saves_enough_padding(prompts, min_saved, expected):
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16), min_saved=min_saved)
     for i, length in enumerate(prompts):
         scheduler.add_request(Request(f"r{i}", list(range(3, 3 + length)), greedy(1)))
     assert [n for _, n in scheduler.schedule().prefill] == expected
+
+
+def test_the_default_cut_saves_a_steps_worth_of_tokens():
+    sizes = (32, 64, 128, 256, 512)  # the CPU's default prefill buckets
+    cuts = {}
+    for length in (44, 100, 150, 170, 300, 360, 400):
+        scheduler = Scheduler(PageAllocator(200, 16), EngineConfig(), max_model_len=1024, prefill_trim_sizes=sizes)
+        scheduler.add_request(Request("a", list(range(3, 3 + length)), greedy(1)))
+        cuts[length] = scheduler.schedule().prefill[0][1]
+    # 150 = 128 + 22: 128 + 32 tokens of buckets for 256; 300 = 256 + 44: 256 + 64 for 512; 170 and
+    # 400 would save 64 and 0, 44 nothing (32 + 32 for 64), 100 has no room to save in its 128.
+    assert cuts == {44: 44, 100: 100, 150: 128, 170: 170, 300: 256, 360: 256, 400: 400}
 
 
 def test_prefill_is_not_cut_without_trim_sizes():

@@ -52,10 +52,12 @@ from jaxserve.core.step import (PromptLogprobRows, ScheduledBatch, ScheduledRow,
 # admission waits for it (Scheduler._next_admissible).
 LORA_PASS_LIMIT = 64
 
-# A step's prefill tokens are cut down to the next smaller bucket when they would fill at most
-# this much of their own (Scheduler.fit_prefill_to_bucket): then the cut and the rest's bucket
-# next step hold at most 3/4 of the tokens the bucket would.
-PREFILL_TRIM_FILL = 0.75
+# A step's prefill tokens are cut down to the next smaller bucket when that and the rest's bucket
+# next step hold at least this many tokens fewer than their own bucket would
+# (Scheduler.fit_prefill_to_bucket): a step more costs about what 80 tokens of float32 prefill do
+# (SmolLM2 on 2 cores, StepRecords: prefill steps of 256, 32 and 12 tokens took 213, 71 and 53 ms,
+# about 53 ms plus 0.66 ms a token; bench/RESULTS.md).
+PREFILL_CUT_MIN_SAVED_TOKENS = 96
 
 
 @dataclasses.dataclass
@@ -154,13 +156,15 @@ def _cap_prompt_logprob_chunk(request: Request, num_new: int, rows_left: int) ->
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, config: EngineConfig, max_model_len: int,
-                 encoder_cache: EncoderCache | None = None, prefill_trim_sizes: tuple[int, ...] = ()) -> None:
+                 encoder_cache: EncoderCache | None = None, prefill_trim_sizes: tuple[int, ...] = (),
+                 prefill_cut_min_saved: int = PREFILL_CUT_MIN_SAVED_TOKENS) -> None:
         """Schedules under `config`'s limits (max_num_seqs, max_num_batched_tokens,
         max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model).
         `encoder_cache`: a vision-language model's (chunks fitted around images, which each step
         encodes within a budget of max_num_batched_tokens image tokens: jaxserve.core.encoder_cache).
         `prefill_trim_sizes`: the prefill buckets a step's prefill tokens may be cut down to
-        (BucketSet.prefill_trim_sizes; `fit_prefill_to_bucket`), ascending; none: never cut."""
+        (BucketSet.prefill_trim_sizes; `fit_prefill_to_bucket`), ascending; none: never cut;
+        `prefill_cut_min_saved`: the bucket tokens a cut must save."""
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         max_num_prefill_seqs = config.max_num_prefill_seqs
         if max_model_len < 1:  # (the config's own bounds are checked when it is made: EngineConfig.check)
@@ -171,6 +175,7 @@ class Scheduler:
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.prefill_trim_sizes = tuple(prefill_trim_sizes)
+        self.prefill_cut_min_saved = prefill_cut_min_saved
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
         self.max_spec_tokens = config.speculative_tokens  # 0: no verification steps
@@ -305,11 +310,11 @@ class Scheduler:
 
     def fit_prefill_to_bucket(self, plan: StepPlan) -> None:
         """Cuts the plan's last prefill chunk so that the step's prefill tokens fill the next
-        smaller bucket, when they would fill at most PREFILL_TRIM_FILL of their own: the rest of
-        that prompt comes in the next step, in a bucket of its own size (the pages reserved for
-        it are given back until then). Nothing changes without `prefill_trim_sizes`, for a chunk
-        that would not keep a token, or one of a request with images (its chunk is fitted around
-        them)."""
+        smaller bucket, when that bucket and the one the rest of them take next step hold at
+        least `prefill_cut_min_saved` tokens fewer than their own bucket would: the rest of that
+        prompt comes in the next step (the pages reserved for it are given back until then).
+        Nothing changes without `prefill_trim_sizes`, for a chunk that would not keep a token,
+        or one of a request with images (its chunk is fitted around them)."""
         sizes = self.prefill_trim_sizes
         total = sum(n for _, n in plan.prefill)
         if not sizes or not plan.prefill or total > sizes[-1]:
@@ -318,7 +323,10 @@ class Scheduler:
         smaller = max((size for size in sizes if size < total), default=0)
         request, num_new = plan.prefill[-1]
         excess = total - smaller
-        if not smaller or total > PREFILL_TRIM_FILL * own or num_new <= excess or request.multimodal is not None:
+        if not smaller or num_new <= excess or request.multimodal is not None:
+            return
+        rest_bucket = next(size for size in sizes if size >= excess)
+        if own - smaller - rest_bucket < self.prefill_cut_min_saved:
             return
         plan.prefill[-1] = (request, num_new - excess)
         keep = self.allocator.num_pages_for_tokens(request.num_computed_tokens + num_new - excess)

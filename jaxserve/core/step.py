@@ -208,10 +208,10 @@ class BucketSet:
     min(MIN_DECODE_BUCKET, the largest) are the decode-only ones, as above.
 
     On the CPU a step's prefill tokens may also be cut down to a smaller bucket (`trim_prefill`,
-    the scheduler's `fit_prefill_to_bucket`): there a prompt chunk's cost is its tokens' FLOPs,
-    so 300 tokens in the 512-token bucket pay for 512, where 256 now and 44 in the next step pay
-    for 320 (SmolLM2 float32, a 300-token prompt's TTFT 339 -> 278 ms, bench/RESULTS.md). On an
-    accelerator a step's fixed cost outweighs the padding, and a step more would cost more."""
+    the scheduler's `fit_prefill_to_bucket`): there a prompt chunk's cost is mostly its tokens'
+    FLOPs, so 300 tokens in the 512-token bucket pay for 512, where 256 now and 44 in the next
+    step pay for 320 (SmolLM2 float32, a 300-token prompt's TTFT 326 -> 238 ms, bench/RESULTS.md).
+    On an accelerator a step's fixed cost outweighs the padding, and a step more would cost more."""
     decode: tuple[int, ...]
     prefill: tuple[int, ...]
     pages: tuple[int, ...]
