@@ -148,15 +148,19 @@ def free_port() -> int:
 class ServerProcess:
     """`jaxserve serve` as a subprocess on a free loopback port, for the load generators.
 
-    Use as a context manager: it waits until /health answers 200 (warm-up compiles every step
-    shape first, so this can take minutes on a CPU) and stops the server (SIGTERM, then SIGKILL)
-    on exit. The server's output goes to `log_path`. `command(port)`, when given, is another
-    server's command line (e.g. llama.cpp's llama-server) run the same way instead of jaxserve.
+    Use as a context manager: it waits until /health answers 200 and then, unless
+    `wait_for_warmup` is false, until its report says the background warm-up has compiled every
+    step shape (a server answers once the first requests' shapes are compiled, and a shape
+    compiling beside the measured requests would share their cores), and stops the server
+    (SIGTERM, then SIGKILL) on exit. The server's output goes to `log_path`. `command(port)`, when
+    given, is another server's command line (e.g. llama.cpp's llama-server) run the same way
+    instead of jaxserve (its /health reports no warm-up).
     """
 
     def __init__(self, model: str, extra_args: Sequence[str] = (), *, log_path: str | None = None,
-                 start_timeout_s: float = 900.0, command=None):
+                 start_timeout_s: float = 900.0, command=None, wait_for_warmup: bool = True):
         self.model = model
+        self.wait_for_warmup = wait_for_warmup
         self.extra_args = list(extra_args)
         self.command = command
         self.port = free_port()
@@ -182,7 +186,7 @@ class ServerProcess:
         start = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         try:
-            while not self._healthy():
+            while not self._healthy() or (self.wait_for_warmup and self._warming_up()):
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the server exited with code {self.process.returncode}:\n{self.log_tail()}")
                 if time.monotonic() - start > self.start_timeout_s:
@@ -207,6 +211,17 @@ class ServerProcess:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def _warming_up(self) -> bool:
+        """Whether /health reports a warm-up that has not compiled every shape yet (and has not failed)."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                warmup = json.loads(response.read() or b"{}").get("warmup")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return bool(warmup) and not warmup.get("error") and warmup.get("compiled", 0) < warmup.get("total", 0)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (graceful drain), SIGKILL after `timeout_s`; returns the exit code."""

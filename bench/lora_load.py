@@ -108,7 +108,8 @@ def main() -> int:
     config = load.load_config(model_dir)
     rows = []
     flags = ["--enable_lora", "--max_loras=4", f"--max_lora_rank={args.rank}", "--allow_runtime_lora_updating"]
-    with common.ServerProcess(model_dir, flags) as server, tempfile.TemporaryDirectory() as folder:
+    with common.ServerProcess(model_dir, flags, wait_for_warmup=False) as server, \
+            tempfile.TemporaryDirectory() as folder:  # (ready when it answers: the warm-up is waited for below)
         url = server.url
         if not args.during_warmup:
             wait_for_warmup(url)
