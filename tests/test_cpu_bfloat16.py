@@ -51,7 +51,10 @@ def test_views_keep_activations_in_float32(tiny):
     for name, w in params["layers"].items():
         view = views["layers"][name]
         if w.ndim == 3:
-            assert isinstance(view, qz.StripMatrix) and view.w is w and view.shape == w.shape, name
+            assert isinstance(view, qz.StripMatrix) and view.shape == w.shape, name
+            # The stored weight as its uint16 bits (the layer scan slices those), in w's own memory:
+            assert view.w.dtype == jnp.uint16 and view.w.unsafe_buffer_pointer() == w.unsafe_buffer_pointer(), name
+            np.testing.assert_array_equal(np.asarray(view.matrix), np.asarray(w))
             assert view.kernel.prompt_dtype == "bfloat16", name
             np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_bf16(view.kernel.packed, w.shape[-1])),
                                           np.asarray(w))
@@ -80,7 +83,8 @@ def test_bfloat16_matrix_linear(rows):
     exact = x.astype(np.float64) @ np.asarray(w[1], np.float64)
     rounded = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) @ np.asarray(w[1], np.float64)
     expected = exact if rows <= cpu_kernels.MAX_ROWS else rounded
-    for weight in (matrix, qz.StripMatrix(None, matrix.kernel, 80)):
+    as_bits = qz.StripMatrix(cpu_layout.bits_of(w), matrix.kernel, 80)  # as bfloat16_views holds it
+    for weight in (matrix, as_bits, qz.StripMatrix(None, matrix.kernel, 80)):
         at_layer = jax.jit(lambda x, m, layer: qz.linear(
             x, qz.StripMatrix(m.w if m.w is None else m.w[layer], dataclasses.replace(m.kernel, layer=layer), 80)))
         got = np.asarray(at_layer(jnp.asarray(x), weight, jnp.int32(1)))

@@ -180,9 +180,16 @@ class StripMatrix:
       lm_head tied to the embedding has the strips only (w None: prompt rows unpack them);
     * float32: the strips only (cpu_kernels.pack_f32), which every row count multiplies in the
       kernel (w None; the stored layout is not kept)."""
-    w: Any  # bfloat16 [..., in, out], or None
+    w: Any  # bfloat16 [..., in, out] as its uint16 bits (cpu_layout.bits_of; `matrix` reads it), or None
     kernel: KernelLayout  # packed: bfloat16 or float32 [..., S, in, STRIP]; scale None; layer as KernelLayout's
     out_features: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def matrix(self):
+        """The stored bfloat16 weight [..., in, out] (None without one)."""
+        if self.w is None or self.w.dtype != jnp.uint16:
+            return self.w
+        return jax.lax.bitcast_convert_type(self.w, jnp.bfloat16)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -429,7 +436,7 @@ def _strip_linear(x: jax.Array, weight: StripMatrix) -> jax.Array:
         return cpu_kernels.f32_matmul(x, packed, weight.out_features, layer=weight.kernel.layer).astype(x.dtype)
     if rows <= cpu_kernels.MAX_ROWS:
         return cpu_kernels.bf16_matmul(x, packed, weight.out_features, layer=weight.kernel.layer).astype(x.dtype)
-    w = weight.w
+    w = weight.matrix
     if w is None:  # the kernel's layout back to [in, out] (see cpu_kernels.pack_bf16)
         if weight.kernel.layer is not None:
             packed = jax.lax.dynamic_index_in_dim(packed, weight.kernel.layer, keepdims=False)

@@ -54,11 +54,17 @@ def copy_bandwidth(budget_s: float = 1.0) -> float:
 
 def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float32") -> tuple[float, float]:
     """(weight bytes/s, FLOP/s) of [rows, hidden] x [hidden, intermediate] matmuls over a stack of
-    weight matrices larger than the caches, run one after the other under a scan, both operands
-    in `dtype`: float32, bfloat16 (summed in float32) or int8 (summed in int32; operations/s), the
-    compute dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul). float32 runs in the C++
-    kernel (cpu_kernels.f32_matmul on the strips, at the layer index) where it is built, as the
-    engine's float32 step does (jaxserve.models.cpu_layout.float32_views)."""
+    weight matrices larger than the caches, run one after the other, both operands in `dtype`:
+    float32, bfloat16 (summed in float32) or int8 (summed in int32; operations/s), the compute
+    dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul). float32 runs in the C++ kernel
+    (cpu_kernels.f32_matmul on the strips, at the layer index) where it is built, as the engine's
+    float32 step does (jaxserve.models.cpu_layout.float32_views).
+
+    Up to cpu_kernels.MAX_ROWS rows (a decode step's: reading the weights bounds it) the products
+    are summed under one scan, so no call's dispatch is timed. A prompt chunk's rows are each
+    product alone, one call per matrix: summing [rows, intermediate] outputs costs a bfloat16 or
+    int8 product's own time again (SmolLM2's at 500 rows: 580 GFLOP/s summed under a scan, 1950
+    one by one, bfloat16 on the development CPU's AMX), which is not the matmul's peak."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
     element = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[dtype]
@@ -76,21 +82,31 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
     import cpu_kernels  # as jax: only the probe needs the kernels
     if dtype == "float32" and cpu_kernels.available():  # as the engine's float32 step: the C++ kernel's strips
         stack = jax.jit(cpu_kernels.pack_f32)(stack)  # [n, strips, hidden, STRIP]
-
-        @jax.jit
-        def run(x, stack):
-            def one(total, layer):  # total [rows, intermediate]
-                return total + cpu_kernels.f32_matmul(x, stack, intermediate, layer=layer), None
-            return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), jnp.arange(count))[0]
+        product = lambda x, stack, i: cpu_kernels.f32_matmul(x, stack, intermediate, layer=i)  # noqa: E731
+        apart = lambda: [(stack, jnp.int32(i)) for i in range(count)]  # noqa: E731 (matrix i read in place)
     else:
-        @jax.jit
-        def run(x, stack):
-            def one(total, w):  # total [rows, intermediate]
-                return total + jnp.matmul(x, w, preferred_element_type=total_dtype), None
-            return jax.lax.scan(one, jnp.zeros((rows, intermediate), total_dtype), stack)[0]
+        product = lambda x, stack, i: jnp.matmul(x, stack[i], preferred_element_type=total_dtype)  # noqa: E731
+        apart = lambda: [(w[None], jnp.int32(0)) for w in stack]  # noqa: E731 ([1, hidden, inter] each: no slice)
 
-    run(x, stack).block_until_ready()  # compile
-    seconds = _best_seconds(lambda: run(x, stack).block_until_ready())
+    if rows > cpu_kernels.MAX_ROWS:  # each product alone
+        one, matrices = jax.jit(product), apart()
+
+        def run():
+            for matrix in matrices:
+                out = one(x, *matrix)
+            out.block_until_ready()
+    else:  # summed under one scan
+        @jax.jit
+        def summed(x, stack):
+            def step(total, i):  # total [rows, intermediate]
+                return total + product(x, stack, i), None
+            return jax.lax.scan(step, jnp.zeros((rows, intermediate), total_dtype), jnp.arange(count))[0]
+
+        def run():
+            summed(x, stack).block_until_ready()
+
+    run()  # compile
+    seconds = _best_seconds(run)
     return count * matrix_bytes / seconds, count * 2 * rows * hidden * intermediate / seconds
 
 
