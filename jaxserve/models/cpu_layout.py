@@ -424,4 +424,3 @@ class LayerWeights:
             return part({**lp, **own}, *args)
 
         return jax.lax.switch(kind, [functools.partial(branch, k) for k in range(len(self.kinds.kinds))], *args)
-

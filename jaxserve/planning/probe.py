@@ -63,8 +63,8 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
     Up to cpu_kernels.MAX_ROWS rows (a decode step's: reading the weights bounds it) the products
     are summed under one scan, so no call's dispatch is timed. A prompt chunk's rows are each
     product alone, one call per matrix: summing [rows, intermediate] outputs costs a bfloat16 or
-    int8 product's own time again (SmolLM2's at 500 rows: 580 GFLOP/s summed under a scan, 1950
-    one by one, bfloat16 on the development CPU's AMX), which is not the matmul's peak."""
+    int8 product's own time again (SmolLM2's at 500 rows: 580 GFLOP/s summed under a scan, about
+    1650 one by one, bfloat16 on the development CPU's AMX), which is not the matmul's peak."""
     import jax  # the probe alone needs jax: the predictor's arithmetic stays without it
     import jax.numpy as jnp
     element = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}[dtype]
