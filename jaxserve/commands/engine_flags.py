@@ -103,7 +103,7 @@ def batch_defaults(fv: flags.FlagValues) -> dict:
     CPU_BATCH_MAX_NUM_SEQS (within --max_num_batched_tokens), its figure being throughput, not a
     stream's TPOT; none with explicit --decode_buckets (their largest is --max_num_seqs). Loads
     jax: call it once the flags are read (and, in a multi-host job, not at all)."""
-    from jaxserve.executor import device_setup
+    from jaxserve.executor import device_setup  # loads jax: only once the flags are read (`plan` starts without it)
 
     kwargs = engine_kwargs(fv)
     if "max_num_seqs" in kwargs or "decode_buckets" in kwargs or device_setup.on_gpu():
