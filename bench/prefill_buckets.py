@@ -7,7 +7,7 @@ prefill down to the next smaller bucket when the tokens would fill at most 3/4 o
 This times one prompt (one request, max_tokens 1, TTFT = the whole `generate` call) at each of
 `--prompt_lens`, fresh random tokens each repeat, in three ways in turn so that all share the
 machine's load: the engine as it runs (cut), the same engine with the cut turned off (its
-scheduler's `prefill_trim_sizes` emptied: each prompt in the bucket that holds it), and
+scheduler's `prefill_cut_sizes` emptied: each prompt in the bucket that holds it), and
 transformers (float32, one forward over the prompt). Medians; the cut engine's first token is
 checked equal to the uncut one's.
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     engine_config = EngineConfig(dtype=args.dtype, enable_prefix_caching=False, max_model_len=2048)
     cut = Engine(config, params, None, engine_config)
     uncut = Engine(config, params, None, engine_config)
-    uncut.scheduler.prefill_trim_sizes = ()
+    uncut.scheduler.prefill_cut_sizes = ()
     info = common.machine_info(with_jax=True)
     hf_model = None
     if not args.skip_hf:

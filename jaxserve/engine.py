@@ -96,7 +96,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages, cfg.page_size, prefix_caching, self.offload and self.offload.tiers)
         encoder_cache = EncoderCache(pool_rows(cfg)) if model_config.multimodal_architecture else None  # image rows
         self.scheduler = Scheduler(self.allocator, cfg, self.max_model_len, encoder_cache,
-                                   prefill_trim_sizes=self.runner.buckets.prefill_trim_sizes)
+                                   prefill_cut_sizes=self.runner.buckets.prefill_cut_sizes)
         # LoRA: the adapters served by name (--lora_modules, and loads at run time), in the runner's slab.
         self.loras: LoRARegistry | None = None
         if cfg.enable_lora:

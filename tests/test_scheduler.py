@@ -88,10 +88,10 @@ def run_engine_loop(scheduler, device, requests, add_at=None, max_steps=5000):
 
 
 def make_scheduler(num_pages, page_size=4, prefix=True, max_num_seqs=4, budget=16, max_prefill=4, max_len=512,
-                   trim_sizes=(), min_saved=1):
+                   cut_sizes=(), min_saved=1):
     allocator = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix)
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_num_prefill_seqs=max_prefill)
-    return Scheduler(allocator, config, max_model_len=max_len, prefill_trim_sizes=trim_sizes,
+    return Scheduler(allocator, config, max_model_len=max_len, prefill_cut_sizes=cut_sizes,
                      prefill_cut_min_saved=min_saved)
 
 
@@ -124,7 +124,7 @@ def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix)
     seed = 1
     rng = random.Random(seed)
     scheduler = make_scheduler(num_pages=17, page_size=4, prefix=prefix, max_num_seqs=5, budget=16, max_prefill=3,
-                               trim_sizes=(2, 4, 8, 16))
+                               cut_sizes=(2, 4, 8, 16))
     shared = [rng.randrange(3, 1000) for _ in range(8)]
     requests = [Request(f"r{i}", (shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))],
                         greedy(rng.randint(1, 12))) for i in range(24)]
@@ -145,7 +145,7 @@ def test_random_load_with_prefill_cut_to_buckets_keeps_pages_and_outputs(prefix)
 
 
 def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mostly_padding():
-    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16), min_saved=4)
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, cut_sizes=(4, 8, 16), min_saved=4)
     scheduler.add_request(Request("a", list(range(3, 13)), greedy(2)))  # 10 tokens: 8 + 4 saves 4 of 16
     plan = scheduler.schedule()
     assert [n for _, n in plan.prefill] == [8]
@@ -169,7 +169,7 @@ def test_prefill_tokens_are_cut_to_the_smaller_bucket_when_their_own_would_be_mo
     ([3], 1, [3]),  # no smaller bucket
 ])
 def test_prefill_cut_only_where_it_saves_enough_padding(prompts, min_saved, expected):
-    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, trim_sizes=(4, 8, 16), min_saved=min_saved)
+    scheduler = make_scheduler(num_pages=20, page_size=4, budget=16, cut_sizes=(4, 8, 16), min_saved=min_saved)
     for i, length in enumerate(prompts):
         scheduler.add_request(Request(f"r{i}", list(range(3, 3 + length)), greedy(1)))
     assert [n for _, n in scheduler.schedule().prefill] == expected
@@ -179,7 +179,7 @@ def test_the_default_cut_saves_a_steps_worth_of_tokens():
     sizes = (32, 64, 128, 256, 512)  # the CPU's default prefill buckets
     cuts = {}
     for length in (44, 100, 150, 170, 300, 360, 400):
-        scheduler = Scheduler(PageAllocator(200, 16), EngineConfig(), max_model_len=1024, prefill_trim_sizes=sizes)
+        scheduler = Scheduler(PageAllocator(200, 16), EngineConfig(), max_model_len=1024, prefill_cut_sizes=sizes)
         scheduler.add_request(Request("a", list(range(3, 3 + length)), greedy(1)))
         cuts[length] = scheduler.schedule().prefill[0][1]
     # 150 = 128 + 22: 128 + 32 tokens of buckets for 256; 300 = 256 + 44: 256 + 64 for 512; 170 and
@@ -187,7 +187,7 @@ def test_the_default_cut_saves_a_steps_worth_of_tokens():
     assert cuts == {44: 44, 100: 100, 150: 128, 170: 170, 300: 256, 360: 256, 400: 400}
 
 
-def test_prefill_is_not_cut_without_trim_sizes():
+def test_prefill_is_not_cut_without_cut_sizes():
     scheduler = make_scheduler(num_pages=20, page_size=4, budget=16)
     scheduler.add_request(Request("a", list(range(3, 13)), greedy(1)))
     assert [n for _, n in scheduler.schedule().prefill] == [10]

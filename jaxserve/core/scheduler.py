@@ -156,14 +156,14 @@ def _cap_prompt_logprob_chunk(request: Request, num_new: int, rows_left: int) ->
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, config: EngineConfig, max_model_len: int,
-                 encoder_cache: EncoderCache | None = None, prefill_trim_sizes: tuple[int, ...] = (),
+                 encoder_cache: EncoderCache | None = None, prefill_cut_sizes: tuple[int, ...] = (),
                  prefill_cut_min_saved: int = PREFILL_CUT_MIN_SAVED_TOKENS) -> None:
         """Schedules under `config`'s limits (max_num_seqs, max_num_batched_tokens,
         max_num_prefill_seqs) for sequences of at most `max_model_len` (config.model_len of the model).
         `encoder_cache`: a vision-language model's (chunks fitted around images, which each step
         encodes within a budget of max_num_batched_tokens image tokens: jaxserve.core.encoder_cache).
-        `prefill_trim_sizes`: the prefill buckets a step's prefill tokens may be cut down to
-        (BucketSet.prefill_trim_sizes; `fit_prefill_to_bucket`), ascending; none: never cut;
+        `prefill_cut_sizes`: the prefill buckets a step's prefill tokens may be cut down to
+        (BucketSet.prefill_cut_sizes; `fit_prefill_to_bucket`), ascending; none: never cut;
         `prefill_cut_min_saved`: the bucket tokens a cut must save."""
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         max_num_prefill_seqs = config.max_num_prefill_seqs
@@ -174,7 +174,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_prefill_seqs = max_num_prefill_seqs
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
-        self.prefill_trim_sizes = tuple(prefill_trim_sizes)
+        self.prefill_cut_sizes = tuple(prefill_cut_sizes)
         self.prefill_cut_min_saved = prefill_cut_min_saved
         self.max_prompt_logprob_rows = prompt_logprob_rows_limit(config)
         self.max_model_len = max_model_len
@@ -313,9 +313,9 @@ class Scheduler:
         smaller bucket, when that bucket and the one the rest of them take next step hold at
         least `prefill_cut_min_saved` tokens fewer than their own bucket would: the rest of that
         prompt comes in the next step (the pages reserved for it are given back until then).
-        Nothing changes without `prefill_trim_sizes`, for a chunk that would not keep a token,
+        Nothing changes without `prefill_cut_sizes`, for a chunk that would not keep a token,
         or one of a request with images (its chunk is fitted around them)."""
-        sizes = self.prefill_trim_sizes
+        sizes = self.prefill_cut_sizes
         total = sum(n for _, n in plan.prefill)
         if not sizes or not plan.prefill or total > sizes[-1]:
             return

@@ -207,7 +207,7 @@ class BucketSet:
     --measure_buckets`) replace the geometric rule's sizes; on the CPU the decode sizes below
     min(MIN_DECODE_BUCKET, the largest) are the decode-only ones, as above.
 
-    On the CPU a step's prefill tokens may also be cut down to a smaller bucket (`trim_prefill`,
+    On the CPU a step's prefill tokens may also be cut down to a smaller bucket (`cut_prefill`,
     the scheduler's `fit_prefill_to_bucket`): there a prompt chunk's cost is mostly its tokens'
     FLOPs, so 300 tokens in the 512-token bucket pay for 512, where 256 now and 44 in the next
     step pay for 320 (SmolLM2 float32, a 300-token prompt's TTFT 326 -> 238 ms, bench/RESULTS.md).
@@ -220,7 +220,7 @@ class BucketSet:
     verify: tuple[int, ...] = ()  # rows of verification steps (speculative decoding; none without)
     verify_row_tokens: int = 0  # K + 1: a verify row's last token and at most K proposals
     shared_sampler_rows: bool = False  # decode-only steps have the logit rows of decode + prefill ones
-    trim_prefill: bool = False  # the scheduler may cut a step's prefill tokens to a smaller bucket (CPU)
+    cut_prefill: bool = False  # the scheduler may cut a step's prefill tokens to a smaller bucket (CPU)
 
     @classmethod
     def create(cls, *, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
@@ -248,7 +248,7 @@ class BucketSet:
         verify = geometric_buckets(1, max_verify_rows, 2) if speculative_tokens else ()
         return cls((0,) + decode, (0,) + prefill, pages, max_num_prefill_seqs, small, verify,
                    speculative_tokens + 1 if speculative_tokens else 0, shared_sampler_rows=backend != "xla",
-                   trim_prefill=backend == "xla")
+                   cut_prefill=backend == "xla")
 
     @property
     def decode_sizes(self) -> tuple[int, ...]:
@@ -261,9 +261,9 @@ class BucketSet:
         return tuple(p for p in self.prefill if p)
 
     @property
-    def prefill_trim_sizes(self) -> tuple[int, ...]:
+    def prefill_cut_sizes(self) -> tuple[int, ...]:
         """The prefill token counts the scheduler may cut a step's prefill down to (none off the CPU)."""
-        return self.prefill_sizes if self.trim_prefill else ()
+        return self.prefill_sizes if self.cut_prefill else ()
 
     def all(self) -> list[Bucket]:
         return ([Bucket(d, 0, n) for d in self.decode_only for n in self.pages]
