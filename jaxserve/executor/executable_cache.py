@@ -72,12 +72,18 @@ class ExecutableCache:
         and compiling it; compiled afresh to be saved (executables.persistent_cache_off)."""
         compiled = self.get(kind, key)
         if compiled is None:
-            saving = self.store is not None and self.store.mode != "load"
-            with executables.persistent_cache_off() if saving else contextlib.nullcontext():
+            with self.compiling_to_save():
                 compiled = self.load_or_compile(kind, key, lambda: lower(key))
             if self.store is not None:
                 self.save_queued()
         return compiled
+
+    def compiling_to_save(self) -> ContextManager:
+        """While shapes compile to be saved in the store (one not only loaded from): jax's persistent
+        compilation cache off, so that each compiles afresh (executables.persistent_cache_off)."""
+        if self.store is not None and self.store.mode != "load":
+            return executables.persistent_cache_off()
+        return contextlib.nullcontext()
 
     def ready(self, kind: str, key: Hashable) -> bool:
         """Whether (kind, key) is compiled now (a step asking for it would not wait)."""

@@ -34,7 +34,6 @@ import time
 from typing import Callable, Hashable
 
 from jaxserve.core.progress import Progress
-from jaxserve.executor import executables
 
 log = logging.getLogger(__name__)
 
@@ -199,17 +198,11 @@ class WarmupPlan:
             self.cache.save_queued()
 
     # ---- all of them ----------------------------------------------------------------------
-    def _fresh(self):
-        """Shapes to be saved compile afresh (see executables.persistent_cache_off); a loaded store skips both."""
-        store = self.cache.store
-        return (executables.persistent_cache_off() if store is not None and store.mode != "load"
-                else contextlib.nullcontext())
-
     def _compile_all(self, threads: int, background: bool = False) -> None:
         start = time.perf_counter()
         store = self.cache.store
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=COMPILE_THREAD_NAME) as pool, \
-                self._fresh(), Progress(self.total, "warm-up", "shapes compiled", log) as progress:
+                self.cache.compiling_to_save(), Progress(self.total, "warm-up", "shapes compiled", log) as progress:
             for number, phase in enumerate(self.phases):
                 try:  # a task per shape; each takes the queue's front when it runs (urgent ones first)
                     tasks = [pool.submit(self._compile_next, progress) for _ in phase]
