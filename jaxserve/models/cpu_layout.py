@@ -228,12 +228,24 @@ def bits_of(w: jax.Array) -> jax.Array:
     StripMatrix.matrix bitcasts the slice back."""
     if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.devices()) == 1:
         (device,) = w.devices()
-        host = np.asarray(w)  # the device buffer itself on the CPU
-        if device.platform == "cpu" and host.__array_interface__["data"][0] == w.unsafe_buffer_pointer():
-            bits = jax.device_put(host.view(np.uint16), device)
-            if bits.unsafe_buffer_pointer() == w.unsafe_buffer_pointer():
-                return bits
+        host = _host_buffer(w) if device.platform == "cpu" else None
+        bits = None if host is None else _aliased(host.view(np.uint16), device)
+        if bits is not None:
+            return bits
     return jax.lax.bitcast_convert_type(w, jnp.uint16)
+
+
+def _host_buffer(array: jax.Array) -> np.ndarray | None:
+    """A CPU device array's own buffer as numpy (no copy); None where numpy would get a copy."""
+    host = np.asarray(array)
+    return host if host.__array_interface__["data"][0] == array.unsafe_buffer_pointer() else None
+
+
+def _aliased(view: np.ndarray, device) -> jax.Array | None:
+    """Host memory (a view of a CPU device buffer) as a jax array on `device`, the same memory;
+    None where jax would copy it (alignment)."""
+    array = jax.device_put(view, device)
+    return array if array.unsafe_buffer_pointer() == view.__array_interface__["data"][0] else None
 
 
 def _tied_lm_head_jit(embed: jax.Array) -> StripMatrix:
@@ -291,13 +303,13 @@ def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
         if leaf.shape[0] != num_layers:
             return None
         (device,) = leaf.devices()
-        host = np.asarray(leaf)  # the device buffer itself on the CPU
-        if host.__array_interface__["data"][0] != leaf.unsafe_buffer_pointer():
+        host = _host_buffer(leaf)
+        if host is None:
             return None
         for layer, view in enumerate(host):
-            array = jax.device_put(view, device)
-            if array.unsafe_buffer_pointer() != view.__array_interface__["data"][0]:
-                return None  # jax copied it (alignment): keep the stacked weights
+            array = _aliased(view, device)
+            if array is None:  # keep the stacked weights
+                return None
             per_layer[layer].append(array)
     return tuple(jax.tree.unflatten(treedef, arrays) for arrays in per_layer)
 
