@@ -186,7 +186,7 @@ class ServerProcess:
         start = time.monotonic()
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         try:
-            while not self._healthy() or (self.wait_for_warmup and self._warming_up()):
+            while not self._ready():
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the server exited with code {self.process.returncode}:\n{self.log_tail()}")
                 if time.monotonic() - start > self.start_timeout_s:
@@ -202,26 +202,26 @@ class ServerProcess:
     def __exit__(self, *exc_info) -> None:
         self.stop()
 
-    def _healthy(self) -> bool:
+    def _ready(self) -> bool:
+        """Whether /health answers 200 and, with `wait_for_warmup`, reports no warm-up still
+        compiling (one that failed is done too)."""
         import urllib.error
         import urllib.request
 
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return response.status == 200
+                if response.status != 200:
+                    return False
+                body = response.read()
         except (urllib.error.URLError, OSError):
             return False
-
-    def _warming_up(self) -> bool:
-        """Whether /health reports a warm-up that has not compiled every shape yet (and has not failed)."""
-        import urllib.request
-
+        if not self.wait_for_warmup:
+            return True
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                warmup = json.loads(response.read() or b"{}").get("warmup")
-        except (OSError, ValueError, AttributeError):
-            return False
-        return bool(warmup) and not warmup.get("error") and warmup.get("compiled", 0) < warmup.get("total", 0)
+            warmup = json.loads(body or b"{}").get("warmup")
+        except (ValueError, AttributeError):  # not jaxserve's report
+            return True
+        return not warmup or bool(warmup.get("error")) or warmup.get("compiled", 0) >= warmup.get("total", 0)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (graceful drain), SIGKILL after `timeout_s`; returns the exit code."""
