@@ -3,15 +3,17 @@
 For each mode (the same SmolLM2 weights served as):
   float32        the default: float32 weights and compute;
   bf16           --dtype=bfloat16: bfloat16 weights, prompt matmuls in bfloat16 (float32 sums);
-  int8           --quantization=int8 (per output channel): prompt chunks in bfloat16 on the weights
-                 dequantized to bfloat16 (--cpu_prompt_dtype=auto), decode steps in the C++ kernel
-                 (activations in int8 per 32 inputs);
-  int8+int8_prompts   --cpu_prompt_dtype=int8: prompt chunks in int8 x int8 (W8A8, activations
-                 quantized per row);
+  int8           --quantization=int8 (per output channel), --cpu_prompt_dtype=auto: prompt chunks
+                 in the C++ VNNI kernel on CPUs without AMX, else in bfloat16 on the weights
+                 dequantized to bfloat16; decode steps in the C++ kernel (activations in int8 per
+                 32 inputs);
+  int8+int8_prompts / int8+bf16_prompts   --cpu_prompt_dtype=int8 / bfloat16: prompt chunks in
+                 the C++ kernel (int8 activations per 32 inputs, as decode steps') / in bfloat16;
   int8+float_activations   the same int8 weights, XLA's float32 matmuls on them dequantized
                  (--cpu_int8_activations=false);
-  int4 / int4+float_activations   --quantization=int4 (groups of 32, zero point): prompt chunks in
-                 bfloat16 as int8's, or float32 without int8 activations;
+  int4 / int4+int8_prompts / int4+float_activations   --quantization=int4 (groups of 32, zero
+                 point): prompt chunks in bfloat16, in the C++ kernel, or float32 without int8
+                 activations;
 it measures, interleaved with transformers (float32) on the same prompts so both share the load:
   prompt speed   TTFT of `--prompt_len` random tokens (one request, max_tokens 1; fresh prompt
                  per repeat, medians), the matmul GFLOP/s it implies, and that rate as a fraction
@@ -43,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-MODES = ("float32", "bf16", "int8", "int8+int8_prompts", "int8+float_activations", "int4", "int4+float_activations")
+MODES = ("float32", "bf16", "int8", "int8+int8_prompts", "int8+bf16_prompts", "int8+float_activations", "int4",
+         "int4+int8_prompts", "int4+float_activations")
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
         "List three prime numbers.", "How do I reverse a list in Python?", "What causes rain?",
         "Give me a tip for learning a new language.", "Summarize the plot of Cinderella."]
@@ -69,7 +72,7 @@ def mode_weights(mode, params, config):
                 jax.tree.map(lambda a: a.astype(jnp.float32), bf16))
     quantized = qz.quantize_params(params, name, config)
     same = qz.dequantize_params(quantized)
-    prompt_dtype = "int8" if suffix == "int8_prompts" else "auto"
+    prompt_dtype = {"int8_prompts": "int8", "bf16_prompts": "bfloat16"}.get(suffix, "auto")
     compute = qz.prompt_compute_dtype(name, not float_acts, prompt_dtype)
     return quantized, {"quantization": name, "cpu_int8_activations": not float_acts,
                        "cpu_prompt_dtype": prompt_dtype}, compute, same

@@ -4,8 +4,9 @@
   to int8 per BLOCK inputs and multiplied with the weight codes in integer dot products (AVX-512
   VNNI), as llama.cpp does: the codes are read once at their size (half a byte for int4), where
   XLA:CPU converts every code to float first (and fuses that conversion into a matrix-vector
-  product only for one row, one byte per code). A weight stacked on a layer axis is read at a
-  layer index given with it (the layer scan's). quantized_matmul.cc.
+  product only for one row, one byte per code). A prompt chunk's rows (past a decode step's 64)
+  run in tiles of 6 rows, in tasks of (strip, 48 rows) on all threads. A weight stacked on a
+  layer axis is read at a layer index given with it (the layer scan's). quantized_matmul.cc.
 * `paged_decode_attention`: decode attention over float32 KV pages, every key and value read
   once from its page for all the query heads of its KV head, the next keys prefetched, in tasks
   of (sequence, KV head, 128 keys) on XLA's CPU threads, where XLA's loop pays a dozen ops per
@@ -53,7 +54,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # more rows (prefill chunks): XLA's matrix-matrix dot on the dequantized weight
+MAX_ROWS = 64  # a decode step's rows at most; more (prompt chunks): as EngineConfig.cpu_prompt_dtype says
 STRIP = 64  # output columns per strip of the packed layout (kStrip in quantized_matmul.cc)
 BLOCK = 32  # inputs per int8 scale of x (kBlock)
 MAX_HEAD_DIM = 256  # the attention kernel's longest head (kLanes * kMaxVectors in paged_attention.cc)

@@ -45,6 +45,9 @@ namespace {
 constexpr int kStrip = 64;  // output columns per strip: 4 vectors of 16 lanes
 constexpr int kBlock = 32;  // inputs per activation scale
 constexpr int kMaxRows = 4; // rows of x per pass over a strip (more: the strip again, from cache)
+constexpr int kMaxDecodeRows = 64;  // more rows (a prompt chunk): the prompt tiles, in row blocks
+constexpr int kTileRows = 6;        // rows of a prompt tile
+constexpr int64_t kRowsPerTask = 48;  // rows of a prompt chunk's task (and of its quantization's)
 constexpr int64_t kParallelBytes = 384 << 10;  // smaller weights: the caller's thread only
 // int4 codes are prefetched this far ahead of the loads: the strips of one call are one sequence
 // in memory, but the hardware's prefetch alone left the int4 loop waiting on them (SmolLM2's 210
@@ -153,14 +156,54 @@ void StripRows(const Problem& p, int64_t strip, int64_t row0) {
   for (int vec0 = 0; vec0 < kStrip / 16; vec0 += kVectors) StripPart<kRows, kVectors>(p, strip, row0, vec0);
 }
 
-void Strip(const Problem& p, int64_t strip) {
-  int64_t row = 0;
-  for (; row + kMaxRows <= p.rows; row += kMaxRows) StripRows<kMaxRows>(p, strip, row);
-  switch (p.rows - row) {
+// Rows [row0, row_end) of a strip: kMaxRows at a time (a decode step's few rows), the rest one
+// to three.
+void Strip(const Problem& p, int64_t strip, int64_t row0, int64_t row_end) {
+  int64_t row = row0;
+  for (; row + kMaxRows <= row_end; row += kMaxRows) StripRows<kMaxRows>(p, strip, row);
+  switch (row_end - row) {
     case 1: StripRows<1>(p, strip, row); break;
     case 2: StripRows<2>(p, strip, row); break;
     case 3: StripRows<3>(p, strip, row); break;
     default: break;
+  }
+}
+
+// A prompt chunk's rows [row0, row_end) of a strip: kTileRows at a time over half the strip's
+// columns (a 6 x 32 tile: 12 integer and 12 float accumulators, each weight load used by 6 rows
+// and each broadcast of x by 2 vectors), where the decode tiles above reload the weights for
+// every 4 rows.
+void PromptStrip(const Problem& p, int64_t strip, int64_t row0, int64_t row_end) {
+  int64_t row = row0;
+  for (; row + kTileRows <= row_end; row += kTileRows)
+    for (int vec0 = 0; vec0 < kStrip / 16; vec0 += 2) StripPart<kTileRows, 2>(p, strip, row, vec0);
+  Strip(p, strip, row, row_end);
+}
+
+// Quantizes rows [row0, row_end) of x to int8 per block of kBlock inputs (symmetric, rounded to
+// nearest even as std::nearbyint): the codes, each block's scale and each group's sum of
+// scale * codes.
+void QuantizeRows(const float* x, int64_t k, int64_t groups, int64_t row0, int64_t row_end, int8_t* xq,
+                  float* dx, float* xsum) {
+  const int64_t blocks = k / kBlock, blocks_per_group = blocks / groups;
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = row0; r < row_end; ++r) {
+    std::fill(xsum + r * groups, xsum + (r + 1) * groups, 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* in = x + r * k + b * kBlock;
+      const __m512 lo = _mm512_loadu_ps(in), hi = _mm512_loadu_ps(in + 16);
+      const float top = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
+      const float step = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
+      const __m512 scale = _mm512_set1_ps(inverse);
+      const __m512i lo_codes = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
+      const __m512i hi_codes = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + b * kBlock), _mm512_cvtepi32_epi8(lo_codes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + b * kBlock + 16), _mm512_cvtepi32_epi8(hi_codes));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo_codes, hi_codes));
+      dx[r * blocks + b] = step;
+      xsum[r * groups + b / blocks_per_group] += step * static_cast<float>(sum);
+    }
   }
 }
 
@@ -183,27 +226,17 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (index < 0 || index >= layers)
     return ffi::Error::InvalidArgument("quantized_matmul: layer index outside the stacked weight");
 
-  // The rows of x in int8 per block of kBlock inputs (symmetric), and their sums per group.
+  // The rows of x in int8 per block of kBlock inputs, and their sums per group; a prompt
+  // chunk's rows on all the threads.
   const int64_t blocks = k / kBlock;
   std::vector<int8_t> xq(rows * k);
-  std::vector<float> dx(rows * blocks), xsum(rows * groups, 0.f);
-  const float* xs = x.typed_data();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* in = xs + r * k + b * kBlock;
-      float top = 0.f;
-      for (int i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(in[i]));
-      const float step = top / 127.f, inverse = top > 0.f ? 127.f / top : 0.f;
-      int32_t sum = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        const int8_t code = static_cast<int8_t>(std::nearbyint(in[i] * inverse));
-        xq[r * k + b * kBlock + i] = code;
-        sum += code;
-      }
-      dx[r * blocks + b] = step;
-      xsum[r * groups + b * kBlock / (k / groups)] += step * static_cast<float>(sum);
-    }
-  }
+  std::vector<float> dx(rows * blocks), xsum(rows * groups);
+  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t quantize_threads = rows > kMaxDecodeRows ? pool.num_threads() : 1;
+  jaxserve::ParallelFor(pool, quantize_threads, row_blocks, [&](int64_t block) {
+    QuantizeRows(x.typed_data(), k, groups, block * kRowsPerTask, std::min(rows, (block + 1) * kRowsPerTask),
+                 xq.data(), dx.data(), xsum.data());
+  });
 
   Problem p;
   p.xq = reinterpret_cast<const int32_t*>(xq.data());
@@ -222,9 +255,18 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   p.offset_scale = offset_scale;
 
   // Another thread of XLA's pool only for a weight large enough to repay waking it (a small one
-  // runs faster on the caller alone: SmolLM2 576 x 576 int8: 12.8 us alone, 21.6 us with a second thread).
-  const int64_t threads = layer_codes >= kParallelBytes ? pool.num_threads() : 1;
-  jaxserve::ParallelFor(pool, threads, strips, [&p](int64_t s) { Strip(p, s); });
+  // runs faster on the caller alone: SmolLM2 576 x 576 int8: 12.8 us alone, 21.6 us with a second
+  // thread). A decode step's rows: one task per strip; a prompt chunk's: per strip and block of
+  // kRowsPerTask rows, in prompt tiles.
+  const int64_t threads = layer_codes >= kParallelBytes || rows > kMaxDecodeRows ? pool.num_threads() : 1;
+  if (rows <= kMaxDecodeRows) {
+    jaxserve::ParallelFor(pool, threads, strips, [&p](int64_t s) { Strip(p, s, 0, p.rows); });
+  } else {
+    jaxserve::ParallelFor(pool, threads, strips * row_blocks, [&p, row_blocks](int64_t task) {
+      const int64_t row0 = task % row_blocks * kRowsPerTask;
+      PromptStrip(p, task / row_blocks, row0, std::min(p.rows, row0 + kRowsPerTask));
+    });
+  }
   return ffi::Error::Success();
 }
 

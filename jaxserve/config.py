@@ -176,9 +176,9 @@ class EngineConfig:
         "multiply as --cpu_prompt_dtype says; false: float32 activations, the weights dequantized by XLA")
     # Prompt chunks' matmuls on quantized or bfloat16 weights (jaxserve.models.prompt_matmul).
     cpu_prompt_dtype: str = setting(
-        "auto", "the CPU's matmuls of prompt chunks (more than 64 rows) on quantized or bfloat16 weights: auto "
-        "(bfloat16 where the CPU has bfloat16 instructions, else float32), bfloat16, float32, or int8 (per-channel "
-        "int8 weights multiply activations quantized to int8 per row: faster, less accurate; see docs/quantization.md)",
+        "auto", "the CPU's matmuls of prompt chunks (more than 64 rows) on quantized or bfloat16 weights: int8 (the "
+        "decode kernel's int8 activations per 32 inputs, VNNI), bfloat16, float32, or auto (int8 for --quantization=int8 "
+        "on CPUs without AMX, else bfloat16 where the CPU has it, else float32); see docs/quantization.md",
         choices=("auto", "float32", "bfloat16", "int8"))
     # Accelerators: the matmuls of prompt chunks on quantized weights (jaxserve.models.prompt_matmul).
     gpu_prompt_dtype: str = setting(

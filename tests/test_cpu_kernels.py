@@ -10,7 +10,7 @@ import pytest
 import dataclasses
 
 import cpu_kernels
-from jaxserve.models import cpu_layout
+from jaxserve.models import cpu_layout, prompt_matmul
 from jaxserve.models import quantization as qz
 from pallas_kernels import dispatch
 
@@ -35,8 +35,8 @@ def quantized_rows(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantized_matmul_is_the_weight_times_the_int8_rows(name):
-    """Every row count (the kernel's register blocks of 1-4 rows and their remainders), output
-    widths that are not a multiple of the strip, several groups; against float64 numpy."""
+    """Every row count (a decode step's register blocks of 1-4 rows and their remainders, a
+    prompt chunk's tiles of 6 and blocks of 48 rows), output widths that are not a multiple of the strip, several groups; against float64 numpy."""
     rng = np.random.default_rng([SEED, FORMATS.index(name)])
     for k, n in [(256, 80), (384, 200), (128, 64)]:
         if qz.parse_format(name).group_size and k % qz.parse_format(name).group_size:
@@ -45,8 +45,10 @@ def test_quantized_matmul_is_the_weight_times_the_int8_rows(name):
         weight = qz.quantize(w, qz.parse_format(name))
         assert cpu_layout.kernel_takes(weight)
         kernel_weight = jax.jit(cpu_layout.with_kernel_layout)(weight)
+        kernel_weight = dataclasses.replace(  # prompt chunks in the kernel too
+            kernel_weight, kernel=dataclasses.replace(kernel_weight.kernel, prompt_dtype="int8"))
         dequantized = np.asarray(qz.dequantize(weight), np.float64)
-        for rows in (1, 2, 3, 4, 5, 7, 9, 64):
+        for rows in (1, 2, 3, 4, 5, 7, 9, 64, 65, 101, 150):  # past 64: the prompt tiles, blocks of 48 rows
             x = rng.standard_normal((rows, k)).astype(np.float32)
             x[0, :cpu_kernels.BLOCK] = 0.0  # an all-zero block
             got = np.asarray(jax.jit(qz.linear)(jnp.asarray(x), kernel_weight))
@@ -78,11 +80,11 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
 @pytest.mark.parametrize("prompt_dtype", ["int8", "bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int8_g64"])
 def test_prompt_chunks_multiply_in_the_prompt_dtype(name, prompt_dtype):
-    """More rows than the kernel takes (a prompt chunk) stay out of the C++ kernel and multiply
-    in the kernel layout's prompt_dtype (EngineConfig.cpu_prompt_dtype): int8 for a per-channel
-    int8 weight, the rows quantized to int8 per row (prompt_matmul.int8_linear: exactly the int8
-    rows times the codes, then both scales); bfloat16 (and int8 for other formats): the rows and
-    the weight rounded to bfloat16; float32: the dequantized weight, as without the layout."""
+    """More rows than a decode step's (a prompt chunk) multiply in the kernel layout's
+    prompt_dtype (EngineConfig.cpu_prompt_dtype): int8, in the C++ kernel, the rows quantized to
+    int8 per block of inputs as a decode step's (every format the kernel takes); bfloat16 out of
+    the kernel, the rows and the weight rounded to bfloat16; float32 out of it, the dequantized
+    weight, as without the layout. Up to MAX_ROWS rows are the kernel's whatever the choice."""
     rng = np.random.default_rng([SEED, 1, len(name)])
     w = (rng.standard_normal((128, 96)) / np.sqrt(128)).astype(np.float32)
     weight = qz.quantize(w, qz.parse_format(name))
@@ -92,18 +94,14 @@ def test_prompt_chunks_multiply_in_the_prompt_dtype(name, prompt_dtype):
     x = rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 128)).astype(np.float32)
     x[3] = 0.0  # a zero row: scale 1, no division by zero
     hlo = jax.jit(qz.linear).lower(jnp.asarray(x), kernel_weight).as_text()
-    assert "jaxserve_quantized_matmul" not in hlo
+    assert ("jaxserve_quantized_matmul" in hlo) == (prompt_dtype == "int8")
     got = np.asarray(jax.jit(qz.linear)(jnp.asarray(x), kernel_weight))
     dequantized = np.asarray(qz.dequantize(weight), np.float64)
     exact = x.astype(np.float64) @ dequantized
-    if name == "int8" and prompt_dtype == "int8":
-        top = np.abs(x).max(-1, keepdims=True)
-        row_scale = np.where(top > 0, top / np.float32(127), 1).astype(np.float32)
-        codes = np.clip(np.round(x / row_scale), -127, 127)
-        expected = (codes @ np.asarray(weight.q, np.float64)) * row_scale * np.asarray(weight.scale, np.float64)[0]
-        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"
-        assert "xi8>" in hlo and "x96xi32>" in hlo  # an int8 dot summed in int32
-    elif prompt_dtype != "float32":
+    if prompt_dtype == "int8":
+        expected = quantized_rows(x) @ dequantized
+        assert np.abs(got - expected).max() < 2e-6 * np.abs(expected).max(), f"seed {SEED}"
+    elif prompt_dtype == "bfloat16":
         rounded = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
         expected = rounded(x) @ rounded(dequantized)
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max(), f"seed {SEED}"
@@ -112,6 +110,28 @@ def test_prompt_chunks_multiply_in_the_prompt_dtype(name, prompt_dtype):
     assert not got[3].any()
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max(), f"seed {SEED}: far from float"
     assert "jaxserve_quantized_matmul" in jax.jit(qz.linear).lower(x[:cpu_kernels.MAX_ROWS], kernel_weight).as_text()
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_auto_prompt_dtype_takes_the_vnni_kernel_for_per_channel_int8(monkeypatch, amx):
+    """--cpu_prompt_dtype=auto: a per-channel int8 weight's prompt chunks in the VNNI kernel where
+    the CPU has no AMX (faster than bfloat16 there, bench/RESULTS.md), other formats and AMX CPUs
+    in bfloat16 (on a CPU with bfloat16 instructions); an explicit choice is kept."""
+    monkeypatch.setattr(prompt_matmul, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(prompt_matmul, "cpu_has_bfloat16", lambda: True)
+    want = "bfloat16" if amx else "int8"
+    assert qz.prompt_compute_dtype("int8", True) == want
+    assert qz.prompt_compute_dtype("int8_g32", True) == qz.prompt_compute_dtype("int4", True) == "bfloat16"
+    assert qz.prompt_compute_dtype("int4", True, "int8") == "int8"
+    assert qz.prompt_compute_dtype("int8", False) == "float32"
+    assert qz.prompt_compute_dtype("bfloat16", True) == "bfloat16"
+    rng = np.random.default_rng([SEED, 7])
+    params = {"embed": rng.standard_normal((32, 64)).astype(np.float32),
+              "layers": {name: qz.quantize(rng.standard_normal((2, 64, 96)).astype(np.float32), qz.parse_format(fmt))
+                         for name, fmt in (("wq", "int8"), ("w_up", "int4"))}}
+    marked = cpu_layout.layer_views(jax.device_put(params))["layers"]
+    marked = marked[0] if isinstance(marked, tuple) else marked
+    assert (marked["wq"].kernel.prompt_dtype, marked["w_up"].kernel.prompt_dtype) == (want, "bfloat16")
 
 
 def test_pack_lays_out_strips_of_four_inputs():

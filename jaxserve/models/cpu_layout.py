@@ -28,7 +28,7 @@ import numpy as np
 import cpu_kernels
 from jaxserve.models import prompt_matmul
 from jaxserve.models.quantization import (KernelLayout, QuantArray, QuantEmbedding, StripMatrix, TransposedLayout,
-                                          tree_bytes)
+                                          per_channel_int8, tree_bytes)
 
 Params = dict[str, Any]
 # The attention backends whose CPU path takes float32 operands (`layer_views`' float32_attention).
@@ -134,11 +134,11 @@ def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str
     views = _layer_views(params, int8_activations, float32_attention)
     if views is params:
         return params
-    prompt_dtype = prompt_matmul.resolve(prompt_dtype)
 
     def mark(weight):
         if isinstance(weight, (QuantArray, StripMatrix)) and weight.kernel is not None:
-            return dataclasses.replace(weight, kernel=dataclasses.replace(weight.kernel, prompt_dtype=prompt_dtype))
+            chosen = prompt_matmul.resolve(prompt_dtype, isinstance(weight, QuantArray) and per_channel_int8(weight))
+            return dataclasses.replace(weight, kernel=dataclasses.replace(weight.kernel, prompt_dtype=chosen))
         return weight
 
     mark_all = lambda layers: {name: mark(w) for name, w in layers.items()}  # noqa: E731

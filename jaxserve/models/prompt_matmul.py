@@ -1,28 +1,31 @@
 """The matmuls of prompt chunks on the CPU, in int8 or bfloat16 instead of float32.
 
-A prompt chunk (more rows than cpu_kernels.MAX_ROWS, the decode kernel's) is compute-bound:
-SmolLM2's 512-token chunk is ~135 GFLOP of matmuls. XLA:CPU multiplies float32 at ~250 GFLOP/s
-on the development machine, but hands an int8 x int8 -> int32 dot, and a bfloat16 x bfloat16 ->
-float32 dot, to the CPU's integer and bfloat16 units (AMX, AVX-512 VNNI / BF16): ~1.2 TOP/s and
-~1 TFLOP/s there, 512 rows ([576, 1536] and [1536, 576]). So with int8 activations
+A prompt chunk (more rows than cpu_kernels.MAX_ROWS, a decode step's) is compute-bound:
+SmolLM2's 500-token chunk is 106 GFLOP of matmuls, and float32 is the slowest way to do them.
+Measured at 500 rows ([576, 1536] and [1536, 576], `jaxserve.planning.probe`, bench/RESULTS.md):
+on an AMD Zen 4 CPU (AVX-512 VNNI and BF16, no AMX) float32 ~200 GFLOP/s, XLA's bfloat16 dot
+~370, its int8 dot ~260, the C++ VNNI kernel ~550-650 G operations/s; on an Intel CPU with AMX,
+XLA's bfloat16 dot ~1650 and its int8 dot ~3000 (AMX tiles). So with int8 activations
 (EngineConfig.cpu_int8_activations) a quantized weight multiplies a prompt chunk:
 
-* `--cpu_prompt_dtype=bfloat16` (the default, "auto", where the CPU has bfloat16 instructions:
-  `cpu_has_bfloat16`; elsewhere XLA converts bfloat16 element by element and float32 is faster):
-  `bfloat16_linear` on the weight dequantized to bfloat16;
-* `--cpu_prompt_dtype=int8`: a per-channel int8 weight (`--quantization=int8`, symmetric) in
-  `int8_linear`, the rows of x quantized to int8 (one scale per row, symmetric, dynamic: max |x|
-  / 127), an int8 dot accumulated in int32, both scales applied to the result in float32 (W8A8,
-  as SmoothQuant's per-token dynamic quantization without its smoothing); any other format in
-  bfloat16 (XLA:CPU has no fast dot over groups of 32 integers: one int8 dot per group measured
-  160 ms where the bfloat16 dot takes 3.3);
+* `--cpu_prompt_dtype=int8`: in the C++ kernel (cpu_kernels.quantized_matmul), as a decode
+  step's rows: the rows of x quantized to int8 per block of 32 inputs (symmetric, dynamic), VNNI
+  dot products with the weight codes read at their size, every format the kernel takes (int8
+  and int4, per channel or in groups);
+* `--cpu_prompt_dtype=bfloat16`: `bfloat16_linear` on the weight dequantized to bfloat16 (where
+  the CPU has bfloat16 instructions, `cpu_has_bfloat16`; elsewhere XLA converts bfloat16 element
+  by element and float32 is faster);
+* `--cpu_prompt_dtype=auto` (the default, `resolve`): int8 for a per-channel int8 weight
+  (`--quantization=int8`) where the kernels are built and the CPU has no AMX (there the kernel
+  is the faster; grouped formats gain little or lose from its per-group scales); else bfloat16
+  where the CPU has it, else float32;
 * `--cpu_prompt_dtype=float32`: XLA's float32 dot on the weight dequantized to float32;
 
 and a bfloat16 weight (`--dtype=bfloat16` on the CPU) multiplies one in `bfloat16_linear` too
 (float32: converted). `cpu_layout.layer_views` writes the choice into each weight's kernel layout.
 
 On an accelerator (EngineConfig.gpu_prompt_dtype; `prompt_activations.mark` marks the
-weights), a prompt chunk's activations may be quantized the same way for the tensor cores'
+weights), a prompt chunk's activations may be quantized per row for the tensor cores'
 integer or float8 products: `quantized_activations_linear`, int8 rows times per-channel int8
 weights (int32 sums), or e4m3 rows (one scale per row, max |x| / 448) times e4m3 weights (float32
 sums); XLA:GPU runs both dots in its Triton GEMM fusions on the 8-bit operands.
@@ -49,11 +52,25 @@ def cpu_has_bfloat16() -> bool:
     return any(flag in cpu_kernels.cpu_flags().split() for flag in BFLOAT16_CPU_FLAGS)
 
 
-def resolve(prompt_dtype: str) -> str:
-    """EngineConfig.cpu_prompt_dtype with "auto" decided for this CPU."""
-    if prompt_dtype == "auto":
-        return "bfloat16" if cpu_has_bfloat16() else "float32"
-    return prompt_dtype
+# Flags of CPUs with AMX tiles, where XLA:CPU's bfloat16 dot outruns the VNNI kernel.
+AMX_CPU_FLAGS = ("amx_bf16",)
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bfloat16 (its /proc/cpuinfo flags, read once)."""
+    return any(flag in cpu_kernels.cpu_flags().split() for flag in AMX_CPU_FLAGS)
+
+
+def resolve(prompt_dtype: str, per_channel_int8: bool = False) -> str:
+    """EngineConfig.cpu_prompt_dtype with "auto" decided for this CPU and a weight: int8 (the C++
+    VNNI kernel) for a per-channel int8 weight (`per_channel_int8`) where the kernels are built
+    and the CPU has no AMX; else bfloat16 where the CPU multiplies it in hardware; else float32."""
+    if prompt_dtype != "auto":
+        return prompt_dtype
+    if per_channel_int8 and not cpu_has_amx() and cpu_kernels.available():
+        return "int8"
+    return "bfloat16" if cpu_has_bfloat16() else "float32"
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -385,33 +385,34 @@ def prompt_compute_dtype(weight_dtype: str, int8_activations: bool, prompt_dtype
     EngineConfig.cpu_int8_activations and cpu_prompt_dtype: "int8", "bfloat16" or "float32"."""
     if weight_dtype in ("float32", "float16"):
         return "float32"
-    chosen = prompt_matmul.resolve(prompt_dtype)
     if weight_dtype == "bfloat16":
+        chosen = prompt_matmul.resolve(prompt_dtype)
         return "float32" if chosen == "float32" else "bfloat16"
     fmt = parse_format(weight_dtype, stored=True)
     kernel_takes = not (fmt.float8 or fmt.act_order or fmt.integer_zero or fmt.scale_dtype != "float16"
                         or (fmt.group_size or cpu_kernels.BLOCK) % cpu_kernels.BLOCK)  # cpu_layout.kernel_takes
     if not (int8_activations and kernel_takes and cpu_kernels.available()):
         return "float32"
-    if chosen == "int8" and (fmt.bits, fmt.group_size, fmt.zero_point) != (8, None, False):
-        return "bfloat16"
-    return chosen
+    return prompt_matmul.resolve(prompt_dtype, (fmt.bits, fmt.group_size, fmt.zero_point) == (8, None, False))
+
+
+def per_channel_int8(weight: QuantArray) -> bool:
+    """Whether a weight is `--quantization=int8`'s: int8 codes, one scale per output channel, no zero."""
+    return weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1
 
 
 def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
     """x [..., in] @ a QuantArray [in, out] -> [..., out] in x's dtype (see `linear`)."""
     rows = math.prod(x.shape[:-1])
-    if weight.kernel is not None and rows <= cpu_kernels.MAX_ROWS:
-        kernel, int4 = weight.kernel, weight.q.dtype == jnp.uint8
+    if weight.kernel is not None and (rows <= cpu_kernels.MAX_ROWS or weight.kernel.prompt_dtype == "int8"):
+        kernel, int4 = weight.kernel, weight.q.dtype == jnp.uint8  # decode rows, or int8 prompt chunks
         offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
         return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
                                             weight.q.shape[-1], layer=kernel.layer)
     if weight.prompt_activations and rows > cpu_kernels.MAX_ROWS:  # a prompt chunk on an accelerator
         return prompt_matmul.quantized_activations_linear(x, weight.q, weight.scale, weight.prompt_activations)
     prompt_dtype = "float32" if weight.kernel is None else weight.kernel.prompt_dtype  # a prompt chunk on the CPU
-    if prompt_dtype == "int8" and weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1:
-        return prompt_matmul.int8_linear(x, weight.q, weight.scale)
-    if prompt_dtype in ("int8", "bfloat16"):
+    if prompt_dtype == "bfloat16":
         return prompt_matmul.bfloat16_linear(x, dequantize(weight, jnp.bfloat16))
     if weight.perm is not None:  # act-order: the rows are stored in this order of the inputs
         x = jnp.take(x, weight.perm, axis=-1)

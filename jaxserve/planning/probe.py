@@ -58,7 +58,9 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
     float32, bfloat16 (summed in float32) or int8 (summed in int32; operations/s), the compute
     dtypes of a prompt's matmuls (jaxserve.models.prompt_matmul). float32 runs in the C++ kernel
     (cpu_kernels.f32_matmul on the strips, at the layer index) where it is built, as the engine's
-    float32 step does (jaxserve.models.cpu_layout.float32_views).
+    float32 step does (jaxserve.models.cpu_layout.float32_views); int8 in the VNNI kernel there
+    (cpu_kernels.quantized_matmul on per-channel int8 codes, float32 rows it quantizes per 32
+    inputs), as the engine's int8 prompt chunks.
 
     Up to cpu_kernels.MAX_ROWS rows (a decode step's: reading the weights bounds it) the products
     are summed under one scan, so no call's dispatch is timed. A prompt chunk's rows are each
@@ -83,6 +85,15 @@ def matmul_rates(hidden: int, intermediate: int, rows: int, dtype: str = "float3
     if dtype == "float32" and cpu_kernels.available():  # as the engine's float32 step: the C++ kernel's strips
         stack = jax.jit(cpu_kernels.pack_f32)(stack)  # [n, strips, hidden, STRIP]
         product = lambda x, stack, i: cpu_kernels.f32_matmul(x, stack, intermediate, layer=i)  # noqa: E731
+        apart = lambda: [(stack, jnp.int32(i)) for i in range(count)]  # noqa: E731 (matrix i read in place)
+    elif dtype == "int8" and cpu_kernels.available():  # as the engine's int8 steps and prompts: the VNNI kernel
+        x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))  # quantized per block by the kernel
+        packed = jax.jit(lambda q: cpu_kernels.pack((q.astype(jnp.int32) + 128).astype(jnp.uint8), 8))(stack)
+        strips = -(-intermediate // cpu_kernels.STRIP)
+        scales = jnp.full((count, strips, 1, cpu_kernels.STRIP), 0.01, cpu_kernels.SCALE_DTYPE)  # one group
+        stack = (packed, scales)
+        product = lambda x, stack, i: cpu_kernels.quantized_matmul(  # noqa: E731
+            x, *stack, None, -128.0, intermediate, layer=i)
         apart = lambda: [(stack, jnp.int32(i)) for i in range(count)]  # noqa: E731 (matrix i read in place)
     else:
         product = lambda x, stack, i: jnp.matmul(x, stack[i], preferred_element_type=total_dtype)  # noqa: E731
