@@ -16,7 +16,8 @@
   tasks of (sequence, KV head, 32 queries): the queries of all the group's heads transposed in
   the cache, each key and value read once per task from its page, scores and weighted values in
   AVX-512 register tiles, an online softmax down the lanes, keys past a block's last query
-  skipped, where XLA's loops run small batched dots. prefill_attention.cc.
+  skipped, where XLA's loops run small batched dots; optionally the products in bfloat16 pairs
+  (AVX-512 BF16), for models whose prompt matmuls are 16 or 8 bits anyway. prefill_attention.cc.
 * `lora_update`: the multi-LoRA update, each row through its own adapter's A and B only (rows
   grouped by slot, rows on slot 0 skipped), the slab's layer read in place, where XLA's one-hot
   form multiplies every row by every slot's matrices in thin dots. lora_update.cc.
@@ -228,7 +229,8 @@ def takes_prefill_attention(q, k_pages, v_pages) -> bool:
 
 
 def ragged_prefill_attention(q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *, window,
-                             scale: float, soft_cap: float | None, key_limit=None) -> jax.Array:
+                             scale: float, soft_cap: float | None, key_limit=None,
+                             bf16_products: bool = False) -> jax.Array:
     """Causal attention of ragged query tokens (pallas_kernels.xla_paged.ragged_paged_attention's
     inputs and result): q [T, Hq, D] float32, pages [P, page_size, Hkv, D] float32, block_table
     int32 [S, W], seq_lens int32 [S], query_start_loc int32 [S + 1] (non-decreasing), window an
@@ -236,7 +238,9 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_table, seq_lens, query_s
     key_limit (int32 [T] or None): each query's highest visible key position (bidirectional image
     spans: a query at p sees k <= max(p, key_limit[t]), the window's rule unchanged); given, the
     call goes to the handler that takes it as one more buffer, so that the causal call is the one
-    it always was."""
+    it always was. bf16_products: the scores' and the weighted values' products in bfloat16
+    (queries, keys, values and softmax weights rounded to it; sums in float32) where the CPU has
+    AVX-512 BF16 (twice float32's rate), else float32 as without it."""
     _require()
     operands = [q, k_pages, v_pages, block_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                 query_start_loc.astype(jnp.int32), jnp.asarray(window, jnp.int32).reshape(1)]
@@ -247,7 +251,7 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_table, seq_lens, query_s
         operands.append(key_limit.astype(jnp.int32))
         target += "_key_limit"
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        *operands, scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
+        *operands, scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), bf16=np.int64(bf16_products))
 
 
 def takes_lora_update(x, a, b) -> bool:

@@ -28,6 +28,13 @@
 // limit) and start at its first query's window.
 // Then the weighted values are added into the rows' sums [M][D] in register tiles. A task writes
 // only its own rows of out, so results do not depend on the thread count or the order of tasks.
+//
+// bf16 (attribute, nonzero; with AVX-512 BF16): the products in bfloat16, twice float32's rate,
+// for a model whose prompt matmuls are bfloat16 or int8 anyway: the scaled queries, each key
+// block's keys and values, and the softmax weights rounded to bfloat16 (to nearest even) in
+// pairs (two dimensions, or two keys, to a 32-bit word), each vdpbf16ps adding a pair's two
+// products to float32 sums; the softmax itself stays float32. Built without the instructions, the
+// attribute is ignored (float32 products).
 
 #if !defined(__AVX512F__)
 #error "prefill_attention.cc needs AVX-512 (compiled with -march=native on such a CPU)"
@@ -85,6 +92,7 @@ struct Problem {
   int64_t tokens, q_heads, kv_heads, dim, page_size, table_width;
   int32_t window;
   float scale, soft_cap;
+  bool bf16 = false;  // products in bfloat16 (AVX-512 BF16), sums in float32
   std::vector<Block> blocks;
   std::vector<float> zeros;  // a key of zeros for the key tiles' padding
 
@@ -149,6 +157,96 @@ struct Problem {
       for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(acc + (m0 + r) * dim_padded + d0 + j * kLanes, o[r][j]);
   }
 
+#if defined(__AVX512BF16__)
+  // ScoreTile in bfloat16 pairs: qt2 [pairs][rows] holds each row's queries two dimensions to a
+  // 32-bit word, keys[t] a key's [pairs]; one dpbf16ps adds two dimensions' products of 16 rows.
+  template <int kRows>
+  void ScoreTileBf16(const uint32_t* qt2, int64_t rows, const uint32_t* const* keys, int64_t m0,
+                     float* scores) const {
+    __m512 acc[kKeyTile][kRows];
+    for (int t = 0; t < kKeyTile; ++t)
+      for (int r = 0; r < kRows; ++r) acc[t][r] = _mm512_setzero_ps();
+    const uint32_t *k0 = keys[0], *k1 = keys[1], *k2 = keys[2], *k3 = keys[3];
+    for (int64_t j = 0, pairs = (dim + 1) / 2; j < pairs; ++j) {
+      const uint32_t* row = qt2 + j * rows + m0;
+      __m512bh qv[kRows];
+      for (int r = 0; r < kRows; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(row + r * kLanes);
+      const __m512bh b0 = (__m512bh)_mm512_set1_epi32(k0[j]), b1 = (__m512bh)_mm512_set1_epi32(k1[j]),
+                     b2 = (__m512bh)_mm512_set1_epi32(k2[j]), b3 = (__m512bh)_mm512_set1_epi32(k3[j]);
+      for (int r = 0; r < kRows; ++r) {
+        acc[0][r] = _mm512_dpbf16_ps(acc[0][r], qv[r], b0);
+        acc[1][r] = _mm512_dpbf16_ps(acc[1][r], qv[r], b1);
+        acc[2][r] = _mm512_dpbf16_ps(acc[2][r], qv[r], b2);
+        acc[3][r] = _mm512_dpbf16_ps(acc[3][r], qv[r], b3);
+      }
+    }
+    for (int t = 0; t < kKeyTile; ++t)
+      for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(scores + t * rows + m0 + r * kLanes, acc[t][r]);
+  }
+
+  // ValueTile in bfloat16 pairs of keys: weights2 [pairs][rows] holds the weights of keys 2i and
+  // 2i + 1 of each row in one word, values2 [pairs][dim_padded] their values at each dimension.
+  template <int kVectors>
+  void ValueTileBf16(const uint32_t* weights2, int64_t rows, const float* keep, const uint32_t* values2,
+                     int64_t pairs, int64_t m0, int64_t d0, int64_t dim_padded, float* acc) const {
+    __m512 o[kValueRows][kVectors];
+    for (int r = 0; r < kValueRows; ++r) {
+      const __m512 kv = _mm512_set1_ps(keep[m0 + r]);
+      for (int j = 0; j < kVectors; ++j)
+        o[r][j] = _mm512_mul_ps(kv, _mm512_loadu_ps(acc + (m0 + r) * dim_padded + d0 + j * kLanes));
+    }
+    for (int64_t i = 0; i < pairs; ++i) {
+      __m512bh value[kVectors];
+      for (int j = 0; j < kVectors; ++j)
+        value[j] = (__m512bh)_mm512_loadu_si512(values2 + i * dim_padded + d0 + j * kLanes);
+      for (int r = 0; r < kValueRows; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(weights2[i * rows + m0 + r]);
+        for (int j = 0; j < kVectors; ++j) o[r][j] = _mm512_dpbf16_ps(o[r][j], w, value[j]);
+      }
+    }
+    for (int r = 0; r < kValueRows; ++r)
+      for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(acc + (m0 + r) * dim_padded + d0 + j * kLanes, o[r][j]);
+  }
+
+  // 16 floats rounded to bfloat16 (to nearest even) in the low halves of 16 words; `high` in the
+  // high halves: one pair to a word.
+  static __m512i PairBf16(__m512 low, __m512 high) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(low));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(high));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+
+  // A key block's keys as bfloat16 pairs [padded][dim_padded / 2] and values as pairs of keys
+  // [padded / 2][dim_padded] (keys past `count`: zeros).
+  void KeyBlockBf16(const float* const* key_ptrs, const float* const* value_ptrs, int64_t padded,
+                    int64_t dim_padded, uint32_t* keys2, uint32_t* values2) const {
+    for (int64_t t = 0; t < padded; ++t)
+      for (int64_t d = 0; d < dim_padded; d += 2 * kLanes) {
+        const __mmask16 m0 = Mask(d), m1 = Mask(d + kLanes);
+        const __m512 a = _mm512_maskz_loadu_ps(m0, key_ptrs[t] + d), b = _mm512_maskz_loadu_ps(m1, key_ptrs[t] + d + kLanes);
+        // 32 dimensions -> 16 words of pairs: even dimensions low, odd high.
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        const __m512i words = PairBf16(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+        const int64_t left = std::min<int64_t>(kLanes, (dim_padded - d) / 2);
+        _mm512_mask_storeu_epi32(keys2 + t * (dim_padded / 2) + d / 2, static_cast<__mmask16>((1u << left) - 1), words);
+      }
+    for (int64_t t = 0; t < padded; t += 2)
+      for (int64_t d = 0; d < dim_padded; d += kLanes) {
+        const __mmask16 m = Mask(d);
+        const __m512 first = _mm512_maskz_loadu_ps(m, value_ptrs[t] + d);
+        const __m512 second = _mm512_maskz_loadu_ps(m, value_ptrs[t + 1] + d);
+        _mm512_storeu_si512(values2 + (t / 2) * dim_padded + d, PairBf16(first, second));
+      }
+  }
+#endif
+
+  // The lanes of dimensions [d, d + 16) below dim.
+  __mmask16 Mask(int64_t d) const {
+    const int64_t left = std::clamp<int64_t>(dim - d, 0, kLanes);
+    return static_cast<__mmask16>((1u << left) - 1);
+  }
+
   void Task(int64_t task) {
     const Block& block = blocks[task / kv_heads];
     const int64_t head = task % kv_heads, s = block.s, g = group();
@@ -181,6 +279,24 @@ struct Problem {
         for (int64_t d = 0; d < dim; ++d) qt[d * rows + m] = query[d] * scale;
       }
     }
+#if defined(__AVX512BF16__)
+    // bfloat16: the scaled queries two dimensions to a word, [pairs][rows]; the key block's keys
+    // and values in pairs, and its weights in pairs of keys.
+    const int64_t pairs = (dim + 1) / 2;
+    std::vector<uint32_t> qt2, keys2, values2, weights2;
+    if (bf16) {
+      qt2.assign(pairs * rows, 0);
+      for (int64_t j = 0; j < pairs; ++j)
+        for (int64_t m = 0; m < rows; m += kLanes) {
+          const __m512 even = _mm512_loadu_ps(qt.data() + 2 * j * rows + m);
+          const __m512 odd = 2 * j + 1 < dim ? _mm512_loadu_ps(qt.data() + (2 * j + 1) * rows + m) : _mm512_setzero_ps();
+          _mm512_storeu_si512(qt2.data() + j * rows + m, PairBf16(even, odd));
+        }
+      keys2.assign(kKeyBlock * dim_padded / 2, 0);
+      values2.assign(kKeyBlock / 2 * dim_padded, 0);
+      weights2.assign(kKeyBlock / 2 * rows, 0);
+    }
+#endif
     // The keys any of the block's queries sees: [key_first, key_last).
     const int64_t key_last = std::min<int64_t>(top_limit + 1, seq_lens[s]);
 
@@ -195,7 +311,22 @@ struct Problem {
         value_ptrs[t] = t < count ? Key(v, s, start + t, head) : zeros.data();
       }
       // Scores [padded][rows].
-      for (int64_t t = 0; t < padded; t += kKeyTile) {
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        KeyBlockBf16(key_ptrs, value_ptrs, padded, dim_padded, keys2.data(), values2.data());
+        for (int64_t t = 0; t < padded; t += kKeyTile) {
+          const uint32_t* tile_keys[kKeyTile];
+          for (int u = 0; u < kKeyTile; ++u) tile_keys[u] = keys2.data() + (t + u) * (dim_padded / 2);
+          int64_t m = 0;
+          for (; m + kRowVectors <= row_vectors; m += kRowVectors)
+            ScoreTileBf16<kRowVectors>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
+          for (; m + 2 <= row_vectors; m += 2)
+            ScoreTileBf16<2>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
+          for (; m < row_vectors; ++m) ScoreTileBf16<1>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
+        }
+      }
+#endif
+      for (int64_t t = 0; t < padded && !bf16; t += kKeyTile) {
         int64_t m = 0;
         for (; m + kRowVectors <= row_vectors; m += kRowVectors)
           ScoreTile<kRowVectors>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
@@ -244,6 +375,29 @@ struct Problem {
         _mm512_storeu_ps(keep.data() + m, rescale);
       }
       // acc = acc * keep + weights . values
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        const int64_t key_pairs = (count + 1) / 2;
+        for (int64_t i = 0; i < key_pairs; ++i)
+          for (int64_t m = 0; m < rows; m += kLanes) {
+            const __m512 first = _mm512_loadu_ps(scores.data() + 2 * i * rows + m);
+            const __m512 second = 2 * i + 1 < count ? _mm512_loadu_ps(scores.data() + (2 * i + 1) * rows + m)
+                                                    : _mm512_setzero_ps();
+            _mm512_storeu_si512(weights2.data() + i * rows + m, PairBf16(first, second));
+          }
+        for (int64_t m = 0; m < rows; m += kValueRows) {
+          int64_t d0 = 0;
+          for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
+            ValueTileBf16<kValueVectors>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0,
+                                         dim_padded, acc.data());
+          const int64_t left = (dim_padded - d0) / kLanes;
+          if (left == 3) ValueTileBf16<3>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
+          if (left == 2) ValueTileBf16<2>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
+          if (left == 1) ValueTileBf16<1>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
+        }
+        continue;
+      }
+#endif
       for (int64_t m = 0; m < rows; m += kValueRows) {
         int64_t d0 = 0;
         for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
@@ -268,7 +422,7 @@ struct Problem {
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
                ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, const int32_t* key_limit,
-               ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, float soft_cap) {
+               ffi::Result<ffi::Buffer<ffi::F32>> out, float scale, float soft_cap, int64_t bf16) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || k_pages.element_count() != v_pages.element_count() ||
       seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 || kd[3] != qd[2] ||
@@ -294,6 +448,9 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   p.window = window.typed_data()[0];
   p.scale = scale;
   p.soft_cap = soft_cap;
+#if defined(__AVX512BF16__)
+  p.bf16 = bf16 != 0;
+#endif
   p.zeros.assign(kMaxDim, 0.f);
   std::fill(p.out, p.out + out->element_count(), 0.f);
   const int64_t seqs = td[0];
@@ -325,9 +482,9 @@ ffi::Error RaggedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
                                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                                   ffi::Buffer<ffi::S32> window, ffi::Result<ffi::Buffer<ffi::F32>> out, float scale,
-                                  float soft_cap) {
+                                  float soft_cap, int64_t bf16) {
   return Run(pool, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, nullptr, out, scale,
-             soft_cap);
+             soft_cap, bf16);
 }
 
 ffi::Error RaggedPrefillAttentionKeyLimit(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -335,11 +492,11 @@ ffi::Error RaggedPrefillAttentionKeyLimit(ffi::ThreadPool pool, ffi::Buffer<ffi:
                                           ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
                                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window,
                                           ffi::Buffer<ffi::S32> key_limit, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                                          float scale, float soft_cap) {
+                                          float scale, float soft_cap, int64_t bf16) {
   if (q.dimensions().size() != 3 || key_limit.element_count() != q.dimensions()[0])
     return ffi::Error::InvalidArgument("ragged_prefill_attention: key_limit is not one value a token");
   return Run(pool, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, key_limit.typed_data(), out,
-             scale, soft_cap);
+             scale, soft_cap, bf16);
 }
 
 }  // namespace
@@ -356,7 +513,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttention, RaggedPrefillAtten
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("bf16"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttentionKeyLimit, RaggedPrefillAttentionKeyLimit,
                               ffi::Ffi::Bind()
@@ -371,4 +529,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPrefillAttentionKeyLimit, RaggedPref
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("bf16"));

@@ -192,7 +192,7 @@ def decode_attention(
 def ragged_attention(
     backend: str, q, k_pages, v_pages, block_table, seq_lens, query_start_loc, *,
     sliding_window=None, scale: float | None = None, logit_soft_cap: float | None = None,
-    max_query_len: int | None = None, key_limit=None,
+    max_query_len: int | None = None, key_limit=None, bf16_products: bool = False,
 ):
     """Causal paged attention of a ragged batch of query tokens through `backend`.
 
@@ -208,6 +208,8 @@ def ragged_attention(
     token its own position; a query at position p then sees the keys k <= max(p, key_limit) of its
     sequence, a sliding window still asking p - k < window. None (the default): causal, the same
     code and compiled programs as without the argument (it is passed to no backend).
+    bf16_products: the CPU kernel's products in bfloat16 (cpu_kernels.ragged_prefill_attention),
+    for a model whose prompt matmuls are in bfloat16 or int8; other backends ignore it.
     """
     options = dict(sliding_window=sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
     if key_limit is not None:
@@ -232,7 +234,7 @@ def ragged_attention(
             q, k_pages, v_pages, block_table, seq_lens, query_start_loc, window, *limits,
             cpu=lambda *args: cpu_kernels.ragged_prefill_attention(
                 *args[:6], window=args[6], scale=softmax_scale(scale, q.shape[-1]), soft_cap=logit_soft_cap,
-                **({"key_limit": args[7]} if limits else {})),
+                bf16_products=bf16_products, **({"key_limit": args[7]} if limits else {})),
             default=lambda *args: xla_paged.ragged_paged_attention(
                 *args[:6], **options, **({"key_limit": args[7]} if limits else {})))
     return _plain_module(backend).ragged_paged_attention(

@@ -72,6 +72,43 @@ def test_prefill_attention_options(options):
     _check(_case(rng, 9, 3, 64, LENS, QUERY_LENS), options, f"options {options}")
 
 
+BF16_CPU = "avx512_bf16" in cpu_kernels.cpu_flags().split()
+
+
+def _bf16(a):
+    return jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 136), (6, 2, 23)], ids=lambda h: f"q{h[0]}-kv{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "scale": 0.2, "logit_soft_cap": 3.0}],
+                         ids=["causal", "window-softcap"])
+def test_prefill_attention_in_bfloat16_products(heads, options):
+    """bf16_products (a bfloat16 or int8 model's prompt): queries (scaled), keys and values rounded
+    to bfloat16, products of pairs summed in float32, the softmax weights rounded to bfloat16 for
+    the values' products. Against the reference on the rounded operands (the weights' rounding
+    left: a few bfloat16 steps of the output's scale), and within bfloat16's error of the float32
+    result; a head_dim that is odd or not a multiple of 16 pads its pairs with zeros. Where the
+    CPU has no AVX-512 BF16 the kernel computes in float32: equal to the float32 call."""
+    rng = np.random.default_rng([SEED, 11, heads[2], len(options)])
+    if "sliding_window" in options:
+        options = {**options, "sliding_window": jnp.int32(options["sliding_window"])}
+    q, k, v, table, lens, starts = _case(rng, *heads, LENS, QUERY_LENS)
+    attend = jax.jit(lambda *a: dispatch.ragged_attention("xla", *a, **options, bf16_products=True))
+    got = np.asarray(attend(q, k, v, table, lens, starts))
+    exact = np.asarray(reference.ragged_paged_attention(q, k, v, table, lens, starts, **options))
+    if not BF16_CPU:
+        np.testing.assert_allclose(got, exact, atol=1e-5, rtol=1e-5, err_msg=f"seed {SEED}")
+        return
+    scale = float(options.get("scale") or heads[2] ** -0.5)
+    rounded_q = _bf16(q * scale) / scale  # the kernel rounds the scaled queries
+    want = np.asarray(reference.ragged_paged_attention(rounded_q, _bf16(k), _bf16(v), table, lens, starts, **options))
+    assert np.abs(got - want).max() < 2e-2, f"seed {SEED}: {np.abs(got - want).max()}"
+    assert np.abs(got - want).mean() < 2e-3, f"seed {SEED}: {np.abs(got - want).mean()}"
+    assert np.abs(got - exact).mean() < 4e-3, f"seed {SEED}"
+    assert np.abs(got - exact).mean() > 1e-5, "no bfloat16 rounding: the float32 path ran"
+    assert not got[int(np.sum(QUERY_LENS)):].any()  # tokens of no sequence
+
+
 def test_prefill_attention_does_not_depend_on_the_other_sequences():
     """A sequence's result is the same bits alone and next to others (one task per block of its
     own queries), and other operands keep XLA's path."""

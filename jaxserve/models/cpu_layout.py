@@ -147,6 +147,24 @@ def layer_views(params: Params, int8_activations: bool = True, prompt_dtype: str
     return {**views, "layers": layers, **({"lm_head": mark(views["lm_head"])} if "lm_head" in views else {})}
 
 
+def bf16_prompt_attention(layers, num_tokens: int) -> bool:
+    """Whether the prefill attention of a step of `num_tokens` rows may multiply in bfloat16
+    (dispatch.ragged_attention's bf16_products): the step is a prompt chunk's (more rows than
+    cpu_kernels.MAX_ROWS) and the layers multiply those in bfloat16 or int8 (their kernel layouts'
+    prompt_dtype, as `layer_views` marked them), so the prompt is computed at that precision
+    anyway. A float32 model's attention, and a smaller step's, stays float32."""
+    if num_tokens <= cpu_kernels.MAX_ROWS:
+        return False
+    def prompt_dtype(weight) -> str:  # a float32 strip multiplies in float32 whatever it is marked
+        float32 = isinstance(weight, StripMatrix) and weight.kernel.packed.dtype == jnp.float32
+        return "float32" if float32 else weight.kernel.prompt_dtype
+
+    dtypes = {prompt_dtype(weight) for weight in jax.tree.leaves(
+        layers, is_leaf=lambda leaf: isinstance(leaf, (QuantArray, StripMatrix)))
+        if isinstance(weight, (QuantArray, StripMatrix)) and weight.kernel is not None}
+    return bool(dtypes) and dtypes <= {"bfloat16", "int8"}
+
+
 def _layer_views(params: Params, int8_activations: bool, float32_attention: bool = True) -> Params:
     """`params` as the CPU step reads its weights in place, without a copy of a layer's slice.
 

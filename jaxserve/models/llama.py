@@ -159,14 +159,15 @@ def after_attention(lp: Params, x: jax.Array, attn: jax.Array, config: ModelConf
 
 
 def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill_seqs: int,
-                 max_query_len: int | None) -> Callable:
+                 max_query_len: int | None, bf16_products: bool = False) -> Callable:
     """The KV write and attention of one layer of a step with `num_decode` decode rows and
     `num_prefill_seqs` prefill chunks: attend(q, k, v, k_cache, v_cache, window, slot_mapping,
     decode_block_table, decode_seq_lens, prefill_block_table, prefill_seq_lens,
     prefill_query_start_loc) -> (attn [T, Hq, hd], k_cache, v_cache), page tables already
     offset to the layer's pages; `key_limit` (int32[prefill tokens], optional): each prefill
     token's highest visible key position (bidirectional image spans: dispatch.ragged_attention).
-    Attention options: only what the family uses, so a plain Llama step is the one it always was."""
+    Attention options: only what the family uses, so a plain Llama step is the one it always was;
+    `bf16_products`: the prefill attention's products in bfloat16 (the CPU kernel's)."""
     options: dict[str, Any] = {}
     if config.query_pre_attn_scalar is not None:
         options["scale"] = config.attention_scale
@@ -185,7 +186,8 @@ def attention_fn(config: ModelConfig, backend: str, num_decode: int, num_prefill
         if num_prefill_seqs:
             parts.append(dispatch.ragged_attention(
                 backend, q[num_decode:], k_cache, v_cache, prefill_block_table, prefill_seq_lens,
-                prefill_query_start_loc, max_query_len=max_query_len, key_limit=key_limit, **layer_options))
+                prefill_query_start_loc, max_query_len=max_query_len, key_limit=key_limit, **layer_options,
+                **({"bf16_products": True} if bf16_products else {})))
         attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [T, heads, hd]
         return attn, k_cache, v_cache
 
@@ -280,7 +282,8 @@ def forward(params: Params, kv_cache: dict[str, jax.Array], batch: dict[str, jax
     """
     num_decode = batch["decode_seq_lens"].shape[0]
     num_prefill_seqs = batch["prefill_seq_lens"].shape[0]
-    attend = attention_fn(config, backend, num_decode, num_prefill_seqs, max_query_len)
+    attend = attention_fn(config, backend, num_decode, num_prefill_seqs, max_query_len,
+                          cpu_layout.bf16_prompt_attention(params["layers"], batch["token_ids"].shape[0]))
     if mesh is not None:
         attend = sharding.shard_attention(attend, mesh)
     x = embed(params, batch["token_ids"], config)  # [T, D]
