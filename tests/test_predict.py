@@ -191,3 +191,17 @@ def test_the_cpu_probe_measures_every_row_count_asked(monkeypatch):
     assert all(o.matmul_bandwidth > 0 and o.attention_bandwidth > 0 for o in operators)
     # The same matmul time gives both rates: FLOP/s / bytes/s = 2 rows / 4 bytes per weight.
     assert operators[1].matmul_flops / operators[1].matmul_bandwidth == pytest.approx(2 * 4 / 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [4, 80])
+def test_the_matmul_probe_takes_each_compute_dtype(monkeypatch, dtype, rows):
+    """Every dtype a prompt's matmuls may run in, at decode rows (summed under a scan) and at a
+    prompt chunk's (one call per matrix); int8 through the VNNI kernel where it is built, as
+    the engine's int8 prompts."""
+    from jaxserve.planning import probe
+    monkeypatch.setattr(probe, "WEIGHT_STACK_BYTES", 1 << 20)
+    monkeypatch.setattr(probe, "BUDGET_S", 0.01)
+    weight_bytes, flops = probe.matmul_rates(64, 128, rows, dtype)
+    itemsize = {"float32": 4, "bfloat16": 2, "int8": 1}[dtype]
+    assert weight_bytes > 0 and flops / weight_bytes == pytest.approx(2 * rows / itemsize)
