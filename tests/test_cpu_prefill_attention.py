@@ -109,6 +109,26 @@ def test_prefill_attention_in_bfloat16_products(heads, options):
     assert not got[int(np.sum(QUERY_LENS)):].any()  # tokens of no sequence
 
 
+def test_prefill_attention_in_bfloat16_products_with_key_limits():
+    """The key-limit handler (bidirectional image spans) takes bf16_products as the causal one:
+    a span of sequence 0's tokens sees the whole span, against the reference on the rounded
+    operands."""
+    rng = np.random.default_rng([SEED, 12])
+    q, k, v, table, lens, starts = _case(rng, 9, 3, 64, LENS, QUERY_LENS, extra_tokens=0)
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(LENS, QUERY_LENS)]).astype(np.int32)
+    key_limit = positions.copy()
+    key_limit[10:20] = 19  # tokens 10-19 of sequence 0: one image
+    key_limit = jnp.asarray(key_limit)
+    attend = jax.jit(lambda *a: dispatch.ragged_attention("xla", *a[:6], key_limit=a[6], bf16_products=True))
+    got = np.asarray(attend(q, k, v, table, lens, starts, key_limit))
+    scale = 64 ** -0.5
+    operands = (_bf16(q * scale) / scale, _bf16(k), _bf16(v)) if BF16_CPU else (q, k, v)
+    want = np.asarray(reference.ragged_paged_attention(*operands, table, lens, starts, key_limit=key_limit))
+    assert np.abs(got - want).max() < (2e-2 if BF16_CPU else 1e-5), f"seed {SEED}"
+    causal = np.asarray(attend(q, k, v, table, lens, starts, jnp.asarray(positions)))
+    assert np.abs(got[10:19] - causal[10:19]).max() > 0.05  # the span's tokens see later ones
+
+
 def test_prefill_attention_does_not_depend_on_the_other_sequences():
     """A sequence's result is the same bits alone and next to others (one task per block of its
     own queries), and other operands keep XLA's path."""
