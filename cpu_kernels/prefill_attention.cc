@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -247,6 +248,29 @@ struct Problem {
     return static_cast<__mmask16>((1u << left) - 1);
   }
 
+  // tile(std::integral_constant<int, R>(), m) over row vectors [0, row_vectors): runs of
+  // kRowVectors, then 2, then 1 (a score tile's rows).
+  template <typename Tile>
+  static void ForRowVectors(int64_t row_vectors, Tile tile) {
+    int64_t m = 0;
+    for (; m + kRowVectors <= row_vectors; m += kRowVectors) tile(std::integral_constant<int, kRowVectors>(), m);
+    for (; m + 2 <= row_vectors; m += 2) tile(std::integral_constant<int, 2>(), m);
+    for (; m < row_vectors; ++m) tile(std::integral_constant<int, 1>(), m);
+  }
+
+  // tile(std::integral_constant<int, V>(), d0) over [0, dim_padded): kValueVectors vectors of
+  // head_dim at a time, then the 1 to 3 left (a value tile's columns).
+  template <typename Tile>
+  static void ForValueVectors(int64_t dim_padded, Tile tile) {
+    int64_t d0 = 0;
+    for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
+      tile(std::integral_constant<int, kValueVectors>(), d0);
+    const int64_t left = (dim_padded - d0) / kLanes;
+    if (left == 3) tile(std::integral_constant<int, 3>(), d0);
+    if (left == 2) tile(std::integral_constant<int, 2>(), d0);
+    if (left == 1) tile(std::integral_constant<int, 1>(), d0);
+  }
+
   void Task(int64_t task) {
     const Block& block = blocks[task / kv_heads];
     const int64_t head = task % kv_heads, s = block.s, g = group();
@@ -312,26 +336,21 @@ struct Problem {
       }
       // Scores [padded][rows].
 #if defined(__AVX512BF16__)
-      if (bf16) {
-        KeyBlockBf16(key_ptrs, value_ptrs, padded, dim_padded, keys2.data(), values2.data());
-        for (int64_t t = 0; t < padded; t += kKeyTile) {
-          const uint32_t* tile_keys[kKeyTile];
-          for (int u = 0; u < kKeyTile; ++u) tile_keys[u] = keys2.data() + (t + u) * (dim_padded / 2);
-          int64_t m = 0;
-          for (; m + kRowVectors <= row_vectors; m += kRowVectors)
-            ScoreTileBf16<kRowVectors>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
-          for (; m + 2 <= row_vectors; m += 2)
-            ScoreTileBf16<2>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
-          for (; m < row_vectors; ++m) ScoreTileBf16<1>(qt2.data(), rows, tile_keys, m * kLanes, scores.data() + t * rows);
-        }
-      }
+      if (bf16) KeyBlockBf16(key_ptrs, value_ptrs, padded, dim_padded, keys2.data(), values2.data());
 #endif
-      for (int64_t t = 0; t < padded && !bf16; t += kKeyTile) {
-        int64_t m = 0;
-        for (; m + kRowVectors <= row_vectors; m += kRowVectors)
-          ScoreTile<kRowVectors>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
-        for (; m + 2 <= row_vectors; m += 2) ScoreTile<2>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
-        for (; m < row_vectors; ++m) ScoreTile<1>(qt.data(), rows, key_ptrs + t, m * kLanes, scores.data() + t * rows);
+      for (int64_t t = 0; t < padded; t += kKeyTile) {
+        float* tile_scores = scores.data() + t * rows;
+#if defined(__AVX512BF16__)
+        const uint32_t* tile_keys[kKeyTile];  // the tile's keys in bfloat16 pairs
+        for (int u = 0; u < kKeyTile && bf16; ++u) tile_keys[u] = keys2.data() + (t + u) * (dim_padded / 2);
+#endif
+        ForRowVectors(row_vectors, [&](auto vectors, int64_t m) {
+          constexpr int kRows = decltype(vectors)::value;
+#if defined(__AVX512BF16__)
+          if (bf16) return ScoreTileBf16<kRows>(qt2.data(), rows, tile_keys, m * kLanes, tile_scores);
+#endif
+          ScoreTile<kRows>(qt.data(), rows, key_ptrs + t, m * kLanes, tile_scores);
+        });
       }
       // Online softmax down the lanes: the weights replace the scores, keep[m] rescales the sums.
       for (int64_t m = 0; m < rows; m += kLanes) {
@@ -376,8 +395,8 @@ struct Problem {
       }
       // acc = acc * keep + weights . values
 #if defined(__AVX512BF16__)
-      if (bf16) {
-        const int64_t key_pairs = (count + 1) / 2;
+      const int64_t key_pairs = (count + 1) / 2;
+      if (bf16)
         for (int64_t i = 0; i < key_pairs; ++i)
           for (int64_t m = 0; m < rows; m += kLanes) {
             const __m512 first = _mm512_loadu_ps(scores.data() + 2 * i * rows + m);
@@ -385,28 +404,17 @@ struct Problem {
                                                     : _mm512_setzero_ps();
             _mm512_storeu_si512(weights2.data() + i * rows + m, PairBf16(first, second));
           }
-        for (int64_t m = 0; m < rows; m += kValueRows) {
-          int64_t d0 = 0;
-          for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
-            ValueTileBf16<kValueVectors>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0,
-                                         dim_padded, acc.data());
-          const int64_t left = (dim_padded - d0) / kLanes;
-          if (left == 3) ValueTileBf16<3>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
-          if (left == 2) ValueTileBf16<2>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
-          if (left == 1) ValueTileBf16<1>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0, dim_padded, acc.data());
-        }
-        continue;
-      }
 #endif
-      for (int64_t m = 0; m < rows; m += kValueRows) {
-        int64_t d0 = 0;
-        for (; d0 + kValueVectors * kLanes <= dim_padded; d0 += kValueVectors * kLanes)
-          ValueTile<kValueVectors>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
-        const int64_t left = (dim_padded - d0) / kLanes;
-        if (left == 3) ValueTile<3>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
-        if (left == 2) ValueTile<2>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
-        if (left == 1) ValueTile<1>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
-      }
+      for (int64_t m = 0; m < rows; m += kValueRows)
+        ForValueVectors(dim_padded, [&](auto vectors, int64_t d0) {
+          constexpr int kVectors = decltype(vectors)::value;
+#if defined(__AVX512BF16__)
+          if (bf16)
+            return ValueTileBf16<kVectors>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0,
+                                           dim_padded, acc.data());
+#endif
+          ValueTile<kVectors>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
+        });
     }
     for (int64_t i = 0; i < queries; ++i)
       for (int64_t h = 0; h < g; ++h) {
