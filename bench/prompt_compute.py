@@ -60,6 +60,7 @@ def mode_weights(mode, params, config):
     import jax
     import jax.numpy as jnp
 
+    from jaxserve.models import cpu_layout
     from jaxserve.models import quantization as qz
 
     name, _, suffix = mode.partition("+")
@@ -68,12 +69,12 @@ def mode_weights(mode, params, config):
         return params, {}, "float32", params
     if name == "bf16":
         bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-        return (bf16, {"dtype": "bfloat16"}, qz.prompt_compute_dtype("bfloat16", True),
+        return (bf16, {"dtype": "bfloat16"}, cpu_layout.prompt_compute_dtype("bfloat16", True),
                 jax.tree.map(lambda a: a.astype(jnp.float32), bf16))
     quantized = qz.quantize_params(params, name, config)
     same = qz.dequantize_params(quantized)
     prompt_dtype = {"int8_prompts": "int8", "bf16_prompts": "bfloat16"}.get(suffix, "auto")
-    compute = qz.prompt_compute_dtype(name, not float_acts, prompt_dtype)
+    compute = cpu_layout.prompt_compute_dtype(name, not float_acts, prompt_dtype)
     return quantized, {"quantization": name, "cpu_int8_activations": not float_acts,
                        "cpu_prompt_dtype": prompt_dtype}, compute, same
 

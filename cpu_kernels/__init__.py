@@ -6,7 +6,9 @@
   XLA:CPU converts every code to float first (and fuses that conversion into a matrix-vector
   product only for one row, one byte per code). A prompt chunk's rows (past a decode step's 64)
   run in tiles of 6 rows, in tasks of (strip, 48 rows) on all threads. A weight stacked on a
-  layer axis is read at a layer index given with it (the layer scan's). quantized_matmul.cc.
+  layer axis is read at a layer index given with it (the layer scan's). `quantized_matmul_group`:
+  several weights on one x (a layer's q, k and v) in one call, x quantized once and the strips of
+  all the weights one list of tasks. quantized_matmul.cc.
 * `paged_decode_attention`: decode attention over float32 KV pages, every key and value read
   once from its page for all the query heads of its KV head, the next keys prefetched, in tasks
   of (sequence, KV head, 128 keys) on XLA's CPU threads, where XLA's loop pays a dozen ops per
@@ -65,6 +67,7 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("quantize
                                                                        "prefill_attention.cc")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "parallel_for.h")]  # part of the library's hash
 _TARGETS = {"jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
+            "jaxserve_quantized_matmul_group": "JaxserveQuantizedMatmulGroup",
             "jaxserve_paged_decode_attention": "JaxservePagedDecodeAttention",
             "jaxserve_ragged_prefill_attention": "JaxserveRaggedPrefillAttention",
             "jaxserve_ragged_prefill_attention_key_limit": "JaxserveRaggedPrefillAttentionKeyLimit",
@@ -202,6 +205,32 @@ def quantized_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, zero: ja
         bits=np.int64(8 if packed.shape[-3] * 4 == k else 4), has_zero=np.int64(zero is not None),
         offset_scale=np.float32(offset_scale))
     return y.reshape(*lead, n).astype(x.dtype)
+
+
+def quantized_matmul_group(x: jax.Array, weights, offset_scale: float,
+                           layer: jax.Array | None = None) -> list[jax.Array]:
+    """[x @ w for w in weights] (each as `quantized_matmul`) in one call that quantizes x once and
+    shares the strips of all the weights among the threads: a layer's q, k and v projections.
+    weights: (packed, scale, zero or None, n) each, all of one format (bits, zero or not, groups
+    count) and stacked alike."""
+    _require()
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
+    stacked = layer is not None
+    if not weights or any(scale.ndim != (4 if stacked else 3) for _, scale, _, _ in weights):
+        raise ValueError(f"quantized_matmul_group: scales {[w[1].shape for w in weights]} with layer={layer!r}")
+    bits = {8 if packed.shape[-3] * 4 == k else 4 for packed, _, _, _ in weights}
+    has_zero = {zero is not None for _, _, zero, _ in weights}
+    if len(bits) != 1 or len(has_zero) != 1 or len({scale.shape[-2] for _, scale, _, _ in weights}) != 1:
+        raise ValueError("quantized_matmul_group: the weights must share one format")
+    layer = jnp.zeros(1, jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    no_zero = jnp.zeros((1, 1), SCALE_DTYPE)
+    operands = [a for packed, scale, zero, _ in weights for a in (packed, scale, no_zero if zero is None else zero)]
+    ys = jax.ffi.ffi_call("jaxserve_quantized_matmul_group",
+                          [jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32) for *_, n in weights])(
+        rows, layer, *operands, bits=np.int64(bits.pop()), has_zero=np.int64(has_zero.pop()),
+        offset_scale=np.float32(offset_scale))
+    return [y.reshape(*lead, n).astype(x.dtype) for y, (*_, n) in zip(ys, weights)]
 
 
 def takes_decode_attention(q, k_pages, v_pages) -> bool:

@@ -25,16 +25,19 @@
 // the online softmax runs down the lanes (a running max, sum per row). Keys come kKeyBlock at a
 // time straight from their pages, each K and V element loaded once per task for all its rows;
 // the keys read stop at the block's last query (causal; with key limits, at the block's largest
-// limit) and start at its first query's window.
+// limit) and start at its first query's window. A key block that every query of the task sees
+// whole (below its first query, inside the window) skips the mask.
 // Then the weighted values are added into the rows' sums [M][D] in register tiles. A task writes
 // only its own rows of out, so results do not depend on the thread count or the order of tasks.
 //
 // bf16 (attribute, nonzero; with AVX-512 BF16): the products in bfloat16, twice float32's rate,
-// for a model whose prompt matmuls are bfloat16 or int8 anyway: the scaled queries, each key
-// block's keys and values, and the softmax weights rounded to bfloat16 (to nearest even) in
-// pairs (two dimensions, or two keys, to a 32-bit word), each vdpbf16ps adding a pair's two
-// products to float32 sums; the softmax itself stays float32. Built without the instructions, the
-// attribute is ignored (float32 products).
+// for a model whose prompt matmuls are bfloat16 or int8 anyway: the scaled queries, the keys and
+// values, and the softmax weights rounded to bfloat16 (to nearest even) in pairs (two
+// dimensions, or two keys, to a 32-bit word), each vdpbf16ps adding a pair's two products to
+// float32 sums. The keys and values are converted once a call, before the tasks (each is read by
+// every later query block); the softmax stays float32, its weights from a cheaper exp (ExpBf16,
+// well inside the bfloat16 rounding that follows). Built without the instructions, the attribute
+// is ignored (float32 products).
 
 #if !defined(__AVX512F__)
 #error "prefill_attention.cc needs AVX-512 (compiled with -march=native on such a CPU)"
@@ -48,6 +51,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "parallel_for.h"
@@ -81,6 +85,19 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp of 16 floats <= 0 within 7.5e-5 relative error (a cubic on the reduced argument), for softmax
+// weights rounded to bfloat16 anyway (2^-9 relative); -inf gives a NaN-free 0 through the clamp.
+inline __m512 ExpBf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.16566729f), r, _mm512_set1_ps(0.50496162f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00016417f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99992812f));
+  return _mm512_scalef_ps(p, n);
+}
+
 struct Block {  // one task's queries: tokens [first, last) of sequence s
   int64_t s, first, last;
 };
@@ -96,6 +113,16 @@ struct Problem {
   bool bf16 = false;  // products in bfloat16 (AVX-512 BF16), sums in float32
   std::vector<Block> blocks;
   std::vector<float> zeros;  // a key of zeros for the key tiles' padding
+  // bf16: each (sequence, KV head)'s keys from `lo` (even) to its length, converted once a call
+  // (ConvertChunk) for all the tasks that read them: keys2 [n][dim_padded / 2] as pairs of
+  // dimensions, values2 [n / 2][dim_padded] as pairs of keys (2i, 2i + 1 from lo), zeros past the
+  // sequence's length (n: the keys rounded up to kKeyBlock, and one kKeyBlock more).
+  struct ConvertedKeys {
+    int64_t lo = 0, chunks = 0;
+    uint32_t *keys2 = nullptr, *values2 = nullptr;
+  };
+  std::vector<ConvertedKeys> converted;  // [sequences * kv_heads]
+  std::vector<uint32_t> converted_words;
 
   int64_t group() const { return q_heads / kv_heads; }
   int64_t QueryLen(int64_t s) const { return query_start_loc[s + 1] - query_start_loc[s]; }
@@ -240,6 +267,47 @@ struct Problem {
         _mm512_storeu_si512(values2 + (t / 2) * dim_padded + d, PairBf16(first, second));
       }
   }
+
+  // Sizes `converted` for the sequences with queries (blocks built) and allocates its words.
+  void PrepareConverted(int64_t sequences) {
+    const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
+    converted.assign(sequences * kv_heads, ConvertedKeys());
+    std::vector<int64_t> offsets(sequences, -1);
+    int64_t words = 0;
+    for (const Block& block : blocks) {
+      if (offsets[block.s] >= 0) continue;  // sized at the sequence's first block
+      const int64_t first_pos = Position(block.s, query_start_loc[block.s]);
+      const int64_t lo = (window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0) & ~int64_t{1};
+      const int64_t chunks = (seq_lens[block.s] - lo + kKeyBlock - 1) / kKeyBlock;
+      offsets[block.s] = words;
+      for (int64_t h = 0; h < kv_heads; ++h) converted[block.s * kv_heads + h] = {lo, chunks, nullptr, nullptr};
+      words += kv_heads * (chunks + 1) * kKeyBlock * dim_padded;  // keys2 and values2: half each
+    }
+    converted_words.assign(words, 0);
+    for (int64_t s = 0; s < sequences; ++s)
+      for (int64_t h = 0; offsets[s] >= 0 && h < kv_heads; ++h) {
+        ConvertedKeys& c = converted[s * kv_heads + h];
+        const int64_t half = (c.chunks + 1) * kKeyBlock * dim_padded / 2;
+        c.keys2 = converted_words.data() + offsets[s] + 2 * h * half;
+        c.values2 = c.keys2 + half;
+      }
+  }
+
+  // Converts chunk `chunk` (kKeyBlock keys) of converted[index]'s keys and values.
+  void ConvertChunk(int64_t index, int64_t chunk) {
+    const ConvertedKeys& c = converted[index];
+    const int64_t s = index / kv_heads, head = index % kv_heads, first = c.lo + chunk * kKeyBlock;
+    const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
+    const float* key_ptrs[kKeyBlock];
+    const float* value_ptrs[kKeyBlock];
+    for (int64_t t = 0; t < kKeyBlock; ++t) {
+      const bool real = first + t < seq_lens[s];
+      key_ptrs[t] = real ? Key(k, s, first + t, head) : zeros.data();
+      value_ptrs[t] = real ? Key(v, s, first + t, head) : zeros.data();
+    }
+    KeyBlockBf16(key_ptrs, value_ptrs, kKeyBlock, dim_padded, c.keys2 + chunk * kKeyBlock * (dim_padded / 2),
+                 c.values2 + chunk * (kKeyBlock / 2) * dim_padded);
+  }
 #endif
 
   // The lanes of dimensions [d, d + 16) below dim.
@@ -281,7 +349,7 @@ struct Problem {
     const int64_t row_vectors = rows / kLanes;
     const int64_t dim_padded = (dim + kLanes - 1) / kLanes * kLanes;
     const int64_t first_pos = Position(s, block.first), last_pos = Position(s, block.last - 1);
-    const int64_t key_first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+    int64_t key_first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
 
     std::vector<float> qt(dim * rows, 0.f), acc(rows * dim_padded, 0.f), scores(kKeyBlock * rows);
     std::vector<float> row_max(rows, kNegInf), row_sum(rows, 0.f), keep(rows);
@@ -304,10 +372,12 @@ struct Problem {
       }
     }
 #if defined(__AVX512BF16__)
-    // bfloat16: the scaled queries two dimensions to a word, [pairs][rows]; the key block's keys
-    // and values in pairs, and its weights in pairs of keys.
+    // bfloat16: the scaled queries two dimensions to a word, [pairs][rows]; the keys and values
+    // converted before the tasks (from an even key: the blocks start at a pair), the weights in
+    // pairs of keys.
     const int64_t pairs = (dim + 1) / 2;
-    std::vector<uint32_t> qt2, keys2, values2, weights2;
+    std::vector<uint32_t> qt2, weights2;
+    const ConvertedKeys* kv2 = bf16 ? &converted[s * kv_heads + head] : nullptr;
     if (bf16) {
       qt2.assign(pairs * rows, 0);
       for (int64_t j = 0; j < pairs; ++j)
@@ -316,9 +386,8 @@ struct Problem {
           const __m512 odd = 2 * j + 1 < dim ? _mm512_loadu_ps(qt.data() + (2 * j + 1) * rows + m) : _mm512_setzero_ps();
           _mm512_storeu_si512(qt2.data() + j * rows + m, PairBf16(even, odd));
         }
-      keys2.assign(kKeyBlock * dim_padded / 2, 0);
-      values2.assign(kKeyBlock / 2 * dim_padded, 0);
       weights2.assign(kKeyBlock / 2 * rows, 0);
+      key_first = kv2->lo + ((key_first - kv2->lo) & ~int64_t{1});  // a key before the window: masked
     }
 #endif
     // The keys any of the block's queries sees: [key_first, key_last).
@@ -330,19 +399,23 @@ struct Problem {
     for (int64_t start = key_first; start < key_last; start += kKeyBlock) {
       const int64_t count = std::min<int64_t>(kKeyBlock, key_last - start);
       const int64_t padded = (count + kKeyTile - 1) / kKeyTile * kKeyTile;
-      for (int64_t t = 0; t < padded; ++t) {
+      // Every key of the block visible to every row: no mask (rows past the queries then get
+      // weights too, but are never written out).
+      const bool all_visible = start + count - 1 <= first_pos && (window <= 0 || last_pos - start < window);
+#if defined(__AVX512BF16__)
+      const uint32_t* keys2 = bf16 ? kv2->keys2 + (start - kv2->lo) * (dim_padded / 2) : nullptr;
+      const uint32_t* values2 = bf16 ? kv2->values2 + (start - kv2->lo) / 2 * dim_padded : nullptr;
+#endif
+      for (int64_t t = 0; t < padded && !bf16; ++t) {
         key_ptrs[t] = t < count ? Key(k, s, start + t, head) : zeros.data();
         value_ptrs[t] = t < count ? Key(v, s, start + t, head) : zeros.data();
       }
       // Scores [padded][rows].
-#if defined(__AVX512BF16__)
-      if (bf16) KeyBlockBf16(key_ptrs, value_ptrs, padded, dim_padded, keys2.data(), values2.data());
-#endif
       for (int64_t t = 0; t < padded; t += kKeyTile) {
         float* tile_scores = scores.data() + t * rows;
 #if defined(__AVX512BF16__)
         const uint32_t* tile_keys[kKeyTile];  // the tile's keys in bfloat16 pairs
-        for (int u = 0; u < kKeyTile && bf16; ++u) tile_keys[u] = keys2.data() + (t + u) * (dim_padded / 2);
+        for (int u = 0; u < kKeyTile && bf16; ++u) tile_keys[u] = keys2 + (t + u) * (dim_padded / 2);
 #endif
         ForRowVectors(row_vectors, [&](auto vectors, int64_t m) {
           constexpr int kRows = decltype(vectors)::value;
@@ -363,8 +436,9 @@ struct Problem {
           const __m512i key_pos = _mm512_set1_epi32(static_cast<int32_t>(start + t));
           // key_pos <= limit and pos - key_pos < window (limit INT32_MIN for rows with no query:
           // never; limit = pos without key limits: causal).
-          visible[t] = _mm512_cmple_epi32_mask(key_pos, lim) &
-                       _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, key_pos), window_v);
+          visible[t] = all_visible ? __mmask16(0xFFFF)
+                                   : _mm512_cmple_epi32_mask(key_pos, lim) &
+                                         _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, key_pos), window_v);
           float* sc = scores.data() + t * rows + m;
           __m512 score = _mm512_loadu_ps(sc);
           if (soft_cap > 0.f) {
@@ -373,8 +447,8 @@ struct Problem {
             for (float& x : lanes) x = soft_cap * std::tanh(x / soft_cap);
             score = _mm512_load_ps(lanes);
           }
-          score = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible[t], score);
-          _mm512_storeu_ps(sc, score);
+          if (!all_visible) score = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible[t], score);
+          if (!all_visible || soft_cap > 0.f) _mm512_storeu_ps(sc, score);
           top = _mm512_max_ps(top, score);
         }
         // Lanes that have seen no key keep -inf; they subtract 0 instead (their weights are 0).
@@ -383,7 +457,20 @@ struct Problem {
         const __mmask16 had = _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
         const __m512 rescale = _mm512_maskz_mov_ps(had, Exp(_mm512_sub_ps(old_max, safe)));
         __m512 total = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + m), rescale);
-        for (int64_t t = 0; t < count; ++t) {
+#if defined(__AVX512BF16__)
+        if (bf16) {  // the weights of keys 2i and 2i + 1 straight into their pairs
+          for (int64_t i = 0; 2 * i < count; ++i) {
+            const float* sc = scores.data() + 2 * i * rows + m;
+            const __m512 first = _mm512_maskz_mov_ps(visible[2 * i], ExpBf16(_mm512_sub_ps(_mm512_loadu_ps(sc), safe)));
+            const __m512 second = 2 * i + 1 < count ? _mm512_maskz_mov_ps(visible[2 * i + 1],
+                                                                           ExpBf16(_mm512_sub_ps(_mm512_loadu_ps(sc + rows), safe)))
+                                                    : _mm512_setzero_ps();
+            total = _mm512_add_ps(total, _mm512_add_ps(first, second));
+            _mm512_storeu_si512(weights2.data() + i * rows + m, PairBf16(first, second));
+          }
+        }
+#endif
+        for (int64_t t = 0; t < count && !bf16; ++t) {
           float* sc = scores.data() + t * rows + m;
           const __m512 weight = _mm512_maskz_mov_ps(visible[t], Exp(_mm512_sub_ps(_mm512_loadu_ps(sc), safe)));
           _mm512_storeu_ps(sc, weight);
@@ -396,21 +483,13 @@ struct Problem {
       // acc = acc * keep + weights . values
 #if defined(__AVX512BF16__)
       const int64_t key_pairs = (count + 1) / 2;
-      if (bf16)
-        for (int64_t i = 0; i < key_pairs; ++i)
-          for (int64_t m = 0; m < rows; m += kLanes) {
-            const __m512 first = _mm512_loadu_ps(scores.data() + 2 * i * rows + m);
-            const __m512 second = 2 * i + 1 < count ? _mm512_loadu_ps(scores.data() + (2 * i + 1) * rows + m)
-                                                    : _mm512_setzero_ps();
-            _mm512_storeu_si512(weights2.data() + i * rows + m, PairBf16(first, second));
-          }
 #endif
       for (int64_t m = 0; m < rows; m += kValueRows)
         ForValueVectors(dim_padded, [&](auto vectors, int64_t d0) {
           constexpr int kVectors = decltype(vectors)::value;
 #if defined(__AVX512BF16__)
           if (bf16)
-            return ValueTileBf16<kVectors>(weights2.data(), rows, keep.data(), values2.data(), key_pairs, m, d0,
+            return ValueTileBf16<kVectors>(weights2.data(), rows, keep.data(), values2, key_pairs, m, d0,
                                            dim_padded, acc.data());
 #endif
           ValueTile<kVectors>(scores.data(), rows, keep.data(), value_ptrs, count, m, d0, dim_padded, acc.data());
@@ -481,6 +560,16 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
     for (int64_t end = last; end > first; end -= kQueryBlock)
       p.blocks.push_back({s, std::max(first, end - kQueryBlock), end});
   }
+#if defined(__AVX512BF16__)
+  if (p.bf16) {  // the keys and values in bfloat16 pairs, once for all tasks
+    p.PrepareConverted(seqs);
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // (sequence * kv_heads + head, chunk)
+    for (int64_t i = 0; i < static_cast<int64_t>(p.converted.size()); ++i)
+      for (int64_t c = 0; p.converted[i].keys2 != nullptr && c < p.converted[i].chunks; ++c) chunks.push_back({i, c});
+    jaxserve::ParallelFor(pool, pool.num_threads(), static_cast<int64_t>(chunks.size()),
+                          [&p, &chunks](int64_t i) { p.ConvertChunk(chunks[i].first, chunks[i].second); });
+  }
+#endif
   const int64_t tasks = static_cast<int64_t>(p.blocks.size()) * p.kv_heads;
   jaxserve::ParallelFor(pool, pool.num_threads(), tasks, [&p](int64_t t) { p.Task(t); });
   return ffi::Error::Success();

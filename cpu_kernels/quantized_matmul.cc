@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "parallel_for.h"
@@ -207,41 +208,24 @@ void QuantizeRows(const float* x, int64_t k, int64_t groups, int64_t row0, int64
   }
 }
 
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::S32> layer,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bits, int64_t has_zero,
-                           float offset_scale) {
-  const auto xd = x.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || (sd.size() != 3 && sd.size() != 4) || yd.size() != 2 || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("quantized_matmul: x and y must be 2-D, scale 3-D (4-D stacked), layer one index");
+// One weight of a call, checked against x's [rows, k]: its codes, scales and zeros at layer
+// `index` of their stack, and its result y [rows, n], into p's weight fields.
+ffi::Error SetWeight(Problem& p, int64_t rows, int64_t k, int64_t index, ffi::Buffer<ffi::U8> packed,
+                     ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                     int64_t bits, int64_t has_zero, float offset_scale) {
+  const auto sd = scale.dimensions(), yd = y->dimensions();
+  if ((sd.size() != 3 && sd.size() != 4) || yd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized_matmul: y must be 2-D, scale 3-D (4-D stacked)");
   // A stacked weight ([L, ...] codes, scales and zeros): the layer's slice, read in place.
   const int64_t layers = sd.size() == 4 ? sd[0] : 1, at = sd.size() - 3;
-  const int64_t rows = xd[0], k = xd[1], strips = sd[at], groups = sd[at + 1], n = yd[1];
+  const int64_t strips = sd[at], groups = sd[at + 1], n = yd[1];
   const int64_t layer_codes = strips * kStrip * (bits == 4 ? k / 2 : k), layer_scales = strips * groups * kStrip;
   if ((bits != 8 && bits != 4) || groups <= 0 || k % groups != 0 || (k / groups) % kBlock != 0 ||
       sd[at + 2] != kStrip || strips != (n + kStrip - 1) / kStrip || yd[0] != rows ||
       (has_zero && zero.element_count() != scale.element_count()) || packed.element_count() != layers * layer_codes)
     return ffi::Error::InvalidArgument("quantized_matmul: inconsistent shapes");
-  const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= layers)
     return ffi::Error::InvalidArgument("quantized_matmul: layer index outside the stacked weight");
-
-  // The rows of x in int8 per block of kBlock inputs, and their sums per group; a prompt
-  // chunk's rows on all the threads.
-  const int64_t blocks = k / kBlock;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> dx(rows * blocks), xsum(rows * groups);
-  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t quantize_threads = rows > kMaxDecodeRows ? pool.num_threads() : 1;
-  jaxserve::ParallelFor(pool, quantize_threads, row_blocks, [&](int64_t block) {
-    QuantizeRows(x.typed_data(), k, groups, block * kRowsPerTask, std::min(rows, (block + 1) * kRowsPerTask),
-                 xq.data(), dx.data(), xsum.data());
-  });
-
-  Problem p;
-  p.xq = reinterpret_cast<const int32_t*>(xq.data());
-  p.dx = dx.data();
-  p.xsum = xsum.data();
   p.w = packed.typed_data() + index * layer_codes;
   p.scale = reinterpret_cast<const uint16_t*>(scale.typed_data()) + index * layer_scales;
   p.zero = has_zero ? reinterpret_cast<const uint16_t*>(zero.typed_data()) + index * layer_scales : nullptr;
@@ -253,21 +237,101 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   p.group = k / groups;
   p.int4 = bits == 4;
   p.offset_scale = offset_scale;
+  return ffi::Error::Success();
+}
 
-  // Another thread of XLA's pool only for a weight large enough to repay waking it (a small one
+// y_i = x @ w_i for the weights `problems` (SetWeight's, one groups count): x quantized once,
+// then the strips of all the weights shared among the threads as one list of tasks.
+ffi::Error Multiply(ffi::ThreadPool pool, const float* x, std::vector<Problem>& problems) {
+  const int64_t rows = problems[0].rows, k = problems[0].k, groups = problems[0].groups;
+  int64_t strips = 0, codes = 0;
+  std::vector<int64_t> first_strip;  // problems[i]'s strips are [first_strip[i], first_strip[i + 1])
+  for (const Problem& p : problems) {
+    if (p.groups != groups)
+      return ffi::Error::InvalidArgument("quantized_matmul: the weights of one call need one groups count");
+    first_strip.push_back(strips);
+    strips += (p.n + kStrip - 1) / kStrip;
+    codes += (p.n + kStrip - 1) / kStrip * kStrip * (p.int4 ? k / 2 : k);
+  }
+  first_strip.push_back(strips);
+
+  // The rows of x in int8 per block of kBlock inputs, and their sums per group; a prompt
+  // chunk's rows on all the threads.
+  const int64_t blocks = k / kBlock;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> dx(rows * blocks), xsum(rows * groups);
+  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t quantize_threads = rows > kMaxDecodeRows ? pool.num_threads() : 1;
+  jaxserve::ParallelFor(pool, quantize_threads, row_blocks, [&](int64_t block) {
+    QuantizeRows(x, k, groups, block * kRowsPerTask, std::min(rows, (block + 1) * kRowsPerTask), xq.data(),
+                 dx.data(), xsum.data());
+  });
+  for (Problem& p : problems) {
+    p.xq = reinterpret_cast<const int32_t*>(xq.data());
+    p.dx = dx.data();
+    p.xsum = xsum.data();
+  }
+  // Strip s of the call: which weight's, and which of its strips.
+  const auto locate = [&](int64_t s) {
+    const int64_t i = std::upper_bound(first_strip.begin(), first_strip.end(), s) - first_strip.begin() - 1;
+    return std::pair<const Problem&, int64_t>(problems[i], s - first_strip[i]);
+  };
+
+  // Another thread of XLA's pool only for weights large enough to repay waking it (a small one
   // runs faster on the caller alone: SmolLM2 576 x 576 int8: 12.8 us alone, 21.6 us with a second
   // thread). A decode step's rows: one task per strip; a prompt chunk's: per strip and block of
   // kRowsPerTask rows, in prompt tiles.
-  const int64_t threads = layer_codes >= kParallelBytes || rows > kMaxDecodeRows ? pool.num_threads() : 1;
+  const int64_t threads = codes >= kParallelBytes || rows > kMaxDecodeRows ? pool.num_threads() : 1;
   if (rows <= kMaxDecodeRows) {
-    jaxserve::ParallelFor(pool, threads, strips, [&p](int64_t s) { Strip(p, s, 0, p.rows); });
+    jaxserve::ParallelFor(pool, threads, strips, [&](int64_t s) {
+      const auto [p, strip] = locate(s);
+      Strip(p, strip, 0, p.rows);
+    });
   } else {
-    jaxserve::ParallelFor(pool, threads, strips * row_blocks, [&p, row_blocks](int64_t task) {
+    jaxserve::ParallelFor(pool, threads, strips * row_blocks, [&](int64_t task) {
+      const auto [p, strip] = locate(task / row_blocks);
       const int64_t row0 = task % row_blocks * kRowsPerTask;
-      PromptStrip(p, task / row_blocks, row0, std::min(p.rows, row0 + kRowsPerTask));
+      PromptStrip(p, strip, row0, std::min(p.rows, row0 + kRowsPerTask));
     });
   }
   return ffi::Error::Success();
+}
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                           ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> zero, ffi::Buffer<ffi::S32> layer,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bits, int64_t has_zero,
+                           float offset_scale) {
+  if (x.dimensions().size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("quantized_matmul: x must be 2-D, layer one index");
+  std::vector<Problem> problems(1);
+  const ffi::Error set = SetWeight(problems[0], x.dimensions()[0], x.dimensions()[1], layer.typed_data()[0], packed,
+                                   scale, zero, y, bits, has_zero, offset_scale);
+  if (set.failure()) return set;
+  return Multiply(pool, x.typed_data(), problems);
+}
+
+// Several weights over one x (a layer's q, k and v projections): x, layer, then each weight's
+// codes, scales and zeros; each weight's y. One format (bits, has_zero, offset_scale) for all.
+ffi::Error QuantizedMatmulGroup(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                ffi::RemainingArgs weights, ffi::RemainingRets ys, int64_t bits, int64_t has_zero,
+                                float offset_scale) {
+  if (x.dimensions().size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("quantized_matmul: x must be 2-D, layer one index");
+  if (ys.size() == 0 || weights.size() != 3 * ys.size())
+    return ffi::Error::InvalidArgument("quantized_matmul: a group takes codes, scales and zeros for each result");
+  std::vector<Problem> problems(ys.size());
+  for (size_t i = 0; i < ys.size(); ++i) {
+    const auto packed = weights.get<ffi::Buffer<ffi::U8>>(3 * i);
+    const auto scale = weights.get<ffi::Buffer<ffi::F16>>(3 * i + 1);
+    const auto zero = weights.get<ffi::Buffer<ffi::F16>>(3 * i + 2);
+    const auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (packed.has_error() || scale.has_error() || zero.has_error() || y.has_error())
+      return ffi::Error::InvalidArgument("quantized_matmul: a group's operands are uint8 codes, float16 scales and zeros, float32 results");
+    const ffi::Error set = SetWeight(problems[i], x.dimensions()[0], x.dimensions()[1], layer.typed_data()[0],
+                                     *packed, *scale, *zero, *y, bits, has_zero, offset_scale);
+    if (set.failure()) return set;
+  }
+  return Multiply(pool, x.typed_data(), problems);
 }
 
 }  // namespace
@@ -281,6 +345,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("has_zero")
+                                  .Attr<float>("offset_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulGroup, QuantizedMatmulGroup,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("has_zero")
                                   .Attr<float>("offset_scale"));

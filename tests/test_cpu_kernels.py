@@ -77,6 +77,40 @@ def test_a_stacked_weight_is_read_at_the_layer_index(name):
         np.asarray(at_layer(x, stacked, jnp.int32(3)))
 
 
+@pytest.mark.parametrize("name", ["int8", "int4_g32_sym", "int8_g32_zp"])
+def test_a_group_of_weights_is_one_call_equal_to_one_call_each(name):
+    """quantization.linear_group (a layer's q, k and v; its gate and up): weights of one format on
+    one input in one kernel call (x quantized once, the strips of all the weights one list of
+    tasks), bit-equal to a call each, at decode and prompt row counts and at a stacked weight's
+    layer index. Weights the kernel does not take together (another format, a bfloat16 prompt
+    chunk) fall back to a call each, with the same results."""
+    rng = np.random.default_rng([SEED, 7, FORMATS.index(name)])
+    fmt = qz.parse_format(name)
+    stacks = [jax.jit(cpu_layout.with_kernel_layout)(jax.tree.map(lambda *a: jnp.stack(a), *[
+        qz.quantize((rng.standard_normal((128, n)) / np.sqrt(128)).astype(np.float32), fmt) for _ in range(2)]))
+        for n in (96, 32, 200)]
+    stacks = [dataclasses.replace(w, kernel=dataclasses.replace(w.kernel, prompt_dtype="int8")) for w in stacks]
+
+    def at(weights, layer):
+        return [dataclasses.replace(w, kernel=dataclasses.replace(w.kernel, layer=layer)) for w in weights]
+    grouped = jax.jit(lambda x, weights, layer: qz.linear_group(x, at(weights, layer)))
+    separate = jax.jit(lambda x, weights, layer: [qz.linear(x, w) for w in at(weights, layer)])
+    for rows in (1, 4, 9, 64, 65, 150):
+        x = jnp.asarray(rng.standard_normal((rows, 128)).astype(np.float32))
+        for layer in (0, 1):
+            lowered = grouped.lower(x, stacks, jnp.int32(layer)).as_text()
+            assert lowered.count("stablehlo.custom_call") == 1 and "jaxserve_quantized_matmul_group" in lowered
+            got = grouped(x, stacks, jnp.int32(layer))
+            for g, want in zip(got, separate(x, stacks, jnp.int32(layer)), strict=True):
+                assert np.array_equal(np.asarray(g), np.asarray(want)), f"seed {SEED}: {rows} rows, layer {layer}"
+    x = jnp.asarray(rng.standard_normal((65, 128)).astype(np.float32))
+    mixed = [stacks[0], dataclasses.replace(stacks[1], kernel=dataclasses.replace(stacks[1].kernel,
+                                                                                 prompt_dtype="bfloat16"))]
+    assert "jaxserve_quantized_matmul_group" not in grouped.lower(x, mixed, jnp.int32(0)).as_text()
+    for g, want in zip(grouped(x, mixed, jnp.int32(0)), separate(x, mixed, jnp.int32(0)), strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(want))
+
+
 @pytest.mark.parametrize("prompt_dtype", ["int8", "bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int8_g64"])
 def test_prompt_chunks_multiply_in_the_prompt_dtype(name, prompt_dtype):
@@ -120,11 +154,12 @@ def test_auto_prompt_dtype_takes_the_vnni_kernel_for_per_channel_int8(monkeypatc
     monkeypatch.setattr(prompt_matmul, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(prompt_matmul, "cpu_has_bfloat16", lambda: True)
     want = "bfloat16" if amx else "int8"
-    assert qz.prompt_compute_dtype("int8", True) == want
-    assert qz.prompt_compute_dtype("int8_g32", True) == qz.prompt_compute_dtype("int4", True) == "bfloat16"
-    assert qz.prompt_compute_dtype("int4", True, "int8") == "int8"
-    assert qz.prompt_compute_dtype("int8", False) == "float32"
-    assert qz.prompt_compute_dtype("bfloat16", True) == "bfloat16"
+    assert cpu_layout.prompt_compute_dtype("int8", True) == want
+    assert cpu_layout.prompt_compute_dtype("int8_g32", True) == "bfloat16"
+    assert cpu_layout.prompt_compute_dtype("int4", True) == "bfloat16"
+    assert cpu_layout.prompt_compute_dtype("int4", True, "int8") == "int8"
+    assert cpu_layout.prompt_compute_dtype("int8", False) == "float32"
+    assert cpu_layout.prompt_compute_dtype("bfloat16", True) == "bfloat16"
     rng = np.random.default_rng([SEED, 7])
     params = {"embed": rng.standard_normal((32, 64)).astype(np.float32),
               "layers": {name: qz.quantize(rng.standard_normal((2, 64, 96)).astype(np.float32), qz.parse_format(fmt))

@@ -221,11 +221,11 @@ def predict_for_flags(fv: flags.FlagValues, model: ModelConfig, plan: memory.Mem
     cfg = engine_flags.engine_config(fv)
 
     def probe():
-        from jaxserve.models import quantization  # loads jax: only when no ceilings are given
+        from jaxserve.models import cpu_layout  # loads jax: only when no ceilings are given
         from jaxserve.planning import probe as probe_lib
         rows = [*sizes, predict.prefill_chunk(cfg)]  # the decode steps and the TTFT's prefill chunks
-        prompt_dtype = quantization.prompt_compute_dtype(plan.weight_dtype, cfg.cpu_int8_activations,
-                                                         cfg.cpu_prompt_dtype)
+        prompt_dtype = cpu_layout.prompt_compute_dtype(plan.weight_dtype, cfg.cpu_int8_activations,
+                                                       cfg.cpu_prompt_dtype)
         return probe_lib.probe(model, rows, fv.predict_context_len, cfg.page_size, prompt_dtype)
 
     ceilings = predict.resolve_ceilings(cfg, fv.target, probe)

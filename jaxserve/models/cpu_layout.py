@@ -28,7 +28,7 @@ import numpy as np
 import cpu_kernels
 from jaxserve.models import prompt_matmul
 from jaxserve.models.quantization import (KernelLayout, QuantArray, QuantEmbedding, StripMatrix, TransposedLayout,
-                                          per_channel_int8, tree_bytes)
+                                          parse_format, tree_bytes)
 
 Params = dict[str, Any]
 # The attention backends whose CPU path takes float32 operands (`layer_views`' float32_attention).
@@ -48,6 +48,28 @@ def kernel_takes(weight) -> bool:
             or (zero is not None and zero.dtype != cpu_kernels.SCALE_DTYPE):
         return False
     return (weight.shape[-2] // scale.shape[-2]) % cpu_kernels.BLOCK == 0
+
+
+def prompt_compute_dtype(weight_dtype: str, int8_activations: bool, prompt_dtype: str = "auto") -> str:
+    """What a prompt chunk's matmuls multiply in on this CPU (quantization.linear, prompt_matmul)
+    for linear layers stored as `weight_dtype` (a float dtype or a format name), with
+    EngineConfig.cpu_int8_activations and cpu_prompt_dtype: "int8", "bfloat16" or "float32"."""
+    if weight_dtype in ("float32", "float16"):
+        return "float32"
+    if weight_dtype == "bfloat16":
+        chosen = prompt_matmul.resolve(prompt_dtype)
+        return "float32" if chosen == "float32" else "bfloat16"
+    fmt = parse_format(weight_dtype, stored=True)
+    takes = not (fmt.float8 or fmt.act_order or fmt.integer_zero or fmt.scale_dtype != "float16"
+                 or (fmt.group_size or cpu_kernels.BLOCK) % cpu_kernels.BLOCK)  # kernel_takes, by format name
+    if not (int8_activations and takes and cpu_kernels.available()):
+        return "float32"
+    return prompt_matmul.resolve(prompt_dtype, (fmt.bits, fmt.group_size, fmt.zero_point) == (8, None, False))
+
+
+def per_channel_int8(weight: QuantArray) -> bool:
+    """Whether a weight is `--quantization=int8`'s: int8 codes, one scale per output channel, no zero."""
+    return weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1
 
 
 def kernel_layout(weight: QuantArray) -> KernelLayout:

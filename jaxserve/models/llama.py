@@ -114,7 +114,7 @@ def qkv_projection(lp: Params, x: jax.Array, config: ModelConfig,
     eps, offset = config.rms_norm_eps, config.norm_weight_offset
     with jax.named_scope("qkv"):
         h = rms_norm(x, lp["attn_norm"], eps, offset)
-        q, k, v = (lora_slab.project(h, lp, name, lora) for name in ("wq", "wk", "wv"))
+        q, k, v = lora_slab.project_group(h, lp, ("wq", "wk", "wv"), lora)
         if config.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
@@ -145,8 +145,8 @@ def mlp_block(lp: Params, x: jax.Array, config: ModelConfig, mesh: jax.sharding.
         h = rms_norm(x, lp["mlp_norm"], eps, offset)
         if "router" in lp:
             return x + moe.sparse_mlp(lp, h, config, mesh)
-        project = functools.partial(lora_slab.project, lp=lp, lora=lora)
-        out = project(activation(project(h, name="w_gate")) * project(h, name="w_up"), name="w_down")
+        gate, up = lora_slab.project_group(h, lp, ("w_gate", "w_up"), lora)
+        out = lora_slab.project(activation(gate) * up, lp, "w_down", lora)
         if config.sandwich_norms:
             out = rms_norm(out, lp["mlp_post_norm"], eps, offset)
         return x + out

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import weights
-from jaxserve.models.quantization import linear
+from jaxserve.models.quantization import linear, linear_group
 from pallas_kernels import dispatch
 
 Slab = dict  # {name: {"a": [L, S, in, R], "b": [L, S, R, out]}}
@@ -162,3 +162,12 @@ class LayerLoRA:
 def project(x: jax.Array, lp: dict, name: str, lora: LayerLoRA | None) -> jax.Array:
     """x @ lp[name] (quantization.linear), plus the rows' LoRA updates with a slab."""
     return linear(x, lp[name]) if lora is None else lora.linear(x, lp[name], name)
+
+
+def project_group(x: jax.Array, lp: dict, names: tuple[str, ...], lora: LayerLoRA | None) -> list[jax.Array]:
+    """[project(x, lp, name, lora) for name in names], the base projections in one kernel call
+    where they can be (quantization.linear_group)."""
+    ys = linear_group(x, [lp[name] for name in names])
+    if lora is None:
+        return ys
+    return [y if name not in lora.slab else y + lora.update(x, name).astype(y.dtype) for y, name in zip(ys, names)]

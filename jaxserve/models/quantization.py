@@ -379,34 +379,34 @@ def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
     return y if out_dtype is None else y.astype(out_dtype)
 
 
-def prompt_compute_dtype(weight_dtype: str, int8_activations: bool, prompt_dtype: str = "auto") -> str:
-    """What a prompt chunk's matmuls multiply in on this CPU (`linear`, jaxserve.models.prompt_matmul)
-    for linear layers stored as `weight_dtype` (a float dtype or a format name), with
-    EngineConfig.cpu_int8_activations and cpu_prompt_dtype: "int8", "bfloat16" or "float32"."""
-    if weight_dtype in ("float32", "float16"):
-        return "float32"
-    if weight_dtype == "bfloat16":
-        chosen = prompt_matmul.resolve(prompt_dtype)
-        return "float32" if chosen == "float32" else "bfloat16"
-    fmt = parse_format(weight_dtype, stored=True)
-    kernel_takes = not (fmt.float8 or fmt.act_order or fmt.integer_zero or fmt.scale_dtype != "float16"
-                        or (fmt.group_size or cpu_kernels.BLOCK) % cpu_kernels.BLOCK)  # cpu_layout.kernel_takes
-    if not (int8_activations and kernel_takes and cpu_kernels.available()):
-        return "float32"
-    return prompt_matmul.resolve(prompt_dtype, (fmt.bits, fmt.group_size, fmt.zero_point) == (8, None, False))
+def linear_group(x: jax.Array, weights) -> list[jax.Array]:
+    """[linear(x, w) for w in weights] (one input, several projections: a layer's q, k and v), in
+    one call of the C++ kernel (cpu_kernels.quantized_matmul_group: x quantized once) where each
+    would take it in the same format and layer, else one `linear` each. Same results either way."""
+    calls = [_kernel_call(x, w) for w in weights]
+    if None in calls or len({(k.packed.dtype, k.packed.shape[-3], k.zero is None, k.scale.shape[-2], offset)
+                             for k, offset in calls}) != 1 or any(k.layer is not calls[0][0].layer for k, _ in calls):
+        return [linear(x, w) for w in weights]  # (stacked: one layer index, the scan's, for all)
+    return cpu_kernels.quantized_matmul_group(x, [(k.packed, k.scale, k.zero, w.q.shape[-1]) for (k, _), w in
+                                                  zip(calls, weights)], calls[0][1], layer=calls[0][0].layer)
 
 
-def per_channel_int8(weight: QuantArray) -> bool:
-    """Whether a weight is `--quantization=int8`'s: int8 codes, one scale per output channel, no zero."""
-    return weight.q.dtype == jnp.int8 and weight.zero is None and weight.scale.shape[-2] == 1
+def _kernel_call(x: jax.Array, weight) -> tuple[KernelLayout, float] | None:
+    """(kernel layout, offset_scale) of a weight that `linear` multiplies in the C++ kernel, else None."""
+    if not isinstance(weight, QuantArray) or weight.kernel is None:
+        return None
+    if not (math.prod(x.shape[:-1]) <= cpu_kernels.MAX_ROWS or weight.kernel.prompt_dtype == "int8"):
+        return None  # the kernel takes decode rows, and prompt chunks in int8
+    int4 = weight.q.dtype == jnp.uint8
+    return weight.kernel, 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
 
 
 def _quantized_linear(x: jax.Array, weight: QuantArray) -> jax.Array:
     """x [..., in] @ a QuantArray [in, out] -> [..., out] in x's dtype (see `linear`)."""
     rows = math.prod(x.shape[:-1])
-    if weight.kernel is not None and (rows <= cpu_kernels.MAX_ROWS or weight.kernel.prompt_dtype == "int8"):
-        kernel, int4 = weight.kernel, weight.q.dtype == jnp.uint8  # decode rows, or int8 prompt chunks
-        offset_scale = 0.0 if weight.zero is not None else (-8.0 if int4 else -float(INT8_ZERO_OFFSET))
+    kernel_call = _kernel_call(x, weight)
+    if kernel_call is not None:  # decode rows, or int8 prompt chunks
+        kernel, offset_scale = kernel_call
         return cpu_kernels.quantized_matmul(x, kernel.packed, kernel.scale, kernel.zero, offset_scale,
                                             weight.q.shape[-1], layer=kernel.layer)
     if weight.prompt_activations and rows > cpu_kernels.MAX_ROWS:  # a prompt chunk on an accelerator

@@ -158,7 +158,7 @@ def probe(model: ModelConfig, rows: Sequence[int], context_len: int, page_size: 
     """(copy bytes/s, peak FLOP/s, the operators' ceilings at each of `rows`) of this machine, in
     a few seconds (about 2 x BUDGET_S and two compiles per row count, and a prefill chunk's matmul).
     Row counts past the decode kernel's (prompt chunks) are probed in `prompt_dtype`, what their
-    matmuls multiply in (jaxserve.models.quantization.prompt_compute_dtype), and so is the peak."""
+    matmuls multiply in (jaxserve.models.cpu_layout.prompt_compute_dtype), and so is the peak."""
     import cpu_kernels  # as in matmul_rates: only the probe needs jax and the kernels
     dtype_at = lambda count: prompt_dtype if count > cpu_kernels.MAX_ROWS else "float32"  # noqa: E731
     operators = []
