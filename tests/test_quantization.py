@@ -594,6 +594,8 @@ def test_layer_views_alias_the_stacked_weights_and_give_the_same_step(quantizati
         assert all(layer_wq.stored()[key] is array for key, array in stacked_wq.stored().items())  # the stored layout as it was
         embed = views["embed"]  # the tied lm_head, when int8, in the kernel's layout too
         assert (isinstance(embed, qz.QuantEmbedding) and embed.kernel is not None) == quantization.endswith("+embed")
+        # a float32 embedding's tied lm_head: a copy in f32_matmul's strips (faster than XLA's dot past one row)
+        assert isinstance(views.get("lm_head"), qz.StripMatrix) != quantization.endswith("+embed")
         # what the planner counts: the kernel's copies, and nothing else
         assert cpu_layout.layer_views_bytes(params, int8_activations) == qz.tree_bytes(views) - qz.tree_bytes(params) > 0
     else:

@@ -326,11 +326,16 @@ def _float32_tied_lm_head_jit(embed: jax.Array) -> StripMatrix:
 def stored_params_left(params: Params, views: Params) -> Params:
     """`params` with each entry that `views` (layer_views') replaced by a layout of its own
     (float32_views' strips) given as that layout instead: what the runner keeps as its weights,
-    so that the stored matrices no one reads any more are freed. Anything else unchanged."""
-    if not any(isinstance(w, StripMatrix) and w.w is None and w.kernel.packed.dtype == jnp.float32
-               for w in jax.tree.leaves(views["layers"], is_leaf=lambda w: isinstance(w, StripMatrix))):
-        return params
-    return {**params, "layers": views["layers"], **({"lm_head": views["lm_head"]} if "lm_head" in params else {})}
+    so that the stored matrices no one reads any more are freed (an untied float32 lm_head that
+    _with_lm_head_kernel_layout put in strips too). Anything else unchanged."""
+    def strips_alone(w) -> bool:
+        return isinstance(w, StripMatrix) and w.w is None and w.kernel.packed.dtype == jnp.float32
+    replaced = {}
+    if any(map(strips_alone, jax.tree.leaves(views["layers"], is_leaf=lambda w: isinstance(w, StripMatrix)))):
+        replaced["layers"] = views["layers"]
+    if "lm_head" in params and strips_alone(views.get("lm_head")):
+        replaced["lm_head"] = views["lm_head"]
+    return {**params, **replaced} if replaced else params
 
 
 def _per_layer_views(layers: Params) -> tuple[Params, ...] | None:
@@ -359,7 +364,8 @@ def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
     the kernel's or the transposed layout of the quantized weights, and of an int8 embedding's
     tied lm_head, a bfloat16 model's matrices in the kernel's layout (and its norms in float32), or
     a float32 model's strips less the matrices they replace (a tied lm_head's copy and the strips'
-    padding). Views themselves cost nothing. For the memory planner."""
+    padding; so too a quantized model's float32 lm_head, `_with_lm_head_kernel_layout`). Views
+    themselves cost nothing. For the memory planner."""
     if _float_matrices(params, jnp.float32):  # the strips replace the matrices; a tied lm_head's are a copy
         return tree_bytes(jax.eval_shape(float32_views, params)) - tree_bytes(params)
     if _float_matrices(params, jnp.bfloat16):
@@ -371,8 +377,8 @@ def layer_views_bytes(params: Params, int8_activations: bool = True) -> int:
         if isinstance(weight, QuantArray):
             layout = jax.eval_shape(functools.partial(_cpu_layout, int8_activations=int8_activations), weight)
             added += tree_bytes((layout.transposed, layout.kernel))
-    if int8_activations and _lm_head_takes_kernel(params):
-        added += tree_bytes(jax.eval_shape(embedding_kernel_layout, params["embed"]))
+    if int8_activations:  # the lm_head's layout: a copy (tied), or strips that replace it
+        added += tree_bytes(jax.eval_shape(_with_lm_head_kernel_layout, params)) - tree_bytes(params)
     return added
 
 
@@ -404,11 +410,24 @@ def _lm_head_takes_kernel(params: Params) -> bool:
 
 
 def _with_lm_head_kernel_layout(params: Params) -> Params:
-    """An int8 embedding's tied lm_head in the CPU kernel's layout too, when the kernel takes it."""
-    if not _lm_head_takes_kernel(params):
+    """The lm_head of a model whose layers take the VNNI kernel, in a CPU kernel's layout too: an
+    int8 embedding's tied one in the VNNI kernel's, when it takes it; a float32 one (tied: a copy
+    of the embedding, transposed, as float32_views makes) in cpu_kernels.f32_matmul's strips, which
+    multiply the few rows of a step at memory speed (SmolLM2's [576, 49152] at 2 rows: 3.1 ms,
+    XLA:CPU's dot 6.3; at 8 rows 3.6 and 8.0; at one row both 3.4)."""
+    embed, lm_head = params["embed"], params.get("lm_head")
+    if _lm_head_takes_kernel(params):
+        return {**params, "embed": dataclasses.replace(embed, kernel=_embedding_kernel_layout_jit(embed))}
+    def float32_array(w) -> bool:  # (abstract too: layer_views_bytes)
+        return not isinstance(w, (QuantArray, QuantEmbedding, StripMatrix)) and getattr(w, "ndim", 0) == 2 \
+            and w.dtype == jnp.float32
+    if not cpu_kernels.available():
         return params
-    embed = params["embed"]
-    return {**params, "embed": dataclasses.replace(embed, kernel=_embedding_kernel_layout_jit(embed))}
+    if lm_head is None and float32_array(embed):
+        return {**params, "lm_head": _float32_tied_lm_head_jit(embed)}
+    if float32_array(lm_head):
+        return {**params, "lm_head": _float32_matrix_jit(lm_head)}
+    return params
 
 
 def _cpu_layout(weight, int8_activations: bool):
