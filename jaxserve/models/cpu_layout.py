@@ -410,7 +410,7 @@ def _lm_head_takes_kernel(params: Params) -> bool:
 
 
 def _with_lm_head_kernel_layout(params: Params) -> Params:
-    """The lm_head of a model whose layers take the VNNI kernel, in a CPU kernel's layout too: an
+    """The lm_head of a quantized model with int8 activations, in a CPU kernel's layout too: an
     int8 embedding's tied one in the VNNI kernel's, when it takes it; a float32 one (tied: a copy
     of the embedding, transposed, as float32_views makes) in cpu_kernels.f32_matmul's strips, which
     multiply the few rows of a step at memory speed (SmolLM2's [576, 49152] at 2 rows: 3.1 ms,
