@@ -305,9 +305,12 @@ def float32_views(params: Params) -> Params:
     (`stored_params_left` lets the runner drop them): the strips replace them, and only a tied
     lm_head's are a copy (of the embedding, transposed)."""
     layers = {name: _float32_matrix_jit(w) if w.ndim == 3 else w for name, w in params["layers"].items()}
-    lm_head = _float32_matrix_jit(params["lm_head"]) if "lm_head" in params \
-        else _float32_tied_lm_head_jit(params["embed"])
-    return {**params, "layers": layers, "lm_head": lm_head}
+    return {**params, "layers": layers, "lm_head": _float32_lm_head(params)}
+
+
+def _float32_lm_head(params: Params) -> StripMatrix:
+    """The lm_head in the kernel's strips: params["lm_head"]'s, or the tied embedding's (a copy)."""
+    return _float32_matrix_jit(params["lm_head"]) if "lm_head" in params else _float32_tied_lm_head_jit(params["embed"])
 
 
 @jax.jit
@@ -415,18 +418,13 @@ def _with_lm_head_kernel_layout(params: Params) -> Params:
     of the embedding, transposed, as float32_views makes) in cpu_kernels.f32_matmul's strips, which
     multiply the few rows of a step at memory speed (SmolLM2's [576, 49152] at 2 rows: 3.1 ms,
     XLA:CPU's dot 6.3; at 8 rows 3.6 and 8.0; at one row both 3.4)."""
-    embed, lm_head = params["embed"], params.get("lm_head")
+    embed = params["embed"]
     if _lm_head_takes_kernel(params):
         return {**params, "embed": dataclasses.replace(embed, kernel=_embedding_kernel_layout_jit(embed))}
-    def float32_array(w) -> bool:  # (abstract too: layer_views_bytes)
-        return not isinstance(w, (QuantArray, QuantEmbedding, StripMatrix)) and getattr(w, "ndim", 0) == 2 \
-            and w.dtype == jnp.float32
-    if not cpu_kernels.available():
-        return params
-    if lm_head is None and float32_array(embed):
-        return {**params, "lm_head": _float32_tied_lm_head_jit(embed)}
-    if float32_array(lm_head):
-        return {**params, "lm_head": _float32_matrix_jit(lm_head)}
+    head = params.get("lm_head", embed)  # (an abstract array too: layer_views_bytes)
+    if cpu_kernels.available() and not isinstance(head, (QuantArray, QuantEmbedding, StripMatrix)) \
+            and head.ndim == 2 and head.dtype == jnp.float32:
+        return {**params, "lm_head": _float32_lm_head(params)}
     return params
 
 

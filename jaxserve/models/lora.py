@@ -140,7 +140,10 @@ class LayerLoRA:
     def linear(self, x: jax.Array, weight, name: str) -> jax.Array:
         """x [T, in] @ weight (float or quantized, quantization.linear) plus each row's update
         when the slab has projection `name` -> [T, out] in x's dtype."""
-        y = linear(x, weight)
+        return self.with_update(x, linear(x, weight), name)
+
+    def with_update(self, x: jax.Array, y: jax.Array, name: str) -> jax.Array:
+        """y [T, out] (x's projection `name`) plus each row's update when the slab has `name`."""
         return y if name not in self.slab else y + self.update(x, name).astype(y.dtype)
 
     def update(self, x: jax.Array, name: str) -> jax.Array:
@@ -168,6 +171,4 @@ def project_group(x: jax.Array, lp: dict, names: tuple[str, ...], lora: LayerLoR
     """[project(x, lp, name, lora) for name in names], the base projections in one kernel call
     where they can be (quantization.linear_group)."""
     ys = linear_group(x, [lp[name] for name in names])
-    if lora is None:
-        return ys
-    return [y if name not in lora.slab else y + lora.update(x, name).astype(y.dtype) for y, name in zip(ys, names)]
+    return ys if lora is None else [lora.with_update(x, y, name) for y, name in zip(ys, names)]
